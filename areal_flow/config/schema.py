@@ -1,0 +1,161 @@
+"""The configuration schema: one dataclass per concern, one line of help per field.
+
+Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides onto `RunConfig`;
+OmegaConf rejects unknown keys and wrongly typed values with the full key path. Cross-field
+rules (the graph, placement) are checked in `areal_flow.graph.validate` before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None) -> Any:
+    """A dataclass field with a one-line help text (shown by `tools/config_reference.py`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ClusterConfig:
+    """The devices a run may place nodes on."""
+
+    device_type: str = doc("cpu", "'cpu' (a device is a core) or 'cuda' (a device is a GPU)")
+    n_devices: int = doc(2, "number of devices on this machine that meshes may use (0..n_devices-1)")
+
+
+@dataclass
+class NodeConfig:
+    """One model function call (MFC) of the graph. Edges come from the keys it reads and writes."""
+
+    type: str = doc("", "generate | reward | inference | train")
+    role: Optional[str] = doc(None, "model role: actor | ref | critic (none for reward)")
+    inputs: List[str] = doc(help="keys this node reads (from the dataset or from another node)", factory=list)
+    outputs: List[str] = doc(help="keys this node writes", factory=list)
+    mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward")
+    micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)")
+    workers: int = doc(1, "number of worker processes (reward nodes)")
+    fn: str = doc("", "reward function name (reward nodes), e.g. 'arith'")
+
+
+@dataclass
+class ModelConfig:
+    """The actor's starting checkpoint."""
+
+    path: Optional[str] = doc(None, "Hugging Face model dir to start from; null builds and bootstraps the tiny model")
+    arch: Dict[str, int] = doc(help="Qwen2 shape overrides for the tiny model (hidden_size, num_hidden_layers, ...)", factory=dict)
+    bootstrap_steps: int = doc(250, "supervised bootstrap steps when the base model is built here")
+    bootstrap_lr: float = doc(3e-3, "learning rate of the supervised bootstrap")
+    bootstrap_batch_size: int = doc(64, "problems per bootstrap step")
+
+
+@dataclass
+class DatasetConfig:
+    """Prompts for training and the held-out set."""
+
+    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache) or 'jsonl' (train_path/eval_path)")
+    train_path: Optional[str] = doc(None, "JSONL file of training prompts (jsonl datasets)")
+    eval_path: Optional[str] = doc(None, "JSONL file of held-out prompts (jsonl datasets)")
+    fields: List[str] = doc(help="fields every row must have; they become graph keys", factory=lambda: ["prompt", "answer"])
+    n_train: int = doc(20000, "generated training problems (tiny_arith)")
+    n_eval: int = doc(200, "generated held-out problems (tiny_arith)")
+    seed: int = doc(0, "seed of the generated data and of the prompt order")
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO-style advantages with the decoupled PPO objective (DESIGN §4)."""
+
+    group_size: int = doc(8, "samples per prompt; advantages are normalised within a group")
+    batch_size: int = doc(8, "prompt groups per train step (B)")
+    lr: float = doc(1e-4, "actor learning rate (AdamW)")
+    betas: List[float] = doc(help="AdamW betas", factory=lambda: [0.9, 0.999])
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    grad_clip: float = doc(1.0, "gradient norm clip; 0 turns it off")
+    eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)")
+    eps_clip_high: Optional[float] = doc(None, "upper PPO clip ε_high (DAPO clip-higher); null = eps_clip")
+    behav_weight_cap: Optional[float] = doc(5.0, "tokens whose π_prox/π_behav exceeds this are masked (kept in the denominator); null = no cap")
+    adv_scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (GRPO); false = Dr.GRPO")
+    kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)")
+    n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)")
+    temperature: float = doc(1.0, "sampling temperature; trainer logprobs use the same scaling")
+    max_new_tokens: int = doc(96, "generation budget per sample")
+    top_p: float = doc(1.0, "nucleus sampling threshold")
+
+
+@dataclass
+class AsyncConfig:
+    """How far generation may run ahead of training (DESIGN §4.1)."""
+
+    max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous")
+    max_concurrent: int = doc(64, "most prompt groups generating at once")
+    rollout_workers: int = doc(1, "rollout worker processes")
+
+
+@dataclass
+class LauncherConfig:
+    """How processes are started and watched."""
+
+    type: str = doc("local", "'local': one OS process per role on this machine")
+    pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
+    start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails")
+    stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children")
+
+
+@dataclass
+class MetricsConfig:
+    """Where per-step metrics go."""
+
+    wandb: bool = doc(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = doc("areal_flow", "wandb project name")
+    plot: bool = doc(True, "write a learning-curve PNG beside metrics.jsonl at the end")
+
+
+@dataclass
+class RunConfig:
+    """One training run."""
+
+    recipe: str = doc("", "name of the recipe (set by the recipe file)")
+    seed: int = doc(1, "seed of sampling and training")
+    output_dir: str = doc("${hydra:runtime.output_dir}", "where this run writes logs, metrics, weights and the checkpoint")
+    cache_dir: str = doc("${oc.env:AREAL_FLOW_CACHE,${oc.env:HOME}/.cache/areal_flow}", "generated data and bootstrapped base models, reused across runs")
+    dry_run: bool = doc(False, "print the graph and the placement, then exit")
+    total_steps: int = doc(100, "train steps (policy versions) to run")
+    max_wall_seconds: float = doc(0.0, "stop after this many seconds of training (0 = no limit)")
+    eval_at_start: bool = doc(True, "measure held-out greedy accuracy before training")
+    eval_at_end: bool = doc(True, "measure held-out greedy accuracy after training")
+    eval_every: int = doc(0, "also measure held-out accuracy every N steps (0 = never)")
+    cluster: ClusterConfig = doc(help="devices", factory=ClusterConfig)
+    model: ModelConfig = doc(help="the starting model", factory=ModelConfig)
+    dataset: DatasetConfig = doc(help="prompts", factory=DatasetConfig)
+    graph: Dict[str, NodeConfig] = doc(help="the MFC nodes, by name", factory=dict)
+    algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
+    launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
+    metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
+
+
+# `async` is the natural name of the key (`async.max_staleness=4`) but a Python keyword, so the
+# field is added by hand; dataclasses would generate code with `async` as a parameter name, hence
+# init/repr/eq are off. Nothing instantiates RunConfig: the run works on the OmegaConf node and
+# reads this group as cfg["async"].
+RunConfig = dataclass(init=False, repr=False, eq=False)(
+    type(
+        "RunConfig",
+        (RunConfig,),
+        {
+            "__annotations__": {"async": AsyncConfig},
+            "async": doc(help="asynchrony bounds", factory=AsyncConfig),
+            "__doc__": "One training run.",
+        },
+    )
+)
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore; conf/config.yaml extends it as `base_config`."""
+    ConfigStore.instance().store(name="base_config", node=RunConfig)

@@ -1,0 +1,1 @@
+"""The controller: policy version, staleness admission, the sample buffer, firing batch nodes."""

@@ -1,0 +1,1 @@
+"""Prompt data: the tiny arithmetic task (`arith`) and JSONL prompt datasets (`dataset`)."""

@@ -1,0 +1,128 @@
+"""`python -m areal_flow.launch [recipe=NAME] [key=value ...]`: compose, validate, prepare, run.
+
+Everything that can be wrong with a recipe is found here, before any process starts: Hydra
+rejects unknown keys and wrong types, `graph_from_config` rejects a bad graph or placement, and
+the datasets are read once so a bad row is reported with its file and line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+from rich.console import Console
+
+from areal_flow.config.schema import register_configs
+from areal_flow.data.dataset import DatasetError, load_jsonl
+from areal_flow.graph import GraphError, graph_from_config, place
+from areal_flow.graph.placement import Placement
+from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
+from areal_flow.launchers.progress import RunProgress, print_summary
+from areal_flow.metrics.plot import plot_learning_curve
+from areal_flow.metrics.writer import read_metrics
+from areal_flow.runtime.spec import RunSpec, free_ports, write_run
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = ROOT / "conf"  # conf/recipe is a link to recipes/, so `recipe=NAME` finds recipes/NAME.yaml
+
+register_configs()
+
+
+def prepare_data(cfg: DictConfig) -> tuple[str, str]:
+    """Paths of the train and held-out JSONL files, generated for tiny_arith, checked for all."""
+    ds = cfg.dataset
+    if ds.name == "tiny_arith":
+        from areal_flow.data.arith import ensure_arith_data
+
+        train, held_out = ensure_arith_data(os.path.join(cfg.cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
+    elif ds.name == "jsonl":
+        if not ds.train_path or not ds.eval_path:
+            raise DatasetError("dataset.name=jsonl needs dataset.train_path and dataset.eval_path")
+        train, held_out = ds.train_path, ds.eval_path
+    else:
+        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected 'tiny_arith' or 'jsonl'")
+    for path in (train, held_out):
+        load_jsonl(path, list(ds.fields))
+    return os.path.abspath(train), os.path.abspath(held_out)
+
+
+def prepare_model(cfg: DictConfig) -> str:
+    if cfg.model.path:
+        return os.path.abspath(cfg.model.path)
+    from areal_flow.models.bootstrap import ensure_base_model
+
+    m = cfg.model
+    return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
+                             steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,
+                             seed=cfg.dataset.seed, progress=True)
+
+
+def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec) -> None:
+    for proc in placement.procs:
+        if proc.role == "gen_server":
+            argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", spec.model_path,
+                    "--port", str(spec.gen_ports[proc.rank]), "--num-threads", str(max(1, len(proc.devices)))]
+        else:
+            argv = python_role(proc.role, proc, spec.run_dir)
+        launcher.start(proc, argv)
+
+
+def run(cfg: DictConfig, console: Console) -> int:
+    graph = graph_from_config(cfg)
+    placement = place(graph, cfg["async"].rollout_workers)
+    if cfg.dry_run:
+        console.print(graph.describe(), highlight=False, markup=False)
+        console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
+        return 0
+    run_dir = os.path.abspath(cfg.output_dir)
+    train_path, eval_path = prepare_data(cfg)
+    model_path = prepare_model(cfg)
+    n_gen, n_roll = len(placement.of_role("gen_server")), len(placement.of_role("rollout"))
+    ports = free_ports(n_gen + n_roll + 4)
+    spec = RunSpec(
+        run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
+        gen_ports=ports[:n_gen], rollout_ports=ports[n_gen:n_gen + n_roll],
+        admission_port=ports[-4], results_port=ports[-3], trainer_port=ports[-2], dist_port=ports[-1],
+        n_trainers=len(placement.of_role("trainer")), n_rollout=n_roll, n_reward=len(placement.of_role("reward")),
+    )
+    write_run(run_dir, cfg, spec)
+    console.print(f"run directory: {run_dir}", highlight=False)
+    launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
+                             stop_timeout=cfg.launcher.stop_timeout)
+    try:
+        start_processes(launcher, placement, spec)
+        with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
+            launcher.wait("controller", on_tick=progress.tick)
+    except ChildFailed as e:
+        console.print(f"[bold red]run failed:[/] {e}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: stopping every process")
+        return 130
+    finally:
+        launcher.stop_all()
+    metrics = read_metrics(spec.path("metrics.jsonl"))
+    print_summary(console, run_dir, metrics)
+    if cfg.metrics.plot:
+        png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg['async'].max_staleness})")
+        console.print(f"learning curve: {png}", highlight=False)
+    return 0
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    console = Console()
+    try:
+        code = run(cfg, console)
+    except (GraphError, DatasetError) as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        code = 2
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Starting and watching the processes of a run (local subprocesses; clusters later)."""

@@ -1,0 +1,111 @@
+"""One OS process per role on this machine, watched until the controller finishes.
+
+Each child writes stdout and stderr to `logs/<name>.log`, is pinned to the cores of its mesh (CPU)
+or sees only its GPUs (CUDA), and gets SIGKILL from the kernel if the launcher itself dies, so no
+run leaves orphans. When any child exits before the controller has finished, every other child
+is stopped and `ChildFailed` carries the dead process's name, exit code and traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from areal_flow.graph.placement import Proc
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, name: str, returncode: int, traceback: str, log_path: str):
+        self.name, self.returncode, self.traceback, self.log_path = name, returncode, traceback, log_path
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+        super().__init__(f"process '{name}' {how}; its log is {log_path}\n{traceback}")
+
+
+@dataclass
+class Child:
+    proc: Proc
+    popen: subprocess.Popen
+    log_path: str
+
+
+def _in_child(cores: tuple[int, ...] | None) -> None:
+    """Runs in the forked child before exec: die with the launcher, stay on our cores."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def last_traceback(log_path: str, max_lines: int = 60) -> str:
+    """The last Python traceback in a log, or its last lines when there is none."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "(no log)"
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    chunk = lines[starts[-1]:] if starts else lines[-20:]
+    return "\n".join(chunk[-max_lines:]) or "(empty log)"
+
+
+class LocalLauncher:
+    def __init__(self, run_dir: str, *, device_type: str = "cpu", pin_cpus: bool = True, stop_timeout: float = 10.0):
+        self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
+        self.children: dict[str, Child] = {}
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+
+    def start(self, proc: Proc, argv: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_FLOW_PROC=proc.name)
+        cores = None
+        if self.device_type == "cpu":
+            # Light roles (controller, rollout, reward) float; model processes own their cores.
+            env["OMP_NUM_THREADS"] = str(max(1, len(proc.devices)))
+            cores = proc.devices if self.pin_cpus and proc.devices else None
+        elif proc.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.devices))
+        log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, preexec_fn=lambda: _in_child(cores))
+        self.children[proc.name] = Child(proc, popen, log_path)
+
+    def check(self, finished: str) -> bool:
+        """True once `finished` exited 0; raises ChildFailed if any other child has exited."""
+        for name, child in self.children.items():
+            code = child.popen.poll()
+            if code is None:
+                continue
+            if name == finished and code == 0:
+                return True
+            raise ChildFailed(name, code, last_traceback(child.log_path), child.log_path)
+        return False
+
+    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+        while not self.check(finished):
+            on_tick()
+            time.sleep(interval)
+        on_tick()
+
+    def stop_all(self) -> None:
+        """SIGTERM everyone still alive, then SIGKILL whoever ignores it for stop_timeout seconds."""
+        alive = [c.popen for c in self.children.values() if c.popen.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.time() + self.stop_timeout
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def python_role(role: str, proc: Proc, run_dir: str) -> list[str]:
+    return [sys.executable, "-m", "areal_flow.runtime.child", role, proc.name, str(proc.rank), run_dir]

@@ -1,0 +1,85 @@
+"""The launcher's view of a run: a progress bar fed by the controller's metrics.jsonl, and the
+summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class RunProgress:
+    def __init__(self, metrics_path: str, total_steps: int, console: Console | None = None):
+        self.path, self.offset = metrics_path, 0
+        self.console = console or Console()
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"), console=self.console,
+        )
+        self.task = self.progress.add_task("starting", total=total_steps, info="")
+
+    def __enter__(self) -> "RunProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def tick(self) -> None:
+        """Read metric lines written since the last tick and show them."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]  # a line still being written waits for the next tick
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            self.show(json.loads(line))
+
+    def show(self, row: dict) -> None:
+        if row["event"] == "start":
+            self.progress.update(self.task, description="evaluating")
+        elif row["event"] == "eval":
+            self.progress.console.print(f"held-out accuracy at {row['when']}: {100 * row['accuracy']:.1f}% "
+                                        f"({row['seconds']:.1f} s)")
+            self.progress.update(self.task, description="training")
+        elif row["event"] == "step":
+            info = (f"reward {row['reward']:.2f}  staleness ≤{row['staleness_max']}  "
+                    f"{row['samples_per_second']:.0f} samples/s")
+            self.progress.update(self.task, completed=row["step"], description="training", info=info)
+
+
+def summary_table(summary: dict, metrics: list[dict]) -> Table:
+    steps = [m for m in metrics if m["event"] == "step"]
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    t = Table(title="areal_flow run summary")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("held-out accuracy before", pct(summary["accuracy_start"]))
+    t.add_row("held-out accuracy after", pct(summary["accuracy_end"]))
+    t.add_row("train steps", str(summary["steps"]))
+    t.add_row("trained samples", str(summary["trained_samples"]))
+    t.add_row("training wall time", f"{summary['train_wall_seconds']:.1f} s")
+    t.add_row("trained samples / s", f"{summary['samples_per_second']:.1f}")
+    t.add_row("trainer busy", pct(summary["trainer_busy_fraction"]))
+    if steps:
+        idle = [s["generator_idle"] for s in steps if s.get("generator_idle") is not None]
+        if idle:
+            t.add_row("generator busy", pct(1 - sum(idle) / len(idle)))
+        t.add_row("max realised staleness", str(max(s["staleness_max"] for s in steps)))
+    t.add_row("checkpoint", summary["checkpoint"])
+    return t
+
+
+def print_summary(console: Console, run_dir: str, metrics: list[dict]) -> dict:
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    console.print(summary_table(summary, metrics))
+    return summary

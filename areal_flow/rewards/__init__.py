@@ -1,0 +1,1 @@
+"""Reward functions (pure: completion text + reference -> float) and the reward worker process."""

@@ -1,0 +1,22 @@
+"""The reward functions a reward node can name with `fn:`. Each maps (completion text, reference
+answer) to a float; they run inside reward worker processes (math-verify needs a main thread)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from areal_flow.data.arith import arith_reward
+
+
+def math_verify_reward(completion: str, answer: str) -> float:
+    """1.0 when math-verify finds the completion's final answer equal to the reference."""
+    from math_verify import parse, verify  # ~0.5 s import: only workers that use it pay
+
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    return 1.0 if verify(gold, parse(completion)) else 0.0
+
+
+REWARD_FNS: dict[str, Callable[[str, str], float]] = {
+    "arith": arith_reward,
+    "math_verify": math_verify_reward,
+}

@@ -1,0 +1,1 @@
+"""Rollout workers: turn admitted prompt groups into generated samples, one request per sample."""

@@ -1,0 +1,122 @@
+"""The rollout worker: asks the controller for prompt groups, generates each sample with one
+`/generate` request, survives interruptions, and pushes the finished group to the reward pool.
+
+It keeps `slots` admission requests outstanding; each finished group frees its slot and asks
+again, so the controller alone decides how far generation runs ahead (staleness.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from areal_flow.generation.client import GenerationClient
+from areal_flow.graph.dag import graph_from_config
+from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.runtime.spec import RunSpec
+from areal_flow.transport.channels import endpoint, make_socket, recv, send
+from areal_flow.transport.messages import AdmitRequest, Array, GroupDone, PromptGroup, Sample, Stop
+
+log = logging.getLogger("areal_flow.rollout")
+
+
+async def generate_sample(client: GenerationClient, prompt_ids: list[int], params: dict, rid: str) -> dict:
+    """One sample. When the server aborts it for a weight update (finish_reason abort), resubmit
+    prompt + tokens so far with the remaining budget; each token keeps the version that made it."""
+    out_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    budget = params["max_new_tokens"]
+    for attempt in itertools.count():
+        answer = await client.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
+                                       rid=f"{rid}-{attempt}")
+        meta = answer["meta_info"]
+        out_ids += answer["output_ids"]
+        logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+        versions += meta["output_token_versions"]
+        if meta["finish_reason"]["type"] != "abort" or len(out_ids) >= budget:
+            return {"output_ids": out_ids, "logprobs": logprobs, "versions": versions,
+                    "finish_reason": meta["finish_reason"]["type"]}
+
+
+class RolloutWorker:
+    def __init__(self, cfg, spec: RunSpec, name: str, rank: int):
+        self.name = name
+        algo = cfg.algorithm
+        self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
+        self.tokenizer = load_tokenizer(spec.model_path)
+        self.clients = [GenerationClient(url) for url in spec.gen_urls]
+        self.next_client = itertools.cycle(self.clients)
+        # Every worker holds an equal share of the concurrency the controller may grant.
+        self.slots = max(1, cfg["async"].max_concurrent // spec.n_rollout)
+        ctx = zmq.asyncio.Context()
+        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.admission_port), identity=name)
+        self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank]))
+        self.keys = set(graph_from_config(cfg).generate.outputs)  # write what the recipe declares
+        self.tasks: set[asyncio.Task] = set()
+        self.error: BaseException | None = None
+
+    async def run(self) -> None:
+        main_task = asyncio.current_task()
+
+        def done(task: asyncio.Task) -> None:
+            self.tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                # A lost rollout would silently shrink the run: fail the whole process instead.
+                self.error = task.exception()
+                main_task.cancel()
+
+        for _ in range(self.slots):
+            await send(self.controller, AdmitRequest(self.name))
+        try:
+            while not isinstance(msg := await recv(self.controller, f"{self.name} controller"), Stop):
+                if isinstance(msg, PromptGroup):
+                    task = asyncio.create_task(self.rollout(msg))
+                    self.tasks.add(task)
+                    task.add_done_callback(done)
+        except asyncio.CancelledError:
+            if self.error is not None:
+                raise self.error from None
+            raise
+        finally:
+            for t in list(self.tasks):
+                t.cancel()
+
+    async def rollout(self, group: PromptGroup) -> None:
+        prompt_ids = self.tokenizer.encode(group.fields["prompt"], add_special_tokens=False)
+        client = next(self.next_client)  # one server per group keeps its prompt cache warm
+        outs = await asyncio.gather(*[
+            generate_sample(client, prompt_ids, self.params, f"g{group.group_id}-{i}") for i in range(group.group_size)
+        ])
+        samples = [
+            Sample(
+                uid=f"g{group.group_id}-{i}",
+                prompt_id=group.prompt_id,
+                group_id=group.group_id,
+                index=i,
+                birth_time=group.birth_time,
+                fields=group.fields,
+                arrays={k: v for k, v in {
+                    "prompt_ids": Array.of(np.asarray(prompt_ids, dtype=np.int32)),
+                    "output_ids": Array.of(np.asarray(o["output_ids"], dtype=np.int32)),
+                    "behav_logprobs": Array.of(np.asarray(o["logprobs"], dtype=np.float32)),
+                    "versions": Array.of(np.asarray(o["versions"], dtype=np.int32)),
+                }.items() if k in self.keys},
+                finish_reason=o["finish_reason"],
+            )
+            for i, o in enumerate(outs)
+        ]
+        await send(self.rewards, GroupDone(group.group_id, samples))
+        await send(self.controller, AdmitRequest(self.name))
+
+
+def main(cfg, spec: RunSpec, name: str, rank: int) -> None:
+    async def run() -> None:  # sockets are made inside the loop they belong to
+        await RolloutWorker(cfg, spec, name, rank).run()
+
+    asyncio.run(run())

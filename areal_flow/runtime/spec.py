@@ -1,0 +1,62 @@
+"""The run spec: what the launcher resolved before starting processes (paths and endpoints).
+
+It sits beside the composed config in the run directory; every child reads both at start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import msgspec
+from omegaconf import DictConfig, OmegaConf
+
+
+class RunSpec(msgspec.Struct, kw_only=True):
+    run_dir: str
+    model_path: str  # the actor's starting checkpoint (HF dir with its tokenizer)
+    train_path: str
+    eval_path: str
+    gen_ports: list[int]
+    admission_port: int  # controller ROUTER: rollout workers ask for prompt groups
+    results_port: int  # controller PULL: scored groups from the reward pool
+    trainer_port: int  # controller ROUTER: model worker ranks
+    rollout_ports: list[int]  # each rollout worker's PUSH to the reward pool
+    dist_port: int  # torch.distributed rendezvous of the trainer ranks
+    n_trainers: int
+    n_rollout: int
+    n_reward: int
+
+    @property
+    def gen_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.gen_ports]
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.run_dir, *parts)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
+    Path(run_dir, "spec.json").write_bytes(msgspec.json.encode(spec))
+
+
+def read_run(run_dir: str) -> tuple[DictConfig, RunSpec]:
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    spec = msgspec.json.decode(Path(run_dir, "spec.json").read_bytes(), type=RunSpec)
+    return cfg, spec

@@ -1,0 +1,1 @@
+"""Training engines: one data-parallel rank of a model that computes logprobs, runs train steps and saves."""

@@ -1,0 +1,1 @@
+"""How samples and control messages travel between processes: msgspec Structs over ZeroMQ."""

@@ -1,0 +1,82 @@
+"""ZeroMQ sockets that carry `messages` and survive bad input.
+
+Every receive goes through `recv`/`recv_from`: a frame that does not decode is logged with the
+socket's name and dropped, and the receiver keeps listening, so one bad sender cannot stop a run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from areal_flow.transport.messages import Message, decode, encode
+
+log = logging.getLogger("areal_flow.transport")
+
+
+def endpoint(port: int, host: str = "127.0.0.1") -> str:
+    return f"tcp://{host}:{port}"
+
+
+def make_socket(ctx: zmq.Context | zmq.asyncio.Context, kind: int, *, bind: str | None = None,
+                connect: list[str] | str | None = None, identity: str | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    # No high-water mark: a full queue must block the sender, never silently drop a sample.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if bind:
+        sock.bind(bind)
+    for addr in [connect] if isinstance(connect, str) else connect or []:
+        sock.connect(addr)
+    return sock
+
+
+def _decode_or_log(data: bytes, where: str) -> Message | None:
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.error("rejected a message on %s that does not decode (%d bytes): %s", where, len(data), e)
+        return None
+
+
+async def recv(sock: zmq.asyncio.Socket, where: str) -> Message:
+    """Next valid message on a PULL/DEALER socket; bad frames are logged and skipped."""
+    while True:
+        frames = await sock.recv_multipart()
+        msg = _decode_or_log(frames[-1], where)
+        if msg is not None:
+            return msg
+
+
+async def recv_from(sock: zmq.asyncio.Socket, where: str) -> tuple[bytes, Message]:
+    """Next valid message on a ROUTER socket, with the sender's identity."""
+    while True:
+        frames = await sock.recv_multipart()
+        if len(frames) < 2:
+            log.error("rejected a message on %s without a sender identity", where)
+            continue
+        msg = _decode_or_log(frames[-1], where)
+        if msg is not None:
+            return frames[0], msg
+
+
+def recv_blocking(sock: zmq.Socket, where: str) -> Message:
+    """`recv` for synchronous processes (the trainer ranks)."""
+    while True:
+        msg = _decode_or_log(sock.recv_multipart()[-1], where)
+        if msg is not None:
+            return msg
+
+
+async def send(sock: zmq.asyncio.Socket, msg: Message) -> None:
+    await sock.send(encode(msg))
+
+
+async def send_to(sock: zmq.asyncio.Socket, identity: bytes, msg: Message) -> None:
+    await sock.send_multipart([identity, encode(msg)])
