@@ -114,7 +114,7 @@ def run(cfg: DictConfig, console: Console) -> int:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    console = Console()
+    console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
     except (GraphError, DatasetError) as e:
@@ -124,5 +124,30 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def check_yaml(argv: list[str]) -> str | None:
+    """Hydra reports a malformed YAML file with a 90-line traceback; find it first and say which
+    file and line in one message. Checks conf/, recipes/ and every hydra.searchpath folder."""
+    import re
+
+    import yaml
+
+    folders = [CONF_DIR]
+    for arg in argv:
+        if arg.startswith("hydra.searchpath="):
+            folders += [Path(p) for p in re.findall(r"file://([^,\]\s]+)", arg)]
+    for folder in folders:
+        for path in sorted(folder.rglob("*.yaml")):
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f"{path}, line {mark.line + 1}" if mark else str(path)
+                return f"malformed YAML in {where}: {getattr(e, 'problem', None) or e}"
+    return None
+
+
 if __name__ == "__main__":
+    if problem := check_yaml(sys.argv[1:]):
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {problem}", highlight=False)
+        sys.exit(2)
     main()

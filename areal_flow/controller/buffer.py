@@ -1,4 +1,4 @@
-"""Finished groups waiting for a batch node, taken oldest first, each exactly once."""
+"""Finished groups waiting for a batch node; each is taken exactly once."""
 
 from __future__ import annotations
 
@@ -18,13 +18,10 @@ class GroupBuffer:
             raise ValueError(f"group {group_id} arrived twice")
         self._groups[group_id] = samples
 
-    def take_oldest(self, n: int) -> list[list[Sample]]:
-        """The n groups with the earliest birth time (admission time), removed from the buffer."""
-        if n > len(self._groups):
-            raise ValueError(f"asked for {n} groups, only {len(self._groups)} are ready")
-        oldest = sorted(self._groups, key=lambda g: (self._groups[g][0].birth_time, g))[:n]
-        self.taken.update(oldest)
-        return [self._groups.pop(g) for g in oldest]
-
-    def group_ids(self) -> list[int]:
-        return list(self._groups)
+    def take(self, group_ids: list[int]) -> list[list[Sample]]:
+        """Remove and return these groups; a group not in the buffer is an error."""
+        missing = [g for g in group_ids if g not in self._groups]
+        if missing:
+            raise KeyError(f"groups {missing} are not in the buffer")
+        self.taken.update(group_ids)
+        return [self._groups.pop(g) for g in group_ids]

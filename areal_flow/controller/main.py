@@ -121,10 +121,12 @@ class Controller:
 
     # ---- batch nodes ------------------------------------------------------------------
 
-    async def wait_batch(self, step: int) -> None:
-        while not (len(self.buffer) >= self.B and self.staleness.batch_may_fire(step)):
+    async def next_batch(self, step: int) -> list[list[Sample]]:
+        while (ids := self.staleness.pick_batch(step)) is None:
             self.changed.clear()
             await self.changed.wait()
+        self.staleness.trained(ids)
+        return self.buffer.take(ids)
 
     async def run_node(self, node: Node, groups: list[list[Sample]], step: int) -> NodeResult:
         """Send each trainer rank its share of whole groups (balanced by tokens) and gather results."""
@@ -162,8 +164,7 @@ class Controller:
             if cfg.max_wall_seconds and time.time() - start > cfg.max_wall_seconds:
                 log.info("wall-time limit reached after %d steps", step)
                 break
-            await self.wait_batch(step)
-            groups = self.buffer.take_oldest(self.B)
+            groups = await self.next_batch(step)
             self._ledger("train", step=step, groups=[g[0].group_id for g in groups])
             t0 = time.time()
             for node in self.graph.batch_nodes:

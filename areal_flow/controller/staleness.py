@@ -1,4 +1,4 @@
-"""Where staleness is enforced (DESIGN §4.1): admission of prompt groups and the firing of batches.
+"""Where staleness is enforced (DESIGN §4.1): admission of prompt groups and the choice of batches.
 
 Counts are in prompt groups. With B groups per train step and the generation servers serving
 policy version v, a group is admitted only while
@@ -6,9 +6,11 @@ policy version v, a group is admitted only while
     accepted + running < (η + v + 1) · B   and   running < max_concurrent.
 
 Admission alone does not bound the staleness of a group that runs long: training could move on
-while it generates. So a batch for step s also waits until every group admitted at version
-≤ s − η has finished; there are at most B of them and they are the oldest, so the oldest-first
-batch contains them, and every trained token satisfies s − v_token ≤ η. With η = 0 this is the
+while it generates, and newer groups that finished first would fill the batches. So a group
+admitted at version v must be trained by step v + η, and a batch for step s is the B oldest
+finished groups only if, after it, the groups due by step s + k (finished or still running)
+fit in the k batches left before then, for every k. Otherwise the step waits for an older group
+to finish. Every trained token then satisfies s − v_token ≤ η. With η = 0 this is the
 synchronous loop: generate B groups, train on exactly those, update, repeat.
 """
 
@@ -23,8 +25,9 @@ class StalenessManager:
     max_staleness: int
     max_concurrent: int
     version: int = 0
-    accepted: int = 0  # groups finished (trained or waiting in the buffer)
+    accepted: int = 0  # groups finished, trained or not
     running: dict[int, int] = field(default_factory=dict)  # group id -> version at admission
+    finished: dict[int, int] = field(default_factory=dict)  # finished, not yet trained
 
     def can_admit(self) -> bool:
         limit = (self.max_staleness + self.version + 1) * self.batch_size
@@ -34,7 +37,7 @@ class StalenessManager:
         """Record an admitted group; returns the version it was admitted at."""
         if not self.can_admit():
             raise RuntimeError("admit() called while admission is closed")
-        if group_id in self.running:
+        if group_id in self.running or group_id in self.finished:
             raise ValueError(f"group {group_id} admitted twice")
         self.running[group_id] = self.version
         return self.version
@@ -43,12 +46,25 @@ class StalenessManager:
         """A group came back complete (all its samples scored)."""
         if group_id not in self.running:
             raise KeyError(f"group {group_id} finished but was not running")
-        del self.running[group_id]
+        self.finished[group_id] = self.running.pop(group_id)
         self.accepted += 1
 
-    def batch_may_fire(self, step: int) -> bool:
-        """False while a group that step `step` must include (admitted at ≤ step − η) still runs."""
-        return all(v > step - self.max_staleness for v in self.running.values())
+    def pick_batch(self, step: int) -> list[int] | None:
+        """The group ids step `step` trains (oldest first), or None while it must wait."""
+        if len(self.finished) < self.batch_size:
+            return None
+        batch = sorted(self.finished, key=lambda g: (self.finished[g], g))[: self.batch_size]
+        later = [v for g, v in self.finished.items() if g not in batch] + list(self.running.values())
+        if later:
+            for k in range(max(later) + self.max_staleness - step + 1):
+                due = sum(v + self.max_staleness <= step + k for v in later)
+                if due > k * self.batch_size:
+                    return None
+        return batch
+
+    def trained(self, group_ids: list[int]) -> None:
+        for g in group_ids:
+            del self.finished[g]
 
     def set_version(self, version: int) -> None:
         if version < self.version:

@@ -1,0 +1,87 @@
+"""The Hydra app as a user meets it: composition, overrides, errors, dry runs, user recipes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_flow.launch", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_graph_and_placement_from_any_directory(tmp_path):
+    r = launch("dry_run=true", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "actor_prox: inference [actor] on mesh 1" in r.stdout
+    assert "<- prox_logprobs (from actor_prox)" in r.stdout
+    assert "gen_server0" in r.stdout and "trainer0" in r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+
+
+def test_cfg_job_prints_the_composed_config_with_overrides(tmp_path):
+    r = launch("--cfg", "job", "async.max_staleness=7", "algorithm.lr=3e-5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "max_staleness: 7" in r.stdout and "lr: 3.0e-05" in r.stdout and "recipe: tiny_arith" in r.stdout
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("async.max_stalenes=3", "max_stalenes"),
+    ("total_steps=many", "total_steps"),
+    ("algorithm.group_size=1.5", "algorithm.group_size"),
+])
+def test_unknown_keys_and_wrong_types_fail_before_anything_starts(tmp_path, override, expected):
+    r = launch(override, cwd=tmp_path)
+    assert r.returncode != 0
+    assert expected in r.stderr
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
+
+
+def test_graph_errors_name_node_and_key_and_exit_non_zero(tmp_path):
+    r = launch("graph.actor_train.mesh=0", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "meshes of 'generate' (0) and 'actor_prox'" not in r.stdout  # prox is on 1
+    assert "'actor_train'" in r.stdout and "graph.actor_train.mesh" in r.stdout
+
+
+def user_recipe(folder: Path, name: str, text: str) -> None:
+    (folder / "recipe").mkdir(parents=True, exist_ok=True)
+    (folder / "recipe" / f"{name}.yaml").write_text(text)
+
+
+def test_a_user_recipe_folder_on_the_search_path(tmp_path):
+    base = (REPO / "recipes" / "tiny_arith.yaml").read_text()
+    user_recipe(tmp_path / "mine", "wide", base.replace("recipe: tiny_arith", "recipe: wide")
+                .replace("group_size: 8", "group_size: 4"))
+    r = launch("recipe=wide", f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "recipe: wide" in r.stdout and "group_size: 4" in r.stdout
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    user_recipe(tmp_path / "mine", "broken", "# @package _global_\ngraph:\n  generate: {type: generate\n  x: [\n")
+    r = launch("recipe=broken", f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "dry_run=true", cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"malformed YAML in {tmp_path / 'mine' / 'recipe' / 'broken.yaml'}, line 4" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_missing_dataset_file_is_named(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    r = launch("dataset.name=jsonl", f"dataset.train_path={missing}", f"dataset.eval_path={missing}",
+               f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+    assert r.returncode == 2
+    assert str(missing) in r.stdout and "does not exist" in r.stdout
+
+
+def test_a_dataset_row_missing_a_field_names_file_and_line(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2="}\n')
+    r = launch("dataset.name=jsonl", f"dataset.train_path={data}", f"dataset.eval_path={data}",
+               f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"{data}:2: missing field 'answer'" in r.stdout

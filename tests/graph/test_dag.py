@@ -1,0 +1,105 @@
+import copy
+
+import pytest
+
+from areal_flow.graph import GraphError, build_graph, place
+
+NODES = {
+    "generate": {"type": "generate", "role": "actor", "inputs": ["prompt"],
+                 "outputs": ["prompt_ids", "output_ids", "behav_logprobs", "versions"], "mesh": "0"},
+    "reward": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "answer"], "outputs": ["rewards"]},
+    "actor_prox": {"type": "inference", "role": "actor", "inputs": ["prompt_ids", "output_ids"],
+                   "outputs": ["prox_logprobs"], "mesh": "1"},
+    "actor_train": {"type": "train", "role": "actor",
+                    "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "prox_logprobs", "rewards"], "mesh": "1"},
+}
+FIELDS = ["prompt", "answer"]
+
+
+def build(nodes, n_devices=2):
+    return build_graph(nodes, FIELDS, n_devices, ["arith"])
+
+
+def broken(**changes):
+    nodes = copy.deepcopy(NODES)
+    for path, value in changes.items():
+        node, key = path.split("__")
+        if value is None:
+            nodes[node].pop(key, None)
+        else:
+            nodes[node][key] = value
+    return nodes
+
+
+def problems_of(nodes, n_devices=2) -> str:
+    with pytest.raises(GraphError) as e:
+        build(nodes, n_devices)
+    return str(e.value)
+
+
+def test_edges_come_from_keys_and_order_follows_them():
+    g = build(NODES)
+    assert g.order.index("generate") < g.order.index("reward") < g.order.index("actor_train")
+    assert g.order.index("actor_prox") < g.order.index("actor_train")
+    assert ("actor_prox", "actor_train", "prox_logprobs") in g.edges()
+    assert [n.name for n in g.batch_nodes] == ["actor_prox", "actor_train"]
+    assert g.trainer_mesh == (1,)
+
+
+def test_placement_has_one_process_per_role_and_device():
+    nodes = broken(generate__mesh="0-1", actor_prox__mesh="2,3", actor_train__mesh="2,3")
+    p = place(build(nodes, n_devices=4), rollout_workers=2)
+    assert [x.devices for x in p.of_role("gen_server")] == [(0,), (1,)]
+    assert [(x.rank, x.devices) for x in p.of_role("trainer")] == [(0, (2,)), (1, (3,))]
+    assert len(p.of_role("rollout")) == 2 and len(p.of_role("controller")) == 1
+
+
+def test_unknown_type_and_role_name_node_and_key():
+    msg = problems_of(broken(reward__type="scorer", actor_prox__role="teacher"))
+    assert "node 'reward': unknown type 'scorer' (graph.reward.type)" in msg
+    assert "node 'actor_prox': unknown model role 'teacher' (graph.actor_prox.role)" in msg
+
+
+def test_key_read_but_never_written():
+    msg = problems_of(broken(actor_train__inputs=["prompt_ids", "output_ids", "behav_logprobs", "prox_logprob", "rewards"]))
+    assert "node 'actor_train' reads key 'prox_logprob' (graph.actor_train.inputs) but no node writes it" in msg
+
+
+def test_key_written_twice_and_dataset_key_overwritten():
+    msg = problems_of(broken(actor_prox__outputs=["rewards"]))
+    assert "key 'rewards' is written by two nodes" in msg
+    msg = problems_of(broken(reward__outputs=["answer"]))
+    assert "key 'answer' is written by node 'reward'" in msg and "dataset field" in msg
+
+
+def test_cycle_is_named():
+    nodes = broken(actor_prox__inputs=["prompt_ids", "output_ids", "extra"])
+    nodes["actor_train"]["outputs"] = ["extra"]
+    msg = problems_of(nodes)
+    assert "cycle in the graph" in msg and "'actor_prox'" in msg and "'actor_train'" in msg and "extra" in msg
+
+
+def test_mesh_beyond_devices_bad_syntax_and_overlaps():
+    assert "uses device 3 but the cluster has 2 (cluster.n_devices)" in problems_of(broken(actor_train__mesh="1-3"))
+    assert "mesh 'one' is not a device list" in problems_of(broken(generate__mesh="one"))
+    msg = problems_of(broken(generate__mesh="0-1"))
+    assert "meshes of 'generate' (0,1) and 'actor_prox' (1) overlap" in msg
+    msg = problems_of(broken(actor_prox__mesh="0-1", generate__mesh="2"), n_devices=3)
+    assert "batch nodes 'actor_prox' (0,1) and 'actor_train' (1) differ" in msg
+    assert "needs a mesh (graph.actor_train.mesh)" in problems_of(broken(actor_train__mesh=None))
+
+
+def test_unknown_reward_function_and_missing_train_inputs():
+    assert "unknown reward function 'gsm8k' (graph.reward.fn)" in problems_of(broken(reward__fn="gsm8k"))
+    msg = problems_of(broken(actor_train__inputs=["prompt_ids", "output_ids", "prox_logprobs", "rewards"]))
+    assert "a train node must read behav_logprobs (graph.actor_train.inputs)" in msg
+
+
+def test_streaming_node_cannot_read_from_batch_node():
+    nodes = broken(reward__inputs=["output_ids", "answer", "prox_logprobs"])
+    assert "streaming nodes (generate, reward) run before batch nodes" in problems_of(nodes)
+
+
+def test_every_problem_is_reported_at_once():
+    err = pytest.raises(GraphError, build, broken(reward__type="x", actor_train__mesh="7")).value
+    assert len(err.problems) >= 2

@@ -1,0 +1,95 @@
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from areal_flow.graph.placement import Proc
+from areal_flow.launchers.local import ChildFailed, LocalLauncher
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_a_dying_child_stops_the_run_with_its_name_and_traceback(tmp_path):
+    launcher = LocalLauncher(str(tmp_path), stop_timeout=2)
+    launcher.start(Proc("sleeper", "rollout"), py("import time; time.sleep(60)"))
+    launcher.start(Proc("controller", "controller"), py("import time; time.sleep(60)"))
+    launcher.start(Proc("reward0", "reward"), py("""
+        import time
+        time.sleep(0.3)
+        def score(x):
+            raise ValueError(f"cannot score {x!r}")
+        score("7+8=")
+    """))
+    with pytest.raises(ChildFailed) as e:
+        launcher.wait("controller", interval=0.05)
+    launcher.stop_all()
+    err = e.value
+    assert err.name == "reward0" and err.returncode == 1
+    assert "Traceback (most recent call last)" in err.traceback
+    assert "ValueError: cannot score '7+8='" in err.traceback
+    assert "reward0" in str(err) and err.log_path.endswith("logs/reward0.log")
+    assert all(c.popen.poll() is not None for c in launcher.children.values())  # no one left running
+
+
+def test_a_child_that_ignores_sigterm_is_killed(tmp_path):
+    launcher = LocalLauncher(str(tmp_path), stop_timeout=0.5)
+    launcher.start(Proc("stubborn", "rollout"), py("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    log = tmp_path / "logs" / "stubborn.log"
+    deadline = time.time() + 10
+    while "ready" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.time()
+    launcher.stop_all()
+    assert launcher.children["stubborn"].popen.returncode == -9
+    assert time.time() - t0 < 5
+
+
+def test_a_clean_controller_exit_ends_the_wait(tmp_path):
+    launcher = LocalLauncher(str(tmp_path))
+    launcher.start(Proc("controller", "controller"), py("print('done')"))
+    launcher.start(Proc("worker", "rollout"), py("import time; time.sleep(60)"))
+    launcher.wait("controller", interval=0.05)
+    launcher.stop_all()
+    assert launcher.children["worker"].popen.returncode is not None
+
+
+def test_children_die_with_the_launcher_process(tmp_path):
+    """kill -9 of the launcher leaves no orphans (PR_SET_PDEATHSIG)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from areal_flow.graph.placement import Proc
+        from areal_flow.launchers.local import LocalLauncher
+        l = LocalLauncher({str(tmp_path)!r})
+        l.start(Proc("orphan", "rollout"), [sys.executable, "-c", "import time; time.sleep(60)"])
+        print(l.children["orphan"].popen.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    assert alive(child_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 5
+    while alive(child_pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(child_pid)
