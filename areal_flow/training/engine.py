@@ -212,19 +212,23 @@ class TorchEngine:
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """FFD micro-batches, the same number on every rank (DESIGN §6).
 
-        Raising min_groups to the ranks' maximum can, in rare cases, make FFD need one more group
-        on some rank, so agree again until the count is stable. It terminates: the count only grows
-        and, once it exceeds a rank's number of sequences, that rank returns exactly the count.
+        Ranks whose natural count is below the largest re-run FFD with that count as min_groups,
+        which spreads their sequences instead of adding empty passes. That can, rarely, make FFD
+        need more groups than asked, so the ranks agree again until max == min. Every rank sees the
+        same reduced values and so runs the same collectives. It terminates: the max only grows, and
+        once it reaches a rank's number of sequences that rank returns exactly the max.
         """
         groups = ffd_allocate(lengths, self.micro_batch_tokens)
         if self._group is None:
             return groups
         while True:
-            count = torch.tensor([len(groups)], dtype=torch.int64)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._group)
-            if int(count) == len(groups):
+            # One all-reduce yields both the max and (negated) the min of the counts.
+            counts = torch.tensor([len(groups), -len(groups)], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+            most, fewest = int(counts[0]), -int(counts[1])
+            if most == fewest:
                 return groups
-            groups = ffd_allocate(lengths, self.micro_batch_tokens, min_groups=int(count))
+            groups = ffd_allocate(lengths, self.micro_batch_tokens, min_groups=most)
 
     def _sync_and_step(self) -> float:
         """All-reduces gradients (SUM: the loss is already divided by the global count), clips, steps."""
