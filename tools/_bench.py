@@ -1,0 +1,36 @@
+"""Shared pieces of the benchmark scripts: the machine line, running a recipe, reading its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from areal_flow.metrics.writer import read_metrics
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict], float]:
+    """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics, wall seconds)."""
+    cmd = [sys.executable, "-m", "areal_flow.launch", *overrides, f"hydra.run.dir={run_dir}"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    wall = time.time() - t0
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl")), wall
