@@ -41,7 +41,6 @@ from areal_flow.transport.messages import (
     Sample,
     SaveCheckpoint,
     Saved,
-    Stop,
 )
 
 log = logging.getLogger("areal_flow.controller")
@@ -68,7 +67,6 @@ class Controller:
         self.results = make_socket(ctx, zmq.PULL, bind=endpoint(spec.results_port))
         self.trainers = make_socket(ctx, zmq.ROUTER, bind=endpoint(spec.trainer_port))
         self.trainer_ids: dict[int, bytes] = {}
-        self.rollout_ids: set[bytes] = set()
         self.pending: collections.deque[bytes] = collections.deque()  # admission requests waiting
         self.changed = asyncio.Event()
         self.closing = False
@@ -86,7 +84,6 @@ class Controller:
         while True:
             ident, msg = await recv_from(self.admission, "controller admission")
             if isinstance(msg, AdmitRequest):
-                self.rollout_ids.add(ident)
                 self.pending.append(ident)
                 await self.grant()
             else:
@@ -278,10 +275,7 @@ class Controller:
         self.metrics.log("summary", **summary)
         with open(self.spec.path("summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        for ident in self.trainer_ids.values():
-            await send_to(self.trainers, ident, Stop("done"))
-        for ident in self.rollout_ids:
-            await send_to(self.admission, ident, Stop("done"))
+        # The launcher stops every other process once the controller has exited cleanly.
         self.metrics.close()
         for c in self.gen_clients:
             await c.close()

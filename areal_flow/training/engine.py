@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
 
@@ -41,7 +41,7 @@ LOSS_MASK_KEY = "loss_mask"
 
 
 class TorchEngine:
-    """One data-parallel rank of a Hugging Face causal LM: logprobs, train steps with per-node packing, save."""
+    """One data-parallel rank of a Hugging Face causal LM: logprobs, packed train steps, save."""
 
     def __init__(
         self,
@@ -145,13 +145,16 @@ class TorchEngine:
         """One optimizer step over this rank's shard.
 
         token_data[key][i] is a per-output-token array for sequence i (behav_logprobs, advantages
-        broadcast per token, ...); the optional key "loss_mask" is the valid-token mask. Each
-        micro-batch calls loss_fn(logprobs [T_mb], batch {key: [T_mb]}, mask [T_mb], n_valid_tokens)
-        on its output tokens packed in one dimension, where n_valid_tokens counts the valid tokens of
-        ALL ranks and micro-batches. Returns loss_fn's stats (and `loss`) summed over micro-batches
-        and ranks (keys ending in `_max` take the max), plus grad_norm, n_micro_batches (per rank),
-        n_tokens (prompt + output tokens processed, all ranks), n_valid_tokens and step_seconds.
-        Engine keys take precedence over loss stats of the same name.
+        broadcast per token, ...), passed on with its dtype; the optional key "loss_mask" is the
+        valid-token mask. Each micro-batch calls
+        loss_fn(logprobs [T_mb], batch {key: [T_mb]}, mask [T_mb], n_valid_tokens)
+        on its output tokens packed in one dimension, where n_valid_tokens counts the valid tokens
+        of ALL ranks and micro-batches (at least 1).
+
+        Returns loss_fn's stats and `loss`, summed over micro-batches and ranks (keys ending in
+        `_max` take the max), plus grad_norm (before clipping), n_micro_batches (per rank, equal on
+        all), n_tokens (prompt + output tokens, all ranks), n_valid_tokens and step_seconds.
+        These engine keys take precedence over loss stats of the same name.
         """
         if self._optimizer is None:
             raise RuntimeError("train_step on an engine built with trainable=False")
@@ -164,7 +167,9 @@ class TorchEngine:
         self._optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for group in groups:
-            if not group:  # nothing to compute; the gradient all-reduce below is the only collective
+            if not group:
+                # Padding from an equalised count. Skipping it is safe: no collective runs per
+                # micro-batch, only the one gradient all-reduce per step.
                 continue
             logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
             batch = {
@@ -173,7 +178,8 @@ class TorchEngine:
                 if k != LOSS_MASK_KEY
             }
             mask = torch.from_numpy(np.concatenate([masks[i] for i in group]))
-            loss, stats = loss_fn(logp, batch, mask, n_valid_global)
+            # Clamped so that a step without valid tokens gives loss 0, not 0/0.
+            loss, stats = loss_fn(logp, batch, mask, max(n_valid_global, 1.0))
             loss.backward()
             _accumulate(sums, {"loss": loss.detach(), **stats})
 
@@ -252,7 +258,7 @@ class TorchEngine:
             for p in params:
                 chunk = flat[offset : offset + p.numel()].view_as(p)
                 if grads:
-                    p.grad = chunk.clone()
+                    p.grad = chunk  # a view: the reduced buffer is the gradient, no second copy
                 else:
                     p.copy_(chunk)
                 offset += p.numel()
@@ -271,25 +277,22 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ save
 
-    def save_hf(self, path: str, tokenizer=None) -> None:
+    def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """Writes a Hugging Face directory (safetensors + config [+ tokenizer]) at `path`, atomically.
 
         The files go to a temporary directory beside `path`, which then takes the place of `path`;
         a failure leaves `path` as it was (absent, or the previous checkpoint). Replacing an
         existing directory takes two renames, so a reader racing the swap can briefly find nothing:
-        publish to a new path per version when readers poll. With data parallel, rank 0 writes
-        (the weights are identical on every rank) and all ranks return once it is there.
+        publish to a new path per version when readers poll. Not a collective: with data parallel
+        the weights are identical on every rank, so call it on one rank (rank 0) only.
         """
-        if self.rank == 0:
-            _atomic_write_dir(path, lambda tmp: self._write_hf(tmp, tokenizer))
-        if self._group is not None:
-            dist.barrier(group=self._group)
+        _atomic_write_dir(path, lambda tmp: self._write_hf(tmp, tokenizer))
 
     def save_weights(self, path: str) -> None:
         """save_hf without a tokenizer: publishes the current weights for generation, atomically."""
         self.save_hf(path)
 
-    def _write_hf(self, directory: str, tokenizer) -> None:
+    def _write_hf(self, directory: str, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self._model.save_pretrained(directory)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
@@ -316,6 +319,7 @@ def _atomic_write_dir(path: str, write: Callable[[str], None]) -> None:
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a server running as another user must read it
     old = None
     try:
         write(tmp)

@@ -23,7 +23,9 @@ def _reference(logp, prox, behav, adv, mask, eps, eps_hi, cap, n_valid):
     eps_hi = eps if eps_hi is None else eps_hi
     n = max(sum(m), 1) if n_valid is None else n_valid
     total, grads = 0.0, []
-    stats = dict(n_tokens=0, clipped_tokens=0, capped_tokens=0, ratio_sum=0.0, behav_weight_sum=0.0, behav_weight_max=0.0)
+    stats = dict(
+        n_tokens=0, clipped_tokens=0, capped_tokens=0, ratio_sum=0.0, behav_weight_sum=0.0, behav_weight_max=0.0
+    )
     for t in range(len(lp)):
         if not m[t]:
             grads.append(0.0)
@@ -150,5 +152,6 @@ def test_an_all_masked_batch_gives_zero_loss():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="advantages has shape"):
         decoupled_ppo_loss(
-            torch.zeros(4), None, torch.zeros(4), torch.zeros(3), torch.ones(4, dtype=torch.bool), eps_clip=0.2
+            torch.zeros(4), None, torch.zeros(4), torch.zeros(3), torch.ones(4, dtype=torch.bool),
+            eps_clip=0.2,
         )

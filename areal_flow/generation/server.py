@@ -1,0 +1,545 @@
+"""SGLang's native HTTP API (the subset RL trainers use) in front of the embedded engine.
+
+Standard library only (`http.server`): one thread per connection, HTTP/1.1 keep-alive. Field
+names, response shapes and error envelopes follow SGLang (`shared/reference/sglang-api.md`), so a
+client written for SGLang works here unchanged. The areal_flow extension is
+`meta_info.output_token_versions`: the weight version of each generated token.
+
+    python -m areal_flow.generation.server --model-path DIR --host 127.0.0.1 --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from areal_flow.generation.engine import (
+    EngineShutdownError,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+"""Larger request bodies are refused (413) rather than read into memory."""
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+"""sampling_params the engine implements."""
+
+NEUTRAL_SAMPLING_KEYS: dict[str, tuple[Any, ...]] = {
+    "min_new_tokens": (0,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "n": (1,), "stop": ([], ""), "stop_regex": ([], ""),
+    "sampling_seed": (), "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "logit_bias": ({},),
+}
+"""SGLang keys the engine does not implement: accepted at their no-op values (AReaL always sends
+frequency_penalty 0.0), refused otherwise so that nobody gets silently different sampling. null is
+always the no-op."""
+
+TEXT_SAMPLING_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "custom_params",
+                      "stream_interval"}
+"""SGLang keys that shape only the returned text or are free-form (SGLang itself ignores custom_params)."""
+
+
+class HTTPError(Exception):
+    """Answer with this status and SGLang's `{"error": {"message": ...}}` envelope."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def bad_request(message: str) -> HTTPError:
+    return HTTPError(400, message)
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One prompt of a /generate call, with what its answer should contain."""
+
+    request: GenerationRequest
+    return_logprob: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+
+
+def _per_item(body: dict, key: str, n: int, batch: bool) -> list[Any]:
+    """A field that is a scalar (shared by every prompt) or, in the batch form, a list per prompt."""
+    value = body.get(key)
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise bad_request(f"{key} has {len(value)} entries but the batch has {n} prompts")
+        return value
+    return [value] * n
+
+
+def _int(params: dict, key: str, default: int | None) -> int | None:
+    value = params.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise bad_request(f"sampling_params.{key} must be an integer, got {value!r}")
+    return default if value is None else value
+
+
+def _float(params: dict, key: str, default: float) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"sampling_params.{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(obj: dict, key: str, default: bool, where: str = "") -> bool:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{where}{key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise bad_request(f"{what} must be a list of integer token ids")
+    return value
+
+
+def parse_sampling_params(params: Any, prompt_len: int, context_length: int | None) -> SamplingParams:
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise bad_request(f"sampling_params must be an object, got {params!r}")
+    for key, value in params.items():
+        if key in SAMPLING_KEYS or key in TEXT_SAMPLING_KEYS:
+            continue
+        if key not in NEUTRAL_SAMPLING_KEYS:
+            raise bad_request(f"unknown field `{key}` in sampling_params; expected one of {sorted(SAMPLING_KEYS)}")
+        if value is not None and value not in NEUTRAL_SAMPLING_KEYS[key]:
+            raise bad_request(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+    max_new_tokens = _int(params, "max_new_tokens", 128)
+    if "max_new_tokens" in params and params["max_new_tokens"] is None:
+        # SGLang: null means "up to the context".
+        if context_length is None:
+            raise bad_request("sampling_params.max_new_tokens is required: the model declares no context length")
+        max_new_tokens = max(context_length - prompt_len, 0)
+    stop_ids = params.get("stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=_float(params, "temperature", 1.0),
+        top_p=_float(params, "top_p", 1.0),
+        top_k=_int(params, "top_k", -1),
+        stop_token_ids=() if stop_ids is None else tuple(_token_list(stop_ids, "sampling_params.stop_token_ids")),
+        ignore_eos=_bool(params, "ignore_eos", False, "sampling_params."),
+    )
+
+
+def parse_generate(body: dict, server: GenerationServer) -> tuple[list[_Item], bool]:
+    """The prompts of a /generate body and whether it used the batch form."""
+    if body.get("stream"):
+        raise bad_request("stream is not supported by the embedded engine yet")
+    for key, neutral in (("logprob_start_len", (-1,)), ("top_logprobs_num", (0,)), ("token_ids_logprob", ())):
+        if body.get(key) is not None and body[key] not in neutral:
+            raise bad_request(f"{key} is not supported by the embedded engine yet")
+    input_ids, text = body.get("input_ids"), body.get("text")
+    if input_ids is not None and text is not None:
+        raise bad_request("give either text or input_ids, not both")
+    if input_ids is not None:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise bad_request("input_ids cannot be empty." if input_ids == [] else "input_ids must be a list")
+        batch = isinstance(input_ids[0], list)
+        prompts = [_token_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batch else [
+            _token_list(input_ids, "input_ids")]
+    elif text is not None:
+        if server.tokenizer is None:
+            raise bad_request(f"text needs a tokenizer.json in {server.tokenizer_path}; send input_ids instead")
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise bad_request("text must be a string or a non-empty list of strings")
+        prompts = [server.tokenizer.encode(t) for t in texts]
+    else:
+        raise bad_request("Either text, input_ids or input_embeds should be provided.")
+
+    n = len(prompts)
+    rid = body.get("rid")
+    if rid is None:
+        rids: list[str | None] = [None] * n
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(n)] if batch else [rid]  # SGLang's batch naming
+    elif batch and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+        rids = rid
+    else:
+        raise bad_request("rid must be a string (or, in the batch form, a list of one string per prompt)")
+    sampling = _per_item(body, "sampling_params", n, batch)
+    logprob_flags = _per_item(body, "return_logprob", n, batch)
+
+    items = []
+    for prompt, item_rid, params, return_logprob in zip(prompts, rids, sampling, logprob_flags):
+        parsed = parse_sampling_params(params, len(prompt), server.engine.context_length)
+        request = GenerationRequest(tuple(prompt), parsed) if item_rid is None else GenerationRequest(
+            tuple(prompt), parsed, item_rid)
+        params = params or {}
+        items.append(_Item(
+            request,
+            return_logprob=_bool({"return_logprob": return_logprob}, "return_logprob", False),
+            skip_special_tokens=_bool(params, "skip_special_tokens", True, "sampling_params."),
+            no_stop_trim=_bool(params, "no_stop_trim", False, "sampling_params."),
+        ))
+    return items, batch
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+def _finite(x: float) -> float | None:
+    # SGLang serializes with orjson, which writes NaN and ±inf as null.
+    return x if math.isfinite(x) else None
+
+
+def build_response(item: _Item, result: GenerationResult, server: GenerationServer, latency: float) -> dict:
+    if result.finish_reason == "stop":
+        finish = {"type": "stop", "matched": result.matched_stop}
+    else:
+        finish = {"type": "length", "length": item.request.params.max_new_tokens}
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": finish,
+        "prompt_tokens": result.prompt_tokens,
+        "weight_version": str(result.weight_version),
+        "completion_tokens": result.completion_tokens,
+        "cached_tokens": 0,
+        "output_token_versions": result.output_versions,
+        "e2e_latency": latency,
+    }
+    if item.return_logprob:
+        meta["input_token_logprobs"] = []  # logprob_start_len is always -1 here
+        meta["output_token_logprobs"] = [
+            [_finite(lp), tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)
+        ]
+        meta["output_token_logprobs_length"] = result.completion_tokens
+    response: dict[str, Any] = {}
+    if server.tokenizer is not None:  # without a tokenizer SGLang omits text (--skip-tokenizer-init)
+        ids = result.output_ids
+        if result.finish_reason == "stop" and not item.no_stop_trim:
+            ids = ids[:-1]  # SGLang trims the matched stop token from text, never from output_ids
+        response["text"] = server.tokenizer.decode(ids, skip_special_tokens=item.skip_special_tokens)
+    response["output_ids"] = result.output_ids
+    response["meta_info"] = meta
+    return response
+
+
+# ---- routes ------------------------------------------------------------------------------------
+
+Payload = dict | list | str | None
+"""A JSON value, text/plain, or an empty body."""
+
+
+def _json_object(raw: bytes) -> dict:
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def route_generate(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    items, batch = parse_generate(_json_object(raw), server)
+    try:
+        futures = server.engine.submit_many([item.request for item in items])
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    responses = []
+    for item, future in zip(items, futures):
+        result = future.result()  # EngineShutdownError surfaces as 503 in the handler
+        responses.append(build_response(item, result, server, time.perf_counter() - received))
+    return 200, responses if batch else responses[0]
+
+
+def _parse_version(value: Any, current: int) -> int:
+    if value is None:
+        return current + 1  # new weights always get a new version, so token versions tell them apart
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"weight_version must be a non-negative integer (or a string of one), got {value!r}")
+    return value
+
+
+def route_update_weights(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    body = _json_object(raw)
+    engine = server.engine
+    path = body.get("model_path")
+    try:
+        if not isinstance(path, str) or not path:
+            raise ValueError("model_path is required: a directory with model.safetensors")
+        version = _parse_version(body.get("weight_version"), engine.version)
+        # abort_all_requests is accepted and has nothing to do: updates land between batches.
+        engine.update_weights_from_disk(path, version)
+    except (OSError, ValueError) as exc:
+        message = f"Failed to update weights: {exc}. The server keeps weight version {engine.version}."
+        return 400, {"success": False, "message": message, "num_paused_requests": 0}
+    message = f"Succeeded to update model weights. Weight version updated to {version}."
+    return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+def route_health(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    return (200 if server.engine.is_running else 503), None
+
+
+def route_model_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    config = server.engine.model.config
+    return 200, {
+        "model_path": server.engine.model_path,
+        "tokenizer_path": server.tokenizer_path if server.tokenizer is not None else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": str(server.engine.version),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.model_type,
+        "architectures": config.architectures,
+    }
+
+
+def route_server_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    engine = server.engine
+    host, port = server.server_address[:2]
+    return 200, {
+        "engine": "areal_flow-embedded",
+        "model_path": engine.model_path,
+        "host": host,
+        "port": port,
+        "max_batch_size": engine.max_batch_size,
+        "max_running_requests": engine.max_batch_size,
+        "context_length": engine.context_length,
+        "vocab_size": engine.vocab_size,
+        "eos_token_ids": sorted(engine.eos_token_ids),
+        "random_seed": engine.seed,
+        "num_threads": engine.num_threads,
+        "skip_tokenizer_init": server.tokenizer is None,
+        "weight_version": str(engine.version),
+        "internal_states": [engine.stats()],
+    }
+
+
+def route_weight_version(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    return 200, {"weight_version": str(server.engine.version)}
+
+
+def route_flush_cache(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    # The engine keeps no prefix cache between requests, so there is never anything to flush.
+    return 200, "Cache flushed.\n"
+
+
+Route = Callable[["GenerationServer", bytes, float], tuple[int, Payload]]
+
+ROUTES: dict[str, tuple[frozenset[str], Route]] = {
+    "/generate": (frozenset({"POST", "PUT"}), route_generate),
+    "/update_weights_from_disk": (frozenset({"POST"}), route_update_weights),
+    "/health": (frozenset({"GET"}), route_health),
+    "/health_generate": (frozenset({"GET"}), route_health),
+    "/get_model_info": (frozenset({"GET"}), route_model_info),
+    "/model_info": (frozenset({"GET"}), route_model_info),
+    "/get_server_info": (frozenset({"GET"}), route_server_info),
+    "/server_info": (frozenset({"GET"}), route_server_info),
+    "/get_weight_version": (frozenset({"GET"}), route_weight_version),
+    "/flush_cache": (frozenset({"GET", "POST"}), route_flush_cache),
+}
+"""Path → (methods, handler). SGLang ≥0.5.10 names and their older get_* aliases both work."""
+
+
+# ---- HTTP plumbing -----------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a rollout worker reuses its connections
+    timeout = 600  # an idle keep-alive connection is closed after this many seconds
+    server: GenerationServer
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    do_POST = do_PUT = do_GET
+
+    def _dispatch(self) -> None:
+        received = time.perf_counter()
+        try:
+            raw = self._read_body()
+            path = urlsplit(self.path).path
+            if path not in ROUTES:
+                raise HTTPError(404, f"no route {self.command} {path}")
+            methods, route = ROUTES[path]
+            if self.command not in methods:
+                raise HTTPError(405, f"{path} takes {', '.join(sorted(methods))}, not {self.command}")
+            status, payload = route(self.server, raw, received)
+        except HTTPError as exc:
+            status, payload = exc.status, {"error": {"message": exc.message}}
+        except EngineShutdownError as exc:
+            status, payload = 503, {"error": {"message": str(exc)}}
+        except Exception as exc:  # a bug must cost one request, not the server
+            logger.exception("%s %s failed", self.command, self.path)
+            status, payload = 500, {"error": {"message": f"internal error: {exc!r}"}}
+        self._send(status, payload)
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True  # the body's end is unknown: the connection cannot be reused
+            raise HTTPError(411, "send the body with Content-Length (chunked bodies are not supported)")
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit():
+            self.close_connection = True
+            raise bad_request(f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise HTTPError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
+        return self.rfile.read(int(length))
+
+    def _send(self, status: int, payload: Payload) -> None:
+        if payload is None:
+            data, content_type = b"", None
+        elif isinstance(payload, str):
+            data, content_type = payload.encode(), "text/plain; charset=utf-8"
+        else:
+            data, content_type = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode(), "application/json"
+        try:
+            self.send_response(status)
+            if content_type:
+                self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away; nothing to answer
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
+
+
+class GenerationServer(ThreadingHTTPServer):
+    """The HTTP server; `stop()` also ends open keep-alive connections and the engine."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tokenizer_path = tokenizer_path
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        self._stopped = False
+        super().__init__(address, _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def stop(self) -> None:
+        """Stop accepting, fail unfinished requests (503), close connections, stop the engine."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.engine.shutdown()  # first, so requests still decoding are answered 503 right away
+        self.shutdown()
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:  # wakes handler threads blocked reading an idle keep-alive connection
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.server_close()
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model directory's fast tokenizer, or None when it has no tokenizer.json."""
+    if not (Path(model_path) / "tokenizer.json").is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_path)
+
+
+def serve(
+    model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_kw: Any
+) -> tuple[GenerationServer, threading.Thread]:
+    """Start an engine and its HTTP server on a background thread (port 0: a free port)."""
+    engine = GenerationEngine(model_path, **engine_kw)
+    try:
+        server = GenerationServer((host, port), engine, load_tokenizer(model_path), model_path)
+    except BaseException:
+        engine.shutdown()
+        raise
+    # serve_forever notices shutdown() only between polls; a short interval keeps stop() quick.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="generation-http", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_flow.generation.server",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", required=True, help="Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless placed on other hosts)")
+    parser.add_argument("--port", type=int, default=30000, help="port to bind (0: any free port)")
+    parser.add_argument("--max-batch-size", type=int, default=128, help="most requests decoded together")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    # Handlers first: a SIGTERM during model loading then still ends in a clean shutdown.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server, thread = serve(
+        args.model_path, args.host, args.port,
+        max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
+    )
+    logger.info("serving %s at %s", args.model_path, server.url)
+    stop.wait()
+    logger.info("shutting down")
+    server.stop()
+    thread.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The engine without HTTP: sampling, requests joining a running batch, shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from generation_helpers import ModelDirs, full_forward_logprobs, load_reference
+
+from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, sample_next_tokens
+
+
+def test_sampling_respects_top_k_and_top_p_but_reports_the_full_vocab_logprob():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 10).repeat(2000, 1)
+    temperature = torch.full((2000,), 0.5)
+    top_p = torch.cat([torch.ones(1000), torch.full((1000,), 0.5)])
+    top_k = torch.cat([torch.full((1000,), 3), torch.full((1000,), -1)])
+    tokens, logprobs = sample_next_tokens(logits, temperature, top_p, top_k, torch.Generator().manual_seed(0))
+    full = torch.log_softmax(logits[0] / 0.5, dim=-1)
+    order = full.argsort(descending=True)
+    assert set(tokens[:1000].tolist()) == set(order[:3].tolist())  # top-k 3: all three, nothing else
+    nucleus = int((full.exp()[order].cumsum(0) < 0.5).sum()) + 1
+    assert set(tokens[1000:].tolist()) <= set(order[:nucleus].tolist())
+    torch.testing.assert_close(logprobs, full[tokens])
+
+
+def test_greedy_rows_take_the_argmax_with_logprob_at_temperature_one():
+    logits = torch.randn(3, 7)
+    tokens, logprobs = sample_next_tokens(logits, torch.zeros(3), torch.ones(3), torch.full((3,), -1))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_requests_joining_a_running_batch_get_exact_logprobs(model_dirs: ModelDirs):
+    """Rows join mid-flight (cache merge) and leave at different steps (cache select + trim)."""
+    engine = GenerationEngine(model_dirs.a, max_batch_size=3)  # 3 < 6 requests: some wait for a slot
+    reference = load_reference(model_dirs.a)
+    prompts = [[2] * 30, [3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16] * 5, [17, 2]]
+    lengths = [60, 5, 40, 17, 3, 25]
+    try:
+        futures = []
+        for prompt, n in zip(prompts, lengths):
+            futures.append(engine.submit(prompt, max_new_tokens=n, temperature=0.8, top_p=0.95, ignore_eos=True))
+            time.sleep(0.005)  # arrive while others decode
+        for prompt, n, future in zip(prompts, lengths, futures):
+            result = future.result(timeout=60)
+            assert len(result.output_ids) == n and result.finish_reason == "length"
+            expected = full_forward_logprobs(reference, prompt, result.output_ids, 0.8)
+            torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_fails_unfinished_requests_and_stops_the_thread(model_dirs: ModelDirs):
+    engine = GenerationEngine(model_dirs.a, max_batch_size=1)
+    futures = [engine.submit([2, 3], max_new_tokens=250, ignore_eos=True) for _ in range(3)]
+    engine.shutdown()
+    for future in futures:
+        with pytest.raises(EngineShutdownError):
+            future.result(timeout=5)
+    assert not any(t.name == "generation-engine" and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(EngineShutdownError):
+        engine.submit([2], max_new_tokens=1)
+
+
+def test_validation_errors_name_the_field(model_dirs: ModelDirs):
+    engine = GenerationEngine(model_dirs.a)
+    try:
+        for kwargs, field in [({"input_ids": []}, "input_ids"), ({"input_ids": [99]}, "input_ids"),
+                              ({"max_new_tokens": -1}, "max_new_tokens"), ({"max_new_tokens": 300}, "context"),
+                              ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                              ({"top_k": -2}, "top_k")]:
+            call = {"input_ids": [2, 3], **kwargs}
+            with pytest.raises(ValueError, match=field):
+                engine.submit(call.pop("input_ids"), **call)
+    finally:
+        engine.shutdown()
