@@ -17,6 +17,7 @@ import logging
 import math
 import operator
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -324,6 +325,7 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.seed = seed
         self.num_threads = torch.get_num_threads()
+        self._join_group = max(1, max_batch_size // 8)
         self.vocab_size: int = config.vocab_size
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model)
@@ -336,6 +338,7 @@ class GenerationEngine:
         self._stopping = False
         self._num_running = 0
         self._generated_tokens = 0
+        self._busy_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
         self._thread.start()
 
@@ -409,7 +412,7 @@ class GenerationEngine:
             self._cond.notify_all()
         update.done.result()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self._cond:
             waiting, updates = len(self._waiting), len(self._updates)
         return {
@@ -417,6 +420,7 @@ class GenerationEngine:
             "num_waiting_reqs": waiting,
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
+            "busy_seconds": self._busy_seconds,
             "weight_version": self._version,
         }
 
@@ -491,26 +495,37 @@ class GenerationEngine:
                         if batch is None:
                             update = self._updates.popleft()
                     else:
-                        room = self.max_batch_size - (len(batch.rows) if batch else 0)
+                        room = self.max_batch_size - (len(batch.live()) if batch else 0)
+                        # New requests join in groups: each join costs a prefill forward and a copy
+                        # of the cache, so only a short queue may join one request at a time.
+                        if batch is not None and room < min(self._join_group, len(self._waiting)):
+                            room = 0
                         while self._waiting and len(admitted) < room:
                             row = self._waiting.popleft()
                             if row.future.set_running_or_notify_cancel():
                                 admitted.append(row)
                             else:
                                 self._inflight.discard(row.request.rid)  # cancelled while queued
+                started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
+                    self._busy_seconds += time.perf_counter() - started
                     continue
                 try:
                     if admitted:
                         new = self._prefill(admitted)
-                        batch = new if batch is None else batch.merge(new)
+                        batch = new if batch is None else _Batch.combine(
+                            [(batch, batch.live()), (new, list(range(len(admitted))))])
+                    elif 2 * len(batch.live()) <= len(batch.rows):
+                        batch = _Batch.combine([(batch, batch.live())])  # half dead: compact
                     batch = self._step(batch)
                 except Exception as exc:
                     logger.exception("decode step failed; failing the requests in it")
                     self._fail([*(batch.rows if batch else ()), *admitted], exc)
                     batch = None
-                self._num_running = len(batch.rows) if batch else 0
+                # Time spent computing, for the generator's busy fraction in the run metrics.
+                self._busy_seconds += time.perf_counter() - started
+                self._num_running = len(batch.live()) if batch else 0
         self._num_running = 0
         with self._cond:
             waiting, updates = list(self._waiting), list(self._updates)
@@ -531,29 +546,28 @@ class GenerationEngine:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=_new_cache(), use_cache=True, logits_to_keep=1,
+            past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True, logits_to_keep=1,
         )
         return _Batch(rows, out.past_key_values, mask, out.logits[:, -1].float())
 
     def _step(self, batch: _Batch) -> _Batch | None:
-        """Sample a token for every row, finish the rows that are done, decode one step for the rest."""
+        """Sample a token for every live row, answer the rows that finish, decode one step."""
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator)
-        version = self._version
-        keep: list[int] = []
-        for i, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-            row = batch.rows[i]
+        version, appended, alive = self._version, 0, 0
+        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
+            if row.finish is not None:
+                continue  # dead row: decodes along, unused, until the next compaction
             row.append(token, logprob, version)
+            appended += 1
             if row.finish is None:
-                keep.append(i)
+                alive += 1
             else:
                 self._finish(row)
-        self._generated_tokens += len(batch.rows)
-        if not keep:
+        self._generated_tokens += appended
+        if alive == 0:
             return None
-        if len(keep) < len(batch.rows):
-            batch = batch.select(keep)
-            tokens = tokens[keep]
-        batch.mask = torch.cat([batch.mask, torch.ones(len(keep), 1, dtype=torch.int64)], dim=1)
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.int64)], dim=1)
+        # A dead row's position stops advancing, so it never runs past the context length.
         positions = torch.tensor([[row.last_position] for row in batch.rows])
         out = self.model(
             input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions,
@@ -592,7 +606,7 @@ class GenerationEngine:
 
     def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:
         # Rows already answered are skipped: their rid may already belong to a new request.
-        # (A row can be listed twice: admitted and already merged into the batch.)
+        # (A row can be listed twice: admitted, and already combined into the batch.)
         unanswered = list({id(row): row for row in rows if not row.future.done()}.values())
         with self._cond:
             for row in unanswered:

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -108,12 +109,11 @@ def _float(params: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _bool(obj: dict, key: str, default: bool, where: str = "") -> bool:
-    value = obj.get(key, default)
+def _bool(value: Any, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"{where}{key} must be true or false, got {value!r}")
+        raise bad_request(f"{name} must be true or false, got {value!r}")
     return value
 
 
@@ -148,7 +148,7 @@ def parse_sampling_params(params: Any, prompt_len: int, context_length: int | No
         top_p=_float(params, "top_p", 1.0),
         top_k=_int(params, "top_k", -1),
         stop_token_ids=() if stop_ids is None else tuple(_token_list(stop_ids, "sampling_params.stop_token_ids")),
-        ignore_eos=_bool(params, "ignore_eos", False, "sampling_params."),
+        ignore_eos=_bool(params.get("ignore_eos"), "sampling_params.ignore_eos", False),
     )
 
 
@@ -195,14 +195,12 @@ def parse_generate(body: dict, server: GenerationServer) -> tuple[list[_Item], b
     items = []
     for prompt, item_rid, params, return_logprob in zip(prompts, rids, sampling, logprob_flags):
         parsed = parse_sampling_params(params, len(prompt), server.engine.context_length)
-        request = GenerationRequest(tuple(prompt), parsed) if item_rid is None else GenerationRequest(
-            tuple(prompt), parsed, item_rid)
         params = params or {}
         items.append(_Item(
-            request,
-            return_logprob=_bool({"return_logprob": return_logprob}, "return_logprob", False),
-            skip_special_tokens=_bool(params, "skip_special_tokens", True, "sampling_params."),
-            no_stop_trim=_bool(params, "no_stop_trim", False, "sampling_params."),
+            GenerationRequest(tuple(prompt), parsed, item_rid or uuid.uuid4().hex),
+            return_logprob=_bool(return_logprob, "return_logprob", False),
+            skip_special_tokens=_bool(params.get("skip_special_tokens"), "sampling_params.skip_special_tokens", True),
+            no_stop_trim=_bool(params.get("no_stop_trim"), "sampling_params.no_stop_trim", False),
         ))
     return items, batch
 
@@ -341,6 +339,7 @@ def route_server_info(server: GenerationServer, raw: bytes, received: float) -> 
         "num_threads": engine.num_threads,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": str(engine.version),
+        "busy_seconds": engine.stats()["busy_seconds"],
         "internal_states": [engine.stats()],
     }
 
@@ -423,7 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif isinstance(payload, str):
             data, content_type = payload.encode(), "text/plain; charset=utf-8"
         else:
-            data, content_type = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode(), "application/json"
+            data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+            content_type = "application/json"
         try:
             self.send_response(status)
             if content_type:
@@ -444,6 +444,7 @@ class GenerationServer(ThreadingHTTPServer):
     """The HTTP server; `stop()` also ends open keep-alive connections and the engine."""
 
     daemon_threads = True
+    request_queue_size = 256  # listen backlog: a rollout worker opens dozens of connections at once (default 5)
 
     def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str):
         self.engine = engine
@@ -524,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the server log to log lines
 
     # Handlers first: a SIGTERM during model loading then still ends in a clean shutdown.
     stop = threading.Event()

@@ -144,7 +144,7 @@ def _checked(model_dir: str) -> str:
 def _exclusive(lock_path: str) -> Iterator[None]:
     """Hold an exclusive flock on `lock_path`; the kernel releases it if the process dies."""
     with open(lock_path, "a") as f:
-        pass
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -177,7 +177,8 @@ def publish_dir(tmp: str, final: str) -> None:
     try:
         os.rename(tmp, final)
     except OSError as e:
-        raise
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or missing_files(final):
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
 
 

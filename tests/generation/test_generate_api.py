@@ -196,8 +196,7 @@ def test_forty_concurrent_requests_from_the_asyncio_client_all_answer_correctly(
              for _ in range(40)]
 
     async def run_all() -> list[dict]:
-        # Fewer connections than requests: the pool must queue and reuse connections.
-        async with GenerationClient(server_a.url, max_connections=8) as client:
+        async with GenerationClient(server_a.url) as client:  # 40 connections opened at once
             return await asyncio.gather(*(
                 client.generate(prompt, {"max_new_tokens": n, "temperature": 0}, rid=f"c{i}")
                 for i, (prompt, n) in enumerate(cases)))
@@ -211,13 +210,34 @@ def test_forty_concurrent_requests_from_the_asyncio_client_all_answer_correctly(
                                    full_forward_logprobs(ref_a, prompt, answer["output_ids"], 1.0), atol=1e-4, rtol=0)
 
 
-def test_client_batch_and_server_info(server_a, ref_a):
-    async def scenario() -> tuple[list[dict], dict, bool]:
-        async with GenerationClient(server_a.url) as client:
-            answers = await client.generate_batch(PROMPTS[:2], {"max_new_tokens": 4, "temperature": 0,
-                                                                 "ignore_eos": True})
-            return answers, await client.get_server_info(), await client.health()
+def test_client_batch_form_small_pool_and_server_info(server_a, ref_a):
+    sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
-    answers, info, healthy = asyncio.run(scenario())
-    assert [a["output_ids"] for a in answers] == [greedy_reference(ref_a, p, 4, stop_ids=()) for p in PROMPTS[:2]]
+    async def scenario() -> tuple[list[dict], list[dict], dict, bool]:
+        # Two connections for ten concurrent calls: the pool queues them and reuses connections.
+        async with GenerationClient(server_a.url, max_connections=2) as client:
+            batch = await client.generate_batch(PROMPTS[:2], sampling)
+            singles = await asyncio.gather(*(client.generate(PROMPTS[i % 5], sampling) for i in range(10)))
+            return batch, singles, await client.get_server_info(), await client.health()
+
+    batch, singles, info, healthy = asyncio.run(scenario())
+    expected = [greedy_reference(ref_a, p, 4, stop_ids=()) for p in PROMPTS]
+    assert [a["output_ids"] for a in batch] == expected[:2]
+    assert [a["output_ids"] for a in singles] == [expected[i % 5] for i in range(10)]
     assert info["engine"] == "areal_flow-embedded" and healthy
+
+
+def test_server_info_reports_compute_busy_seconds_that_grow_only_with_work(server_a):
+    import time
+
+    def busy() -> float:
+        status, _, info = http_call(server_a.url, "GET", "/get_server_info", None)
+        assert status == 200
+        return info["busy_seconds"]
+
+    before = busy()
+    generate(server_a, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}})
+    after_work = busy()
+    assert after_work > before
+    time.sleep(0.3)
+    assert busy() - after_work < 0.05  # an idle server accrues (almost) nothing

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
+import random
 import time
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, full_forward_logprobs, load_reference
+from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference
 
 from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, sample_next_tokens
 
@@ -34,17 +34,20 @@ def test_greedy_rows_take_the_argmax_with_logprob_at_temperature_one():
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
 
 
-def test_requests_joining_a_running_batch_get_exact_logprobs(model_dirs: ModelDirs):
-    """Rows join mid-flight (cache merge) and leave at different steps (cache select + trim)."""
-    engine = GenerationEngine(model_dirs.a, max_batch_size=3)  # 3 < 6 requests: some wait for a slot
+@pytest.mark.parametrize("max_batch_size, n_requests", [(3, 6), (16, 40)])
+def test_requests_joining_a_running_batch_get_exact_logprobs(model_dirs: ModelDirs, max_batch_size, n_requests):
+    """Rows join mid-flight (alone or in groups), finish at different steps, decode on as dead rows
+    and get compacted away: every logprob must still match a plain forward of its own sequence."""
+    engine = GenerationEngine(model_dirs.a, max_batch_size=max_batch_size)  # fewer slots than requests
     reference = load_reference(model_dirs.a)
-    prompts = [[2] * 30, [3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16] * 5, [17, 2]]
-    lengths = [60, 5, 40, 17, 3, 25]
+    rng = random.Random(max_batch_size)
+    prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.choice([1, 2, 5, 13, 30]))] for _ in range(n_requests)]
+    lengths = [rng.choice([1, 3, 8, 20, 60]) for _ in range(n_requests)]
     try:
         futures = []
         for prompt, n in zip(prompts, lengths):
             futures.append(engine.submit(prompt, max_new_tokens=n, temperature=0.8, top_p=0.95, ignore_eos=True))
-            time.sleep(0.005)  # arrive while others decode
+            time.sleep(rng.choice([0, 0, 0.005]))  # some arrive together, some while others decode
         for prompt, n, future in zip(prompts, lengths, futures):
             result = future.result(timeout=60)
             assert len(result.output_ids) == n and result.finish_reason == "length"
@@ -61,7 +64,7 @@ def test_shutdown_fails_unfinished_requests_and_stops_the_thread(model_dirs: Mod
     for future in futures:
         with pytest.raises(EngineShutdownError):
             future.result(timeout=5)
-    assert not any(t.name == "generation-engine" and t.is_alive() for t in threading.enumerate())
+    assert not engine._thread.is_alive()
     with pytest.raises(EngineShutdownError):
         engine.submit([2], max_new_tokens=1)
 
