@@ -85,3 +85,13 @@ def test_a_dataset_row_missing_a_field_names_file_and_line(tmp_path):
                f"cache_dir={tmp_path}/cache", cwd=tmp_path)
     assert r.returncode == 2
     assert f"{data}:2: missing field 'answer'" in r.stdout
+
+
+def test_multirun_gives_each_run_its_own_directory(tmp_path):
+    r = launch("-m", "dry_run=true", "async.max_staleness=0,4", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert runs == ["async.max_staleness=0", "async.max_staleness=4"]
+    for eta, name in zip((0, 4), runs):
+        overrides = (tmp_path / "sweep" / name / ".hydra" / "overrides.yaml").read_text()
+        assert f"async.max_staleness={eta}" in overrides
