@@ -176,6 +176,7 @@ class Controller:
                              step_seconds=now - last, train_seconds=train_seconds, update_seconds=update_seconds,
                              samples_per_second=self.B * self.G / (now - last),
                              gen_tokens_per_second=self.generated_tokens / (now - last),
+                             train_tokens_per_second=result.stats.get("n_tokens", 0.0) / train_seconds,
                              trainer_idle=1 - train_seconds / (now - last),
                              generator_idle=None if gen_busy is None else 1 - (gen_busy - gen_busy_last) / (now - last),
                              elapsed=now - start, buffered=len(self.buffer), running=len(self.staleness.running))

@@ -14,7 +14,12 @@ def plot_learning_curve(metrics: list[dict], path: str, title: str = "") -> str:
     t0 = min((m["time"] for m in metrics), default=0.0)
     fig, ax = plt.subplots(figsize=(7, 4))
     if steps:
-        ax.plot([m["time"] - t0 for m in steps], [m["reward"] for m in steps], ".", alpha=0.4, label="batch reward")
+        times, rewards = [m["time"] - t0 for m in steps], [m["reward"] for m in steps]
+        ax.plot(times, rewards, ".", alpha=0.3, label="batch reward")
+        window = max(1, len(rewards) // 20)
+        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(times, smooth, "-", label=f"batch reward (mean of {window})")
     if evals:
         ax.plot([m["time"] - t0 for m in evals], [m["accuracy"] for m in evals], "o-", label="held-out accuracy")
     ax.set_xlabel("wall time (s)")
