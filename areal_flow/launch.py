@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from areal_flow.config.schema import register_configs
+from areal_flow.config.validate import ConfigError, check_run
 from areal_flow.data.dataset import DatasetError, load_jsonl
 from areal_flow.graph import GraphError, graph_from_config, place
 from areal_flow.graph.placement import Placement
@@ -57,14 +58,15 @@ def prepare_model(cfg: DictConfig) -> str:
     m = cfg.model
     return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
                              steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,
-                             seed=cfg.dataset.seed, progress=True)
+                             seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True)
 
 
-def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec) -> None:
+def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec, seed: int) -> None:
     for proc in placement.procs:
         if proc.role == "gen_server":
             argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", spec.model_path,
-                    "--port", str(spec.gen_ports[proc.rank]), "--num-threads", str(max(1, len(proc.devices)))]
+                    "--port", str(spec.gen_ports[proc.rank]), "--num-threads", str(max(1, len(proc.devices))),
+                    "--seed", str(seed + proc.rank)]
         else:
             argv = python_role(proc.role, proc, spec.run_dir)
         launcher.start(proc, argv)
@@ -72,6 +74,7 @@ def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec
 
 def run(cfg: DictConfig, console: Console) -> int:
     graph = graph_from_config(cfg)
+    check_run(cfg, graph)
     placement = place(graph, cfg["async"].rollout_workers)
     if cfg.dry_run:
         console.print(graph.describe(), highlight=False, markup=False)
@@ -93,7 +96,7 @@ def run(cfg: DictConfig, console: Console) -> int:
     launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
                              stop_timeout=cfg.launcher.stop_timeout)
     try:
-        start_processes(launcher, placement, spec)
+        start_processes(launcher, placement, spec, cfg.seed)
         with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
@@ -117,7 +120,7 @@ def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, DatasetError) as e:
+    except (GraphError, ConfigError, DatasetError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         code = 2
     if code:
@@ -131,7 +134,7 @@ def check_yaml(argv: list[str]) -> str | None:
 
     import yaml
 
-    folders = [CONF_DIR]
+    folders = [CONF_DIR, ROOT / "recipes"]  # rglob does not follow the conf/recipe link
     for arg in argv:
         if arg.startswith("hydra.searchpath="):
             folders += [Path(p) for p in re.findall(r"file://([^,\]\s]+)", arg)]

@@ -1,6 +1,7 @@
 """The whole system: every process, real sockets, a real HTTP server, real HF files."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,9 +34,18 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def leftover_processes(run_dir: Path) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+def leftover_processes(run_dir: Path) -> list[int]:
+    """Processes the launcher started for this run (it marks them with AREAL_FLOW_RUN) still alive."""
+    marker = f"AREAL_FLOW_RUN={run_dir}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0") and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def check_accounting(run_dir: Path, eta: int) -> dict:
@@ -43,15 +53,20 @@ def check_accounting(run_dir: Path, eta: int) -> dict:
     ledger = jsonl(run_dir / "ledger.jsonl")
     admitted = {e["group"]: e["version"] for e in ledger if e["event"] == "admit"}
     trained_steps = {g: e["step"] for e in ledger if e["event"] == "train" for g in e["groups"]}
+    finished = {e["group"] for e in ledger if e["event"] == "finish"}
+    dropped = {e["group"] for e in ledger if e["event"] == "drop"}
     uids = [u for r in jsonl(run_dir / "trained-rank0.jsonl") for u in r["uids"]]
     assert len(uids) == len(set(uids)), "a sample was trained twice"
     groups_from_trainer = Counter(int(u.split("-")[0][1:]) for u in uids)
     assert set(groups_from_trainer) == set(trained_steps)
     assert all(n == 4 for n in groups_from_trainer.values())  # whole groups of group_size samples
-    assert set(trained_steps) <= set(admitted)
+    assert set(trained_steps) <= finished <= set(admitted)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["accounted"] and summary["admitted_groups"] == len(admitted)
-    assert summary["trained_groups"] + summary["running_groups_at_end"] + summary["buffered_groups_at_end"] == len(admitted)
+    assert summary["admitted_groups"] == len(admitted) and summary["trained_groups"] == len(trained_steps)
+    assert summary["buffered_groups_at_end"] == len(finished - set(trained_steps))
+    assert summary["dropped_groups"] == len(dropped) == 0
+    running = set(admitted) - finished - dropped
+    assert summary["running_groups_at_end"] == len(running)
     for g, step in trained_steps.items():
         assert step - admitted[g] <= eta, f"group {g} admitted at v{admitted[g]} trained at step {step}"
     return summary
@@ -99,9 +114,9 @@ def test_eta_zero_trains_each_batch_on_the_current_policy(tmp_path, cache_dir):
 
 def test_a_process_that_dies_stops_the_run_with_its_name_and_traceback(tmp_path, cache_dir):
     # Start from a checkpoint whose weights file is corrupt: the model processes die loading it.
-    base = next((cache_dir / "models").iterdir()) if (cache_dir / "models").exists() else None
-    if base is None:
-        pytest.skip("needs the bootstrapped model of the tests above")
+    from areal_flow.models.bootstrap import ensure_base_model
+
+    base = ensure_base_model(str(tmp_path / "models"), steps=2, batch_size=4, progress=False)
     broken = tmp_path / "broken_model"
     shutil.copytree(base, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -13,10 +13,11 @@ async def held_out_accuracy(
     tokenizer,
     rows: list[dict[str, str]],
     reward_fn: Callable[[str, str], float],
+    prompt_key: str,
     reference_key: str,
     max_new_tokens: int,
 ) -> float:
-    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
+    prompts = [tokenizer.encode(r[prompt_key], add_special_tokens=False) for r in rows]
     shards = [list(range(i, len(rows), len(clients))) for i in range(len(clients))]
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     answers = await asyncio.gather(

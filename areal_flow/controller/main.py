@@ -36,6 +36,7 @@ from areal_flow.transport.messages import (
     GroupDone,
     Hello,
     NodeResult,
+    Message,
     PromptGroup,
     RunNode,
     Sample,
@@ -60,7 +61,9 @@ class Controller:
         self.tokenizer = load_tokenizer(spec.model_path)
         reward_node = self.graph.rewards[0]
         self.reward_fn = REWARD_FNS[reward_node.fn]
-        self.reference_key = next(k for k in reward_node.inputs if k in fields)
+        self.reward_key = reward_node.outputs[0]
+        self.prompt_key = self.graph.dataset_input(self.graph.generate)
+        self.reference_key = self.graph.dataset_input(reward_node)
 
         ctx = zmq.asyncio.Context()
         self.admission = make_socket(ctx, zmq.ROUTER, bind=endpoint(spec.admission_port))
@@ -77,6 +80,8 @@ class Controller:
         self.ledger = open(spec.path("ledger.jsonl"), "a", buffering=1)
         self.generated_tokens = 0
         self.trainer_busy = 0.0
+        self.eval_seconds = 0.0  # spent on held-out evaluation, not counted as training time
+        self.dropped = 0  # groups that came back unusable
 
     # ---- admission (DESIGN §4.1) -------------------------------------------------------
 
@@ -95,7 +100,7 @@ class Controller:
             row = self.prompts.next()
             gid, self.next_group = self.next_group, self.next_group + 1
             version = self.staleness.admit(gid)
-            group = PromptGroup(gid, row["id"], row, self.G, version, time.time())
+            group = PromptGroup(gid, row["id"], row, self.G, time.time())
             self._ledger("admit", group=gid, prompt_id=row["id"], version=version)
             await send_to(self.admission, ident, group)
 
@@ -105,16 +110,37 @@ class Controller:
             if not isinstance(msg, GroupDone):
                 log.error("results socket: unexpected %s, dropped", type(msg).__name__)
                 continue
-            if msg.group_id not in self.staleness.running or len(msg.samples) != self.G:
-                log.error("results socket: group %d is not running or has %d samples (want %d), dropped",
-                          msg.group_id, len(msg.samples), self.G)
+            if msg.group_id not in self.staleness.running:
+                log.error("results socket: group %d is not running (a duplicate?), dropped", msg.group_id)
+                continue
+            if problem := self.group_problem(msg):
+                # Unusable, but accounted for: the group leaves the running set (else the staleness
+                # rule would wait for it forever) and the ledger and summary say it was dropped.
+                log.error("results socket: group %d dropped: %s", msg.group_id, problem)
+                self.staleness.abandon(msg.group_id)
+                self.dropped += 1
+                self._ledger("drop", group=msg.group_id, reason=problem)
+                self.changed.set()
                 continue
             self.staleness.finish(msg.group_id)
             self.buffer.add(msg.group_id, msg.samples)
-            self.generated_tokens += sum(len(s.arrays["output_ids"].data) // 4 for s in msg.samples)
+            self.generated_tokens += sum(s.n_tokens() for s in msg.samples)
             self._ledger("finish", group=msg.group_id)
             self.changed.set()
             await self.grant()
+
+    def group_problem(self, group: GroupDone) -> str | None:
+        """What makes a scored group untrainable, if anything."""
+        if len(group.samples) != self.G:
+            return f"{len(group.samples)} samples, want {self.G}"
+        for s in group.samples:
+            missing = [k for k in self.graph.generate.outputs if k not in s.arrays]
+            if missing or self.reward_key not in s.scalars:
+                return f"sample {s.uid} lacks {missing or [self.reward_key]}"
+            lengths = {len(s.arrays[k]) for k in self.graph.generate.outputs if k != "prompt_ids"}
+            if len(lengths) > 1:
+                return f"sample {s.uid} has per-token arrays of different lengths {sorted(lengths)}"
+        return None
 
     # ---- batch nodes ------------------------------------------------------------------
 
@@ -125,19 +151,24 @@ class Controller:
         self.staleness.trained(ids)
         return self.buffer.take(ids)
 
+    async def from_every_rank(self, kind: type, what: str) -> dict[int, Message]:
+        """One reply of type `kind` from each trainer rank, by rank."""
+        replies: dict[int, Message] = {}
+        while len(replies) < len(self.trainer_ids):
+            _, msg = await recv_from(self.trainers, "controller trainers")
+            if isinstance(msg, kind):
+                replies[msg.rank] = msg
+            else:
+                log.error("trainer socket: unexpected %s while %s, dropped", type(msg).__name__, what)
+        return replies
+
     async def run_node(self, node: Node, groups: list[list[Sample]], step: int) -> NodeResult:
         """Send each trainer rank its share of whole groups (balanced by tokens) and gather results."""
         shards = shard_groups(groups, len(self.trainer_ids))
         for rank, ident in self.trainer_ids.items():
             msg_samples = [s for g in shards[rank] for s in g]
             await send_to(self.trainers, ident, RunNode(node=node.name, step=step, samples=msg_samples))
-        results: dict[int, NodeResult] = {}
-        while len(results) < len(self.trainer_ids):
-            _, msg = await recv_from(self.trainers, "controller trainers")
-            if isinstance(msg, NodeResult) and msg.node == node.name:
-                results[msg.rank] = msg
-            else:
-                log.error("trainer socket: unexpected %s while running %s, dropped", type(msg).__name__, node.name)
+        results = await self.from_every_rank(NodeResult, f"running {node.name}")
         by_uid = {s.uid: s for g in groups for s in g}
         for res in results.values():
             for uid, arrays in res.outputs.items():
@@ -145,12 +176,9 @@ class Controller:
         return results[0]
 
     async def publish(self, weights_path: str, version: int) -> float:
-        """Load the new weights on every generation server; returns the seconds it took."""
+        """Load the new weights on every generation server (the client raises on a refusal)."""
         t0 = time.time()
-        answers = await asyncio.gather(*[c.update_weights_from_disk(weights_path, version) for c in self.gen_clients])
-        for url, a in zip(self.spec.gen_urls, answers):
-            if not a.get("success"):
-                raise RuntimeError(f"generation server {url} refused weights {weights_path}: {a.get('message')}")
+        await asyncio.gather(*[c.update_weights_from_disk(weights_path, version) for c in self.gen_clients])
         return time.time() - t0
 
     async def train_loop(self) -> int:
@@ -164,8 +192,8 @@ class Controller:
             groups = await self.next_batch(step)
             self._ledger("train", step=step, groups=[g[0].group_id for g in groups])
             t0 = time.time()
-            for node in self.graph.batch_nodes:
-                result = await self.run_node(node, groups, step)
+            results = {node.type: await self.run_node(node, groups, step) for node in self.graph.batch_nodes}
+            result = results["train"]
             train_seconds = time.time() - t0
             self.trainer_busy += train_seconds
             update_seconds = await self.publish(result.weights_path, step + 1)
@@ -183,16 +211,17 @@ class Controller:
             self.generated_tokens, last, gen_busy_last = 0, now, gen_busy
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 await self.evaluate(f"step {step + 1}", step + 1)
+                # Evaluation is not training time: the next step's rates start after it.
+                last, gen_busy_last = time.time(), await self.gen_busy_seconds()
         else:
             step = cfg.total_steps
         return step
 
     def step_metrics(self, groups: list[list[Sample]], step: int, stats: dict[str, float]) -> dict:
         samples = [s for g in groups for s in g]
-        key = self.graph.rewards[0].outputs[0]
-        rewards = np.array([s.scalars[key] for s in samples])
+        rewards = np.array([s.scalars[self.reward_key] for s in samples])
         staleness = np.concatenate([step - s.array("versions") for s in samples if "versions" in s.arrays] or [[0]])
-        lengths = np.array([len(s.arrays["output_ids"].data) // 4 for s in samples])
+        lengths = np.array([s.n_tokens() for s in samples])
         return {
             "reward": float(rewards.mean()),
             "accuracy": float((rewards >= 1).mean()),
@@ -211,7 +240,8 @@ class Controller:
     async def evaluate(self, when: str, step: int) -> float:
         t0 = time.time()
         acc = await held_out_accuracy(self.gen_clients, self.tokenizer, self.eval_rows, self.reward_fn,
-                                      self.reference_key, self.cfg.algorithm.max_new_tokens)
+                                      self.prompt_key, self.reference_key, self.cfg.algorithm.max_new_tokens)
+        self.eval_seconds += time.time() - t0
         self.metrics.log("eval", when=when, step=step, accuracy=acc, seconds=time.time() - t0)
         log.info("held-out accuracy at %s: %.1f%%", when, 100 * acc)
         return acc
@@ -232,15 +262,14 @@ class Controller:
                                    "(launcher.start_timeout)") from None
             if isinstance(msg, Hello):
                 self.trainer_ids[msg.rank] = ident
+            else:
+                log.error("trainer socket: unexpected %s before start, dropped", type(msg).__name__)
 
     async def save_checkpoint(self) -> str:
         path = self.spec.path("checkpoint")
         for ident in self.trainer_ids.values():
             await send_to(self.trainers, ident, SaveCheckpoint(path))
-        done = 0
-        while done < len(self.trainer_ids):
-            _, msg = await recv_from(self.trainers, "controller trainers")
-            done += isinstance(msg, Saved)
+        await self.from_every_rank(Saved, "saving the checkpoint")
         return path
 
     async def run(self) -> None:
@@ -249,9 +278,9 @@ class Controller:
                          max_staleness=self.cfg["async"].max_staleness)
         acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start else None
         loops = [asyncio.create_task(self.admission_loop()), asyncio.create_task(self.results_loop())]
-        t0 = time.time()
+        t0, eval_before = time.time(), self.eval_seconds
         steps = await self.train_loop()
-        train_wall = time.time() - t0
+        train_wall = time.time() - t0 - (self.eval_seconds - eval_before)
         self.closing = True  # no new admissions; running groups finish or stay accounted for
         acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end else None
         checkpoint = await self.save_checkpoint()
@@ -270,9 +299,9 @@ class Controller:
             "trained_groups": trained,
             "running_groups_at_end": len(self.staleness.running),
             "buffered_groups_at_end": len(self.buffer),
+            "dropped_groups": self.dropped,
             "checkpoint": checkpoint,
         }
-        summary["accounted"] = summary["admitted_groups"] == trained + len(self.staleness.running) + len(self.buffer)
         self.metrics.log("summary", **summary)
         with open(self.spec.path("summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -289,7 +318,7 @@ def shard_groups(groups: list[list[Sample]], n: int) -> list[list[list[Sample]]]
     """Whole groups to n ranks, largest first onto the rank with the fewest tokens so far."""
     shards: list[list[list[Sample]]] = [[] for _ in range(n)]
     load = [0] * n
-    tokens = lambda g: sum(len(s.arrays["output_ids"].data) + len(s.arrays["prompt_ids"].data) for s in g)  # noqa: E731
+    tokens = lambda g: sum(s.n_tokens("output_ids") + s.n_tokens("prompt_ids") for s in g)  # noqa: E731
     for g in sorted(groups, key=tokens, reverse=True):
         rank = load.index(min(load))
         shards[rank].append(g)

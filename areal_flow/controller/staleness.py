@@ -49,6 +49,10 @@ class StalenessManager:
         self.finished[group_id] = self.running.pop(group_id)
         self.accepted += 1
 
+    def abandon(self, group_id: int) -> None:
+        """A running group came back unusable: it leaves the running set without being accepted."""
+        del self.running[group_id]
+
     def pick_batch(self, step: int) -> list[int] | None:
         """The group ids step `step` trains (oldest first), or None while it must wait."""
         if len(self.finished) < self.batch_size:

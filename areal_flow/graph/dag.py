@@ -83,6 +83,15 @@ class Graph:
         producer = self.producers.get(key)
         return self.nodes[producer].role if producer else None
 
+    def type_of_producer(self, key: str) -> str | None:
+        """The type of the node that writes `key`; None for dataset fields."""
+        producer = self.producers.get(key)
+        return self.nodes[producer].type if producer else None
+
+    def dataset_input(self, node: Node) -> str:
+        """The one dataset field a generate node reads (its prompt) or a reward node compares with."""
+        return next(k for k in node.inputs if k in self.dataset_keys)
+
     def describe(self) -> str:
         lines = ["graph (in firing order):"]
         for name in self.order:
@@ -166,7 +175,7 @@ def build_graph(
 
     producers = _check_keys(nodes, dataset_keys, problems)
     order = _topological_order(nodes, producers, problems)
-    _check_shape(nodes, producers, problems)
+    _check_shape(nodes, producers, dataset_keys, problems)
     _check_meshes(nodes, problems)
     if problems:
         raise GraphError(problems)
@@ -229,11 +238,24 @@ def _find_cycle(stuck: list[str], nodes: dict[str, Node], producers: dict[str, s
     return cycle
 
 
-def _check_shape(nodes: dict[str, Node], producers: dict[str, str], problems: list[str]) -> None:
+def _check_shape(nodes: dict[str, Node], producers: dict[str, str], dataset_keys: Sequence[str],
+                 problems: list[str]) -> None:
     """What this version of the runtime can run: one generate node, streaming before batch nodes."""
     by_type = {t: [n for n in nodes.values() if n.type == t] for t in NODE_TYPES}
     if len(by_type["generate"]) != 1:
         problems.append(f"the graph needs exactly one generate node, found {len(by_type['generate'])}")
+    if not by_type["reward"]:
+        problems.append("the graph needs a reward node (type: reward) to write the rewards the train node reads")
+    for n in by_type["generate"] + by_type["reward"]:
+        fields = [k for k in n.inputs if k in dataset_keys]
+        if len(fields) != 1:
+            what = "its prompt" if n.type == "generate" else "the reference answer"
+            problems.append(f"node '{n.name}': a {n.type} node reads exactly one dataset field, {what} "
+                            f"(graph.{n.name}.inputs has {fields or 'none'})")
+    for n in by_type["reward"]:
+        if len(n.outputs) != 1 or "output_ids" not in n.inputs:
+            problems.append(f"node '{n.name}': a reward node reads output_ids and writes exactly one key "
+                            f"(graph.{n.name}.inputs/outputs)")
     for g in by_type["generate"]:
         extra = [k for k in g.outputs if k not in GENERATE_KEYS]
         if extra or "output_ids" not in g.outputs:

@@ -62,7 +62,8 @@ class LocalLauncher:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
 
     def start(self, proc: Proc, argv: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_FLOW_PROC=proc.name)
+        # AREAL_FLOW_RUN marks every process of this run, so tools (and tests) can find them all.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_FLOW_PROC=proc.name, AREAL_FLOW_RUN=self.run_dir)
         cores = None
         if self.device_type == "cpu":
             # Light roles (controller, rollout, reward) float; model processes own their cores.
@@ -78,13 +79,15 @@ class LocalLauncher:
 
     def check(self, finished: str) -> bool:
         """True once `finished` exited 0; raises ChildFailed if any other child has exited."""
-        for name, child in self.children.items():
-            code = child.popen.poll()
-            if code is None:
-                continue
-            if name == finished and code == 0:
-                return True
-            raise ChildFailed(name, code, last_traceback(child.log_path), child.log_path)
+        exited = {name: c.popen.poll() for name, c in self.children.items() if c.popen.poll() is not None}
+        if exited.get(finished) == 0:
+            return True
+        if exited:
+            # When several died since the last look, blame one that is not the `finished` process
+            # (the controller): its failure is usually the consequence of another's death.
+            name = next((n for n in exited if n != finished), finished)
+            child = self.children[name]
+            raise ChildFailed(name, exited[name], last_traceback(child.log_path), child.log_path)
         return False
 
     def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:

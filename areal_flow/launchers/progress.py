@@ -51,6 +51,9 @@ class RunProgress:
             info = (f"reward {row['reward']:.2f}  staleness ≤{row['staleness_max']}  "
                     f"{row['samples_per_second']:.0f} samples/s")
             self.progress.update(self.task, completed=row["step"], description="training", info=info)
+            if not self.console.is_terminal and (row["step"] == 1 or row["step"] % 10 == 0):
+                # Piped output (CI, nohup) gets no live bar: a line every 10 steps instead.
+                self.console.print(f"step {row['step']}: {info}", highlight=False)
 
 
 def summary_table(summary: dict, metrics: list[dict]) -> Table:

@@ -71,6 +71,7 @@ def ensure_base_model(
     batch_size: int = 64,
     warmup_steps: int = 100,
     seed: int = 0,
+    heldout: tuple[int, int] = (HELDOUT_N, HELDOUT_SEED),
     progress: bool = True,
 ) -> str:
     """Return a directory with the bootstrapped model and its tokenizer, training it if needed.
@@ -89,7 +90,7 @@ def ensure_base_model(
         "version": BOOTSTRAP_VERSION,
         "data_version": DATA_VERSION,
         "chars": CHARS,
-        "heldout": [HELDOUT_N, HELDOUT_SEED],
+        "heldout": list(heldout),  # (n_eval, seed) of the held-out set the bootstrap must not see
         "arch": dict(sorted((arch or {}).items())),
         "steps": steps,
         "lr": lr,
@@ -197,6 +198,7 @@ def _train_and_save(out_dir: str, settings: dict[str, Any], progress: bool) -> N
         batch_size=settings["batch_size"],
         warmup_steps=settings["warmup_steps"],
         seed=settings["seed"],
+        heldout=tuple(settings["heldout"]),
         progress=progress,
     )
     seconds = time.perf_counter() - start
@@ -247,10 +249,11 @@ def train_supervised(
     batch_size: int,
     warmup_steps: int,
     seed: int,
+    heldout: tuple[int, int] = (HELDOUT_N, HELDOUT_SEED),
     progress: bool = False,
 ) -> list[float]:
     """Train `model` in place on fresh problems (held-out prompts excluded); return step losses."""
-    excluded = {prompt_text(a, b) for a, b in heldout_problems(HELDOUT_N, HELDOUT_SEED)}
+    excluded = {prompt_text(a, b) for a, b in heldout_problems(*heldout)}
     rng = random.Random(f"bootstrap-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS)
     sched = torch.optim.lr_scheduler.LambdaLR(

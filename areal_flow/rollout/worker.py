@@ -20,7 +20,7 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import endpoint, make_socket, recv, send
-from areal_flow.transport.messages import AdmitRequest, Array, GroupDone, PromptGroup, Sample, Stop
+from areal_flow.transport.messages import AdmitRequest, Array, GroupDone, PromptGroup, Sample
 
 log = logging.getLogger("areal_flow.rollout")
 
@@ -38,10 +38,18 @@ async def generate_sample(client: GenerationClient, prompt_ids: list[int], param
         meta = answer["meta_info"]
         out_ids += answer["output_ids"]
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-        versions += meta["output_token_versions"]
+        # output_token_versions is areal_flow's extension; real SGLang reports one version per answer.
+        versions += meta.get("output_token_versions") or [_version(meta)] * len(answer["output_ids"])
         if meta["finish_reason"]["type"] != "abort" or len(out_ids) >= budget:
             return {"output_ids": out_ids, "logprobs": logprobs, "versions": versions,
                     "finish_reason": meta["finish_reason"]["type"]}
+
+
+def _version(meta: dict) -> int:
+    try:
+        return int(meta.get("weight_version", 0))
+    except ValueError:  # SGLang's initial label is "default"
+        return 0
 
 
 class RolloutWorker:
@@ -57,7 +65,9 @@ class RolloutWorker:
         ctx = zmq.asyncio.Context()
         self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.admission_port), identity=name)
         self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank]))
-        self.keys = set(graph_from_config(cfg).generate.outputs)  # write what the recipe declares
+        graph = graph_from_config(cfg)
+        self.keys = set(graph.generate.outputs)  # write what the recipe declares
+        self.prompt_key = graph.dataset_input(graph.generate)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
 
@@ -74,7 +84,8 @@ class RolloutWorker:
         for _ in range(self.slots):
             await send(self.controller, AdmitRequest(self.name))
         try:
-            while not isinstance(msg := await recv(self.controller, f"{self.name} controller"), Stop):
+            while True:  # until the launcher stops this process
+                msg = await recv(self.controller, f"{self.name} controller")
                 if isinstance(msg, PromptGroup):
                     task = asyncio.create_task(self.rollout(msg))
                     self.tasks.add(task)
@@ -88,7 +99,7 @@ class RolloutWorker:
                 t.cancel()
 
     async def rollout(self, group: PromptGroup) -> None:
-        prompt_ids = self.tokenizer.encode(group.fields["prompt"], add_special_tokens=False)
+        prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
         client = next(self.next_client)  # one server per group keeps its prompt cache warm
         outs = await asyncio.gather(*[
             generate_sample(client, prompt_ids, self.params, f"g{group.group_id}-{i}") for i in range(group.group_size)

@@ -181,7 +181,7 @@ class TorchEngine:
             # Clamped so that a step without valid tokens gives loss 0, not 0/0.
             loss, stats = loss_fn(logp, batch, mask, max(n_valid_global, 1.0))
             loss.backward()
-            _accumulate(sums, {"loss": loss.detach(), **stats})
+            accumulate_stats(sums, {"loss": loss.detach(), **stats})
 
         grad_norm = self._sync_and_step()
         sums = self._all_reduce_stats(sums)
@@ -272,7 +272,7 @@ class TorchEngine:
         dist.all_gather_object(gathered, sums, group=self._group)
         merged: dict[str, float] = {}
         for part in gathered:
-            _accumulate(merged, part or {})
+            accumulate_stats(merged, part or {})
         return merged
 
     # ------------------------------------------------------------------ save
@@ -302,12 +302,13 @@ def _lengths(seqs: Sequence[Seq]) -> list[int]:
     return [len(prompt) + len(output) for prompt, output in seqs]
 
 
-def _accumulate(into: dict[str, float], stats: dict) -> None:
+def accumulate_stats(into: dict[str, float], stats: dict) -> None:
+    """Add `stats` into `into`: keys ending in _max (and grad_norm) keep the largest, others sum."""
     for key, value in stats.items():
         value = float(value)
         if key not in into:
             into[key] = value
-        elif key.endswith("_max"):
+        elif key.endswith("_max") or key == "grad_norm":
             into[key] = max(into[key], value)
         else:
             into[key] += value

@@ -22,7 +22,7 @@ from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import TorchEngine
+from areal_flow.training.engine import TorchEngine, accumulate_stats
 from areal_flow.transport.channels import endpoint, make_socket, recv_blocking
 from areal_flow.transport.messages import (
     Array,
@@ -32,7 +32,6 @@ from areal_flow.transport.messages import (
     Sample,
     SaveCheckpoint,
     Saved,
-    Stop,
     encode,
 )
 
@@ -78,11 +77,9 @@ class ModelWorker:
         self.socket = make_socket(zmq.Context(), zmq.DEALER, connect=endpoint(spec.trainer_port), identity=name)
 
     def run(self) -> None:
-        self.socket.send(encode(Hello(self.name, self.rank)))
-        while True:
+        self.socket.send(encode(Hello(self.rank)))
+        while True:  # until the launcher stops this process
             msg = recv_blocking(self.socket, f"{self.name} controller")
-            if isinstance(msg, Stop):
-                return
             if isinstance(msg, SaveCheckpoint):
                 self.save_checkpoint(msg.path)
                 self.socket.send(encode(Saved(self.rank, msg.path)))
@@ -93,16 +90,21 @@ class ModelWorker:
             else:
                 log.error("%s: unexpected %s, dropped", self.name, type(msg).__name__)
 
+    def engine(self, node: Node) -> TorchEngine:
+        """The role's model, packing micro-batches under this node's own token budget."""
+        engine = self.engines[node.role]
+        engine.micro_batch_tokens = node.micro_batch_tokens
+        return engine
+
     def inference(self, node: Node, samples: list[Sample]) -> NodeResult:
-        lps = self.engines[node.role].logprobs([(s.array("prompt_ids"), s.array("output_ids")) for s in samples])
+        lps = self.engine(node).logprobs([(s.array("prompt_ids"), s.array("output_ids")) for s in samples])
         key = node.outputs[0]
         return NodeResult(node.name, self.rank, outputs={s.uid: {key: Array.of(lp)} for s, lp in zip(samples, lps)})
 
     def train(self, node: Node, msg: RunNode) -> NodeResult:
         algo = self.cfg.algorithm
         samples = sorted(msg.samples, key=lambda s: (s.group_id, s.index))  # groups contiguous
-        reward_key = next(k for k in node.inputs if k in self.graph.producers
-                          and self.graph.nodes[self.graph.producers[k]].type == "reward")
+        reward_key = next(k for k in node.inputs if self.graph.type_of_producer(k) == "reward")
         rewards = torch.tensor([s.scalars[reward_key] for s in samples], dtype=torch.float32)
         adv = group_normalized_advantages(rewards, algo.group_size, scale_by_std=algo.adv_scale_by_std) \
             if samples else rewards
@@ -113,35 +115,30 @@ class ModelWorker:
         }
         # Which inputs are prox/ref logprobs follows from the role of the node that wrote them.
         for key in node.inputs:
-            producer = self.graph.producers.get(key)
-            if producer and self.graph.nodes[producer].type == "inference":
-                sem = "prox_logprobs" if self.graph.nodes[producer].role == node.role else "ref_logprobs"
+            if self.graph.type_of_producer(key) == "inference":
+                sem = "prox_logprobs" if self.graph.role_of_key(key) == node.role else "ref_logprobs"
                 token_data[sem] = [s.array(key) for s in samples]
         loss_fn = partial(ppo_loss, algo=algo, kl_coef=algo.kl_coef)
-        engine = self.engines[node.role]
+        engine = self.engine(node)
         stats: dict[str, float] = {}
         groups = sorted({s.group_id for s in samples})
         for mb_groups in np.array_split(np.array(groups, dtype=np.int64), algo.n_minibatches):
             # Minibatches hold whole groups, so every advantage's group trains in one update.
             idx = [i for i, s in enumerate(samples) if s.group_id in set(mb_groups.tolist())]
-            stats = _merge(stats, engine.train_step([seqs[i] for i in idx],
-                                                   {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
+            accumulate_stats(stats, engine.train_step(
+                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
         version = msg.step + 1
         weights = self.spec.path("weights", f"v{version}")
         if self.rank == 0:
             engine.save_weights(weights)
             _prune_weights(self.spec.path("weights"), keep=version)
         self.trained_log.write(json.dumps({"step": msg.step, "uids": [s.uid for s in samples]}) + "\n")
-        return NodeResult(node.name, self.rank, stats=stats, weights_path=weights, version=version)
+        return NodeResult(node.name, self.rank, stats=stats, weights_path=weights)
 
     def save_checkpoint(self, path: str) -> None:
         role = next(n.role for n in self.graph.batch_nodes if n.type == "train")
         if self.rank == 0:
             self.engines[role].save_hf(path, tokenizer=load_tokenizer(self.spec.model_path))
-
-
-def _merge(acc: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
-    return {k: acc.get(k, 0.0) + v for k, v in stats.items()} if acc else dict(stats)
 
 
 def _prune_weights(root: str, keep: int) -> None:

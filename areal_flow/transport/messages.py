@@ -11,11 +11,26 @@ import numpy as np
 import msgspec
 
 
+# The element types that travel; anything else is rejected when the message is decoded.
+DTYPES = {"<i4": 4, "<i8": 8, "<f4": 4, "<f8": 8, "|u1": 1, "|b1": 1}
+
+
 class Array(msgspec.Struct, array_like=True):
     """A 1-D numpy array as raw little-endian bytes."""
 
     dtype: str
     data: bytes
+
+    def __post_init__(self) -> None:
+        # Runs on decode too, so a malformed array fails there (and is dropped by the receiver)
+        # instead of deep inside whoever reads it.
+        if self.dtype not in DTYPES:
+            raise ValueError(f"array dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if len(self.data) % DTYPES[self.dtype]:
+            raise ValueError(f"{len(self.data)} bytes is not a whole number of {self.dtype} elements")
+
+    def __len__(self) -> int:
+        return len(self.data) // DTYPES[self.dtype]
 
     @classmethod
     def of(cls, a) -> "Array":
@@ -50,6 +65,9 @@ class Sample(msgspec.Struct, kw_only=True):
     def array(self, key: str) -> np.ndarray:
         return self.arrays[key].numpy()
 
+    def n_tokens(self, key: str = "output_ids") -> int:
+        return len(self.arrays[key])
+
 
 # ---- rollout worker <-> controller ------------------------------------------------------
 
@@ -67,14 +85,7 @@ class PromptGroup(msgspec.Struct, tag=True):
     prompt_id: str
     fields: dict[str, str]
     group_size: int
-    admit_version: int
     birth_time: float
-
-
-class Stop(msgspec.Struct, tag=True):
-    """Tells a worker to finish what it holds and exit."""
-
-    reason: str = ""
 
 
 # ---- rollout worker -> reward workers -> controller --------------------------------------
@@ -105,8 +116,7 @@ class NodeResult(msgspec.Struct, tag=True):
     rank: int
     outputs: dict[str, dict[str, Array]] = {}
     stats: dict[str, float] = {}
-    weights_path: str = ""
-    version: int = -1
+    weights_path: str = ""  # train nodes: where the new weights were published
 
 
 class SaveCheckpoint(msgspec.Struct, tag=True):
@@ -123,13 +133,12 @@ class Saved(msgspec.Struct, tag=True):
 
 
 class Hello(msgspec.Struct, tag=True):
-    """A process announces itself to the controller once it is ready."""
+    """A trainer rank announces itself to the controller once its model is loaded."""
 
-    name: str
-    rank: int = 0
+    rank: int
 
 
-Message = AdmitRequest | PromptGroup | Stop | GroupDone | RunNode | NodeResult | SaveCheckpoint | Saved | Hello
+Message = AdmitRequest | PromptGroup | GroupDone | RunNode | NodeResult | SaveCheckpoint | Saved | Hello
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -44,8 +44,9 @@ def test_unknown_keys_and_wrong_types_fail_before_anything_starts(tmp_path, over
 def test_graph_errors_name_node_and_key_and_exit_non_zero(tmp_path):
     r = launch("graph.actor_train.mesh=0", cwd=tmp_path)
     assert r.returncode == 2
-    assert "meshes of 'generate' (0) and 'actor_prox'" not in r.stdout  # prox is on 1
-    assert "'actor_train'" in r.stdout and "graph.actor_train.mesh" in r.stdout
+    assert "meshes of 'generate' (0) and 'actor_train' (0) overlap" in r.stdout
+    assert "batch nodes 'actor_prox' (1) and 'actor_train' (0) differ (graph.actor_train.mesh)" in r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
 
 
 def user_recipe(folder: Path, name: str, text: str) -> None:
@@ -95,3 +96,28 @@ def test_multirun_gives_each_run_its_own_directory(tmp_path):
     for eta, name in zip((0, 4), runs):
         overrides = (tmp_path / "sweep" / name / ".hydra" / "overrides.yaml").read_text()
         assert f"async.max_staleness={eta}" in overrides
+
+
+def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
+    r = launch("async.max_concurrent=0", "algorithm.batch_size=0", "cluster.n_devices=64",
+               "model.path=/nonexistent/model", "launcher.type=slurm", cwd=tmp_path)
+    assert r.returncode == 2
+    for expected in ("async.max_concurrent=0 must be ≥ 1", "algorithm.batch_size=0 must be ≥ 1",
+                     "cluster.n_devices=64 but this process may use", "model.path='/nonexistent/model'",
+                     "launcher.type='slurm'"):
+        assert expected in r.stdout
+
+
+def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):
+    import areal_flow.launch as launch_mod
+
+    root = tmp_path / "root"
+    (root / "conf").mkdir(parents=True)
+    (root / "recipes").mkdir()
+    (root / "recipes" / "bad.yaml").write_text("a: [1, 2\n")
+    (root / "conf" / "recipe").symlink_to(root / "recipes")
+    monkeypatch.setattr(launch_mod, "ROOT", root)
+    monkeypatch.setattr(launch_mod, "CONF_DIR", root / "conf")
+    problem = launch_mod.check_yaml([])
+    assert problem is not None and str(root / "recipes" / "bad.yaml") in problem
+    assert launch_mod.check_yaml(["hydra.searchpath=[file://" + str(tmp_path / "none") + "]"]) == problem

@@ -48,3 +48,21 @@ def test_a_message_that_does_not_decode_is_logged_and_the_receiver_keeps_working
     assert isinstance(got, GroupDone) and got.group_id == 7
     rejected = [r for r in caplog.records if "does not decode" in r.getMessage()]
     assert len(rejected) == 2 and "test inbox" in rejected[0].getMessage()
+
+
+def test_arrays_that_do_not_fit_their_dtype_are_rejected_on_decode():
+    import msgspec
+    import pytest
+
+    from areal_flow.transport.messages import decode
+
+    def wire(dtype: str, data: bytes) -> bytes:
+        sample = {"uid": "g1-0", "prompt_id": "p", "group_id": 1, "index": 0, "birth_time": 0.0,
+                  "arrays": {"output_ids": [dtype, data]}}
+        return msgspec.msgpack.encode({"type": "GroupDone", "group_id": 1, "samples": [sample]})
+
+    assert decode(wire("<i4", b"\x01\x00\x00\x00")).samples[0].array("output_ids").tolist() == [1]
+    with pytest.raises(msgspec.ValidationError, match="whole number"):
+        decode(wire("<i4", b"\x01\x00\x00"))
+    with pytest.raises(msgspec.ValidationError, match="dtype 'object'"):
+        decode(wire("object", b""))
