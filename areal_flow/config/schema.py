@@ -2,7 +2,8 @@
 
 Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides onto `RunConfig`;
 OmegaConf rejects unknown keys and wrongly typed values with the full key path. Cross-field
-rules (the graph, placement) are checked in `areal_flow.graph.validate` before anything starts.
+rules are checked before anything starts: the graph and placement in `areal_flow/graph/dag.py`, ranges
+and the machine in `areal_flow/config/validate.py`.
 """
 
 from __future__ import annotations

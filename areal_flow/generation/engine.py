@@ -26,35 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
+
+from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
+from areal_flow.generation.sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next_tokens  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-GREEDY_TEMPERATURE = 1e-6
-"""Temperatures below this decode greedily (SGLang's threshold)."""
-
-
 class EngineShutdownError(RuntimeError):
     """The engine stopped before the request or weight update finished."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    """Generate at most this many tokens (0: answer at once with no tokens)."""
-    temperature: float = 1.0
-    """Softmax temperature; below 1e-6 the engine decodes greedily."""
-    top_p: float = 1.0
-    """Sample from the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
-    top_k: int = -1
-    """Sample among the k most likely tokens; -1 turns it off."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Ids that end the request besides the model's eos; the stop token is kept in the output."""
-    ignore_eos: bool = False
-    """Do not stop on the model's eos ids."""
 
 
 @dataclass(frozen=True)
@@ -89,48 +71,6 @@ class GenerationResult:
         return len(self.output_ids)
 
 
-def sample_next_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (tokens [B] int64, logprobs [B] float32).
-
-    logits [B, V] float32; temperature and top_p [B] float32; top_k [B] int64 (-1 = off).
-    The logprob is log_softmax(logits / T) over the full vocabulary, taken before top-p/top-k
-    truncation (SGLang's semantics, and what the trainer recomputes). Rows with T < 1e-6 take the
-    argmax and report log_softmax(logits).
-    """
-    greedy = temperature < GREEDY_TEMPERATURE
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
-    tokens = logprobs.argmax(dim=-1)
-    rows = (~greedy).nonzero().squeeze(1)
-    if rows.numel() > 0:
-        kept = _truncate(logprobs[rows], top_p[rows], top_k[rows])
-        tokens[rows] = torch.multinomial(kept.softmax(dim=-1), 1, generator=generator).squeeze(1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Set logprobs outside each row's top-k and top-p sets to -inf; the best token always stays.
-
-    As in SGLang, top-p is measured on the untruncated distribution.
-    """
-    if bool(((top_k < 0) & (top_p >= 1.0)).all()):
-        return logprobs  # nothing to cut: skip the sort
-    vocab = logprobs.shape[-1]
-    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).expand_as(sorted_lp)
-    drop = rank >= torch.where(top_k < 0, vocab, top_k)[:, None]
-    probs = sorted_lp.exp()
-    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
-    return torch.full_like(logprobs, -math.inf).scatter(1, order, sorted_lp)
-
-
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """Read the weights of a Hugging Face directory (model.safetensors, or an index of shards)."""
     root = Path(path)
@@ -150,149 +90,6 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
         except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"cannot read weights from {file}: {exc}") from exc
     return state
-
-
-class _GrowingLayer(DynamicLayer):
-    """One layer's KV cache in a buffer with room to spare at the end.
-
-    transformers' DynamicLayer appends with torch.cat, re-copying the whole cache every decode step;
-    writing into spare room instead made batch-64 decoding about 1.5x faster. `keys`/`values` stay
-    views of the filled part, so everything else in transformers reads this layer as a DynamicLayer.
-    """
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self._keys = self._values = key_states[:, :, :0]
-        self._length = 0
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self._length + key_states.shape[-2]
-        if end > self._keys.shape[-2]:
-            keys = _spacious_like(key_states, end)
-            values = torch.empty_like(keys)
-            keys[:, :, : self._length] = self._keys[:, :, : self._length]
-            values[:, :, : self._length] = self._values[:, :, : self._length]
-            self._keys, self._values = keys, values
-        self._keys[:, :, self._length: end] = key_states
-        self._values[:, :, self._length: end] = value_states
-        self._set_length(end)
-        return self.keys, self.values
-
-    def _set_length(self, length: int) -> None:
-        self._length = length
-        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
-
-    @classmethod
-    def gather(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], width: int
-               ) -> _GrowingLayer:
-        """A layer holding rows `index` of each part's (keys, values) from column `start` on,
-        right-aligned to `width` columns (left padding is zeros, masked by the caller)."""
-        rows = sum(len(index) for _, _, index, _ in parts)
-        first = parts[0][0]
-        layer = cls()
-        layer.lazy_initialization(first, first)
-        layer._keys = _spacious_like(first, width, rows=rows, zero=True)
-        layer._values = torch.zeros_like(layer._keys)
-        offset = 0
-        for keys, values, index, start in parts:
-            n, w = len(index), keys.shape[-2] - start
-            layer._keys[offset: offset + n, :, width - w: width] = keys[index, :, start:]
-            layer._values[offset: offset + n, :, width - w: width] = values[index, :, start:]
-            offset += n
-        layer._set_length(width)
-        return layer
-
-
-def _spacious_like(like: torch.Tensor, length: int, rows: int | None = None, zero: bool = False) -> torch.Tensor:
-    """A [rows, heads, capacity, dim] buffer with capacity ~2x length: amortised O(1) copies per step."""
-    shape = (like.shape[0] if rows is None else rows, like.shape[1], max(2 * length, 64), like.shape[-1])
-    return like.new_zeros(shape) if zero else like.new_empty(shape)
-
-
-@dataclass
-class _Row:
-    """One request while it waits or decodes."""
-
-    request: GenerationRequest
-    future: Future
-    stop_ids: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: tuple[str, int | None] | None = None
-
-    def append(self, token: int, logprob: float, version: int) -> None:
-        self.output_ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        if token in self.stop_ids:
-            self.finish = ("stop", token)
-        elif len(self.output_ids) >= self.request.params.max_new_tokens:
-            self.finish = ("length", None)
-
-    @property
-    def last_position(self) -> int:
-        """Position id of the newest token, which is the next one fed to the model."""
-        return len(self.request.input_ids) + len(self.output_ids) - 1
-
-
-@dataclass
-class _Batch:
-    """Rows decoding together. The KV cache is left-padded to one width; `mask` [B, width] marks the
-    real positions; `logits` [B, V] are what each row samples its next token from.
-
-    A finished row stays in the batch as a dead row until the next `combine` (its outputs are
-    ignored): for small models a forward costs about the same with a few more rows, while
-    compacting copies the whole cache.
-    """
-
-    rows: list[_Row]
-    cache: Cache
-    mask: torch.Tensor
-    logits: torch.Tensor
-    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
-
-    def __post_init__(self) -> None:
-        # Built once per membership change, not per step.
-        params = [row.request.params for row in self.rows]
-        self.sampling = (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-        )
-
-    def live(self) -> list[int]:
-        return [i for i, row in enumerate(self.rows) if row.finish is None]
-
-    @staticmethod
-    def combine(parts: Sequence[tuple[_Batch, list[int]]]) -> _Batch | None:
-        """The rows `keep` of each batch in one batch, with one copy of the cache: each part is
-        right-aligned to the widest, and columns that no kept row attends to are dropped."""
-        parts = [(batch, keep) for batch, keep in parts if keep]
-        if not parts:
-            return None
-        pieces = []  # (batch, index, first column any kept row of the batch attends to)
-        for batch, keep in parts:
-            index = torch.tensor(keep)
-            pieces.append((batch, index, int(batch.mask[index].any(dim=0).int().argmax())))
-        width = max(batch.mask.shape[1] - start for batch, _, start in pieces)
-        layers = [
-            _GrowingLayer.gather(
-                [(b.cache.layers[i].keys, b.cache.layers[i].values, index, start) for b, index, start in pieces], width)
-            for i in range(len(pieces[0][0].cache.layers))
-        ]
-        mask = torch.cat([F.pad(b.mask[index, start:], (width - (b.mask.shape[1] - start), 0))
-                          for b, index, start in pieces])
-        return _Batch(
-            [b.rows[i] for b, index, _ in pieces for i in index.tolist()],
-            Cache(layers=layers),
-            mask,
-            torch.cat([b.logits[index] for b, index, _ in pieces]),
-        )
 
 
 @dataclass

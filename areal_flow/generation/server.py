@@ -487,13 +487,13 @@ class GenerationServer(ThreadingHTTPServer):
         self.server_close()
 
 
-def load_tokenizer(model_path: str) -> Any:
+def optional_tokenizer(model_path: str) -> Any:
     """The model directory's fast tokenizer, or None when it has no tokenizer.json."""
     if not (Path(model_path) / "tokenizer.json").is_file():
         return None
-    from transformers import PreTrainedTokenizerFast
+    from areal_flow.models.tokenizer import load_tokenizer
 
-    return PreTrainedTokenizerFast.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def serve(
@@ -502,7 +502,7 @@ def serve(
     """Start an engine and its HTTP server on a background thread (port 0: a free port)."""
     engine = GenerationEngine(model_path, **engine_kw)
     try:
-        server = GenerationServer((host, port), engine, load_tokenizer(model_path), model_path)
+        server = GenerationServer((host, port), engine, optional_tokenizer(model_path), model_path)
     except BaseException:
         engine.shutdown()
         raise

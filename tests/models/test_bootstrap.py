@@ -3,7 +3,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -69,10 +68,8 @@ def test_loss_goes_down(base_dir):
 
 def test_second_call_reuses_the_directory_untouched(cache, base_dir):
     before = _snapshot(base_dir)
-    start = time.perf_counter()
     again = ensure_base_model(str(cache), **SHORT)
-    assert time.perf_counter() - start < 0.5
-    assert again == base_dir and _snapshot(base_dir) == before
+    assert again == base_dir and _snapshot(base_dir) == before  # no retraining, no rewrite
 
 
 def test_different_settings_get_a_different_directory(cache, base_dir):

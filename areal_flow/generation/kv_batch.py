@@ -1,0 +1,161 @@
+"""The running decode batch: per-request rows and a KV cache that grows in place.
+
+Rows of finished requests stay in the batch until the next join or compaction (`_Batch.combine`),
+so most decode steps copy nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
+
+if TYPE_CHECKING:
+    from areal_flow.generation.engine import GenerationRequest
+
+class _GrowingLayer(DynamicLayer):
+    """One layer's KV cache in a buffer with room to spare at the end.
+
+    transformers' DynamicLayer appends with torch.cat, re-copying the whole cache every decode step;
+    writing into spare room instead made batch-64 decoding about 1.5x faster. `keys`/`values` stay
+    views of the filled part, so everything else in transformers reads this layer as a DynamicLayer.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys = self._values = key_states[:, :, :0]
+        self._length = 0
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            keys = _spacious_like(key_states, end)
+            values = torch.empty_like(keys)
+            keys[:, :, : self._length] = self._keys[:, :, : self._length]
+            values[:, :, : self._length] = self._values[:, :, : self._length]
+            self._keys, self._values = keys, values
+        self._keys[:, :, self._length: end] = key_states
+        self._values[:, :, self._length: end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+    @classmethod
+    def gather(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], width: int
+               ) -> _GrowingLayer:
+        """A layer holding rows `index` of each part's (keys, values) from column `start` on,
+        right-aligned to `width` columns (left padding is zeros, masked by the caller)."""
+        rows = sum(len(index) for _, _, index, _ in parts)
+        first = parts[0][0]
+        layer = cls()
+        layer.lazy_initialization(first, first)
+        layer._keys = _spacious_like(first, width, rows=rows, zero=True)
+        layer._values = torch.zeros_like(layer._keys)
+        offset = 0
+        for keys, values, index, start in parts:
+            n, w = len(index), keys.shape[-2] - start
+            layer._keys[offset: offset + n, :, width - w: width] = keys[index, :, start:]
+            layer._values[offset: offset + n, :, width - w: width] = values[index, :, start:]
+            offset += n
+        layer._set_length(width)
+        return layer
+
+
+def _spacious_like(like: torch.Tensor, length: int, rows: int | None = None, zero: bool = False) -> torch.Tensor:
+    """A [rows, heads, capacity, dim] buffer with capacity ~2x length: amortised O(1) copies per step."""
+    shape = (like.shape[0] if rows is None else rows, like.shape[1], max(2 * length, 64), like.shape[-1])
+    return like.new_zeros(shape) if zero else like.new_empty(shape)
+
+
+@dataclass
+class _Row:
+    """One request while it waits or decodes."""
+
+    request: GenerationRequest
+    future: Future
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: tuple[str, int | None] | None = None
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self.stop_ids:
+            self.finish = ("stop", token)
+        elif len(self.output_ids) >= self.request.params.max_new_tokens:
+            self.finish = ("length", None)
+
+    @property
+    def last_position(self) -> int:
+        """Position id of the newest token, which is the next one fed to the model."""
+        return len(self.request.input_ids) + len(self.output_ids) - 1
+
+
+@dataclass
+class _Batch:
+    """Rows decoding together. The KV cache is left-padded to one width; `mask` [B, width] marks the
+    real positions; `logits` [B, V] are what each row samples its next token from.
+
+    A finished row stays in the batch as a dead row until the next `combine` (its outputs are
+    ignored): for small models a forward costs about the same with a few more rows, while
+    compacting copies the whole cache.
+    """
+
+    rows: list[_Row]
+    cache: Cache
+    mask: torch.Tensor
+    logits: torch.Tensor
+    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Built once per membership change, not per step.
+        params = [row.request.params for row in self.rows]
+        self.sampling = (
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        )
+
+    def live(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row.finish is None]
+
+    @staticmethod
+    def combine(parts: Sequence[tuple[_Batch, list[int]]]) -> _Batch | None:
+        """The rows `keep` of each batch in one batch, with one copy of the cache: each part is
+        right-aligned to the widest, and columns that no kept row attends to are dropped."""
+        parts = [(batch, keep) for batch, keep in parts if keep]
+        if not parts:
+            return None
+        pieces = []  # (batch, index, first column any kept row of the batch attends to)
+        for batch, keep in parts:
+            index = torch.tensor(keep)
+            pieces.append((batch, index, int(batch.mask[index].any(dim=0).int().argmax())))
+        width = max(batch.mask.shape[1] - start for batch, _, start in pieces)
+        layers = [
+            _GrowingLayer.gather(
+                [(b.cache.layers[i].keys, b.cache.layers[i].values, index, start) for b, index, start in pieces], width)
+            for i in range(len(pieces[0][0].cache.layers))
+        ]
+        mask = torch.cat([F.pad(b.mask[index, start:], (width - (b.mask.shape[1] - start), 0))
+                          for b, index, start in pieces])
+        return _Batch(
+            [b.rows[i] for b, index, _ in pieces for i in index.tolist()],
+            Cache(layers=layers),
+            mask,
+            torch.cat([b.logits[index] for b, index, _ in pieces]),
+        )

@@ -1,0 +1,69 @@
+"""Sampling one token per row, with the logprob SGLang reports and the trainer recomputes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-6
+"""Temperatures below this decode greedily (SGLang's threshold)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    """Generate at most this many tokens (0: answer at once with no tokens)."""
+    temperature: float = 1.0
+    """Softmax temperature; below 1e-6 the engine decodes greedily."""
+    top_p: float = 1.0
+    """Sample from the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 turns it off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end the request besides the model's eos; the stop token is kept in the output."""
+    ignore_eos: bool = False
+    """Do not stop on the model's eos ids."""
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (tokens [B] int64, logprobs [B] float32).
+
+    logits [B, V] float32; temperature and top_p [B] float32; top_k [B] int64 (-1 = off).
+    The logprob is log_softmax(logits / T) over the full vocabulary, taken before top-p/top-k
+    truncation (SGLang's semantics, and what the trainer recomputes). Rows with T < 1e-6 take the
+    argmax and report log_softmax(logits).
+    """
+    greedy = temperature < GREEDY_TEMPERATURE
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+    rows = (~greedy).nonzero().squeeze(1)
+    if rows.numel() > 0:
+        kept = _truncate(logprobs[rows], top_p[rows], top_k[rows])
+        tokens[rows] = torch.multinomial(kept.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set logprobs outside each row's top-k and top-p sets to -inf; the best token always stays.
+
+    As in SGLang, top-p is measured on the untruncated distribution.
+    """
+    if bool(((top_k < 0) & (top_p >= 1.0)).all()):
+        return logprobs  # nothing to cut: skip the sort
+    vocab = logprobs.shape[-1]
+    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab).expand_as(sorted_lp)
+    drop = rank >= torch.where(top_k < 0, vocab, top_k)[:, None]
+    probs = sorted_lp.exp()
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
+    return torch.full_like(logprobs, -math.inf).scatter(1, order, sorted_lp)
