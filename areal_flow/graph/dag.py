@@ -15,8 +15,8 @@ ROLES = ("actor", "ref", "critic")
 STREAMING_TYPES = ("generate", "reward")
 # What the generate node can write: the embedded engine and SGLang both return these.
 GENERATE_KEYS = ("prompt_ids", "output_ids", "behav_logprobs", "versions")
-# What the actor's train node needs, whatever else it reads.
-TRAIN_REQUIRED = ("prompt_ids", "output_ids", "behav_logprobs", "rewards")
+# What the actor's train node needs, besides the output of a reward node.
+TRAIN_REQUIRED = ("prompt_ids", "output_ids", "behav_logprobs")
 
 
 class GraphError(ValueError):
@@ -268,6 +268,8 @@ def _check_shape(nodes: dict[str, Node], producers: dict[str, str], dataset_keys
         problems.append(f"the graph needs exactly one train node with role actor, found {len(by_type['train'])} train node(s)")
     for t in trains:
         missing = [k for k in TRAIN_REQUIRED if k not in t.inputs]
+        if not any(nodes[producers[k]].type == "reward" for k in t.inputs if k in producers):
+            missing.append("the output of a reward node")
         if missing:
             problems.append(f"node '{t.name}': a train node must read {', '.join(missing)} (graph.{t.name}.inputs)")
     for n in by_type["inference"]:

@@ -52,6 +52,29 @@ def ppo_loss(logprobs, batch, mask, n_valid_tokens, *, algo, kl_coef: float):
     return loss, stats
 
 
+def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, group_size: int, scale_by_std: bool
+               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, list[np.ndarray]]]:
+    """The train node's sequences and per-output-token data, from samples sorted by (group, index).
+
+    Advantages are normalised within each group and broadcast to every token of the answer. An
+    input written by an inference node of the train node's own role is the proximal policy's
+    logprobs; one written by another role's inference node is the reference model's.
+    """
+    reward_key = next(k for k in node.inputs if graph.type_of_producer(k) == "reward")
+    rewards = torch.tensor([s.scalars[reward_key] for s in samples], dtype=torch.float32)
+    adv = group_normalized_advantages(rewards, group_size, scale_by_std=scale_by_std) if samples else rewards
+    seqs = [(s.array("prompt_ids"), s.array("output_ids")) for s in samples]
+    token_data = {
+        "behav_logprobs": [s.array("behav_logprobs") for s in samples],
+        "advantages": [np.full(len(out), float(a), dtype=np.float32) for (_, out), a in zip(seqs, adv)],
+    }
+    for key in node.inputs:
+        if graph.type_of_producer(key) == "inference":
+            sem = "prox_logprobs" if graph.role_of_key(key) == node.role else "ref_logprobs"
+            token_data[sem] = [s.array(key) for s in samples]
+    return seqs, token_data
+
+
 class ModelWorker:
     def __init__(self, cfg, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
@@ -104,20 +127,7 @@ class ModelWorker:
     def train(self, node: Node, msg: RunNode) -> NodeResult:
         algo = self.cfg.algorithm
         samples = sorted(msg.samples, key=lambda s: (s.group_id, s.index))  # groups contiguous
-        reward_key = next(k for k in node.inputs if self.graph.type_of_producer(k) == "reward")
-        rewards = torch.tensor([s.scalars[reward_key] for s in samples], dtype=torch.float32)
-        adv = group_normalized_advantages(rewards, algo.group_size, scale_by_std=algo.adv_scale_by_std) \
-            if samples else rewards
-        seqs = [(s.array("prompt_ids"), s.array("output_ids")) for s in samples]
-        token_data = {
-            "behav_logprobs": [s.array("behav_logprobs") for s in samples],
-            "advantages": [np.full(len(out), float(a), dtype=np.float32) for (_, out), a in zip(seqs, adv)],
-        }
-        # Which inputs are prox/ref logprobs follows from the role of the node that wrote them.
-        for key in node.inputs:
-            if self.graph.type_of_producer(key) == "inference":
-                sem = "prox_logprobs" if self.graph.role_of_key(key) == node.role else "ref_logprobs"
-                token_data[sem] = [s.array(key) for s in samples]
+        seqs, token_data = ppo_inputs(samples, self.graph, node, algo.group_size, algo.adv_scale_by_std)
         loss_fn = partial(ppo_loss, algo=algo, kl_coef=algo.kl_coef)
         engine = self.engine(node)
         stats: dict[str, float] = {}

@@ -103,3 +103,10 @@ def test_streaming_node_cannot_read_from_batch_node():
 def test_every_problem_is_reported_at_once():
     err = pytest.raises(GraphError, build, broken(reward__type="x", actor_train__mesh="7")).value
     assert len(err.problems) >= 2
+
+
+def test_train_node_must_read_a_reward_and_reward_nodes_need_a_reference():
+    msg = problems_of(broken(actor_train__inputs=["prompt_ids", "output_ids", "behav_logprobs", "prox_logprobs"]))
+    assert "a train node must read the output of a reward node (graph.actor_train.inputs)" in msg
+    msg = problems_of(broken(reward__inputs=["output_ids"]))
+    assert "node 'reward': a reward node reads exactly one dataset field, the reference answer" in msg

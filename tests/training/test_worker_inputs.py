@@ -1,0 +1,44 @@
+import numpy as np
+import pytest
+
+from areal_flow.graph import build_graph
+from areal_flow.training.worker import ppo_inputs
+from areal_flow.transport.messages import Array, Sample
+
+NODES = {
+    "generate": {"type": "generate", "role": "actor", "inputs": ["prompt"],
+                 "outputs": ["prompt_ids", "output_ids", "behav_logprobs", "versions"], "mesh": "0"},
+    "reward": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "answer"], "outputs": ["score"]},
+    "prox": {"type": "inference", "role": "actor", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_prox"], "mesh": "1"},
+    "ref": {"type": "inference", "role": "ref", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_ref"], "mesh": "1"},
+    "train": {"type": "train", "role": "actor", "mesh": "1",
+              "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "lp_prox", "lp_ref", "score"]},
+}
+
+
+def sample(group: int, index: int, n_out: int, reward: float) -> Sample:
+    out = np.arange(n_out, dtype=np.int32)
+    lp = lambda shift: Array.of(np.full(n_out, -1.0 - shift, dtype=np.float32))  # noqa: E731
+    return Sample(uid=f"g{group}-{index}", prompt_id="p", group_id=group, index=index, birth_time=0.0,
+                  arrays={"prompt_ids": Array.of(np.array([5, 6], dtype=np.int32)), "output_ids": Array.of(out),
+                          "behav_logprobs": lp(0.0), "lp_prox": lp(0.1), "lp_ref": lp(0.2)},
+                  scalars={"score": reward})
+
+
+def test_advantages_are_normalised_per_group_and_cover_every_answer_token():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    samples = [sample(0, 0, 3, 1.0), sample(0, 1, 5, 0.0), sample(1, 0, 2, 1.0), sample(1, 1, 4, 1.0)]
+    seqs, data = ppo_inputs(samples, graph, graph.nodes["train"], group_size=2, scale_by_std=True)
+    adv = [a.tolist() for a in data["advantages"]]
+    assert [len(a) for a in adv] == [3, 5, 2, 4]  # one value per output token
+    assert adv[0][0] > 0 > adv[1][0] and adv[0][0] == pytest.approx(-adv[1][0])  # centred within group 0
+    assert adv[2] == [0.0, 0.0] and adv[3] == [0.0] * 4  # group 1 all right: no signal
+    assert [len(o) for _, o in seqs] == [3, 5, 2, 4]
+
+
+def test_prox_and_ref_logprobs_are_told_apart_by_the_role_that_wrote_them():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    _, data = ppo_inputs([sample(0, 0, 3, 1.0), sample(0, 1, 3, 0.0)], graph, graph.nodes["train"], 2, True)
+    assert data["prox_logprobs"][0][0] == pytest.approx(-1.1)
+    assert data["ref_logprobs"][0][0] == pytest.approx(-1.2)
+    assert data["behav_logprobs"][0][0] == pytest.approx(-1.0)
