@@ -129,3 +129,22 @@ def test_a_process_that_dies_stops_the_run_with_its_name_and_traceback(tmp_path,
     assert "Traceback (most recent call last)" in out
     assert time.time() - t0 < 120  # no hang
     assert not leftover_processes(run_dir)
+
+
+def test_two_trainer_ranks_share_each_batch_and_train_it_once(tmp_path, cache_dir):
+    """Data parallel over gloo: each rank trains its share of whole groups, none twice."""
+    run_dir = tmp_path / "dp"
+    r = launch(run_dir, cache_dir, "async.max_staleness=1", "eval_at_start=false", "cluster.n_devices=3",
+               "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2", "graph.actor_train.mesh=1-2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    per_rank = [jsonl(run_dir / f"trained-rank{k}.jsonl") for k in (0, 1)]
+    for step in range(4):
+        uids = [set(rows[step]["uids"]) for rows in per_rank]
+        assert uids[0] and uids[1] and not uids[0] & uids[1]  # both ranks worked, on different samples
+        groups = [{u.split("-")[0] for u in ids} for ids in uids]
+        assert not groups[0] & groups[1]  # whole groups per rank
+        assert len(uids[0] | uids[1]) == 2 * 4  # the batch: B groups × G samples
+    ledger = jsonl(run_dir / "ledger.jsonl")
+    trained = [g for e in ledger if e["event"] == "train" for g in e["groups"]]
+    assert len(trained) == len(set(trained)) == 8
+    assert (run_dir / "weights" / "v4").is_dir() and not leftover_processes(run_dir)

@@ -14,6 +14,7 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import zmq
@@ -113,7 +114,7 @@ class Controller:
             if msg.group_id not in self.staleness.running:
                 log.error("results socket: group %d is not running (a duplicate?), dropped", msg.group_id)
                 continue
-            if problem := self.group_problem(msg):
+            if problem := group_problem(msg, self.G, self.graph.generate.outputs, self.reward_key):
                 # Unusable, but accounted for: the group leaves the running set (else the staleness
                 # rule would wait for it forever) and the ledger and summary say it was dropped.
                 log.error("results socket: group %d dropped: %s", msg.group_id, problem)
@@ -128,19 +129,6 @@ class Controller:
             self._ledger("finish", group=msg.group_id)
             self.changed.set()
             await self.grant()
-
-    def group_problem(self, group: GroupDone) -> str | None:
-        """What makes a scored group untrainable, if anything."""
-        if len(group.samples) != self.G:
-            return f"{len(group.samples)} samples, want {self.G}"
-        for s in group.samples:
-            missing = [k for k in self.graph.generate.outputs if k not in s.arrays]
-            if missing or self.reward_key not in s.scalars:
-                return f"sample {s.uid} lacks {missing or [self.reward_key]}"
-            lengths = {len(s.arrays[k]) for k in self.graph.generate.outputs if k != "prompt_ids"}
-            if len(lengths) > 1:
-                return f"sample {s.uid} has per-token arrays of different lengths {sorted(lengths)}"
-        return None
 
     # ---- batch nodes ------------------------------------------------------------------
 
@@ -312,6 +300,21 @@ class Controller:
 
     def _ledger(self, event: str, **fields) -> None:
         self.ledger.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+def group_problem(group: GroupDone, group_size: int, generated: Sequence[str], reward_key: str) -> str | None:
+    """What makes a scored group untrainable, if anything: a wrong sample count, a missing key,
+    or per-token arrays of one sample that disagree in length."""
+    if len(group.samples) != group_size:
+        return f"{len(group.samples)} samples, want {group_size}"
+    for s in group.samples:
+        missing = [k for k in generated if k not in s.arrays] + ([] if reward_key in s.scalars else [reward_key])
+        if missing:
+            return f"sample {s.uid} lacks {missing}"
+        lengths = {len(s.arrays[k]) for k in generated if k != "prompt_ids"}
+        if len(lengths) > 1:
+            return f"sample {s.uid} has per-token arrays of different lengths {sorted(lengths)}"
+    return None
 
 
 def shard_groups(groups: list[list[Sample]], n: int) -> list[list[list[Sample]]]:

@@ -23,3 +23,24 @@ def test_whole_groups_go_to_ranks_balanced_by_tokens():
 def test_one_rank_gets_everything():
     groups = [group(0, 3), group(1, 7)]
     assert shard_groups(groups, 1) == [sorted(groups, key=lambda g: -g[0].n_tokens())]
+
+
+def test_a_group_that_cannot_be_trained_is_recognised():
+    from areal_flow.controller.main import group_problem
+    from areal_flow.transport.messages import GroupDone
+
+    keys = ["prompt_ids", "output_ids"]
+    good = group(1, 5)
+    for s in good:
+        s.scalars["rewards"] = 1.0
+    assert group_problem(GroupDone(1, good), 2, keys, "rewards") is None
+    assert "1 samples, want 2" in group_problem(GroupDone(1, good[:1]), 2, keys, "rewards")
+    assert "lacks ['rewards']" in group_problem(GroupDone(2, group(2, 5)), 2, keys, "rewards")
+    bad = group(3, 5)
+    for s in bad:
+        s.scalars["rewards"] = 0.0
+    bad[1].arrays["behav_logprobs"] = Array.of(np.zeros(4, np.float32))
+    problem = group_problem(GroupDone(3, bad), 2, keys + ["behav_logprobs"], "rewards")
+    assert "g3-0 lacks ['behav_logprobs']" in problem
+    bad[0].arrays["behav_logprobs"] = Array.of(np.zeros(5, np.float32))
+    assert "different lengths [4, 5]" in group_problem(GroupDone(3, bad), 2, keys + ["behav_logprobs"], "rewards")
