@@ -89,7 +89,8 @@ def test_a_dataset_row_missing_a_field_names_file_and_line(tmp_path):
 
 
 def test_multirun_gives_each_run_its_own_directory(tmp_path):
-    r = launch("-m", "dry_run=true", "async.max_staleness=0,4", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    r = launch("-m", "dry_run=true", "async.max_staleness=0,4", f"cache_dir={tmp_path}/c",
+               f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert runs == ["async.max_staleness=0", "async.max_staleness=4"]
