@@ -53,8 +53,11 @@ def prepare_data(cfg: DictConfig) -> tuple[str, str]:
 def prepare_model(cfg: DictConfig) -> str:
     if cfg.model.path:
         return os.path.abspath(cfg.model.path)
+    from transformers.utils import logging as hf_logging
+
     from areal_flow.models.bootstrap import ensure_base_model
 
+    hf_logging.disable_progress_bar()  # the bootstrap has its own progress bar
     m = cfg.model
     return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
                              steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,

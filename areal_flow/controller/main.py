@@ -170,11 +170,12 @@ class Controller:
         return time.time() - t0
 
     async def train_loop(self) -> int:
-        cfg, start = self.cfg, time.time()
+        cfg, start, eval_before = self.cfg, time.time(), self.eval_seconds
         last, gen_busy_last = start, await self.gen_busy_seconds()
         step = 0
         for step in range(cfg.total_steps):
-            if cfg.max_wall_seconds and time.time() - start > cfg.max_wall_seconds:
+            training = time.time() - start - (self.eval_seconds - eval_before)  # evaluations do not count
+            if cfg.max_wall_seconds and training > cfg.max_wall_seconds:
                 log.info("wall-time limit reached after %d steps", step)
                 break
             groups = await self.next_batch(step)

@@ -31,6 +31,9 @@ def main(argv: list[str]) -> None:
     )
     # SIGTERM from the launcher means "stop now": exit without a traceback.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a weight save every step would print a bar into the log
     cfg, spec = read_run(run_dir)
     importlib.import_module(ROLES[role]).main(cfg, spec, name, rank)
 
