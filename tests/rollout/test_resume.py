@@ -1,0 +1,64 @@
+"""The rollout worker's resubmission of aborted samples, against a stand-in for real SGLang.
+
+Real SGLang (which cannot run on these CPU machines) answers `finish_reason: abort` when a weight
+update interrupts a request, and reports one `weight_version` per answer instead of areal_flow's
+per-token versions. This stand-in HTTP server does exactly that, so the resume path is exercised.
+"""
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from areal_flow.generation.client import GenerationClient
+from areal_flow.rollout.worker import generate_sample
+
+
+class AbortingSGLang(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    calls: list[dict] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        AbortingSGLang.calls.append(body)
+        first = len(AbortingSGLang.calls) == 1
+        out = [7, 8, 9] if first else [10, 1]
+        answer = {"text": "", "output_ids": out, "meta_info": {
+            "id": body["rid"], "weight_version": "default" if first else "3",
+            "finish_reason": {"type": "abort"} if first else {"type": "stop", "matched": 1},
+            "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_aborted_sample_is_resumed_with_its_tokens_and_their_versions():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AbortingSGLang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    AbortingSGLang.calls = []
+
+    async def run():
+        client = GenerationClient(f"http://127.0.0.1:{server.server_address[1]}")
+        try:
+            return await generate_sample(client, [4, 5], {"max_new_tokens": 10, "temperature": 1.0}, "g0-0")
+        finally:
+            await client.close()
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        server.shutdown()
+    first, second = AbortingSGLang.calls
+    assert first["input_ids"] == [4, 5] and first["sampling_params"]["max_new_tokens"] == 10
+    # The resubmission carries the tokens so far and only the remaining budget.
+    assert second["input_ids"] == [4, 5, 7, 8, 9] and second["sampling_params"]["max_new_tokens"] == 7
+    assert first["rid"] != second["rid"]
+    assert out["output_ids"] == [7, 8, 9, 10, 1] and out["finish_reason"] == "stop"
+    assert out["versions"] == [0, 0, 0, 3, 3]  # "default" is version 0; each token keeps its own
+    assert out["logprobs"] == [-0.5] * 5
