@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 from generation_helpers import ModelDirs, make_model_dirs, torch_threads
 
 from areal_flow.generation.server import GenerationServer, serve
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread. On the shared 2-core machine, two threads per op
-    made a decode step up to 50x slower whenever other processes were busy."""
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from areal_flow.data.arith import extract_answer
@@ -24,24 +23,13 @@ from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 SHORT = dict(steps=40, batch_size=16, warmup_steps=10, seed=0, progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On a shared 2-core machine, two spinning intra-op threads per process make these tiny
-    # workloads 10-100x slower under load; one thread is as fast when the machine is idle.
-    # ensure_base_model leaves threads to its caller, so the tests set them (and restore).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("bootstrap_cache")
 
 
 @pytest.fixture(scope="module")
-def base_dir(cache, one_thread):
+def base_dir(cache, one_torch_thread):
     return ensure_base_model(str(cache), **SHORT)
 
 

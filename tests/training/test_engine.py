@@ -16,15 +16,6 @@ from areal_flow.training.engine import TorchEngine
 VOCAB = 18
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model gains nothing from threads, and on a shared 2-core machine they only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     config = transformers.Qwen2Config(

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two spinning
+    threads per process made these workloads 10-100x slower under load. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
