@@ -122,3 +122,12 @@ def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):
     problem = launch_mod.check_yaml([])
     assert problem is not None and str(root / "recipes" / "bad.yaml") in problem
     assert launch_mod.check_yaml(["hydra.searchpath=[file://" + str(tmp_path / "none") + "]"]) == problem
+
+
+def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(tmp_path):
+    r = launch("--cfg", "job", "algorithm=dr_grpo", "metrics=wandb", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "adv_scale_by_std: false" in r.stdout and "wandb: true" in r.stdout
+    assert "group_size: 8" in r.stdout  # from the recipe
+    r = launch("--cfg", "job", cwd=tmp_path)
+    assert "adv_scale_by_std: true" in r.stdout and "behav_weight_cap: 5.0" in r.stdout
