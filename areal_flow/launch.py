@@ -92,7 +92,7 @@ def run(cfg: DictConfig, console: Console) -> int:
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
         gen_ports=ports[:n_gen], rollout_ports=ports[n_gen:n_gen + n_roll],
         admission_port=ports[-4], results_port=ports[-3], trainer_port=ports[-2], dist_port=ports[-1],
-        n_trainers=len(placement.of_role("trainer")), n_rollout=n_roll, n_reward=len(placement.of_role("reward")),
+        n_trainers=len(placement.of_role("trainer")), n_rollout=n_roll,
     )
     write_run(run_dir, cfg, spec)
     console.print(f"run directory: {run_dir}", highlight=False)

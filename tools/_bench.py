@@ -7,7 +7,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -25,12 +24,10 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict], float]:
-    """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics, wall seconds)."""
+def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics)."""
     cmd = [sys.executable, "-m", "areal_flow.launch", *overrides, f"hydra.run.dir={run_dir}"]
     print("$", " ".join(cmd[1:]), flush=True)
-    t0 = time.time()
     subprocess.run(cmd, check=True)
-    wall = time.time() - t0
     with open(os.path.join(run_dir, "summary.json")) as f:
-        return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl")), wall
+        return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl"))

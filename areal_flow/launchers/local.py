@@ -79,7 +79,8 @@ class LocalLauncher:
 
     def check(self, finished: str) -> bool:
         """True once `finished` exited 0; raises ChildFailed if any other child has exited."""
-        exited = {name: c.popen.poll() for name, c in self.children.items() if c.popen.poll() is not None}
+        codes = {name: c.popen.poll() for name, c in self.children.items()}
+        exited = {name: code for name, code in codes.items() if code is not None}
         if exited.get(finished) == 0:
             return True
         if exited:

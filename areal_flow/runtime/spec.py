@@ -26,7 +26,6 @@ class RunSpec(msgspec.Struct, kw_only=True):
     dist_port: int  # torch.distributed rendezvous of the trainer ranks
     n_trainers: int
     n_rollout: int
-    n_reward: int
 
     @property
     def gen_urls(self) -> list[str]:
