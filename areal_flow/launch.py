@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 from rich.console import Console
 
-from areal_flow.config.schema import register_configs
+from areal_flow.config.schema import RunConfig, register_configs
 from areal_flow.config.validate import ConfigError, check_run
 from areal_flow.data.dataset import DatasetError, load_jsonl
 from areal_flow.graph import GraphError, graph_from_config, place
@@ -24,15 +24,19 @@ from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import read_metrics
-from areal_flow.runtime.spec import RunSpec, free_ports, write_run
+from areal_flow.runtime.spec import RunSpec, free_ports, typed, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = ROOT / "conf"  # conf/recipe is a link to recipes/, so `recipe=NAME` finds recipes/NAME.yaml
+# The Hydra config dir. An installed wheel holds it inside the package, as areal_flow/conf with the
+# recipes as files in conf/recipe/; a source checkout or an editable install reads the repository's
+# conf/, where conf/recipe is a link to recipes/, so `recipe=NAME` finds recipes/NAME.yaml.
+CONF_DIR = next((d for d in (Path(__file__).resolve().parent / "conf", ROOT / "conf")
+                 if (d / "config.yaml").is_file()), ROOT / "conf")
 
 register_configs()
 
 
-def prepare_data(cfg: DictConfig) -> tuple[str, str]:
+def prepare_data(cfg: RunConfig) -> tuple[str, str]:
     """Paths of the train and held-out JSONL files, generated for tiny_arith, checked for all."""
     ds = cfg.dataset
     if ds.name == "tiny_arith":
@@ -50,7 +54,7 @@ def prepare_data(cfg: DictConfig) -> tuple[str, str]:
     return os.path.abspath(train), os.path.abspath(held_out)
 
 
-def prepare_model(cfg: DictConfig) -> str:
+def prepare_model(cfg: RunConfig) -> str:
     if cfg.model.path:
         return os.path.abspath(cfg.model.path)
     from transformers.utils import logging as hf_logging
@@ -75,10 +79,11 @@ def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec
         launcher.start(proc, argv)
 
 
-def run(cfg: DictConfig, console: Console) -> int:
+def run(raw: DictConfig, console: Console) -> int:
+    cfg = typed(raw)
     graph = graph_from_config(cfg)
     check_run(cfg, graph)
-    placement = place(graph, cfg["async"].rollout_workers)
+    placement = place(graph, cfg.rollout.workers)
     if cfg.dry_run:
         console.print(graph.describe(), highlight=False, markup=False)
         console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
@@ -86,15 +91,15 @@ def run(cfg: DictConfig, console: Console) -> int:
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg)
     model_path = prepare_model(cfg)
-    n_gen, n_roll = len(placement.of_role("gen_server")), len(placement.of_role("rollout"))
-    ports = free_ports(n_gen + n_roll + 4)
+    n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
+    ports = iter(free_ports(n_gen + n_roll + n_train + 2))
     spec = RunSpec(
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
-        gen_ports=ports[:n_gen], rollout_ports=ports[n_gen:n_gen + n_roll],
-        admission_port=ports[-4], results_port=ports[-3], trainer_port=ports[-2], dist_port=ports[-1],
-        n_trainers=len(placement.of_role("trainer")), n_rollout=n_roll,
+        gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
+        trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
+        n_trainers=n_train, n_rollout=n_roll,
     )
-    write_run(run_dir, cfg, spec)
+    write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
     launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
                              stop_timeout=cfg.launcher.stop_timeout)
@@ -113,7 +118,7 @@ def run(cfg: DictConfig, console: Console) -> int:
     metrics = read_metrics(spec.path("metrics.jsonl"))
     print_summary(console, run_dir, metrics)
     if cfg.metrics.plot:
-        png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg['async'].max_staleness})")
+        png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg.rollout.max_staleness})")
         console.print(f"learning curve: {png}", highlight=False)
     return 0
 
@@ -137,7 +142,9 @@ def check_yaml(argv: list[str]) -> str | None:
 
     import yaml
 
-    folders = [CONF_DIR, ROOT / "recipes"]  # rglob does not follow the conf/recipe link
+    folders = [CONF_DIR]
+    if (CONF_DIR / "recipe").is_symlink():  # rglob does not follow the conf/recipe link: add its target
+        folders.append((CONF_DIR / "recipe").resolve())
     for arg in argv:
         if arg.startswith("hydra.searchpath="):
             folders += [Path(p) for p in re.findall(r"file://([^,\]\s]+)", arg)]

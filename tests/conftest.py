@@ -10,3 +10,9 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def run_cache(tmp_path_factory):
+    """One cache of generated data and bootstrapped base model for every end-to-end run."""
+    return tmp_path_factory.mktemp("cache")

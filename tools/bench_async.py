@@ -31,7 +31,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for eta in args.etas:
-            _, metrics = run_recipe(f"{tmp}/eta{eta}", [*base, f"async.max_staleness={eta}"])
+            _, metrics = run_recipe(f"{tmp}/eta{eta}", [*base, f"rollout.max_staleness={eta}"])
             steps = [m for m in metrics if m["event"] == "step"][1:]  # the first step includes start-up
             wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_seconds"]
             gen_idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]

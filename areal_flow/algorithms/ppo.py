@@ -1,4 +1,4 @@
-"""The decoupled PPO objective of DESIGN §4 (AReaL, arXiv 2505.24298, eq. 5)."""
+"""The decoupled PPO objective (AReaL, arXiv 2505.24298, eq. 5; docs/architecture.md, "Staleness")."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from areal_flow.config.schema import (  # noqa: F401
     AlgorithmConfig,
-    AsyncConfig,
+    RolloutConfig,
     ClusterConfig,
     DatasetConfig,
     LauncherConfig,

@@ -1,9 +1,10 @@
 """The configuration schema: one dataclass per concern, one line of help per field.
 
 Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides onto `RunConfig`;
-OmegaConf rejects unknown keys and wrongly typed values with the full key path. Cross-field
-rules are checked before anything starts: the graph and placement in `areal_flow/graph/dag.py`, ranges
-and the machine in `areal_flow/config/validate.py`.
+OmegaConf rejects unknown keys and wrongly typed values with the full key path. A field's value
+range is declared on the field itself (`ge`, `gt`, `le`, `choices`) and checked by one generic
+checker (`config/validate.py: check_ranges`); cross-field and machine rules live there too, and the
+graph's rules in `graph/dag.py`. Every process receives this typed config (`runtime/spec.py`).
 """
 
 from __future__ import annotations
@@ -15,33 +16,42 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None) -> Any:
-    """A dataclass field with a one-line help text (shown by `tools/config_reference.py`)."""
+def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, *, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, choices: tuple | None = None) -> Any:
+    """A dataclass field with a one-line help text (shown by `tools/config_reference.py`) and its
+    allowed values: `ge`/`gt`/`le` bounds and `choices`; a null value is never range-checked."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("choices", choices)) if v is not None}
+    meta = {"help": help, **bounds}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class ClusterConfig:
     """The devices a run may place nodes on."""
 
-    device_type: str = doc("cpu", "'cpu' (a device is a core) or 'cuda' (a device is a GPU)")
-    n_devices: int = doc(2, "number of devices on this machine that meshes may use (0..n_devices-1)")
+    device_type: str = doc("cpu", "'cpu' (a device is a core); 'cuda' is refused until the engines place work on GPUs",
+                           choices=("cpu", "cuda"))
+    n_devices: int = doc(2, "number of devices on this machine that meshes may use (0..n_devices-1)", ge=1)
 
 
 @dataclass
 class NodeConfig:
     """One model function call (MFC) of the graph. Edges come from the keys it reads and writes."""
 
-    type: str = doc("", "generate | reward | inference | train")
-    role: Optional[str] = doc(None, "model role: actor | ref | critic (none for reward)")
+    type: str = doc("", "generate | reward | combine | inference | train")
+    role: Optional[str] = doc(None, "model role: actor | ref (critic is not implemented yet); none for reward/combine")
     inputs: List[str] = doc(help="keys this node reads (from the dataset or from another node)", factory=list)
     outputs: List[str] = doc(help="keys this node writes", factory=list)
-    mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward")
-    micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)")
-    workers: int = doc(1, "number of worker processes (reward nodes)")
+    keys: Dict[str, str] = doc(help="well-known key -> the name this node writes it under, e.g. {prox_logprobs: old_logp}",
+                               factory=dict)
+    mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward/combine")
+    micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)", ge=1)
+    workers: int = doc(1, "number of worker processes (reward nodes)", ge=1)
     fn: str = doc("", "reward function name (reward nodes), e.g. 'arith'")
+    weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
+                                    factory=dict)
 
 
 @dataclass
@@ -50,62 +60,66 @@ class ModelConfig:
 
     path: Optional[str] = doc(None, "Hugging Face model dir to start from; null builds and bootstraps the tiny model")
     arch: Dict[str, int] = doc(help="Qwen2 shape overrides for the tiny model (hidden_size, num_hidden_layers, ...)", factory=dict)
-    bootstrap_steps: int = doc(250, "supervised bootstrap steps when the base model is built here")
-    bootstrap_lr: float = doc(3e-3, "learning rate of the supervised bootstrap")
-    bootstrap_batch_size: int = doc(64, "problems per bootstrap step")
+    bootstrap_steps: int = doc(250, "supervised bootstrap steps when the base model is built here", ge=0)
+    bootstrap_lr: float = doc(3e-3, "learning rate of the supervised bootstrap", gt=0)
+    bootstrap_batch_size: int = doc(64, "problems per bootstrap step", ge=1)
 
 
 @dataclass
 class DatasetConfig:
     """Prompts for training and the held-out set."""
 
-    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache) or 'jsonl' (train_path/eval_path)")
+    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache) or 'jsonl' (train_path/eval_path)",
+                    choices=("tiny_arith", "jsonl"))
     train_path: Optional[str] = doc(None, "JSONL file of training prompts (jsonl datasets)")
     eval_path: Optional[str] = doc(None, "JSONL file of held-out prompts (jsonl datasets)")
     fields: List[str] = doc(help="fields every row must have; they become graph keys", factory=lambda: ["prompt", "answer"])
-    n_train: int = doc(20000, "generated training problems (tiny_arith)")
-    n_eval: int = doc(200, "generated held-out problems (tiny_arith)")
+    n_train: int = doc(20000, "generated training problems (tiny_arith)", ge=1)
+    n_eval: int = doc(200, "generated held-out problems (tiny_arith)", ge=1)
     seed: int = doc(0, "seed of the generated data and of the prompt order")
 
 
 @dataclass
 class AlgorithmConfig:
-    """GRPO-style advantages with the decoupled PPO objective (DESIGN §4)."""
+    """GRPO-style advantages with the decoupled PPO objective (docs/architecture.md, "Staleness")."""
 
-    group_size: int = doc(8, "samples per prompt; advantages are normalised within a group")
-    batch_size: int = doc(8, "prompt groups per train step (B)")
-    lr: float = doc(1e-4, "actor learning rate (AdamW)")
+    group_size: int = doc(8, "samples per prompt; advantages are normalised within a group (≥ 2: one sample has advantage 0)",
+                          ge=2)
+    batch_size: int = doc(8, "prompt groups per train step (B)", ge=1)
+    lr: float = doc(1e-4, "actor learning rate (AdamW)", gt=0)
     betas: List[float] = doc(help="AdamW betas", factory=lambda: [0.9, 0.999])
-    weight_decay: float = doc(0.0, "AdamW weight decay")
-    grad_clip: float = doc(1.0, "gradient norm clip; 0 turns it off")
-    eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)")
-    eps_clip_high: Optional[float] = doc(None, "upper PPO clip ε_high (DAPO clip-higher); null = eps_clip")
-    behav_weight_cap: Optional[float] = doc(5.0, "tokens whose π_prox/π_behav exceeds this are masked (kept in the denominator); null = no cap")
+    weight_decay: float = doc(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float = doc(1.0, "gradient norm clip; 0 turns it off", ge=0)
+    eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)", gt=0)
+    eps_clip_high: Optional[float] = doc(None, "upper PPO clip ε_high (DAPO clip-higher); null = eps_clip", gt=0)
+    behav_weight_cap: Optional[float] = doc(5.0, "tokens whose π_prox/π_behav exceeds this are masked (kept in the denominator); null = no cap",
+                                            ge=1)
     adv_scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (GRPO); false = Dr.GRPO")
-    kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)")
-    n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)")
-    temperature: float = doc(1.0, "sampling temperature; trainer logprobs use the same scaling")
-    max_new_tokens: int = doc(96, "generation budget per sample")
-    top_p: float = doc(1.0, "nucleus sampling threshold")
+    kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)", ge=0)
+    mask_truncated: bool = doc(False, "answers cut at max_new_tokens get no loss (AReaL's mask_no_eos_with_zero); false trains them")
+    n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)", ge=1)
+    temperature: float = doc(1.0, "sampling temperature; trainer logprobs use the same scaling", gt=0)
+    max_new_tokens: int = doc(96, "generation budget per sample", ge=1)
+    top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)
 
 
 @dataclass
-class AsyncConfig:
-    """How far generation may run ahead of training (DESIGN §4.1)."""
+class RolloutConfig:
+    """How far generation may run ahead of training (docs/architecture.md, "Staleness")."""
 
-    max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous")
-    max_concurrent: int = doc(64, "most prompt groups generating at once")
-    rollout_workers: int = doc(1, "rollout worker processes")
+    max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous", ge=0)
+    max_concurrent: int = doc(64, "most prompt groups generating at once", ge=1)
+    workers: int = doc(1, "rollout worker processes", ge=1)
 
 
 @dataclass
 class LauncherConfig:
     """How processes are started and watched."""
 
-    type: str = doc("local", "'local': one OS process per role on this machine")
+    type: str = doc("local", "'local': one OS process per role on this machine", choices=("local",))
     pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
-    start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails")
-    stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children")
+    start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails", gt=0)
+    stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children", ge=0)
 
 
 @dataclass
@@ -126,35 +140,21 @@ class RunConfig:
     output_dir: str = doc("${hydra:runtime.output_dir}", "where this run writes logs, metrics, weights and the checkpoint")
     cache_dir: str = doc("${oc.env:AREAL_FLOW_CACHE,${oc.env:HOME}/.cache/areal_flow}", "generated data and bootstrapped base models, reused across runs")
     dry_run: bool = doc(False, "print the graph and the placement, then exit")
-    total_steps: int = doc(100, "train steps (policy versions) to run")
-    max_wall_seconds: float = doc(0.0, "stop after this many seconds of training (0 = no limit)")
+    total_steps: int = doc(100, "train steps (policy versions) to run", ge=1)
+    max_wall_seconds: float = doc(0.0, "stop after this many seconds of training (0 = no limit)", ge=0)
+    step_timeout: float = doc(600.0, "fail the run, naming what it waited for, when no train step completes for this many seconds (0 = never)",
+                              ge=0)
     eval_at_start: bool = doc(True, "measure held-out greedy accuracy before training")
     eval_at_end: bool = doc(True, "measure held-out greedy accuracy after training")
-    eval_every: int = doc(0, "also measure held-out accuracy every N steps (0 = never)")
+    eval_every: int = doc(0, "also measure held-out accuracy every N steps (0 = never)", ge=0)
     cluster: ClusterConfig = doc(help="devices", factory=ClusterConfig)
     model: ModelConfig = doc(help="the starting model", factory=ModelConfig)
     dataset: DatasetConfig = doc(help="prompts", factory=DatasetConfig)
     graph: Dict[str, NodeConfig] = doc(help="the MFC nodes, by name", factory=dict)
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
+    rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
-
-
-# `async` is the natural name of the key (`async.max_staleness=4`) but a Python keyword, so the
-# field is added by hand; dataclasses would generate code with `async` as a parameter name, hence
-# init/repr/eq are off. Nothing instantiates RunConfig: the run works on the OmegaConf node and
-# reads this group as cfg["async"].
-RunConfig = dataclass(init=False, repr=False, eq=False)(
-    type(
-        "RunConfig",
-        (RunConfig,),
-        {
-            "__annotations__": {"async": AsyncConfig},
-            "async": doc(help="asynchrony bounds", factory=AsyncConfig),
-            "__doc__": "One training run.",
-        },
-    )
-)
 
 
 def register_configs() -> None:

@@ -1,4 +1,4 @@
-"""Where staleness is enforced (DESIGN §4.1): admission of prompt groups and the choice of batches.
+"""Where staleness is enforced (docs/architecture.md, "Staleness"): admission of prompt groups and the choice of batches.
 
 Counts are in prompt groups. With B groups per train step and the generation servers serving
 policy version v, a group is admitted only while

@@ -1,7 +1,7 @@
 """SGLang's native HTTP API (the subset RL trainers use) in front of the embedded engine.
 
 Standard library only (`http.server`): one thread per connection, HTTP/1.1 keep-alive. Field
-names, response shapes and error envelopes follow SGLang (`shared/reference/sglang-api.md`), so a
+names, response shapes and error envelopes follow SGLang's native API, so a
 client written for SGLang works here unchanged. The areal_flow extension is
 `meta_info.output_token_versions`: the weight version of each generated token.
 

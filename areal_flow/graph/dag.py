@@ -1,8 +1,10 @@
 """The MFC graph. Nodes come from the recipe; edges come from the keys nodes read and write.
 
-A key that no node writes comes from the dataset. `build_graph` checks everything that can be
-checked before a process starts and reports every problem at once, each naming the node and the
-recipe key (`graph.<node>.<field>`) to change.
+A key that no node writes comes from the dataset. What a key means is declared by the node that
+writes it (`graph/keys.py`), and every node finds its inputs by meaning, so the runtime follows the
+declared keys whatever the recipe names them. `build_graph` checks everything that can be checked
+before a process starts and reports every problem at once, each naming the node and the recipe key
+(`graph.<node>.<field>`) to change.
 """
 
 from __future__ import annotations
@@ -10,13 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-NODE_TYPES = ("generate", "reward", "inference", "train")
-ROLES = ("actor", "ref", "critic")
-STREAMING_TYPES = ("generate", "reward")
-# What the generate node can write: the embedded engine and SGLang both return these.
-GENERATE_KEYS = ("prompt_ids", "output_ids", "behav_logprobs", "versions")
-# What the actor's train node needs, besides the output of a reward node.
-TRAIN_REQUIRED = ("prompt_ids", "output_ids", "behav_logprobs")
+from areal_flow.graph.keys import NODE_KINDS, NOT_IMPLEMENTED_ROLES, ROLES, TEXT, WRITER_ROLE
+
+NODE_TYPES = tuple(NODE_KINDS)
 
 
 class GraphError(ValueError):
@@ -34,14 +32,22 @@ class Node:
     role: str | None
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    keys: tuple[tuple[str, str], ...]  # (well-known key, the name this node writes it under)
     mesh: tuple[int, ...] | None
     micro_batch_tokens: int
     workers: int
     fn: str
+    weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
 
     @property
     def streaming(self) -> bool:
-        return self.type in STREAMING_TYPES
+        return self.type in NODE_KINDS and NODE_KINDS[self.type].streaming
+
+    def meaning_of_output(self, key: str) -> str:
+        """What an output of this node is: the well-known key it stands for."""
+        if self.type in ("reward", "combine"):
+            return "rewards"
+        return next((known for known, name in self.keys if name == key), key)
 
 
 @dataclass
@@ -50,14 +56,24 @@ class Graph:
     order: list[str]  # topological
     producers: dict[str, str]  # key -> node that writes it
     dataset_keys: tuple[str, ...]
+    meaning: dict[str, str]  # key -> well-known key it stands for (TEXT for dataset fields)
 
     @property
     def generate(self) -> Node:
         return next(n for n in self.nodes.values() if n.type == "generate")
 
     @property
+    def train(self) -> Node:
+        return next(n for n in self.nodes.values() if n.type == "train")
+
+    @property
+    def scorers(self) -> list[Node]:
+        """reward and combine nodes, in the order they run on each sample."""
+        return [self.nodes[n] for n in self.order if self.nodes[n].type in ("reward", "combine")]
+
+    @property
     def rewards(self) -> list[Node]:
-        return [self.nodes[n] for n in self.order if self.nodes[n].type == "reward"]
+        return [n for n in self.scorers if n.type == "reward"]
 
     @property
     def batch_nodes(self) -> list[Node]:
@@ -67,6 +83,23 @@ class Graph:
     @property
     def trainer_mesh(self) -> tuple[int, ...]:
         return self.batch_nodes[0].mesh or ()
+
+    @property
+    def roles(self) -> list[str]:
+        """Model roles the trainer ranks hold, in firing order."""
+        return list(dict.fromkeys(n.role for n in self.batch_nodes))
+
+    def input(self, node: Node, meaning: str) -> str | None:
+        """The key `node` reads for a well-known meaning (e.g. its 'prox_logprobs'), or None."""
+        return next((k for k in node.inputs if self.meaning.get(k) == meaning), None)
+
+    def output(self, node: Node, meaning: str) -> str | None:
+        """The key `node` writes for a well-known meaning, or None when it does not write it."""
+        return next((k for k in node.outputs if node.meaning_of_output(k) == meaning), None)
+
+    def dataset_input(self, node: Node) -> str:
+        """The one dataset field a generate node reads (its prompt) or a reward node compares with."""
+        return next(k for k in node.inputs if k in self.dataset_keys)
 
     def edges(self) -> list[tuple[str, str, str]]:
         """(producer, consumer, key) for every key a node reads from another node."""
@@ -78,20 +111,6 @@ class Graph:
             if k in self.producers
         ]
 
-    def role_of_key(self, key: str) -> str | None:
-        """The model role whose node wrote `key` (e.g. prox logprobs come from the actor)."""
-        producer = self.producers.get(key)
-        return self.nodes[producer].role if producer else None
-
-    def type_of_producer(self, key: str) -> str | None:
-        """The type of the node that writes `key`; None for dataset fields."""
-        producer = self.producers.get(key)
-        return self.nodes[producer].type if producer else None
-
-    def dataset_input(self, node: Node) -> str:
-        """The one dataset field a generate node reads (its prompt) or a reward node compares with."""
-        return next(k for k in node.inputs if k in self.dataset_keys)
-
     def describe(self) -> str:
         lines = ["graph (in firing order):"]
         for name in self.order:
@@ -101,10 +120,14 @@ class Graph:
             lines.append(f"  {name}: {n.type}{role} on {where}")
             for k in n.inputs:
                 src = self.producers.get(k, "dataset")
-                lines.append(f"      <- {k} (from {src})")
+                lines.append(f"      <- {k} (from {src}){_as(k, self.meaning.get(k))}")
             for k in n.outputs:
-                lines.append(f"      -> {k}")
+                lines.append(f"      -> {k}{_as(k, self.meaning.get(k))}")
         return "\n".join(lines)
+
+
+def _as(key: str, meaning: str | None) -> str:
+    return f" as {meaning}" if meaning and meaning not in (key, TEXT) else ""
 
 
 def format_mesh(mesh: Sequence[int] | None) -> str:
@@ -127,8 +150,14 @@ def parse_mesh(spec: Any, where: str) -> tuple[tuple[int, ...] | None, str | Non
     return tuple(sorted(devices)), None
 
 
+def _field(c: Any, name: str, default: Any = None) -> Any:
+    """A node field from a NodeConfig or a plain mapping (tests build graphs from dicts)."""
+    value = c.get(name, default) if isinstance(c, Mapping) else getattr(c, name, default)
+    return default if value is None else value
+
+
 def build_graph(
-    nodes_cfg: Mapping[str, Mapping[str, Any]],
+    nodes_cfg: Mapping[str, Any],
     dataset_keys: Sequence[str],
     n_devices: int,
     reward_fns: Sequence[str] = (),
@@ -138,26 +167,33 @@ def build_graph(
     nodes: dict[str, Node] = {}
     for name, c in nodes_cfg.items():
         key = f"graph.{name}"
-        ntype, role = c.get("type") or "", c.get("role")
-        if ntype not in NODE_TYPES:
+        ntype, role = _field(c, "type", ""), _field(c, "role")
+        kind = NODE_KINDS.get(ntype)
+        if kind is None:
             problems.append(f"node '{name}': unknown type {ntype!r} ({key}.type); expected one of {', '.join(NODE_TYPES)}")
-        if ntype in ("generate", "inference", "train") and role not in ROLES:
+        elif kind.roles and role not in ROLES:
             problems.append(f"node '{name}': unknown model role {role!r} ({key}.role); expected one of {', '.join(ROLES)}")
-        if ntype == "reward" and role is not None:
-            problems.append(f"node '{name}': a reward node has no model role ({key}.role={role!r})")
-        if ntype == "reward" and reward_fns and c.get("fn") not in reward_fns:
-            problems.append(f"node '{name}': unknown reward function {c.get('fn')!r} ({key}.fn); expected one of {', '.join(reward_fns)}")
+        elif kind.roles and role in NOT_IMPLEMENTED_ROLES:
+            problems.append(f"node '{name}': role {role!r} ({key}.role) is not implemented in this version: "
+                            f"{NOT_IMPLEMENTED_ROLES[role]}")
+        elif kind.roles and role not in kind.roles:
+            problems.append(f"node '{name}': a {ntype} node runs on role {' or '.join(kind.roles)}, not {role!r} ({key}.role)")
+        elif not kind.roles and role is not None:
+            problems.append(f"node '{name}': a {ntype} node has no model role ({key}.role={role!r})")
+        if ntype == "reward" and reward_fns and _field(c, "fn") not in reward_fns:
+            problems.append(f"node '{name}': unknown reward function {_field(c, 'fn')!r} ({key}.fn); "
+                            f"expected one of {', '.join(reward_fns)}")
         mesh = None
-        if ntype in ("generate", "inference", "train"):
-            if c.get("mesh") is None:
+        if kind is not None and kind.roles:
+            if _field(c, "mesh") is None:
                 problems.append(f"node '{name}': needs a mesh ({key}.mesh), e.g. '0'")
             else:
-                mesh, problem = parse_mesh(c["mesh"], f"node '{name}' ({key}.mesh)")
+                mesh, problem = parse_mesh(_field(c, "mesh"), f"node '{name}' ({key}.mesh)")
                 if problem:
                     problems.append(problem)
                 elif mesh[-1] >= n_devices:
                     problems.append(
-                        f"node '{name}': mesh {c['mesh']!r} ({key}.mesh) uses device {mesh[-1]} "
+                        f"node '{name}': mesh {_field(c, 'mesh')!r} ({key}.mesh) uses device {mesh[-1]} "
                         f"but the cluster has {n_devices} (cluster.n_devices)"
                     )
                     mesh = None
@@ -165,21 +201,27 @@ def build_graph(
             name=name,
             type=ntype,
             role=role,
-            inputs=tuple(c.get("inputs") or ()),
-            outputs=tuple(c.get("outputs") or ()),
+            inputs=tuple(_field(c, "inputs", ())),
+            outputs=tuple(_field(c, "outputs", ())),
+            keys=tuple(dict(_field(c, "keys", {})).items()),
             mesh=mesh,
-            micro_batch_tokens=int(c.get("micro_batch_tokens", 8192)),
-            workers=int(c.get("workers", 1)),
-            fn=c.get("fn") or "",
+            micro_batch_tokens=int(_field(c, "micro_batch_tokens", 8192)),
+            workers=int(_field(c, "workers", 1)),
+            fn=_field(c, "fn", ""),
+            weights=tuple((k, float(w)) for k, w in dict(_field(c, "weights", {})).items()),
         )
 
     producers = _check_keys(nodes, dataset_keys, problems)
+    meaning = {k: TEXT for k in dataset_keys} | {k: nodes[p].meaning_of_output(k) for k, p in producers.items()}
     order = _topological_order(nodes, producers, problems)
-    _check_shape(nodes, producers, dataset_keys, problems)
+    for n in nodes.values():
+        if n.type in NODE_KINDS:
+            _check_node(n, nodes, producers, meaning, problems)
+    _check_shape(nodes, problems)
     _check_meshes(nodes, problems)
     if problems:
         raise GraphError(problems)
-    return Graph(nodes=nodes, order=order, producers=producers, dataset_keys=tuple(dataset_keys))
+    return Graph(nodes=nodes, order=order, producers=producers, dataset_keys=tuple(dataset_keys), meaning=meaning)
 
 
 def _check_keys(nodes: dict[str, Node], dataset_keys: Sequence[str], problems: list[str]) -> dict[str, str]:
@@ -202,6 +244,68 @@ def _check_keys(nodes: dict[str, Node], dataset_keys: Sequence[str], problems: l
                     f"and the dataset has no such field (dataset fields: {', '.join(dataset_keys) or 'none'})"
                 )
     return producers
+
+
+def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], meaning: dict[str, str],
+                problems: list[str]) -> None:
+    """The keys one node reads and writes, by meaning, against what its type needs."""
+    kind, where = NODE_KINDS[n.type], f"graph.{n.name}"
+    for known, name in n.keys:
+        if known not in kind.writes or n.type in ("reward", "combine"):
+            problems.append(f"node '{n.name}': {where}.keys maps {known!r}, which a {n.type} node does not write "
+                            f"(it writes {', '.join(kind.writes) or 'nothing'})")
+        elif name not in n.outputs:
+            problems.append(f"node '{n.name}': {where}.keys maps {known!r} to {name!r}, which is not one of its outputs")
+    if kind.n_outputs is not None and len(n.outputs) != kind.n_outputs:
+        problems.append(f"node '{n.name}': a {n.type} node writes exactly {kind.n_outputs} key ({where}.outputs has "
+                        f"{list(n.outputs)})")
+    written = [n.meaning_of_output(k) for k in n.outputs]
+    for k, m in zip(n.outputs, written):
+        if m not in kind.writes:
+            problems.append(f"node '{n.name}': a {n.type} node writes {' or '.join(kind.writes) or 'nothing'}, not {k!r} "
+                            f"({where}.outputs; name a well-known key differently with {where}.keys)")
+        elif m in WRITER_ROLE and n.role != WRITER_ROLE[m]:
+            problems.append(f"node '{n.name}': {m} come from an inference node with role {WRITER_ROLE[m]}, "
+                            f"not {n.role!r} ({where}.role)")
+    if len(set(written)) < len(written):
+        problems.append(f"node '{n.name}': writes one meaning twice ({where}.outputs={list(n.outputs)})")
+    for m in kind.must_write:
+        if m not in written:
+            problems.append(f"node '{n.name}': a {n.type} node must write {m} ({where}.outputs)")
+
+    read = [meaning[k] for k in n.inputs if k in meaning]
+    n_fields = read.count(TEXT)
+    if kind.dataset_fields != n_fields:
+        what = {"generate": "its prompt", "reward": "the reference answer"}.get(n.type)
+        problems.append(f"node '{n.name}': a {n.type} node reads "
+                        + (f"exactly one dataset field, {what}" if what else "no dataset field")
+                        + f" ({where}.inputs has {[k for k in n.inputs if meaning.get(k) == TEXT] or 'none'})")
+    for k in n.inputs:
+        m = meaning.get(k)
+        if m not in (None, TEXT) and m not in kind.reads + kind.may_read:
+            problems.append(f"node '{n.name}' ({n.type}) reads {k!r} ({m}), which it does not use ({where}.inputs)")
+    missing = [m for m in kind.reads if m not in read]
+    if missing:
+        names = ["the output of a reward node" if m == "rewards" else m for m in missing]
+        problems.append(f"node '{n.name}': a {n.type} node must read {', '.join(names)} ({where}.inputs)")
+    if n.type == "combine":
+        weights = dict(n.weights)
+        if len(n.inputs) < 2 or set(weights) != set(n.inputs):
+            problems.append(f"node '{n.name}': a combine node reads two or more rewards and gives each a weight "
+                            f"({where}.weights must have exactly the keys of {where}.inputs)")
+    else:
+        twice = sorted({m for m in read if m != TEXT and read.count(m) > 1})
+        if twice:
+            problems.append(f"node '{n.name}' reads more than one {', '.join(twice)} ({where}.inputs): "
+                            "add a combine node that weighs them into one key")
+    if n.streaming:
+        for k in n.inputs:
+            src = producers.get(k)
+            if src and not nodes[src].streaming:
+                problems.append(
+                    f"node '{n.name}' ({n.type}) reads '{k}' from batch node '{src}' ({where}.inputs): "
+                    "streaming nodes (generate, reward, combine) run before batch nodes (inference, train)"
+                )
 
 
 def _topological_order(nodes: dict[str, Node], producers: dict[str, str], problems: list[str]) -> list[str]:
@@ -238,52 +342,15 @@ def _find_cycle(stuck: list[str], nodes: dict[str, Node], producers: dict[str, s
     return cycle
 
 
-def _check_shape(nodes: dict[str, Node], producers: dict[str, str], dataset_keys: Sequence[str],
-                 problems: list[str]) -> None:
-    """What this version of the runtime can run: one generate node, streaming before batch nodes."""
+def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
+    """What this runtime can run: one generate node, one train node of the actor."""
     by_type = {t: [n for n in nodes.values() if n.type == t] for t in NODE_TYPES}
     if len(by_type["generate"]) != 1:
         problems.append(f"the graph needs exactly one generate node, found {len(by_type['generate'])}")
     if not by_type["reward"]:
         problems.append("the graph needs a reward node (type: reward) to write the rewards the train node reads")
-    for n in by_type["generate"] + by_type["reward"]:
-        fields = [k for k in n.inputs if k in dataset_keys]
-        if len(fields) != 1:
-            what = "its prompt" if n.type == "generate" else "the reference answer"
-            problems.append(f"node '{n.name}': a {n.type} node reads exactly one dataset field, {what} "
-                            f"(graph.{n.name}.inputs has {fields or 'none'})")
-    for n in by_type["reward"]:
-        if len(n.outputs) != 1 or "output_ids" not in n.inputs:
-            problems.append(f"node '{n.name}': a reward node reads output_ids and writes exactly one key "
-                            f"(graph.{n.name}.inputs/outputs)")
-    for g in by_type["generate"]:
-        extra = [k for k in g.outputs if k not in GENERATE_KEYS]
-        if extra or "output_ids" not in g.outputs:
-            problems.append(
-                f"node '{g.name}': a generate node writes output_ids and any of {', '.join(GENERATE_KEYS)} "
-                f"(graph.{g.name}.outputs has {list(g.outputs)})"
-            )
-    trains = [n for n in by_type["train"] if n.role == "actor"]
-    if len(trains) != 1 or len(by_type["train"]) != 1:
-        problems.append(f"the graph needs exactly one train node with role actor, found {len(by_type['train'])} train node(s)")
-    for t in trains:
-        missing = [k for k in TRAIN_REQUIRED if k not in t.inputs]
-        if not any(nodes[producers[k]].type == "reward" for k in t.inputs if k in producers):
-            missing.append("the output of a reward node")
-        if missing:
-            problems.append(f"node '{t.name}': a train node must read {', '.join(missing)} (graph.{t.name}.inputs)")
-    for n in by_type["inference"]:
-        if len(n.outputs) != 1:
-            problems.append(f"node '{n.name}': an inference node writes exactly one key (graph.{n.name}.outputs)")
-    for n in nodes.values():
-        if n.streaming:
-            for k in n.inputs:
-                src = producers.get(k)
-                if src and not nodes[src].streaming:
-                    problems.append(
-                        f"node '{n.name}' ({n.type}) reads '{k}' from batch node '{src}' (graph.{n.name}.inputs): "
-                        "streaming nodes (generate, reward) run before batch nodes (inference, train)"
-                    )
+    if len(by_type["train"]) != 1:
+        problems.append(f"the graph needs exactly one train node with role actor, found {len(by_type['train'])}")
 
 
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
@@ -308,7 +375,7 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
 
 
 def graph_from_config(cfg: Any) -> Graph:
-    """The validated graph of a composed run config."""
+    """The validated graph of a run config."""
     from areal_flow.rewards.functions import REWARD_FNS
 
     return build_graph(cfg.graph, list(cfg.dataset.fields), cfg.cluster.n_devices, list(REWARD_FNS))

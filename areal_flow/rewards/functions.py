@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from areal_flow.data.arith import arith_reward
+from areal_flow.data.arith import arith_reward, extract_answer
 
 
 def math_verify_reward(completion: str, answer: str) -> float:
@@ -16,7 +16,14 @@ def math_verify_reward(completion: str, answer: str) -> float:
     return 1.0 if verify(gold, parse(completion)) else 0.0
 
 
+def arith_format_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion ends in a final-answer line `#### N` that parses, right or wrong:
+    a shaping reward to weigh beside `arith` with a combine node."""
+    return 1.0 if extract_answer(completion) is not None else 0.0
+
+
 REWARD_FNS: dict[str, Callable[[str, str], float]] = {
     "arith": arith_reward,
+    "arith_format": arith_format_reward,
     "math_verify": math_verify_reward,
 }

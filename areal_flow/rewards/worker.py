@@ -1,5 +1,8 @@
-"""The reward worker: takes generated groups from the rollout workers, runs every reward node of
-the graph on each sample, and pushes the scored group to the controller."""
+"""The reward worker: scores generated groups and sends them on to the trainer rank the controller
+chooses. It runs the graph's reward and combine nodes in graph order on every sample, reports the
+scored group's metadata to the controller, and holds the samples until the controller answers with
+a Route: the samples go to that rank's inbox, or are dropped (the controller's ledger says why).
+"""
 
 from __future__ import annotations
 
@@ -9,40 +12,83 @@ import logging
 import zmq
 import zmq.asyncio
 
+from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.functions import REWARD_FNS
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.transport.channels import endpoint, make_socket, recv, send
-from areal_flow.transport.messages import GroupDone
+from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
+from areal_flow.transport.messages import (
+    DROP,
+    GeneratedGroup,
+    GroupMeta,
+    Route,
+    SampleMeta,
+    ScoredGroup,
+    Stage,
+)
 
 log = logging.getLogger("areal_flow.reward")
 
 
-def score_group(group: GroupDone, graph: Graph, tokenizer) -> GroupDone:
-    """Write each reward node's output key into every sample's scalars."""
+def score_group(group: GeneratedGroup, graph: Graph, tokenizer) -> ScoredGroup:
+    """Each reward node writes its key into every sample's scalars; each combine node writes the
+    weighted sum of its inputs; in graph order, so a combine node sees the rewards it weighs."""
+    output_key = graph.output(graph.generate, "output_ids")
     for sample in group.samples:
-        text = tokenizer.decode(sample.array("output_ids").tolist(), skip_special_tokens=True)
-        for node in graph.rewards:
-            reference = sample.fields[graph.dataset_input(node)]
-            sample.scalars[node.outputs[0]] = float(REWARD_FNS[node.fn](text, reference))
-    return group
+        text = tokenizer.decode(sample.array(output_key).tolist(), skip_special_tokens=True)
+        for node in graph.scorers:
+            if node.type == "reward":
+                reference = sample.fields[graph.dataset_input(node)]
+                sample.scalars[node.outputs[0]] = float(REWARD_FNS[node.fn](text, reference))
+            else:
+                sample.scalars[node.outputs[0]] = sum(w * sample.scalars[k] for k, w in node.weights)
+        sample.stage = Stage.SCORED
+    return ScoredGroup(group.group_id, group.samples)
 
 
-async def serve(cfg, spec: RunSpec, name: str) -> None:
-    graph = graph_from_config(cfg)
-    tokenizer = load_tokenizer(spec.model_path)
-    ctx = zmq.asyncio.Context()
-    inbox = make_socket(ctx, zmq.PULL, connect=[endpoint(p) for p in spec.rollout_ports])
-    outbox = make_socket(ctx, zmq.PUSH, connect=endpoint(spec.results_port))
-    log.info("%s scoring with %s", name, [n.fn for n in graph.rewards])
-    while True:  # until the launcher stops this process
-        msg = await recv(inbox, f"{name} inbox")
-        if not isinstance(msg, GroupDone):
-            log.error("%s: unexpected %s on its inbox, dropped", name, type(msg).__name__)
-            continue
-        await send(outbox, score_group(msg, graph, tokenizer))
+class RewardWorker:
+    def __init__(self, cfg: RunConfig, spec: RunSpec, name: str):
+        self.name = name
+        self.graph = graph_from_config(cfg)
+        self.tokenizer = load_tokenizer(spec.model_path)
+        self.versions_key = self.graph.output(self.graph.generate, "versions")
+        ctx = zmq.asyncio.Context()
+        self.inbox = make_socket(ctx, zmq.PULL, connect=[endpoint(p) for p in spec.rollout_ports])
+        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
+        self.ranks = [make_socket(ctx, zmq.PUSH, connect=endpoint(p)) for p in spec.trainer_ports]
+        self.held: dict[int, ScoredGroup] = {}  # scored, waiting for the controller's Route
+
+    async def score(self) -> None:
+        log.info("%s scoring with %s", self.name, [n.name for n in self.graph.scorers])
+        while True:
+            msg = await recv(self.inbox, f"{self.name} inbox")
+            if not isinstance(msg, GeneratedGroup):
+                log.error("%s: a %s on the inbox is not a generated group, dropped", self.name, type(msg).__name__)
+                continue
+            scored = score_group(msg, self.graph, self.tokenizer)
+            self.held[scored.group_id] = scored
+            meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
+            await send(self.controller, GroupMeta(scored.group_id, self.name, meta, sent_bytes()))
+
+    async def forward(self) -> None:
+        while True:
+            msg = await recv(self.controller, f"{self.name} controller")
+            if not isinstance(msg, Route) or msg.group_id not in self.held:
+                log.error("%s: %s from the controller matches no scored group here, dropped", self.name, msg)
+                continue
+            group = self.held.pop(msg.group_id)
+            if msg.rank == DROP:
+                log.warning("%s: the controller dropped group %d (its ledger says why)", self.name, msg.group_id)
+            else:
+                await send(self.ranks[msg.rank], group)
+
+    async def run(self) -> None:
+        await asyncio.gather(self.score(), self.forward())
 
 
-def main(cfg, spec: RunSpec, name: str, rank: int) -> None:
-    asyncio.run(serve(cfg, spec, name))
+def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
+    async def run() -> None:  # sockets are made inside the loop they belong to
+        await RewardWorker(cfg, spec, name).run()
+
+    asyncio.run(run())

@@ -1,5 +1,5 @@
 """The rollout worker: asks the controller for prompt groups, generates each sample with one
-`/generate` request, survives interruptions, and pushes the finished group to the reward pool.
+`/generate` request, survives interruptions, and pushes the generated group to the reward pool.
 
 It keeps `slots` admission requests outstanding; each finished group frees its slot and asks
 again, so the controller alone decides how far generation runs ahead (staleness.py).
@@ -15,12 +15,14 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from areal_flow.config.schema import RunConfig
 from areal_flow.generation.client import GenerationClient
 from areal_flow.graph.dag import graph_from_config
+from areal_flow.graph.keys import KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.transport.channels import endpoint, make_socket, recv, send
-from areal_flow.transport.messages import AdmitRequest, Array, GroupDone, PromptGroup, Sample
+from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
+from areal_flow.transport.messages import AdmitRequest, Array, Finish, GeneratedGroup, PromptGroup, Sample
 
 log = logging.getLogger("areal_flow.rollout")
 
@@ -40,9 +42,11 @@ async def generate_sample(client: GenerationClient, prompt_ids: list[int], param
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
         # output_token_versions is areal_flow's extension; real SGLang reports one version per answer.
         versions += meta.get("output_token_versions") or [_version(meta)] * len(answer["output_ids"])
-        if meta["finish_reason"]["type"] != "abort" or len(out_ids) >= budget:
-            return {"output_ids": out_ids, "logprobs": logprobs, "versions": versions,
-                    "finish_reason": meta["finish_reason"]["type"]}
+        reason = meta["finish_reason"]["type"]
+        if reason != "abort" or len(out_ids) >= budget:
+            # An abort that used the whole budget is a truncation like any other.
+            finish = Finish.LENGTH if reason == "abort" else Finish(reason)
+            return {"output_ids": out_ids, "behav_logprobs": logprobs, "versions": versions, "finish": finish}
 
 
 def _version(meta: dict) -> int:
@@ -53,7 +57,7 @@ def _version(meta: dict) -> int:
 
 
 class RolloutWorker:
-    def __init__(self, cfg, spec: RunSpec, name: str, rank: int):
+    def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.name = name
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
@@ -61,12 +65,13 @@ class RolloutWorker:
         self.clients = [GenerationClient(url) for url in spec.gen_urls]
         self.next_client = itertools.cycle(self.clients)
         # Every worker holds an equal share of the concurrency the controller may grant.
-        self.slots = max(1, cfg["async"].max_concurrent // spec.n_rollout)
+        self.slots = max(1, cfg.rollout.max_concurrent // spec.n_rollout)
         ctx = zmq.asyncio.Context()
-        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.admission_port), identity=name)
+        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
         self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank]))
         graph = graph_from_config(cfg)
-        self.keys = set(graph.generate.outputs)  # write what the recipe declares
+        # Write what the recipe declares, under the names it gives: well-known key -> name.
+        self.keys = {graph.meaning[k]: k for k in graph.generate.outputs}
         self.prompt_key = graph.dataset_input(graph.generate)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
@@ -82,7 +87,7 @@ class RolloutWorker:
                 main_task.cancel()
 
         for _ in range(self.slots):
-            await send(self.controller, AdmitRequest(self.name))
+            await send(self.controller, AdmitRequest(self.name, sent_bytes()))
         try:
             while True:  # until the launcher stops this process
                 msg = await recv(self.controller, f"{self.name} controller")
@@ -112,21 +117,17 @@ class RolloutWorker:
                 index=i,
                 birth_time=group.birth_time,
                 fields=group.fields,
-                arrays={k: v for k, v in {
-                    "prompt_ids": Array.of(np.asarray(prompt_ids, dtype=np.int32)),
-                    "output_ids": Array.of(np.asarray(o["output_ids"], dtype=np.int32)),
-                    "behav_logprobs": Array.of(np.asarray(o["logprobs"], dtype=np.float32)),
-                    "versions": Array.of(np.asarray(o["versions"], dtype=np.int32)),
-                }.items() if k in self.keys},
-                finish_reason=o["finish_reason"],
+                arrays={name: Array.of(np.asarray({"prompt_ids": prompt_ids, **o}[known], dtype=KEYS[known].dtype))
+                        for known, name in self.keys.items()},
+                finish=o["finish"],
             )
             for i, o in enumerate(outs)
         ]
-        await send(self.rewards, GroupDone(group.group_id, samples))
-        await send(self.controller, AdmitRequest(self.name))
+        await send(self.rewards, GeneratedGroup(group.group_id, samples))
+        await send(self.controller, AdmitRequest(self.name, sent_bytes()))
 
 
-def main(cfg, spec: RunSpec, name: str, rank: int) -> None:
+def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
     async def run() -> None:  # sockets are made inside the loop they belong to
         await RolloutWorker(cfg, spec, name, rank).run()
 

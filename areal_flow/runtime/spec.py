@@ -1,6 +1,7 @@
 """The run spec: what the launcher resolved before starting processes (paths and endpoints).
 
-It sits beside the composed config in the run directory; every child reads both at start.
+It sits beside the composed config in the run directory; every child reads both at start and
+gets the config typed, as a `RunConfig`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 import msgspec
 from omegaconf import DictConfig, OmegaConf
 
+from areal_flow.config.schema import RunConfig
+
 
 class RunSpec(msgspec.Struct, kw_only=True):
     run_dir: str
@@ -19,10 +22,9 @@ class RunSpec(msgspec.Struct, kw_only=True):
     train_path: str
     eval_path: str
     gen_ports: list[int]
-    admission_port: int  # controller ROUTER: rollout workers ask for prompt groups
-    results_port: int  # controller PULL: scored groups from the reward pool
-    trainer_port: int  # controller ROUTER: model worker ranks
+    controller_port: int  # controller ROUTER: every other process's control messages
     rollout_ports: list[int]  # each rollout worker's PUSH to the reward pool
+    trainer_ports: list[int]  # each trainer rank's PULL inbox for scored groups
     dist_port: int  # torch.distributed rendezvous of the trainer ranks
     n_trainers: int
     n_rollout: int
@@ -55,7 +57,12 @@ def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:
     Path(run_dir, "spec.json").write_bytes(msgspec.json.encode(spec))
 
 
-def read_run(run_dir: str) -> tuple[DictConfig, RunSpec]:
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+def typed(cfg: DictConfig) -> RunConfig:
+    """The config as `RunConfig` dataclasses (interpolations resolved, schema checked again)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+
+
+def read_run(run_dir: str) -> tuple[RunConfig, RunSpec]:
+    cfg = typed(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
     spec = msgspec.json.decode(Path(run_dir, "spec.json").read_bytes(), type=RunSpec)
     return cfg, spec

@@ -1,6 +1,6 @@
 """The plain-PyTorch training engine: one data-parallel rank of a Hugging Face causal LM.
 
-Per-node packing (DESIGN §6): the sequences of a micro-batch are concatenated into ONE row with no
+Per-node packing: the sequences of a micro-batch are concatenated into ONE row with no
 padding, and `position_ids` restart at 0 for each sequence. Given `position_ids` and no
 `attention_mask`, transformers' `masking_utils.find_packed_sequence_indices` detects the sequence
 boundaries (a position that does not follow its predecessor by +1) and builds the block-diagonal
@@ -216,7 +216,7 @@ class TorchEngine:
         return float(counts[0]), int(counts[1])
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        """FFD micro-batches, the same number on every rank (DESIGN §6).
+        """FFD micro-batches, the same number on every rank.
 
         Ranks whose natural count is below the largest re-run FFD with that count as min_groups,
         which spreads their sequences instead of adding empty passes. That can, rarely, make FFD

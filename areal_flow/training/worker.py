@@ -1,6 +1,11 @@
-"""A model worker: one rank of the trainer mesh. It runs the batch nodes the controller fires
-(`inference`: logprobs of a role's model; `train`: one PPO update of the actor), publishes the new
-weights for generation after each update, and writes the checkpoint at the end.
+"""A model worker: one rank of the trainer mesh, where the batch data lives.
+
+Scored groups arrive on the rank's inbox straight from the reward workers (the controller chose
+the rank). For each step the controller sends only ids: "train these groups; first send those to
+rank k". The rank moves what it must, waits for its share, and runs the graph's batch nodes in
+graph order on it (inference nodes write their key into the samples it holds, then the train node
+updates the model). Only statistics and the new weights' location go back. docs/architecture.md
+has the whole life of a sample.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from functools import partial
 
 import numpy as np
@@ -19,64 +25,68 @@ import zmq
 from areal_flow.algorithms.advantages import group_normalized_advantages
 from areal_flow.algorithms.kl import kl_k3
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import TorchEngine, accumulate_stats
-from areal_flow.transport.channels import endpoint, make_socket, recv_blocking
+from areal_flow.training.engine import LOSS_MASK_KEY, TorchEngine, accumulate_stats
+from areal_flow.transport.channels import endpoint, make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.transport.messages import (
     Array,
+    Finish,
     Hello,
-    NodeResult,
-    RunNode,
+    RunStep,
     Sample,
-    SaveCheckpoint,
     Saved,
-    encode,
+    SaveCheckpoint,
+    ScoredGroup,
+    StepDone,
 )
 
 log = logging.getLogger("areal_flow.trainer")
 
 
-def ppo_loss(logprobs, batch, mask, n_valid_tokens, *, algo, kl_coef: float):
-    """The actor's objective on one micro-batch: decoupled PPO (+ k3 KL when a ref node exists)."""
+def ppo_loss(logprobs, batch, mask, n_valid_tokens, *, algo: AlgorithmConfig):
+    """The actor's objective on one micro-batch: decoupled PPO (+ k3 KL when the train node reads
+    ref_logprobs). Without prox_logprobs it is plain PPO against the behaviour policy."""
     loss, stats = decoupled_ppo_loss(
         logprobs, batch.get("prox_logprobs"), batch["behav_logprobs"], batch["advantages"], mask,
         eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, behav_weight_cap=algo.behav_weight_cap,
         n_valid_tokens=n_valid_tokens,
     )
-    if "ref_logprobs" in batch and kl_coef:
+    if "ref_logprobs" in batch and algo.kl_coef:
         kl = kl_k3(logprobs, batch["ref_logprobs"], mask, n_valid_tokens)
-        loss = loss + kl_coef * kl
+        loss = loss + algo.kl_coef * kl
         stats["kl_sum"] = kl.detach() * n_valid_tokens
     return loss, stats
 
 
-def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, group_size: int, scale_by_std: bool
+def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig
                ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, list[np.ndarray]]]:
-    """The train node's sequences and per-output-token data, from samples sorted by (group, index).
+    """The train node's sequences and per-answer-token data, from samples sorted by (group, index).
 
-    Advantages are normalised within each group and broadcast to every token of the answer. An
-    input written by an inference node of the train node's own role is the proximal policy's
-    logprobs; one written by another role's inference node is the reference model's.
+    Every input is found by its declared meaning (graph/keys.py), whatever the recipe named it.
+    Advantages are normalised within each group and broadcast to every token of the answer; with
+    `mask_truncated`, answers cut at the length limit get a zero loss mask.
     """
-    reward_key = next(k for k in node.inputs if graph.type_of_producer(k) == "reward")
-    rewards = torch.tensor([s.scalars[reward_key] for s in samples], dtype=torch.float32)
-    adv = group_normalized_advantages(rewards, group_size, scale_by_std=scale_by_std) if samples else rewards
-    seqs = [(s.array("prompt_ids"), s.array("output_ids")) for s in samples]
+    key = partial(graph.input, node)
+    rewards = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
+    adv = group_normalized_advantages(rewards, algo.group_size, scale_by_std=algo.adv_scale_by_std) if samples else rewards
+    seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
     token_data = {
-        "behav_logprobs": [s.array("behav_logprobs") for s in samples],
+        "behav_logprobs": [s.array(key("behav_logprobs")) for s in samples],
         "advantages": [np.full(len(out), float(a), dtype=np.float32) for (_, out), a in zip(seqs, adv)],
     }
-    for key in node.inputs:
-        if graph.type_of_producer(key) == "inference":
-            sem = "prox_logprobs" if graph.role_of_key(key) == node.role else "ref_logprobs"
-            token_data[sem] = [s.array(key) for s in samples]
+    for meaning in ("prox_logprobs", "ref_logprobs"):
+        if key(meaning) is not None:
+            token_data[meaning] = [s.array(key(meaning)) for s in samples]
+    if algo.mask_truncated:
+        token_data[LOSS_MASK_KEY] = [np.full(len(out), s.finish == Finish.STOP) for s, (_, out) in zip(samples, seqs)]
     return seqs, token_data
 
 
 class ModelWorker:
-    def __init__(self, cfg, spec: RunSpec, name: str, rank: int):
+    def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
         group = None
@@ -84,34 +94,81 @@ class ModelWorker:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.dist_port}",
                                     rank=rank, world_size=spec.n_trainers)
             group = dist.group.WORLD
-        algo = cfg.algorithm
-        train_node = next(n for n in self.graph.batch_nodes if n.type == "train")
-        self.engines: dict[str, TorchEngine] = {}
-        for node in self.graph.batch_nodes:
-            if node.role in self.engines:
-                continue
-            trainable = node.role == train_node.role
-            self.engines[node.role] = TorchEngine(
-                spec.model_path, lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay,
-                grad_clip=algo.grad_clip, micro_batch_tokens=node.micro_batch_tokens,
-                temperature=algo.temperature, trainable=trainable, process_group=group,
-            )
+        algo, trained_role = cfg.algorithm, self.graph.train.role
+        self.engines = {
+            role: TorchEngine(spec.model_path, lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay,
+                              grad_clip=algo.grad_clip, temperature=algo.temperature,
+                              trainable=role == trained_role, process_group=group)
+            for role in self.graph.roles
+        }
+        self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
         self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
-        self.socket = make_socket(zmq.Context(), zmq.DEALER, connect=endpoint(spec.trainer_port), identity=name)
+        ctx = zmq.Context()
+        self.control = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
+        self.inbox = make_socket(ctx, zmq.PULL, bind=endpoint(spec.trainer_ports[rank]))
+        self.peers = {r: make_socket(ctx, zmq.PUSH, connect=endpoint(p))
+                      for r, p in enumerate(spec.trainer_ports) if r != rank}
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
 
     def run(self) -> None:
-        self.socket.send(encode(Hello(self.rank)))
+        send_blocking(self.control, Hello(self.rank))
         while True:  # until the launcher stops this process
-            msg = recv_blocking(self.socket, f"{self.name} controller")
-            if isinstance(msg, SaveCheckpoint):
-                self.save_checkpoint(msg.path)
-                self.socket.send(encode(Saved(self.rank, msg.path)))
-            elif isinstance(msg, RunNode):
-                node = self.graph.nodes[msg.node]
-                result = self.inference(node, msg.samples) if node.type == "inference" else self.train(node, msg)
-                self.socket.send(encode(result))
+            ready = dict(self.poller.poll())
+            if self.inbox in ready:
+                self.receive()
+            if self.control in ready:
+                msg = recv_blocking(self.control, f"{self.name} control")
+                if isinstance(msg, RunStep):
+                    send_blocking(self.control, self.step(msg))
+                elif isinstance(msg, SaveCheckpoint):
+                    self.save_checkpoint(msg.path)
+                    send_blocking(self.control, Saved(self.rank, msg.path))
+                elif msg is not None:
+                    log.error("%s: a %s is not for a trainer rank, dropped", self.name, type(msg).__name__)
+
+    def receive(self) -> None:
+        msg = recv_blocking(self.inbox, f"{self.name} inbox")
+        if not isinstance(msg, ScoredGroup):
+            if msg is not None:
+                log.error("%s: a %s on the inbox is not a scored group, dropped", self.name, type(msg).__name__)
+        elif msg.group_id in self.held:
+            log.error("%s: group %d arrived twice, the second copy dropped", self.name, msg.group_id)
+        else:
+            self.held[msg.group_id] = msg
+
+    def wait_for(self, groups: list[int], step: int) -> None:
+        """Receive until this rank holds every group of its share, or fail naming the missing ones."""
+        timeout = self.cfg.step_timeout or float("inf")
+        deadline = time.monotonic() + timeout
+        while missing := [g for g in groups if g not in self.held]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: step {step} waited {timeout:.0f} s (step_timeout) for groups "
+                                   f"{missing}, which never arrived on its inbox")
+            if self.inbox.poll(min(left, 1.0) * 1000):
+                self.receive()
+
+    def step(self, plan: RunStep) -> StepDone:
+        for g, rank in plan.moves.items():
+            send_blocking(self.peers[rank], self.held.pop(g))
+        self.wait_for(plan.groups, plan.step)
+        samples = sorted((s for g in plan.groups for s in self.held.pop(g).samples), key=lambda s: (s.group_id, s.index))
+        stats: dict[str, float] = {}
+        for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs, then train
+            if node.type == "inference":
+                self.infer(node, samples)
             else:
-                log.error("%s: unexpected %s, dropped", self.name, type(msg).__name__)
+                stats = self.train(node, samples)
+        version = plan.step + 1
+        weights = self.spec.path("weights", f"v{version}")
+        if self.rank == 0:
+            self.engines[self.graph.train.role].save_weights(weights)
+            _prune_weights(self.spec.path("weights"), keep=version)
+        self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
+                                           "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
+        return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
 
     def engine(self, node: Node) -> TorchEngine:
         """The role's model, packing micro-batches under this node's own token budget."""
@@ -119,36 +176,31 @@ class ModelWorker:
         engine.micro_batch_tokens = node.micro_batch_tokens
         return engine
 
-    def inference(self, node: Node, samples: list[Sample]) -> NodeResult:
-        lps = self.engine(node).logprobs([(s.array("prompt_ids"), s.array("output_ids")) for s in samples])
-        key = node.outputs[0]
-        return NodeResult(node.name, self.rank, outputs={s.uid: {key: Array.of(lp)} for s, lp in zip(samples, lps)})
+    def infer(self, node: Node, samples: list[Sample]) -> None:
+        """Write the node's output key into every sample: it stays on this rank."""
+        prompt, output = self.graph.input(node, "prompt_ids"), self.graph.input(node, "output_ids")
+        lps = self.engine(node).logprobs([(s.array(prompt), s.array(output)) for s in samples])
+        for s, lp in zip(samples, lps):
+            s.arrays[node.outputs[0]] = Array.of(lp)
 
-    def train(self, node: Node, msg: RunNode) -> NodeResult:
+    def train(self, node: Node, samples: list[Sample]) -> dict[str, float]:
         algo = self.cfg.algorithm
-        samples = sorted(msg.samples, key=lambda s: (s.group_id, s.index))  # groups contiguous
-        seqs, token_data = ppo_inputs(samples, self.graph, node, algo.group_size, algo.adv_scale_by_std)
-        loss_fn = partial(ppo_loss, algo=algo, kl_coef=algo.kl_coef)
+        seqs, token_data = ppo_inputs(samples, self.graph, node, algo)
+        loss_fn = partial(ppo_loss, algo=algo)
         engine = self.engine(node)
         stats: dict[str, float] = {}
         groups = sorted({s.group_id for s in samples})
         for mb_groups in np.array_split(np.array(groups, dtype=np.int64), algo.n_minibatches):
             # Minibatches hold whole groups, so every advantage's group trains in one update.
-            idx = [i for i, s in enumerate(samples) if s.group_id in set(mb_groups.tolist())]
+            members = set(mb_groups.tolist())
+            idx = [i for i, s in enumerate(samples) if s.group_id in members]
             accumulate_stats(stats, engine.train_step(
                 [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
-        version = msg.step + 1
-        weights = self.spec.path("weights", f"v{version}")
-        if self.rank == 0:
-            engine.save_weights(weights)
-            _prune_weights(self.spec.path("weights"), keep=version)
-        self.trained_log.write(json.dumps({"step": msg.step, "uids": [s.uid for s in samples]}) + "\n")
-        return NodeResult(node.name, self.rank, stats=stats, weights_path=weights)
+        return stats
 
     def save_checkpoint(self, path: str) -> None:
-        role = next(n.role for n in self.graph.batch_nodes if n.type == "train")
         if self.rank == 0:
-            self.engines[role].save_hf(path, tokenizer=load_tokenizer(self.spec.model_path))
+            self.engines[self.graph.train.role].save_hf(path, tokenizer=load_tokenizer(self.spec.model_path))
 
 
 def _prune_weights(root: str, keep: int) -> None:
@@ -158,6 +210,6 @@ def _prune_weights(root: str, keep: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def main(cfg, spec: RunSpec, name: str, rank: int) -> None:
+def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
     torch.manual_seed(cfg.seed + rank)
     ModelWorker(cfg, spec, name, rank).run()

@@ -2,6 +2,8 @@
 
 Every receive goes through `recv`/`recv_from`: a frame that does not decode is logged with the
 socket's name and dropped, and the receiver keeps listening, so one bad sender cannot stop a run.
+Every send goes through `send`/`send_to`/`send_blocking`, which count the bytes this process has
+sent (`sent_bytes`): the per-process traffic metric of each step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,20 @@ import zmq.asyncio
 from areal_flow.transport.messages import Message, decode, encode
 
 log = logging.getLogger("areal_flow.transport")
+
+_sent = 0  # bytes this process has sent through any socket made here
+
+
+def sent_bytes() -> int:
+    """Bytes of messages this process has sent so far."""
+    return _sent
+
+
+def _encoded(msg: Message) -> bytes:
+    global _sent
+    data = encode(msg)
+    _sent += len(data)
+    return data
 
 
 def endpoint(port: int, host: str = "127.0.0.1") -> str:
@@ -66,17 +82,18 @@ async def recv_from(sock: zmq.asyncio.Socket, where: str) -> tuple[bytes, Messag
             return frames[0], msg
 
 
-def recv_blocking(sock: zmq.Socket, where: str) -> Message:
-    """`recv` for synchronous processes (the trainer ranks)."""
-    while True:
-        msg = _decode_or_log(sock.recv_multipart()[-1], where)
-        if msg is not None:
-            return msg
+def recv_blocking(sock: zmq.Socket, where: str) -> Message | None:
+    """One message from a synchronous socket (the trainer ranks), or None when it does not decode."""
+    return _decode_or_log(sock.recv_multipart()[-1], where)
+
+
+def send_blocking(sock: zmq.Socket, msg: Message) -> None:
+    sock.send(_encoded(msg))
 
 
 async def send(sock: zmq.asyncio.Socket, msg: Message) -> None:
-    await sock.send(encode(msg))
+    await sock.send(_encoded(msg))
 
 
 async def send_to(sock: zmq.asyncio.Socket, identity: bytes, msg: Message) -> None:
-    await sock.send_multipart([identity, encode(msg)])
+    await sock.send_multipart([identity, _encoded(msg)])

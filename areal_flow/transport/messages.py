@@ -7,8 +7,10 @@ message that does not decode raises `msgspec.DecodeError`, which receivers log a
 
 from __future__ import annotations
 
-import numpy as np
+import enum
+
 import msgspec
+import numpy as np
 
 
 # The element types that travel; anything else is rejected when the message is decoded.
@@ -44,12 +46,30 @@ class Array(msgspec.Struct, array_like=True):
         return np.frombuffer(self.data, dtype=np.dtype(self.dtype))
 
 
+class Finish(str, enum.Enum):
+    """How generation of a sample ended (SGLang's finish_reason types)."""
+
+    STOP = "stop"  # end-of-sequence or a stop token: a finished answer
+    LENGTH = "length"  # cut at max_new_tokens: truncated
+    ABORT = "abort"  # the server gave up on it and the budget left no room to resume
+
+
+class Stage(str, enum.Enum):
+    """How far along the graph's streaming nodes a sample has come."""
+
+    GENERATED = "generated"  # rollout worker: tokens, behaviour logprobs, versions
+    SCORED = "scored"  # reward worker: every reward/combine node has written its key
+    # A group the controller finds unusable is dropped at the reward worker, never trained, and
+    # recorded in the ledger with the reason; it has no stage because it goes nowhere.
+
+
 class Sample(msgspec.Struct, kw_only=True):
     """One answer to one prompt, with its provenance. Identified by `uid`, never by queue position.
 
     `fields` holds the dataset's text fields (e.g. `prompt`, `answer`); `arrays` holds every
-    per-token key a graph node wrote (`prompt_ids`, `output_ids`, `behav_logprobs`, `versions`,
-    `prox_logprobs`, ...); `scalars` holds per-sample numbers (`rewards`, ...).
+    per-token key a graph node wrote, under the name the recipe gave it (`prompt_ids`,
+    `output_ids`, `behav_logprobs`, `versions`, `prox_logprobs`, ...); `scalars` holds per-sample
+    numbers (`rewards`, ...).
     """
 
     uid: str
@@ -60,13 +80,33 @@ class Sample(msgspec.Struct, kw_only=True):
     fields: dict[str, str] = {}
     arrays: dict[str, Array] = {}
     scalars: dict[str, float] = {}
-    finish_reason: str = ""
+    finish: Finish = Finish.STOP
+    stage: Stage = Stage.GENERATED
 
     def array(self, key: str) -> np.ndarray:
         return self.arrays[key].numpy()
 
     def n_tokens(self, key: str = "output_ids") -> int:
         return len(self.arrays[key])
+
+
+class SampleMeta(msgspec.Struct, array_like=True):
+    """What the controller knows of a sample: sizes, versions and scores, never its tokens."""
+
+    uid: str
+    index: int
+    lengths: dict[str, int]  # per-token key -> number of values
+    versions: dict[int, int]  # policy version -> answer tokens it generated
+    scalars: dict[str, float]
+    finish: Finish
+
+    @classmethod
+    def of(cls, s: Sample, versions_key: str | None) -> "SampleMeta":
+        counts: dict[int, int] = {}
+        if versions_key and versions_key in s.arrays:
+            values, n = np.unique(s.array(versions_key), return_counts=True)
+            counts = {int(v): int(c) for v, c in zip(values, n)}
+        return cls(s.uid, s.index, {k: len(a) for k, a in s.arrays.items()}, counts, dict(s.scalars), s.finish)
 
 
 # ---- rollout worker <-> controller ------------------------------------------------------
@@ -76,6 +116,7 @@ class AdmitRequest(msgspec.Struct, tag=True):
     """A rollout worker asks for one prompt group to generate; answered when admission allows."""
 
     worker: str
+    sent_bytes: int = 0  # everything this process has sent so far (the traffic metric)
 
 
 class PromptGroup(msgspec.Struct, tag=True):
@@ -88,35 +129,66 @@ class PromptGroup(msgspec.Struct, tag=True):
     birth_time: float
 
 
-# ---- rollout worker -> reward workers -> controller --------------------------------------
+# ---- rollout worker -> reward worker -> trainer rank (the data plane) -----------------------
 
 
-class GroupDone(msgspec.Struct, tag=True):
-    """A generated (and, after the reward node, scored) prompt group."""
+class GeneratedGroup(msgspec.Struct, tag=True):
+    """A prompt group's samples, generated (rollout worker -> reward worker)."""
 
     group_id: int
     samples: list[Sample]
 
 
-# ---- controller <-> model workers ---------------------------------------------------------
+class ScoredGroup(msgspec.Struct, tag=True):
+    """A prompt group's samples, scored (reward worker -> the trainer rank the controller chose,
+    and between trainer ranks when a step's plan moves it)."""
 
-
-class RunNode(msgspec.Struct, tag=True):
-    """Run a batch node (`inference` or `train`) on this rank's shard of a batch."""
-
-    node: str
-    step: int
+    group_id: int
     samples: list[Sample]
 
 
-class NodeResult(msgspec.Struct, tag=True):
-    """A rank's answer to RunNode: the keys it wrote per sample uid, and statistics."""
+# ---- reward worker <-> controller (the control plane) -------------------------------------
 
-    node: str
+
+class GroupMeta(msgspec.Struct, tag=True):
+    """A scored group's metadata; the reward worker holds the samples until the Route comes."""
+
+    group_id: int
+    worker: str
+    samples: list[SampleMeta]
+    sent_bytes: int = 0
+
+
+class Route(msgspec.Struct, tag=True):
+    """Where a scored group goes: the trainer rank that will hold it, or DROP (the ledger says why)."""
+
+    group_id: int
     rank: int
-    outputs: dict[str, dict[str, Array]] = {}
+
+
+DROP = -1
+
+
+# ---- controller <-> model workers ---------------------------------------------------------
+
+
+class RunStep(msgspec.Struct, tag=True):
+    """Run the graph's batch nodes for step `step` on the groups `groups` (this rank's share).
+    First send each group in `moves` (group id -> rank) that this rank holds to that rank."""
+
+    step: int
+    groups: list[int]
+    moves: dict[int, int] = {}
+
+
+class StepDone(msgspec.Struct, tag=True):
+    """A rank finished RunStep: statistics, where the new weights are, and its traffic so far."""
+
+    rank: int
+    step: int
     stats: dict[str, float] = {}
-    weights_path: str = ""  # train nodes: where the new weights were published
+    weights_path: str = ""
+    sent_bytes: int = 0
 
 
 class SaveCheckpoint(msgspec.Struct, tag=True):
@@ -138,7 +210,8 @@ class Hello(msgspec.Struct, tag=True):
     rank: int
 
 
-Message = AdmitRequest | PromptGroup | GroupDone | RunNode | NodeResult | SaveCheckpoint | Saved | Hello
+Message = (AdmitRequest | PromptGroup | GeneratedGroup | ScoredGroup | GroupMeta | Route | RunStep | StepDone
+           | SaveCheckpoint | Saved | Hello)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

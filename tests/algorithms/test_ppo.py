@@ -17,7 +17,7 @@ def _random_inputs(shape, seed):
 
 
 def _reference(logp, prox, behav, adv, mask, eps, eps_hi, cap, n_valid):
-    """Per-token loop straight from DESIGN §4; also the expected d loss / d logp per token."""
+    """Per-token loop straight from the formula in docs/architecture.md; also the expected d loss / d logp per token."""
     flat = [t.reshape(-1).tolist() if t is not None else None for t in (logp, prox, behav, adv, mask)]
     lp, px, bh, a, m = flat
     eps_hi = eps if eps_hi is None else eps_hi

@@ -24,13 +24,13 @@ def test_dry_run_prints_graph_and_placement_from_any_directory(tmp_path):
 
 
 def test_cfg_job_prints_the_composed_config_with_overrides(tmp_path):
-    r = launch("--cfg", "job", "async.max_staleness=7", "algorithm.lr=3e-5", cwd=tmp_path)
+    r = launch("--cfg", "job", "rollout.max_staleness=7", "algorithm.lr=3e-5", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "max_staleness: 7" in r.stdout and "lr: 3.0e-05" in r.stdout and "recipe: tiny_arith" in r.stdout
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("async.max_stalenes=3", "max_stalenes"),
+    ("rollout.max_stalenes=3", "max_stalenes"),
     ("total_steps=many", "total_steps"),
     ("algorithm.group_size=1.5", "algorithm.group_size"),
 ])
@@ -89,24 +89,29 @@ def test_a_dataset_row_missing_a_field_names_file_and_line(tmp_path):
 
 
 def test_multirun_gives_each_run_its_own_directory(tmp_path):
-    r = launch("-m", "dry_run=true", "async.max_staleness=0,4", f"cache_dir={tmp_path}/c",
+    r = launch("-m", "dry_run=true", "rollout.max_staleness=0,4", f"cache_dir={tmp_path}/c",
                f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert runs == ["async.max_staleness=0", "async.max_staleness=4"]
+    assert runs == ["rollout.max_staleness=0", "rollout.max_staleness=4"]
     for eta, name in zip((0, 4), runs):
         overrides = (tmp_path / "sweep" / name / ".hydra" / "overrides.yaml").read_text()
-        assert f"async.max_staleness={eta}" in overrides
+        assert f"rollout.max_staleness={eta}" in overrides
 
 
 def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
-    r = launch("async.max_concurrent=0", "algorithm.batch_size=0", "cluster.n_devices=64",
+    r = launch("rollout.max_concurrent=0", "algorithm.batch_size=0", "cluster.n_devices=64",
                "model.path=/nonexistent/model", "launcher.type=slurm", cwd=tmp_path)
     assert r.returncode == 2
-    for expected in ("async.max_concurrent=0 must be ≥ 1", "algorithm.batch_size=0 must be ≥ 1",
+    for expected in ("rollout.max_concurrent=0 must be ≥ 1", "algorithm.batch_size=0 must be ≥ 1",
                      "cluster.n_devices=64 but this process may use", "model.path='/nonexistent/model'",
-                     "launcher.type='slurm'"):
+                     "launcher.type='slurm' must be one of local"):
         assert expected in r.stdout
+
+
+def test_cuda_is_refused_until_the_engines_place_work_on_gpus(tmp_path):
+    r = launch("cluster.device_type=cuda", "dry_run=true", cwd=tmp_path)
+    assert r.returncode == 2 and "cluster.device_type='cuda'" in r.stdout and "CPU only" in r.stdout
 
 
 def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ def test_every_field_has_one_line_of_help():
 
     missing = [f"{owner}.{f.name}" for owner, f in walk(RunConfig) if not f.metadata.get("help")]
     assert not missing
-    assert any(f.name == "async" for _, f in walk(RunConfig))
+    assert any(f.name == "rollout" for _, f in walk(RunConfig))
 
 
 def test_the_committed_config_reference_is_current():

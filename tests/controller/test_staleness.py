@@ -2,9 +2,7 @@ import random
 
 import pytest
 
-from areal_flow.controller.buffer import GroupBuffer
 from areal_flow.controller.staleness import StalenessManager
-from areal_flow.transport.messages import Sample
 
 
 def test_admission_bound_counts_accepted_and_running_groups():
@@ -76,19 +74,3 @@ def test_trained_staleness_never_exceeds_eta(eta):
     assert worst <= eta
     if eta:
         assert worst == eta  # the bound is reached, not just respected by accident
-
-
-def sample(gid: int, birth: float) -> Sample:
-    return Sample(uid=f"g{gid}-0", prompt_id="p", group_id=gid, index=0, birth_time=birth)
-
-
-def test_buffer_gives_each_group_once_and_rejects_duplicates():
-    b = GroupBuffer()
-    for gid, birth in [(5, 3.0), (6, 1.0), (7, 2.0)]:
-        b.add(gid, [sample(gid, birth)])
-    assert [g[0].group_id for g in b.take([6, 7])] == [6, 7]
-    with pytest.raises(ValueError, match="arrived twice"):
-        b.add(6, [sample(6, 1.0)])
-    with pytest.raises(KeyError, match=r"\[6\]"):
-        b.take([6])
-    assert len(b) == 1

@@ -1,4 +1,4 @@
-"""Generation and training must agree on logprobs at the same weights (DESIGN §5): otherwise the
+"""Generation and training must agree on logprobs at the same weights: otherwise the
 behaviour weight π_prox/π_behav would be off even for fresh samples."""
 
 import asyncio

@@ -97,7 +97,7 @@ def test_unknown_reward_function_and_missing_train_inputs():
 
 def test_streaming_node_cannot_read_from_batch_node():
     nodes = broken(reward__inputs=["output_ids", "answer", "prox_logprobs"])
-    assert "streaming nodes (generate, reward) run before batch nodes" in problems_of(nodes)
+    assert "streaming nodes (generate, reward, combine) run before batch nodes" in problems_of(nodes)
 
 
 def test_every_problem_is_reported_at_once():
@@ -110,3 +110,51 @@ def test_train_node_must_read_a_reward_and_reward_nodes_need_a_reference():
     assert "a train node must read the output of a reward node (graph.actor_train.inputs)" in msg
     msg = problems_of(broken(reward__inputs=["output_ids"]))
     assert "node 'reward': a reward node reads exactly one dataset field, the reference answer" in msg
+
+
+def test_the_critic_role_is_refused_until_it_exists_naming_the_node():
+    nodes = copy.deepcopy(NODES)
+    nodes["critic_values"] = {"type": "inference", "role": "critic", "inputs": ["prompt_ids", "output_ids"],
+                              "outputs": ["values"], "mesh": "1"}
+    msg = problems_of(nodes)
+    assert "node 'critic_values': role 'critic' (graph.critic_values.role) is not implemented in this version" in msg
+
+
+def test_what_an_output_means_is_declared_not_guessed_from_the_role():
+    # An actor node writing a name that is no well-known key must say what it is.
+    msg = problems_of(broken(actor_prox__outputs=["old_logp"], actor_train__inputs=[
+        "prompt_ids", "output_ids", "behav_logprobs", "old_logp", "rewards"]))
+    assert "not 'old_logp' (graph.actor_prox.outputs; name a well-known key differently with graph.actor_prox.keys)" in msg
+    renamed = broken(actor_prox__outputs=["old_logp"], actor_prox__keys={"prox_logprobs": "old_logp"},
+                     actor_train__inputs=["prompt_ids", "output_ids", "behav_logprobs", "old_logp", "rewards"])
+    g = build(renamed)
+    assert g.input(g.nodes["actor_train"], "prox_logprobs") == "old_logp"
+    assert "-> old_logp as prox_logprobs" in g.describe()
+    # π_prox is the trained actor's: a ref model writing it is refused.
+    msg = problems_of(broken(actor_prox__role="ref"))
+    assert "node 'actor_prox': prox_logprobs come from an inference node with role actor, not 'ref'" in msg
+
+
+def test_keys_maps_only_what_the_node_writes():
+    msg = problems_of(broken(generate__keys={"rewards": "output_ids"}))
+    assert "graph.generate.keys maps 'rewards', which a generate node does not write" in msg
+    msg = problems_of(broken(generate__keys={"versions": "v"}))
+    assert "graph.generate.keys maps 'versions' to 'v', which is not one of its outputs" in msg
+
+
+def test_two_rewards_need_a_combine_node_with_a_weight_for_each():
+    nodes = copy.deepcopy(NODES)
+    nodes["fmt"] = {"type": "reward", "fn": "arith", "inputs": ["output_ids", "answer"], "outputs": ["fmt"]}
+    nodes["actor_train"]["inputs"] = nodes["actor_train"]["inputs"] + ["fmt"]
+    assert "node 'actor_train' reads more than one rewards (graph.actor_train.inputs): add a combine node" in problems_of(nodes)
+    nodes["actor_train"]["inputs"] = [k for k in nodes["actor_train"]["inputs"] if k not in ("fmt", "rewards")] + ["total"]
+    nodes["total"] = {"type": "combine", "inputs": ["rewards", "fmt"], "outputs": ["total"], "weights": {"rewards": 1.0}}
+    assert "graph.total.weights must have exactly the keys of graph.total.inputs" in problems_of(nodes)
+    nodes["total"]["weights"] = {"rewards": 1.0, "fmt": 0.5}
+    g = build(nodes)
+    assert [n.name for n in g.scorers][-1] == "total" and g.input(g.nodes["actor_train"], "rewards") == "total"
+
+
+def test_a_node_that_reads_a_key_its_type_does_not_use_is_refused():
+    msg = problems_of(broken(actor_prox__inputs=["prompt_ids", "output_ids", "rewards"]))
+    assert "node 'actor_prox' (inference) reads 'rewards' (rewards), which it does not use" in msg

@@ -3,7 +3,7 @@ import numpy as np
 from areal_flow.graph import build_graph
 from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.rewards.worker import score_group
-from areal_flow.transport.messages import Array, GroupDone, Sample
+from areal_flow.transport.messages import Array, GeneratedGroup, Sample, Stage
 
 NODES = {
     "generate": {"type": "generate", "role": "actor", "inputs": ["question"], "outputs": ["prompt_ids", "output_ids",
@@ -12,17 +12,35 @@ NODES = {
     "train": {"type": "train", "role": "actor", "mesh": "1",
               "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "correct"]},
 }
+TWO_REWARDS = {
+    **NODES,
+    "short": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "gold"], "outputs": ["also_correct"]},
+    "total": {"type": "combine", "inputs": ["correct", "also_correct"], "outputs": ["rewards"],
+              "weights": {"correct": 1.0, "also_correct": 0.5}},
+    "train": {"type": "train", "role": "actor", "mesh": "1",
+              "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "rewards"]},
+}
+
+
+def sample(tok, i: int, text: str) -> Sample:
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    return Sample(uid=f"g0-{i}", prompt_id="p", group_id=0, index=i, birth_time=0.0,
+                  fields={"question": "7+8=", "gold": "15"}, arrays={"output_ids": Array.of(np.array(ids, np.int32))})
 
 
 def test_each_sample_is_scored_against_its_own_reference_field():
     tok = build_char_tokenizer()
     graph = build_graph(NODES, ["question", "gold"], 2, ["arith"])
 
-    def sample(i: int, text: str) -> Sample:
-        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-        return Sample(uid=f"g0-{i}", prompt_id="p", group_id=0, index=i, birth_time=0.0,
-                      fields={"question": "7+8=", "gold": "15"}, arrays={"output_ids": Array.of(np.array(ids, np.int32))})
-
-    group = score_group(GroupDone(0, [sample(0, "7+8+0=15;#### 15"), sample(1, "7+8+0=15;#### 16"),
-                                      sample(2, "7+8+0=15;")]), graph, tok)
+    group = score_group(GeneratedGroup(0, [sample(tok, 0, "7+8+0=15;#### 15"), sample(tok, 1, "7+8+0=15;#### 16"),
+                                           sample(tok, 2, "7+8+0=15;")]), graph, tok)
     assert [s.scalars["correct"] for s in group.samples] == [1.0, 0.0, 0.0]
+    assert all(s.stage == Stage.SCORED for s in group.samples)
+
+
+def test_a_combine_node_writes_the_weighted_sum_of_the_rewards_it_reads():
+    tok = build_char_tokenizer()
+    graph = build_graph(TWO_REWARDS, ["question", "gold"], 2, ["arith"])
+    group = score_group(GeneratedGroup(0, [sample(tok, 0, "7+8+0=15;#### 15"), sample(tok, 1, "#### 16")]), graph, tok)
+    assert [s.scalars["rewards"] for s in group.samples] == [1.5, 0.0]
+    assert [s.scalars["also_correct"] for s in group.samples] == [1.0, 0.0]

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.rollout.worker import generate_sample
+from areal_flow.transport.messages import Finish
 
 
 class AbortingSGLang(BaseHTTPRequestHandler):
@@ -59,6 +60,6 @@ def test_an_aborted_sample_is_resumed_with_its_tokens_and_their_versions():
     # The resubmission carries the tokens so far and only the remaining budget.
     assert second["input_ids"] == [4, 5, 7, 8, 9] and second["sampling_params"]["max_new_tokens"] == 7
     assert first["rid"] != second["rid"]
-    assert out["output_ids"] == [7, 8, 9, 10, 1] and out["finish_reason"] == "stop"
+    assert out["output_ids"] == [7, 8, 9, 10, 1] and out["finish"] == Finish.STOP
     assert out["versions"] == [0, 0, 0, 3, 3]  # "default" is version 0; each token keeps its own
-    assert out["logprobs"] == [-0.5] * 5
+    assert out["behav_logprobs"] == [-0.5] * 5

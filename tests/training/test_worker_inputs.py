@@ -1,34 +1,42 @@
 import numpy as np
 import pytest
 
+from areal_flow.config.schema import AlgorithmConfig
 from areal_flow.graph import build_graph
+from areal_flow.training.engine import LOSS_MASK_KEY
 from areal_flow.training.worker import ppo_inputs
-from areal_flow.transport.messages import Array, Sample
+from areal_flow.transport.messages import Array, Finish, Sample
 
 NODES = {
     "generate": {"type": "generate", "role": "actor", "inputs": ["prompt"],
                  "outputs": ["prompt_ids", "output_ids", "behav_logprobs", "versions"], "mesh": "0"},
     "reward": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "answer"], "outputs": ["score"]},
-    "prox": {"type": "inference", "role": "actor", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_prox"], "mesh": "1"},
-    "ref": {"type": "inference", "role": "ref", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_ref"], "mesh": "1"},
+    "prox": {"type": "inference", "role": "actor", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_prox"],
+             "keys": {"prox_logprobs": "lp_prox"}, "mesh": "1"},
+    "ref": {"type": "inference", "role": "ref", "inputs": ["prompt_ids", "output_ids"], "outputs": ["lp_ref"],
+            "keys": {"ref_logprobs": "lp_ref"}, "mesh": "1"},
     "train": {"type": "train", "role": "actor", "mesh": "1",
               "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "lp_prox", "lp_ref", "score"]},
 }
 
 
-def sample(group: int, index: int, n_out: int, reward: float) -> Sample:
+def algo(**changes) -> AlgorithmConfig:
+    return AlgorithmConfig(**{"group_size": 2, **changes})
+
+
+def sample(group: int, index: int, n_out: int, reward: float, finish: Finish = Finish.STOP) -> Sample:
     out = np.arange(n_out, dtype=np.int32)
     lp = lambda shift: Array.of(np.full(n_out, -1.0 - shift, dtype=np.float32))  # noqa: E731
     return Sample(uid=f"g{group}-{index}", prompt_id="p", group_id=group, index=index, birth_time=0.0,
                   arrays={"prompt_ids": Array.of(np.array([5, 6], dtype=np.int32)), "output_ids": Array.of(out),
                           "behav_logprobs": lp(0.0), "lp_prox": lp(0.1), "lp_ref": lp(0.2)},
-                  scalars={"score": reward})
+                  scalars={"score": reward}, finish=finish)
 
 
 def test_advantages_are_normalised_per_group_and_cover_every_answer_token():
     graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
     samples = [sample(0, 0, 3, 1.0), sample(0, 1, 5, 0.0), sample(1, 0, 2, 1.0), sample(1, 1, 4, 1.0)]
-    seqs, data = ppo_inputs(samples, graph, graph.nodes["train"], group_size=2, scale_by_std=True)
+    seqs, data = ppo_inputs(samples, graph, graph.nodes["train"], algo())
     adv = [a.tolist() for a in data["advantages"]]
     assert [len(a) for a in adv] == [3, 5, 2, 4]  # one value per output token
     assert adv[0][0] > 0 > adv[1][0] and adv[0][0] == pytest.approx(-adv[1][0])  # centred within group 0
@@ -36,9 +44,26 @@ def test_advantages_are_normalised_per_group_and_cover_every_answer_token():
     assert [len(o) for _, o in seqs] == [3, 5, 2, 4]
 
 
-def test_prox_and_ref_logprobs_are_told_apart_by_the_role_that_wrote_them():
+def test_prox_and_ref_logprobs_are_told_apart_by_the_meaning_their_writer_declares():
     graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
-    _, data = ppo_inputs([sample(0, 0, 3, 1.0), sample(0, 1, 3, 0.0)], graph, graph.nodes["train"], 2, True)
+    _, data = ppo_inputs([sample(0, 0, 3, 1.0), sample(0, 1, 3, 0.0)], graph, graph.nodes["train"], algo())
     assert data["prox_logprobs"][0][0] == pytest.approx(-1.1)
     assert data["ref_logprobs"][0][0] == pytest.approx(-1.2)
     assert data["behav_logprobs"][0][0] == pytest.approx(-1.0)
+
+
+def test_without_a_prox_node_the_train_node_gets_no_prox_logprobs():
+    nodes = {k: v for k, v in NODES.items() if k != "prox"}
+    nodes["train"] = {**NODES["train"], "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "lp_ref", "score"]}
+    graph = build_graph(nodes, ["prompt", "answer"], 2, ["arith"])
+    _, data = ppo_inputs([sample(0, 0, 3, 1.0), sample(0, 1, 3, 0.0)], graph, graph.nodes["train"], algo())
+    assert "prox_logprobs" not in data and "ref_logprobs" in data
+
+
+def test_truncated_answers_get_a_zero_loss_mask_only_when_asked():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    samples = [sample(0, 0, 3, 1.0), sample(0, 1, 4, 0.0, Finish.LENGTH)]
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], algo(mask_truncated=True))
+    assert [m.tolist() for m in data[LOSS_MASK_KEY]] == [[True] * 3, [False] * 4]
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], algo())
+    assert LOSS_MASK_KEY not in data

@@ -1,0 +1,82 @@
+"""Intake: the controller's index of scored groups, by id, and the rank that holds each.
+
+It holds metadata only (`GroupMeta`: sizes, versions, rewards), never tokens. A scored group that
+cannot be trained is refused with the reason; a usable one is routed to the trainer rank that holds
+the fewest untrained tokens, and stays indexed there until a step takes it. Its state is plain
+values, so a later checkpoint can save it as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_flow.transport.messages import DROP, GroupMeta
+
+
+def group_problem(meta: GroupMeta, group_size: int, token_keys: list[str], output_keys: list[str],
+                  reward_key: str) -> str | None:
+    """What makes a scored group untrainable, if anything: a wrong sample count, a missing key, or
+    per-answer-token arrays of one sample (`output_keys`) that disagree in length."""
+    if len(meta.samples) != group_size:
+        return f"{len(meta.samples)} samples, want {group_size}"
+    for s in meta.samples:
+        missing = [k for k in token_keys if k not in s.lengths] + ([] if reward_key in s.scalars else [reward_key])
+        if missing:
+            return f"sample {s.uid} lacks {missing}"
+        lengths = {s.lengths[k] for k in output_keys}
+        if len(lengths) > 1:
+            return f"sample {s.uid} has per-token arrays of different lengths {sorted(lengths)}"
+    return None
+
+
+@dataclass
+class Intake:
+    group_size: int
+    n_ranks: int
+    token_keys: list[str]  # per-token keys every sample carries (what the generate node writes)
+    output_keys: list[str]  # those of them with one value per answer token; the first is the answer's ids
+    prompt_key: str  # the key of the prompt's token ids
+    reward_key: str  # the key the train node reads as its reward
+    groups: dict[int, GroupMeta] = field(default_factory=dict)  # scored, not yet trained
+    location: dict[int, int] = field(default_factory=dict)  # group id -> trainer rank holding it
+    seen: set[int] = field(default_factory=set)  # every group id accepted or dropped
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def tokens(self, group_id: int) -> int:
+        """Prompt + answer tokens of a group: the trainer's work, what ranks are balanced on."""
+        return sum(s.lengths[self.prompt_key] + s.lengths[self.output_keys[0]] for s in self.groups[group_id].samples)
+
+    def load(self) -> list[int]:
+        """Untrained tokens held by each rank."""
+        load = [0] * self.n_ranks
+        for g, rank in self.location.items():
+            load[rank] += self.tokens(g)
+        return load
+
+    def accept(self, meta: GroupMeta) -> tuple[int, str | None]:
+        """(rank that will hold the group, None), or (DROP, why) for a group that cannot be trained."""
+        if meta.group_id in self.seen:
+            return DROP, f"group {meta.group_id} arrived twice"
+        self.seen.add(meta.group_id)
+        problem = group_problem(meta, self.group_size, self.token_keys, self.output_keys, self.reward_key)
+        if problem:
+            self.dropped += 1
+            return DROP, problem
+        load = self.load()
+        rank = load.index(min(load))
+        self.groups[meta.group_id] = meta
+        self.location[meta.group_id] = rank
+        return rank, None
+
+    def take(self, group_ids: list[int]) -> dict[int, tuple[GroupMeta, int, int]]:
+        """Remove these groups: id -> (metadata, rank holding it, tokens)."""
+        missing = [g for g in group_ids if g not in self.groups]
+        if missing:
+            raise KeyError(f"groups {missing} are not in the intake")
+        taken = {g: (self.groups[g], self.location[g], self.tokens(g)) for g in group_ids}
+        for g in group_ids:
+            del self.groups[g], self.location[g]
+        return taken

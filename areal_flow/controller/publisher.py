@@ -1,0 +1,41 @@
+"""The weight publisher: loads each new policy version on every generation server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from areal_flow.generation.client import GenerationClient
+
+
+class WeightPublisher:
+    def __init__(self, urls: list[str], names: list[str]):
+        self.clients = [GenerationClient(url) for url in urls]
+        self.names = names  # process names, for error messages
+
+    async def publish(self, weights_path: str, version: int) -> float:
+        """Seconds it took every server to load `weights_path` as `version` (a refusal raises)."""
+        t0 = time.perf_counter()
+        await asyncio.gather(*[c.update_weights_from_disk(weights_path, version) for c in self.clients])
+        return time.perf_counter() - t0
+
+    async def busy_seconds(self) -> float | None:
+        """Mean seconds the servers have spent generating so far (None if a server does not say)."""
+        infos = await asyncio.gather(*[c.get_server_info() for c in self.clients])
+        busy = [i.get("busy_seconds") for i in infos]
+        return None if None in busy else sum(busy) / len(busy)
+
+    async def unresponsive(self, timeout: float = 5.0) -> list[str]:
+        """Names of the servers that do not answer /health within `timeout` seconds."""
+        async def answers(c: GenerationClient) -> bool:
+            try:
+                return await asyncio.wait_for(c.health(), timeout)
+            except (asyncio.TimeoutError, OSError):
+                return False
+
+        ok = await asyncio.gather(*[answers(c) for c in self.clients])
+        return [name for name, good in zip(self.names, ok) if not good]
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()

@@ -1,0 +1,33 @@
+"""Value ranges are declared on the schema's fields and checked by one generic checker."""
+
+from areal_flow.config.schema import NodeConfig, RunConfig
+from areal_flow.config.validate import check_ranges
+
+
+def test_the_defaults_are_in_range():
+    assert check_ranges(RunConfig()) == []
+
+
+def test_every_broken_bound_is_named_with_its_full_key_nested_and_in_graph_nodes():
+    cfg = RunConfig()
+    cfg.algorithm.top_p = 1.5
+    cfg.algorithm.temperature = 0.0
+    cfg.rollout.max_staleness = -1
+    cfg.dataset.name = "parquet"
+    cfg.graph = {"train": NodeConfig(type="train", micro_batch_tokens=0)}
+    assert sorted(check_ranges(cfg)) == sorted([
+        "algorithm.top_p=1.5 must be ≤ 1",
+        "algorithm.temperature=0.0 must be > 0",
+        "rollout.max_staleness=-1 must be ≥ 0",
+        "dataset.name='parquet' must be one of tiny_arith, jsonl",
+        "graph.train.micro_batch_tokens=0 must be ≥ 1",
+    ])
+
+
+def test_a_null_optional_value_is_not_range_checked():
+    cfg = RunConfig()
+    cfg.algorithm.eps_clip_high = None
+    cfg.algorithm.behav_weight_cap = None
+    assert check_ranges(cfg) == []
+    cfg.algorithm.behav_weight_cap = 0.5
+    assert check_ranges(cfg) == ["algorithm.behav_weight_cap=0.5 must be ≥ 1"]

@@ -1,0 +1,71 @@
+"""Helpers of the end-to-end tests: launch a small run of the real system and read what it wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+SMALL = [
+    "total_steps=4", "algorithm.batch_size=2", "algorithm.group_size=4", "rollout.max_concurrent=8",
+    "dataset.n_train=400", "dataset.n_eval=16", "model.bootstrap_steps=30", "model.bootstrap_batch_size=32",
+    "max_wall_seconds=0", "launcher.start_timeout=90",
+]
+
+
+def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    return [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "step"]
+
+
+def run_processes(run_dir: Path) -> dict[str, int]:
+    """Live processes the launcher started for this run (it marks them with AREAL_FLOW_RUN): name -> pid."""
+    marker = f"AREAL_FLOW_RUN={run_dir}".encode()
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            if marker in env and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                name = next(e for e in env if e.startswith(b"AREAL_FLOW_PROC=")).split(b"=", 1)[1].decode()
+                found[name] = int(pid)
+        except (OSError, StopIteration):
+            continue
+    return found
+
+
+def leftover_processes(run_dir: Path) -> list[int]:
+    return list(run_processes(run_dir).values())
+
+
+def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
+    """Every admitted group is trained exactly once or still accounted for; staleness ≤ η."""
+    ledger = jsonl(run_dir / "ledger.jsonl")
+    admitted = {e["group"]: e["version"] for e in ledger if e["event"] == "admit"}
+    trained_steps = {g: e["step"] for e in ledger if e["event"] == "train" for g in e["groups"]}
+    finished = {e["group"] for e in ledger if e["event"] == "finish"}
+    dropped = {e["group"] for e in ledger if e["event"] == "drop"}
+    uids = [u for f in sorted(run_dir.glob("trained-rank*.jsonl")) for r in jsonl(f) for u in r["uids"]]
+    assert len(uids) == len(set(uids)), "a sample was trained twice"
+    groups_from_trainer = Counter(int(u.split("-")[0][1:]) for u in uids)
+    assert set(groups_from_trainer) == set(trained_steps)
+    assert all(n == group_size for n in groups_from_trainer.values())  # whole groups
+    assert set(trained_steps) <= finished <= set(admitted)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["admitted_groups"] == len(admitted) and summary["trained_groups"] == len(trained_steps)
+    assert summary["buffered_groups_at_end"] == len(finished - set(trained_steps))
+    assert summary["dropped_groups"] == len(dropped) == 0
+    running = set(admitted) - finished - dropped
+    assert summary["running_groups_at_end"] == len(running)
+    for g, step in trained_steps.items():
+        assert step - admitted[g] <= eta, f"group {g} admitted at v{admitted[g]} trained at step {step}"
+    return summary
