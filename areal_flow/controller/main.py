@@ -155,9 +155,10 @@ class Controller:
             now, busy = time.monotonic(), await self.publisher.busy_seconds()
             self.log_step(step, batch, stats, now - last, train_seconds, update_seconds,
                           None if busy is None else busy - gen_busy, time.process_time() - cpu0)
+            last, gen_busy = now, busy
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                await self.evaluate(f"step {step + 1}", step + 1)
-            last, gen_busy = time.monotonic(), await self.publisher.busy_seconds()
+                await self.evaluate(f"step {step + 1}", step + 1)  # not training time: rates restart after it
+                last, gen_busy = time.monotonic(), await self.publisher.busy_seconds()
             self.last_progress = time.monotonic()
         return cfg.total_steps
 
