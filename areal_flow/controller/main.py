@@ -139,13 +139,13 @@ class Controller:
 
     async def train(self) -> int:
         cfg = self.cfg
-        last, gen_busy = time.monotonic(), await self.publisher.busy_seconds()
+        last, gen_busy, cpu = time.monotonic(), await self.publisher.busy_seconds(), time.process_time()
         for step in range(cfg.total_steps):
             if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
                 log.info("wall-time limit reached after %d steps", step)
                 return step
             batch = await self.next_batch(step)
-            t0, cpu0 = time.monotonic(), time.process_time()
+            t0 = time.monotonic()
             stats, weights = await self.run_step(step, batch)
             train_seconds = time.monotonic() - t0
             self.waiting_for = f"the generation servers to load the weights of version {step + 1}"
@@ -154,11 +154,11 @@ class Controller:
             await self.grant()
             now, busy = time.monotonic(), await self.publisher.busy_seconds()
             self.log_step(step, batch, stats, now - last, train_seconds, update_seconds,
-                          None if busy is None else busy - gen_busy, time.process_time() - cpu0)
-            last, gen_busy = now, busy
+                          None if busy is None else busy - gen_busy, time.process_time() - cpu)
+            last, gen_busy, cpu = now, busy, time.process_time()
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 await self.evaluate(f"step {step + 1}", step + 1)  # not training time: rates restart after it
-                last, gen_busy = time.monotonic(), await self.publisher.busy_seconds()
+                last, gen_busy, cpu = time.monotonic(), await self.publisher.busy_seconds(), time.process_time()
             self.last_progress = time.monotonic()
         return cfg.total_steps
 
