@@ -103,6 +103,10 @@ class RolloutWorker:
             for t in list(self.tasks):
                 t.cancel()
 
+    def arrays(self, values: dict) -> dict[str, Array]:
+        """The generated values the recipe declares, under its names and in their wire dtypes."""
+        return {name: Array.of(np.asarray(values[known], dtype=KEYS[known].dtype)) for known, name in self.keys.items()}
+
     async def rollout(self, group: PromptGroup) -> None:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
         client = next(self.next_client)  # one server per group keeps its prompt cache warm
@@ -117,8 +121,7 @@ class RolloutWorker:
                 index=i,
                 birth_time=group.birth_time,
                 fields=group.fields,
-                arrays={name: Array.of(np.asarray({"prompt_ids": prompt_ids, **o}[known], dtype=KEYS[known].dtype))
-                        for known, name in self.keys.items()},
+                arrays=self.arrays({"prompt_ids": prompt_ids, **o}),
                 finish=o["finish"],
             )
             for i, o in enumerate(outs)
