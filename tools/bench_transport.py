@@ -77,16 +77,23 @@ def measure(n_samples: int, size: int, kind: str) -> tuple[float, float]:
     return (n_messages - 1) * size / seconds, nbytes / seconds / 1e6
 
 
+def run_steps(run_dir: str) -> list[dict]:
+    """The run's step records, the first left out (it includes start-up)."""
+    return [m for m in read_metrics(f"{run_dir}/metrics.jsonl") if m["event"] == "step"][1:]
+
+
 def run_traffic(run_dir: str) -> None:
-    steps = [m for m in read_metrics(f"{run_dir}/metrics.jsonl") if m["event"] == "step"][1:]
+    steps = run_steps(run_dir)
     procs = sorted({k.split("/", 1)[1] for m in steps for k in m if k.startswith("sent_bytes/")})
     print(f"\nper-step traffic of {run_dir} ({len(steps)} steps, the first left out)")
     print("| process | median bytes sent per step |\n|---|---|")
     for p in procs:
         print(f"| {p} | {statistics.median(m.get(f'sent_bytes/{p}', 0) for m in steps):,.0f} |")
-    cpu = [m["controller_cpu_fraction"] for m in steps]
-    print(f"controller CPU time per step: median {100 * statistics.median(cpu):.2f}% of the step, "
-          f"max {100 * max(cpu):.2f}%")
+    cpu = sorted(m["controller_cpu_fraction"] for m in steps)
+    median = statistics.median(cpu)
+    print(f"controller CPU time per step: median {100 * median:.2f}% of the step, "
+          f"90th percentile {100 * cpu[int(0.9 * (len(cpu) - 1))]:.2f}%, max {100 * cpu[-1]:.2f}%; "
+          f"target < 1%: {'met' if median < 0.01 else 'NOT met'}")
 
 
 def main() -> None:
@@ -95,6 +102,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per message (a prompt group)")
     ap.add_argument("--run", help="a finished run directory: report its per-step traffic")
     args = ap.parse_args()
+    if args.run and len(run_steps(args.run)) < 1:
+        ap.error(f"--run {args.run}: {args.run}/metrics.jsonl has fewer than 2 steps (an unfinished or failed run?)")
     print(f"machine: {machine()}")
     print(f"command: python tools/bench_transport.py --samples {args.samples} --group {args.group}")
     rows = {kind: measure(args.samples, args.group, kind) for kind in ("msgspec", "pickle")}

@@ -3,16 +3,23 @@ admitted group can be shown trained exactly once or accounted for."""
 
 from __future__ import annotations
 
-import json
 import time
+
+import msgspec
 
 
 class Ledger:
     def __init__(self, path: str):
-        self._file = open(path, "a", buffering=1)
+        # Buffered, and flushed once per step by the controller (and on close): a line-buffered
+        # file costs a write system call per event, ~20 per step, on the controller's CPU.
+        self._file = open(path, "ab")
+        self._encoder = msgspec.json.Encoder()
 
     def write(self, event: str, **fields) -> None:
-        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+        self._file.write(self._encoder.encode({"event": event, "time": time.time(), **fields}) + b"\n")
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
         self._file.close()

@@ -1,8 +1,8 @@
 """The controller process: the run's control plane. It decides, from metadata only, and never
 touches a sample's tokens (docs/architecture.md has the life of a sample).
 
-One ROUTER socket takes every other process's messages: rollout workers ask for prompt groups
-(admission, `staleness.py`), reward workers report scored groups and are told which trainer rank
+One ROUTER socket takes every other process's messages: rollout workers offer generation slots,
+which the controller fills with prompt groups (admission, `staleness.py`, `slots.py`), reward workers report scored groups and are told which trainer rank
 to send them to (`intake.py`), trainer ranks report each step. The step loop picks a batch by id
 under the staleness rule, tells each rank which groups to train (`trainer_pool.py`), publishes the
 new weights (`publisher.py`) and logs the step (`run_metrics.py`).
@@ -11,7 +11,6 @@ new weights (`publisher.py`) and logs the step (`run_metrics.py`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
@@ -26,6 +25,7 @@ from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics
+from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.dataset import load_jsonl
@@ -39,6 +39,7 @@ from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import endpoint, make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
     AdmitRequest,
+    Admitted,
     GroupMeta,
     Hello,
     Message,
@@ -79,7 +80,7 @@ class Controller:
         self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=endpoint(spec.controller_port))
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks
-        self.waiting: collections.deque[bytes] = collections.deque()  # rollout workers' admission requests
+        self.slots = RolloutSlots()  # rollout workers' free generation slots
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.closing = False
         self.waiting_for = "start-up"  # what the step loop waits for now, for a stalled run's error
@@ -94,10 +95,10 @@ class Controller:
         while True:
             ident, msg = await recv_from(self.socket, "controller")
             if isinstance(msg, AdmitRequest):
-                self.traffic.report(msg.worker, msg.sent_bytes)
-                self.waiting.append(ident)
+                self.slots.offer(ident, msg.slots)
             elif isinstance(msg, GroupMeta):
-                self.traffic.report(msg.worker, msg.sent_bytes)
+                for proc, n in msg.traffic.items():
+                    self.traffic.report(proc, n)
                 await self.route(ident, msg)
             elif isinstance(msg, (Hello, StepDone, Saved)):
                 self.replies.put_nowait(msg)
@@ -106,14 +107,17 @@ class Controller:
             await self.grant()
 
     async def grant(self) -> None:
-        """Hand out prompt groups while the staleness rule admits them."""
-        while self.waiting and not self.closing and self.staleness.can_admit():
-            ident = self.waiting.popleft()
+        """Fill free rollout slots with prompt groups while the staleness rule admits them; each
+        worker gets its groups in one message."""
+        admitted: dict[bytes, list[PromptGroup]] = {}
+        while self.slots and not self.closing and self.staleness.can_admit():
             row, gid = self.prompts.next(), self.next_group
             self.next_group += 1
             version = self.staleness.admit(gid)
             self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version)
-            await send_to(self.socket, ident, PromptGroup(gid, row["id"], row, self.G, time.time()))
+            admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time()))
+        for ident, groups in admitted.items():
+            await send_to(self.socket, ident, Admitted(groups))
 
     async def route(self, ident: bytes, meta: GroupMeta) -> None:
         """Tell the reward worker which trainer rank takes a scored group, or to drop it."""
@@ -132,6 +136,7 @@ class Controller:
             self.staleness.finish(meta.group_id)
             self.generated_tokens += sum(s.lengths[self.intake.output_keys[0]] for s in meta.samples)
             self.ledger.write("finish", group=meta.group_id, rank=rank)
+        self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))
         self.changed.set()
 
@@ -231,6 +236,7 @@ class Controller:
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
         )
         self.generated_tokens = 0
+        self.ledger.flush()
 
     async def evaluate(self, when: str, step: int) -> float:
         """Held-out greedy accuracy; training time stops meanwhile."""
@@ -262,7 +268,7 @@ class Controller:
             if isinstance(msg, Hello):
                 self.ranks[msg.rank] = ident
             elif isinstance(msg, AdmitRequest):
-                self.waiting.append(ident)  # served once training starts
+                self.slots.offer(ident, msg.slots)  # filled once training starts
             else:
                 log.error("controller: unexpected %s before start, dropped", type(msg).__name__)
 
@@ -320,12 +326,15 @@ class Controller:
             json.dump(summary, f, indent=2)
         # The launcher stops every other process once the controller has exited cleanly.
         self.metrics.close()
-        self.ledger.close()
         await self.publisher.close()
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
     async def run() -> None:  # sockets and events are made inside the loop they belong to
-        await Controller(cfg, spec).run()
+        controller = Controller(cfg, spec)
+        try:
+            await controller.run()
+        finally:  # a failed run keeps the record of what it did
+            controller.ledger.close()
 
     asyncio.run(run())

@@ -69,7 +69,8 @@ class RewardWorker:
             scored = score_group(msg, self.graph, self.tokenizer)
             self.held[scored.group_id] = scored
             meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
-            await send(self.controller, GroupMeta(scored.group_id, self.name, meta, sent_bytes()))
+            traffic = {**msg.traffic, self.name: sent_bytes()}
+            await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic))
 
     async def forward(self) -> None:
         while True:

@@ -1,8 +1,9 @@
-"""The rollout worker: asks the controller for prompt groups, generates each sample with one
-`/generate` request, survives interruptions, and pushes the generated group to the reward pool.
+"""The rollout worker: generates the prompt groups the controller admits to it, each sample with
+one `/generate` request, survives interruptions, and pushes the generated group to the reward pool.
 
-It keeps `slots` admission requests outstanding; each finished group frees its slot and asks
-again, so the controller alone decides how far generation runs ahead (staleness.py).
+It offers the controller `slots` generation slots once, at start; the controller fills them as
+admission allows and frees a slot when its group is scored, so the controller alone decides how far
+generation runs ahead (controller/staleness.py, controller/slots.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from areal_flow.graph.keys import KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
-from areal_flow.transport.messages import AdmitRequest, Array, Finish, GeneratedGroup, PromptGroup, Sample
+from areal_flow.transport.messages import AdmitRequest, Admitted, Array, Finish, GeneratedGroup, PromptGroup, Sample
 
 log = logging.getLogger("areal_flow.rollout")
 
@@ -86,13 +87,15 @@ class RolloutWorker:
                 self.error = task.exception()
                 main_task.cancel()
 
-        for _ in range(self.slots):
-            await send(self.controller, AdmitRequest(self.name, sent_bytes()))
+        await send(self.controller, AdmitRequest(self.name, self.slots))
         try:
             while True:  # until the launcher stops this process
                 msg = await recv(self.controller, f"{self.name} controller")
-                if isinstance(msg, PromptGroup):
-                    task = asyncio.create_task(self.rollout(msg))
+                if not isinstance(msg, Admitted):
+                    log.error("%s: a %s from the controller is not an admission, dropped", self.name, type(msg).__name__)
+                    continue
+                for group in msg.groups:
+                    task = asyncio.create_task(self.rollout(group))
                     self.tasks.add(task)
                     task.add_done_callback(done)
         except asyncio.CancelledError:
@@ -126,8 +129,7 @@ class RolloutWorker:
             )
             for i, o in enumerate(outs)
         ]
-        await send(self.rewards, GeneratedGroup(group.group_id, samples))
-        await send(self.controller, AdmitRequest(self.name, sent_bytes()))
+        await send(self.rewards, GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}))
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

@@ -113,13 +113,15 @@ class SampleMeta(msgspec.Struct, array_like=True):
 
 
 class AdmitRequest(msgspec.Struct, tag=True):
-    """A rollout worker asks for one prompt group to generate; answered when admission allows."""
+    """A rollout worker offers `slots` generation slots, once, at start. The controller fills them
+    with prompt groups as admission allows, and a slot comes back to the worker when its group is
+    scored or dropped, so no message per group is needed to ask for the next one."""
 
     worker: str
-    sent_bytes: int = 0  # everything this process has sent so far (the traffic metric)
+    slots: int
 
 
-class PromptGroup(msgspec.Struct, tag=True):
+class PromptGroup(msgspec.Struct):
     """An admitted prompt group: generate `group_size` samples for it."""
 
     group_id: int
@@ -127,6 +129,12 @@ class PromptGroup(msgspec.Struct, tag=True):
     fields: dict[str, str]
     group_size: int
     birth_time: float
+
+
+class Admitted(msgspec.Struct, tag=True):
+    """The prompt groups admitted to one rollout worker at once (one message, however many)."""
+
+    groups: list[PromptGroup]
 
 
 # ---- rollout worker -> reward worker -> trainer rank (the data plane) -----------------------
@@ -137,6 +145,7 @@ class GeneratedGroup(msgspec.Struct, tag=True):
 
     group_id: int
     samples: list[Sample]
+    traffic: dict[str, int] = {}  # bytes sent so far by the process that generated it (a metric)
 
 
 class ScoredGroup(msgspec.Struct, tag=True):
@@ -156,7 +165,7 @@ class GroupMeta(msgspec.Struct, tag=True):
     group_id: int
     worker: str
     samples: list[SampleMeta]
-    sent_bytes: int = 0
+    traffic: dict[str, int] = {}  # bytes sent so far by each process the group passed through (a metric)
 
 
 class Route(msgspec.Struct, tag=True):
@@ -210,7 +219,7 @@ class Hello(msgspec.Struct, tag=True):
     rank: int
 
 
-Message = (AdmitRequest | PromptGroup | GeneratedGroup | ScoredGroup | GroupMeta | Route | RunStep | StepDone
+Message = (AdmitRequest | Admitted | GeneratedGroup | ScoredGroup | GroupMeta | Route | RunStep | StepDone
            | SaveCheckpoint | Saved | Hello)
 
 _encoder = msgspec.msgpack.Encoder()

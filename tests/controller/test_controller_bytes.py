@@ -10,7 +10,7 @@ import pytest
 
 from areal_flow.controller.intake import Intake
 from areal_flow.controller.trainer_pool import plan_step
-from areal_flow.transport.messages import (Array, Finish, GroupMeta, PromptGroup, Route, Sample, SampleMeta,
+from areal_flow.transport.messages import (Admitted, Array, Finish, GroupMeta, PromptGroup, Route, Sample, SampleMeta,
                                            ScoredGroup, decode, encode)
 
 G, N_GROUPS, PROMPT = 4, 8, 20
@@ -20,16 +20,16 @@ PER_ANSWER_TOKEN = ["output_ids", "behav_logprobs", "versions"]
 def group_meta(gid: int, answer: int) -> GroupMeta:
     samples = [SampleMeta(f"g{gid}-{i}", i, {"prompt_ids": PROMPT, **{k: answer for k in PER_ANSWER_TOKEN}},
                           {3: answer}, {"rewards": float(i % 2)}, Finish.STOP) for i in range(G)]
-    return GroupMeta(gid, "reward0", samples, sent_bytes=123_456)
+    return GroupMeta(gid, "reward0", samples, traffic={"rollout0": 654_321, "reward0": 123_456})
 
 
 def controller_messages(answer: int) -> list:
     """Every message the controller sends for one batch of N_GROUPS groups with `answer` tokens
-    per answer: a prompt and a route per group, and the step's RunSteps for two ranks."""
+    per answer: the admitted prompts, a route per group, and the step's RunSteps for two ranks."""
     intake = Intake(G, 2, token_keys=["prompt_ids", *PER_ANSWER_TOKEN], output_keys=list(PER_ANSWER_TOKEN),
                     prompt_key="prompt_ids", reward_key="rewards")
-    sent = [PromptGroup(g, f"p{g}", {"id": f"p{g}", "prompt": "What is 2 + 3?", "answer": "5"}, G, 1_700_000_000.0)
-            for g in range(N_GROUPS)]
+    sent = [Admitted([PromptGroup(g, f"p{g}", {"id": f"p{g}", "prompt": "What is 2 + 3?", "answer": "5"}, G,
+                                  1_700_000_000.0) for g in range(N_GROUPS)])]
     for g in range(N_GROUPS):
         rank, problem = intake.accept(group_meta(g, answer))
         assert problem is None
