@@ -16,3 +16,13 @@ def one_torch_thread():
 def run_cache(tmp_path_factory):
     """One cache of generated data and bootstrapped base model for every end-to-end run."""
     return tmp_path_factory.mktemp("cache")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marker `gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -22,7 +22,8 @@ from _bench import machine
 from areal_flow.data.arith import completion_text, prompt_text, sample_operands
 from areal_flow.models.bootstrap import ensure_base_model
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.training.engine import TorchEngine
+from areal_flow.training.engine import OptimSpec
+from areal_flow.training.torch_engine import TorchEngine
 
 
 def batch(tokenizer, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -52,7 +53,7 @@ def main() -> None:
 
     rows = []
     for budget in args.budgets:
-        engine = TorchEngine(model, micro_batch_tokens=budget)
+        engine = TorchEngine(model, optim=OptimSpec(), micro_batch_tokens=budget)
         engine.logprobs(seqs), engine.train_step(seqs, data, loss_fn)  # warm-up
         times = []
         for _ in range(args.repeats):

@@ -48,6 +48,8 @@ class NodeConfig:
                                factory=dict)
     mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward/combine")
     micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)", ge=1)
+    engine: str = doc("torch", "batch nodes: the engine of the node's role; torch = PyTorch with FSDP2 data parallel "
+                      "(megatron is not implemented yet)", choices=("torch", "megatron"))
     workers: int = doc(1, "number of worker processes (reward nodes)", ge=1)
     fn: str = doc("", "reward function name (reward nodes), e.g. 'arith'")
     weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
@@ -90,6 +92,13 @@ class AlgorithmConfig:
     betas: List[float] = doc(help="AdamW betas", factory=lambda: [0.9, 0.999])
     weight_decay: float = doc(0.0, "AdamW weight decay", ge=0)
     grad_clip: float = doc(1.0, "gradient norm clip; 0 turns it off", ge=0)
+    lr_schedule: str = doc("constant", "LR schedule over optimizer steps: constant | linear | cosine (after warm-up)",
+                           choices=("constant", "linear", "cosine"))
+    lr_warmup_steps: int = doc(0, "optimizer steps of linear LR warm-up (the first runs at lr/warmup)", ge=0)
+    lr_decay_steps: Optional[int] = doc(None, "optimizer steps at which linear/cosine reach lr_min_ratio·lr; null = total_steps × n_minibatches",
+                                        ge=1)
+    lr_min_ratio: float = doc(0.0, "final LR of linear/cosine as a fraction of lr", ge=0, le=1)
+    max_nan_steps: int = doc(3, "train steps in a row with a non-finite loss (each skipped, counted) before the run stops", ge=1)
     eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)", gt=0)
     eps_clip_high: Optional[float] = doc(None, "upper PPO clip ε_high (DAPO clip-higher); null = eps_clip", gt=0)
     behav_weight_cap: Optional[float] = doc(5.0, "tokens whose π_prox/π_behav exceeds this are masked (kept in the denominator); null = no cap",

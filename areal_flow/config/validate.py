@@ -75,6 +75,11 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     if cfg.algorithm.n_minibatches > most:
         problems.append(f"algorithm.n_minibatches={cfg.algorithm.n_minibatches} exceeds the {most} prompt group(s) "
                         f"a trainer rank can get from algorithm.batch_size={cfg.algorithm.batch_size} over {dp} rank(s)")
+    for node in graph.batch_nodes:
+        if node.micro_batch_tokens <= cfg.algorithm.max_new_tokens:
+            # A sequence is a prompt plus up to max_new_tokens answer tokens and is never split.
+            problems.append(f"graph.{node.name}.micro_batch_tokens={node.micro_batch_tokens} cannot hold one sequence of "
+                            f"a prompt and algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} answer tokens")
     if cfg.algorithm.kl_coef > 0 and graph.input(graph.train, "ref_logprobs") is None:
         problems.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs the train node '{graph.train.name}' to read "
                         "ref_logprobs from an inference node with role ref")

@@ -35,6 +35,7 @@ class Node:
     keys: tuple[tuple[str, str], ...]  # (well-known key, the name this node writes it under)
     mesh: tuple[int, ...] | None
     micro_batch_tokens: int
+    engine: str  # batch nodes: the training engine of the node's role
     workers: int
     fn: str
     weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
@@ -206,6 +207,7 @@ def build_graph(
             keys=tuple(dict(_field(c, "keys", {})).items()),
             mesh=mesh,
             micro_batch_tokens=int(_field(c, "micro_batch_tokens", 8192)),
+            engine=_field(c, "engine", "torch"),
             workers=int(_field(c, "workers", 1)),
             fn=_field(c, "fn", ""),
             weights=tuple((k, float(w)) for k, w in dict(_field(c, "weights", {})).items()),
@@ -219,6 +221,7 @@ def build_graph(
             _check_node(n, nodes, producers, meaning, problems)
     _check_shape(nodes, problems)
     _check_meshes(nodes, problems)
+    _check_engines(nodes, problems)
     if problems:
         raise GraphError(problems)
     return Graph(nodes=nodes, order=order, producers=producers, dataset_keys=tuple(dataset_keys), meaning=meaning)
@@ -372,6 +375,28 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
                     f"meshes of batch nodes '{a.name}' ({format_mesh(a.mesh)}) and '{b.name}' ({format_mesh(b.mesh)}) "
                     f"differ (graph.{b.name}.mesh): batch nodes run on one trainer mesh in this version"
                 )
+
+
+ENGINES = {"torch": None, "megatron": "the megatron engine is being built (tensor and pipeline parallel)"}
+"""Training engines by name -> why one cannot be used yet (None: it can)."""
+
+
+def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
+    """A role's batch nodes share one model, so they name one engine, and one that exists."""
+    by_role: dict[str, Node] = {}
+    for n in nodes.values():
+        if n.type not in ("inference", "train"):
+            continue
+        if n.engine not in ENGINES:
+            problems.append(f"node '{n.name}': unknown engine {n.engine!r} (graph.{n.name}.engine); "
+                            f"expected one of {', '.join(ENGINES)}")
+        elif ENGINES[n.engine]:
+            problems.append(f"node '{n.name}': engine {n.engine!r} (graph.{n.name}.engine) is not implemented in "
+                            f"this version: {ENGINES[n.engine]}")
+        first = by_role.setdefault(n.role, n)
+        if first.engine != n.engine:
+            problems.append(f"nodes '{first.name}' and '{n.name}' run role {n.role!r} on different engines "
+                            f"({first.engine!r}, {n.engine!r}; graph.{n.name}.engine): a role has one model")
 
 
 def graph_from_config(cfg: Any) -> Graph:

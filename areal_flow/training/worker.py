@@ -29,7 +29,8 @@ from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import LOSS_MASK_KEY, TorchEngine, accumulate_stats
+from areal_flow.training.engine import LOSS_MASK_KEY, OptimSpec, accumulate_stats
+from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import endpoint, make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.transport.messages import (
     Array,
@@ -94,11 +95,10 @@ class ModelWorker:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.dist_port}",
                                     rank=rank, world_size=spec.n_trainers)
             group = dist.group.WORLD
-        algo, trained_role = cfg.algorithm, self.graph.train.role
+        trained_role = self.graph.train.role
         self.engines = {
-            role: TorchEngine(spec.model_path, lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay,
-                              grad_clip=algo.grad_clip, temperature=algo.temperature,
-                              trainable=role == trained_role, process_group=group)
+            role: TorchEngine(spec.model_path, optim=optim_spec(cfg) if role == trained_role else None,
+                              temperature=cfg.algorithm.temperature, process_group=group)
             for role in self.graph.roles
         }
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
@@ -163,8 +163,10 @@ class ModelWorker:
                 stats = self.train(node, samples)
         version = plan.step + 1
         weights = self.spec.path("weights", f"v{version}")
+        trained = self.engines[self.graph.train.role]
+        trained.version = version
+        trained.save_weights(weights)  # every rank takes part; rank 0 writes
         if self.rank == 0:
-            self.engines[self.graph.train.role].save_weights(weights)
             _prune_weights(self.spec.path("weights"), keep=version)
         self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                            "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
@@ -199,8 +201,17 @@ class ModelWorker:
         return stats
 
     def save_checkpoint(self, path: str) -> None:
-        if self.rank == 0:
-            self.engines[self.graph.train.role].save_hf(path, tokenizer=load_tokenizer(self.spec.model_path))
+        """The trained role's Hugging Face directory, with its training state beside it."""
+        self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def optim_spec(cfg: RunConfig) -> OptimSpec:
+    """The trained role's optimizer settings; the LR schedule counts optimizer steps."""
+    algo = cfg.algorithm
+    decay = algo.lr_decay_steps if algo.lr_decay_steps is not None else cfg.total_steps * algo.n_minibatches
+    return OptimSpec(lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
+                     schedule=algo.lr_schedule, warmup_steps=algo.lr_warmup_steps, decay_steps=decay,
+                     min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)
 
 
 def _prune_weights(root: str, keep: int) -> None:

@@ -9,7 +9,7 @@ from generation_helpers import ModelDirs
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.server import serve
-from areal_flow.training.engine import TorchEngine
+from areal_flow.training.torch_engine import TorchEngine
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -30,7 +30,7 @@ def test_served_logprobs_equal_the_trainers_packed_recompute(model_dirs: ModelDi
     finally:
         server.stop()
         thread.join(timeout=10)
-    engine = TorchEngine(model_dirs.a, temperature=temperature, micro_batch_tokens=32, trainable=False)
+    engine = TorchEngine(model_dirs.a, temperature=temperature, micro_batch_tokens=32)
     seqs = [(np.array(p), np.array(a["output_ids"])) for p, a in zip(prompts, answers)]
     recomputed = engine.logprobs(seqs)
     for answer, lp in zip(answers, recomputed):

@@ -158,3 +158,14 @@ def test_two_rewards_need_a_combine_node_with_a_weight_for_each():
 def test_a_node_that_reads_a_key_its_type_does_not_use_is_refused():
     msg = problems_of(broken(actor_prox__inputs=["prompt_ids", "output_ids", "rewards"]))
     assert "node 'actor_prox' (inference) reads 'rewards' (rewards), which it does not use" in msg
+
+
+def test_engines_are_named_per_node_one_per_role_and_only_ones_that_exist():
+    assert build(NODES).nodes["actor_train"].engine == "torch"  # the default
+    msg = problems_of(broken(actor_prox__engine="megatron", actor_train__engine="megatron"))
+    assert "node 'actor_train': engine 'megatron' (graph.actor_train.engine) is not implemented in this version" in msg
+    msg = problems_of(broken(actor_train__engine="deepspeed"))
+    assert "node 'actor_train': unknown engine 'deepspeed' (graph.actor_train.engine); expected one of torch, megatron" in msg
+    msg = problems_of(broken(actor_train__engine="megatron"))
+    assert ("nodes 'actor_prox' and 'actor_train' run role 'actor' on different engines ('torch', 'megatron'; "
+            "graph.actor_train.engine): a role has one model") in msg

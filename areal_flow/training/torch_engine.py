@@ -1,0 +1,396 @@
+"""The torch engine: a Hugging Face causal LM on plain PyTorch, data parallel with FSDP2.
+
+With a process group of more than one rank the model is sharded with
+`torch.distributed.fsdp.fully_shard` (each decoder layer, then the root): parameters, gradients and
+optimizer state are split across the ranks, and every forward and backward gathers and
+reduce-scatters through the group (gloo on CPU, NCCL on GPU). Gradients are SUMMED across ranks
+(`set_gradient_divide_factor(1)`), because the loss is already divided by the global valid-token
+count. With one rank the model is used as it is.
+
+Packing: the sequences of a micro-batch are concatenated into ONE row with no padding, and
+`position_ids` restart at 0 for each sequence. Given `position_ids` and no `attention_mask`,
+transformers (`masking_utils.find_packed_sequence_indices`) detects the sequence boundaries and
+builds the block-diagonal causal mask for the loaded attention implementation (sdpa here;
+flash-attention turns the same inputs into varlen kernels). Tests pin packed == unpacked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from areal_flow.training.engine import (
+    LOSS_MASK_KEY,
+    TRAIN_STATE,
+    CheckpointError,
+    LossFn,
+    NonFiniteLoss,
+    OptimSpec,
+    Seq,
+    accumulate_stats,
+    agreed_micro_batches,
+    atomic_write_dir,
+    check_hf_checkpoint,
+    global_counts,
+    loss_masks,
+    merge_stats,
+    require_config,
+    seq_lengths,
+)
+from areal_flow.training.schedule import lr_factor
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def expected_tensors(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor a checkpoint of this config must hold (tied
+    weights once), from a model built on the meta device: no memory, no initialisation."""
+    require_config(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+class TorchEngine:
+    """One data-parallel rank of a Hugging Face causal LM: logprobs, packed train steps, save/load."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        optim: OptimSpec | None = None,
+        micro_batch_tokens: int = 4096,
+        temperature: float = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        device: str = "cpu",
+        bf16: bool = False,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        """`optim` None makes a frozen role (ref): logprobs only. `bf16` computes in bfloat16 with
+        fp32 master weights and fp32 gradient reduction (GPU); `activation_checkpointing` recomputes
+        each decoder layer's activations in backward instead of keeping them (GPU memory)."""
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_hf_checkpoint(model_path, expected_tensors(model_path))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        model.to(device)
+        # Always eval mode: dropout would make the trained logprobs differ from the ones that
+        # `logprobs` reports and that generation samples from.
+        model.eval()
+        model.requires_grad_(optim is not None)
+        if activation_checkpointing:
+            if getattr(model.config, "attention_dropout", 0.0):
+                raise ValueError("activation_checkpointing needs attention_dropout 0 (it runs the layers in train mode)")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature = temperature
+        self.device = torch.device(device)
+        self.bf16 = bf16
+        self.activation_checkpointing = activation_checkpointing
+        self.version = 0
+        self.optim = optim
+        self._group = process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
+        if self._group is not None:
+            _shard(model, self._group, self.device.type, bf16)
+        self._model = model
+        self._nan_in_a_row = 0
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if optim is not None:
+            self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                                betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+            self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, functools.partial(
+                lr_factor, schedule=optim.schedule, warmup_steps=optim.warmup_steps,
+                decay_steps=optim.decay_steps, min_ratio=optim.min_lr_ratio))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._group is None else dist.get_rank(self._group)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return self._optimizer.param_groups[0]["lr"] if self._optimizer else 0.0
+
+    # ------------------------------------------------------------------ forward
+
+    def logprobs(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
+        """Per sequence, float32 logprobs [len(output_ids)] of each output token under
+        log_softmax(logits / temperature); no grad, micro-batched under `micro_batch_tokens`."""
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+        with torch.no_grad():
+            for group in agreed_micro_batches(seq_lengths(seqs), self.micro_batch_tokens, self._group):
+                if not group:
+                    self._idle_pass(backward=False)
+                    continue
+                for i, lp in zip(group, self._packed_logprobs([seqs[i] for i in group])):
+                    out[i] = lp.float().cpu().numpy()
+        return out
+
+    def _packed_logprobs(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)]."""
+        ids, positions, keep, targets, n_out = [], [], [], [], []
+        offset = 0
+        for prompt, output in seqs:
+            prompt = np.asarray(prompt, dtype=np.int64)
+            output = np.asarray(output, dtype=np.int64)
+            if len(prompt) == 0:
+                raise ValueError("every sequence needs at least one prompt token to predict its first output")
+            n = len(prompt) + len(output)
+            ids.append(np.concatenate([prompt, output]))
+            positions.append(np.arange(n))
+            # The logits at position t predict token t + 1: output token j is predicted at P - 1 + j.
+            keep.append(offset + len(prompt) - 1 + np.arange(len(output)))
+            targets.append(output)
+            n_out.append(len(output))
+            offset += n
+        logits = self._forward(np.concatenate(ids), np.concatenate(positions), np.concatenate(keep))
+        logits = logits.float() / self.temperature
+        target = torch.from_numpy(np.concatenate(targets)).to(self.device)
+        # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
+        lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        return list(torch.split(lp, n_out))
+
+    def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> torch.Tensor:
+        """Logits [len(keep), vocab] of one packed row (all positions when keep is None)."""
+        as_tensor = functools.partial(torch.as_tensor, device=self.device)
+        # Activation checkpointing in transformers works in train mode only (no dropout here).
+        self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
+        # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
+        autocast = self.bf16 and self._group is None
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            return self._model(
+                input_ids=as_tensor(ids)[None],
+                position_ids=as_tensor(positions)[None],
+                use_cache=False,  # a cache would also switch off the packed-sequence detection
+                logits_to_keep=0 if keep is None else as_tensor(keep),  # lm_head only where needed
+            ).logits[0]
+
+    def _idle_pass(self, backward: bool) -> None:
+        """A one-token pass with no effect, on a rank with fewer sequences than the agreed number of
+        micro-batches: under FSDP every forward and backward runs collectives all ranks must join."""
+        if self._group is None:
+            return
+        logits = self._forward(np.zeros(1, np.int64), np.zeros(1, np.int64), None)
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
+    # ------------------------------------------------------------------ train
+
+    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this rank's shard.
+
+        token_data[key][i] is a per-output-token array for sequence i (behav_logprobs, advantages
+        broadcast per token, ...), passed on with its dtype; the optional key "loss_mask" is the
+        valid-token mask. Each micro-batch calls
+        loss_fn(logprobs [T_mb], batch {key: [T_mb]}, mask [T_mb], n_valid_tokens)
+        on its output tokens packed in one dimension, where n_valid_tokens counts the valid tokens
+        of ALL ranks and micro-batches (at least 1); gradients accumulate over the micro-batches.
+
+        A step whose gradient norm is not finite (a NaN or inf loss) changes nothing: it is skipped
+        and counted (`skipped_steps`); `optim.max_nan_steps` of them in a row raise NonFiniteLoss.
+
+        Returns loss_fn's stats and `loss`, summed over micro-batches and ranks (keys ending in
+        `_max` take the max), plus grad_norm (before clipping), lr, skipped_steps,
+        n_micro_batches (per rank, equal on all), n_tokens (prompt + output tokens, all ranks),
+        n_valid_tokens and step_seconds. These engine keys take precedence over loss stats.
+        """
+        if self._optimizer is None:
+            raise RuntimeError("train_step on an engine built without optim (a frozen role)")
+        start = time.perf_counter()
+        masks = loss_masks(seqs, token_data)
+        lengths = seq_lengths(seqs)
+        n_valid_global, n_tokens_global = global_counts(masks, lengths, self._group)
+        groups = agreed_micro_batches(lengths, self.micro_batch_tokens, self._group)
+
+        self._optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for group in groups:
+            if not group:
+                self._idle_pass(backward=True)
+                continue
+            logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
+            batch = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(self.device)
+                     for k, v in token_data.items() if k != LOSS_MASK_KEY}
+            mask = torch.from_numpy(np.concatenate([masks[i] for i in group])).to(self.device)
+            # Clamped so that a step without valid tokens gives loss 0, not 0/0.
+            loss, stats = loss_fn(logp, batch, mask, max(n_valid_global, 1.0))
+            loss.backward()
+            accumulate_stats(sums, {"loss": loss.detach(), **stats})
+
+        lr = self.lr
+        grad_norm, skipped = self._clip_and_step()
+        sums = merge_stats(sums, self._group)
+        sums.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(skipped), n_micro_batches=float(len(groups)),
+                    n_tokens=float(n_tokens_global), n_valid_tokens=float(n_valid_global),
+                    step_seconds=time.perf_counter() - start)
+        return sums
+
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip to the global norm and step, or skip a non-finite step: (norm before clipping, skipped)."""
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        for p in params:  # a parameter that no micro-batch reached (none on a rank) has no gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm):
+            # Every rank sees the same global norm, so all of them skip together.
+            self._optimizer.zero_grad(set_to_none=True)
+            self._nan_in_a_row += 1
+            if self._nan_in_a_row >= self.optim.max_nan_steps:
+                raise NonFiniteLoss(f"{self._nan_in_a_row} train steps in a row had a non-finite loss or gradient "
+                                    f"(max_nan_steps={self.optim.max_nan_steps}); none of them changed the weights")
+            return norm, True
+        self._nan_in_a_row = 0
+        self._optimizer.step()
+        self._scheduler.step()
+        return norm, False
+
+    # ------------------------------------------------------------------ weights out
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on the CPU under Hugging Face names; collective under FSDP, where only
+        rank 0 gets them (the others get {})."""
+        if self._group is None:
+            return {k: v.detach().cpu() for k, v in self._model.state_dict().items()}
+        return get_model_state_dict(self._model, options=FULL)
+
+    def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full weights under Hugging Face names (tied weights once), in buckets of at most
+        `bucket_bytes` (a larger tensor travels alone), on every rank: for in-memory transfer to
+        generation servers. Collective under FSDP: every rank must consume the whole iterator."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, p in self._model.named_parameters():
+            tensor = p.detach()
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def save_weights(self, path: str) -> None:
+        """The current weights as a Hugging Face directory at `path` (atomically), for generation.
+        Collective: every rank calls it; rank 0 writes."""
+        state = self._full_state_dict()
+        if self.rank == 0:
+            atomic_write_dir(path, lambda tmp: self._model.save_pretrained(tmp, state_dict=state))
+
+    def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A Hugging Face directory (weights, config, tokenizer) without training state."""
+        self._save(path, tokenizer, with_train_state=False)
+
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A Hugging Face directory at `path` (atomically: a failure leaves the previous one) with
+        TRAIN_STATE beside the weights: optimizer, LR schedule, each rank's RNG state, version.
+        Collective: every rank calls it; rank 0 writes."""
+        self._save(path, tokenizer, with_train_state=self._optimizer is not None)
+
+    def _save(self, path: str, tokenizer: PreTrainedTokenizerBase | None, with_train_state: bool) -> None:
+        state = self._full_state_dict()
+        train_state = self._train_state() if with_train_state else None
+
+        def write(tmp: str) -> None:
+            self._model.save_pretrained(tmp, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if train_state is not None:
+                torch.save(train_state, os.path.join(tmp, TRAIN_STATE))
+
+        if self.rank == 0:
+            atomic_write_dir(path, write)
+        if self._group is not None:
+            dist.barrier(group=self._group)  # no rank goes on before the checkpoint exists
+
+    def _train_state(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        rngs = [rng]
+        if self._group is not None:
+            rngs = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(rngs, rng, group=self._group)
+        optimizer = (get_optimizer_state_dict(self._model, self._optimizer, options=FULL) if self._group is not None
+                     else get_optimizer_state_dict(self._model, self._optimizer,
+                                                   options=StateDictOptions(full_state_dict=True)))
+        return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), "version": self.version,
+                "nan_in_a_row": self._nan_in_a_row, "rng": rngs}
+
+    # ------------------------------------------------------------------ weights in
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by `save` (or any Hugging Face directory of this model's shape):
+        the weights, and the training state when the directory has one and this role trains.
+        Collective under FSDP. A missing or misshapen tensor fails naming it; nothing is changed then."""
+        check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in self._model.named_parameters()})
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            weights.update(load_file(os.path.join(path, name)))
+        state_file = os.path.join(path, TRAIN_STATE)
+        train_state = None
+        if self._optimizer is not None and os.path.exists(state_file):
+            try:
+                train_state = torch.load(state_file, weights_only=True)  # a checkpoint cannot run code
+            except Exception as exc:
+                raise CheckpointError(f"{state_file}: unreadable training state: {exc}") from exc
+        set_model_state_dict(self._model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        if train_state is not None:
+            set_optimizer_state_dict(self._model, self._optimizer, train_state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            self._scheduler.load_state_dict(train_state["scheduler"])
+            self.version = train_state["version"]
+            self._nan_in_a_row = train_state["nan_in_a_row"]
+            rngs = train_state["rng"]
+            if len(rngs) == (1 if self._group is None else dist.get_world_size(self._group)):
+                torch.set_rng_state(rngs[self.rank]["cpu"])
+                if "cuda" in rngs[self.rank] and self.device.type == "cuda":
+                    torch.cuda.set_rng_state(rngs[self.rank]["cuda"], self.device)
+
+
+def _shard(model: torch.nn.Module, group: dist.ProcessGroup, device_type: str, bf16: bool) -> None:
+    """FSDP2: each decoder layer is one unit (gathered for its own forward and freed after), the
+    root holds the rest (embeddings, final norm, LM head)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # SUM, not mean: the loss is already divided by the global token count. Forcing plain SUM
+    # collectives keeps gloo working (it has no PREMUL_SUM); with a factor of 1 nothing is divided.
+    # Both are per FSDP unit: set on every one, not only the root.
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,132 @@
+"""Shared by the engine tests: a tiny Qwen2, random packed sequences, PPO inputs, comparisons,
+and a way to run a function on several gloo ranks in spawned processes."""
+
+import datetime
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.training.engine import OptimSpec
+
+VOCAB = 18
+
+
+def save_tiny_qwen2(path, **overrides) -> str:
+    """A 2-layer Qwen2 (GQA, untied unless overridden) saved as a Hugging Face directory."""
+    config = transformers.Qwen2Config(**{
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, **overrides})
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def make_seqs(seed: int, n: int, max_prompt: int = 8, max_output: int = 12):
+    rng = np.random.default_rng(seed)
+    lengths = [(rng.integers(1, max_prompt + 1), rng.integers(0, max_output + 1)) for _ in range(n)]
+    return [(rng.integers(0, VOCAB, p), rng.integers(0, VOCAB, o)) for p, o in lengths]
+
+
+def make_token_data(seqs, seed: int) -> dict[str, list[np.ndarray]]:
+    """PPO inputs near the tiny model's logprobs (about log 1/18): some ratios clip, some weights cap."""
+    rng = np.random.default_rng(seed)
+    prox = [np.log(1 / VOCAB) + 0.2 * rng.standard_normal(len(o)) for _, o in seqs]
+    return {
+        "prox_logprobs": prox,
+        "behav_logprobs": [p + 0.4 * rng.standard_normal(len(p)) for p in prox],
+        "advantages": [np.full(len(o), rng.choice([-1.0, 1.0])) for _, o in seqs],
+    }
+
+
+def ppo_loss_fn(logprobs, batch, mask, n_valid_tokens):
+    return decoupled_ppo_loss(
+        logprobs, batch["prox_logprobs"].float(), batch["behav_logprobs"].float(),
+        batch["advantages"].float(), mask, eps_clip=0.2, behav_weight_cap=2.0, n_valid_tokens=n_valid_tokens,
+    )
+
+
+def neg_mean_logprob(logprobs, batch, mask, n_valid_tokens):
+    loss = -(logprobs * mask).sum() / n_valid_tokens
+    return loss, {"n_tokens": mask.sum().float()}
+
+
+def reference_logprobs(model, seqs, temperature=1.0):
+    """One ordinary, unpacked HF forward per sequence."""
+    out = []
+    with torch.no_grad():
+        for prompt, output in seqs:
+            ids = torch.from_numpy(np.concatenate([prompt, output]))[None]
+            logp = (model(ids).logits[0] / temperature).log_softmax(-1)
+            pos = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+            out.append(logp[pos, torch.from_numpy(output)].numpy())
+    return out
+
+
+def assert_all_close(xs, ys, atol):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+# For |g| below Adam's eps the update is about lr·g/eps, so eps=1e-8 would blow float rounding
+# differences in near-zero gradients (1e-12) up by lr/eps = 1e6. Comparisons of updated weights
+# between packings or rank layouts therefore use a larger eps; it changes nothing else they check.
+EXACT = dict(optim=OptimSpec(lr=1e-2, eps=1e-4))
+
+
+def full_weights(engine):
+    """Full weights by Hugging Face name (collective under FSDP: every rank calls it)."""
+    return {name: t.clone() for bucket in engine.export_weights() for name, t in bucket}
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{str(i): i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def _rank_main(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120) -> None:
+    """fn(rank, *args) in `world` spawned processes joined in one gloo group; each must exit 0."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
