@@ -81,16 +81,21 @@ class TorchEngine:
         device: str = "cpu",
         bf16: bool = False,
         activation_checkpointing: bool = False,
+        attention: str = "sdpa",
     ) -> None:
         """`optim` None makes a frozen role (ref): logprobs only. `bf16` computes in bfloat16 with
         fp32 master weights and fp32 gradient reduction (GPU); `activation_checkpointing` recomputes
-        each decoder layer's activations in backward instead of keeping them (GPU memory)."""
+        each decoder layer's activations in backward instead of keeping them (GPU memory);
+        `attention` is the transformers attention implementation: sdpa (tested everywhere), or
+        flex_attention, which builds a block mask from the packed sequences instead of a dense one
+        (faster on GPU, docs/benchmarks.md; not yet tested for agreement, it failed to compile for
+        rows under 128 tokens)."""
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         check_hf_checkpoint(model_path, expected_tensors(model_path))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
         model.to(device)
         # Always eval mode: dropout would make the trained logprobs differ from the ones that
         # `logprobs` reports and that generation samples from.

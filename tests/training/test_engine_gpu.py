@@ -66,3 +66,4 @@ def test_activation_checkpointing_gives_the_same_gradients(model_dir):
         grads.append(seen)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
