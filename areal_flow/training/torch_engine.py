@@ -305,9 +305,7 @@ class TorchEngine:
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory at `path` (atomically), for generation.
         Collective: every rank calls it; rank 0 writes."""
-        state = self._full_state_dict()
-        if self.rank == 0:
-            atomic_write_dir(path, lambda tmp: self._model.save_pretrained(tmp, state_dict=state))
+        self._save(path, None, with_train_state=False)
 
     def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """A Hugging Face directory (weights, config, tokenizer) without training state."""
