@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from areal_flow.training.engine import (
@@ -261,7 +262,7 @@ class TorchEngine:
                 p.grad = torch.zeros_like(p)
         max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = float(_whole(norm))
         if not math.isfinite(norm):
             # Every rank sees the same global norm, so all of them skip together.
             self._optimizer.zero_grad(set_to_none=True)
@@ -291,8 +292,7 @@ class TorchEngine:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, p in self._model.named_parameters():
-            tensor = p.detach()
-            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            tensor = _whole(p.detach())
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
@@ -341,9 +341,9 @@ class TorchEngine:
         if self._group is not None:
             rngs = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(rngs, rng, group=self._group)
-        optimizer = (get_optimizer_state_dict(self._model, self._optimizer, options=FULL) if self._group is not None
-                     else get_optimizer_state_dict(self._model, self._optimizer,
-                                                   options=StateDictOptions(full_state_dict=True)))
+        # cpu_offload gathers onto rank 0 only, which needs a process group.
+        options = FULL if self._group is not None else StateDictOptions(full_state_dict=True)
+        optimizer = get_optimizer_state_dict(self._model, self._optimizer, options=options)
         return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), "version": self.version,
                 "nan_in_a_row": self._nan_in_a_row, "rng": rngs}
 
@@ -378,6 +378,11 @@ class TorchEngine:
                 torch.set_rng_state(rngs[self.rank]["cpu"])
                 if "cuda" in rngs[self.rank] and self.device.type == "cuda":
                     torch.cuda.set_rng_state(rngs[self.rank]["cuda"], self.device)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP-sharded DTensor (a collective), or `t` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _shard(model: torch.nn.Module, group: dist.ProcessGroup, device_type: str, bf16: bool) -> None:
