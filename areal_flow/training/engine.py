@@ -91,7 +91,52 @@ class Engine(Protocol):
         """The full weights under Hugging Face names, in buckets of about `bucket_bytes`."""
 
 
-# ---- packing, shared by every engine ------------------------------------------------------------
+# ---- shared by every engine ---------------------------------------------------------------------
+
+
+def check_engine_args(micro_batch_tokens: int, temperature: float) -> None:
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def non_finite_step(in_a_row: int, max_nan_steps: int) -> int:
+    """Counts one more skipped non-finite step; raises NonFiniteLoss when there were too many."""
+    in_a_row += 1
+    if in_a_row >= max_nan_steps:
+        raise NonFiniteLoss(f"{in_a_row} train steps in a row had a non-finite loss or gradient "
+                            f"(max_nan_steps={max_nan_steps}); none of them changed the weights")
+    return in_a_row
+
+
+def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Named tensors in buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def read_train_state(path: str) -> dict | None:
+    """The TRAIN_STATE beside a checkpoint's weights, or None when it has none."""
+    state_file = os.path.join(path, TRAIN_STATE)
+    if not os.path.exists(state_file):
+        return None
+    try:
+        return torch.load(state_file, weights_only=True)  # a checkpoint cannot run code
+    except Exception as exc:
+        raise CheckpointError(f"{state_file}: unreadable training state: {exc}") from exc
+
+
+# ---- packing ------------------------------------------------------------
 
 
 def seq_lengths(seqs: Sequence[Seq]) -> list[int]:

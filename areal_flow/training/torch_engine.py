@@ -38,18 +38,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from areal_flow.training.engine import (
     LOSS_MASK_KEY,
     TRAIN_STATE,
-    CheckpointError,
     LossFn,
-    NonFiniteLoss,
     OptimSpec,
     Seq,
     accumulate_stats,
     agreed_micro_batches,
     atomic_write_dir,
+    bucketed,
+    check_engine_args,
     check_hf_checkpoint,
     global_counts,
     loss_masks,
     merge_stats,
+    non_finite_step,
+    read_train_state,
     require_config,
     seq_lengths,
 )
@@ -91,10 +93,7 @@ class TorchEngine:
         flex_attention, which builds a block mask from the packed sequences instead of a dense one
         (faster on GPU, docs/benchmarks.md; not yet tested for agreement, it failed to compile for
         rows under 128 tokens)."""
-        if micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_engine_args(micro_batch_tokens, temperature)
         check_hf_checkpoint(model_path, expected_tensors(model_path))
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
         model.to(device)
@@ -266,10 +265,7 @@ class TorchEngine:
         if not math.isfinite(norm):
             # Every rank sees the same global norm, so all of them skip together.
             self._optimizer.zero_grad(set_to_none=True)
-            self._nan_in_a_row += 1
-            if self._nan_in_a_row >= self.optim.max_nan_steps:
-                raise NonFiniteLoss(f"{self._nan_in_a_row} train steps in a row had a non-finite loss or gradient "
-                                    f"(max_nan_steps={self.optim.max_nan_steps}); none of them changed the weights")
+            self._nan_in_a_row = non_finite_step(self._nan_in_a_row, self.optim.max_nan_steps)
             return norm, True
         self._nan_in_a_row = 0
         self._optimizer.step()
@@ -289,18 +285,7 @@ class TorchEngine:
         """The full weights under Hugging Face names (tied weights once), in buckets of at most
         `bucket_bytes` (a larger tensor travels alone), on every rank: for in-memory transfer to
         generation servers. Collective under FSDP: every rank must consume the whole iterator."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, p in self._model.named_parameters():
-            tensor = _whole(p.detach())
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        return bucketed(((name, _whole(p.detach())) for name, p in self._model.named_parameters()), bucket_bytes)
 
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory at `path` (atomically), for generation.
@@ -359,13 +344,7 @@ class TorchEngine:
         weights: dict[str, torch.Tensor] = {}
         for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
             weights.update(load_file(os.path.join(path, name)))
-        state_file = os.path.join(path, TRAIN_STATE)
-        train_state = None
-        if self._optimizer is not None and os.path.exists(state_file):
-            try:
-                train_state = torch.load(state_file, weights_only=True)  # a checkpoint cannot run code
-            except Exception as exc:
-                raise CheckpointError(f"{state_file}: unreadable training state: {exc}") from exc
+        train_state = read_train_state(path) if self._optimizer is not None else None
         set_model_state_dict(self._model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         if train_state is not None:
             set_optimizer_state_dict(self._model, self._optimizer, train_state["optimizer"],

@@ -1,0 +1,423 @@
+"""The megatron engine: megatron-core GPTModel with tensor, pipeline and data parallelism.
+
+Every rank of the default process group is one rank of a dp x pp x tp layout (megatron's
+`parallel_state`, one layout per process). The ranks of one model-parallel group (same DP index)
+must be given the SAME sequences: TP ranks split each layer, PP ranks split the layers, and the
+first stage embeds the tokens while the last computes the loss. Different DP ranks get different
+sequences and any number of them: gradients are summed over DP once per step by megatron's
+DistributedDataParallel (`finalize_model_grads`), not in every forward as under FSDP.
+
+A micro-batch is packed in megatron's THD layout: the sequences concatenated in one row, with
+`PackedSeqParams` giving their boundaries, so attention and RoPE restart at each sequence
+(model.py). Micro-batches are run by megatron's schedules: forward-only for logprobs, 1F1B when
+pipelined; with several stages the activations of variable-length micro-batches travel with their
+shapes. Logprobs of the output tokens come from the vocabulary-parallel cross entropy, so the full
+logits are never gathered across TP ranks.
+
+Weights enter and leave as Hugging Face tensors (convert.py): `load` and the constructor read a
+Hugging Face directory on every rank, `export_weights` and `save` gather the shards (TP) and
+stages (PP) under Hugging Face names.
+
+On a machine without a GPU each call runs inside `cpu_compat.cpu_mode()`; docs/architecture.md
+("Training engines") says what that changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.training.engine import (
+    LOSS_MASK_KEY,
+    TRAIN_STATE,
+    CheckpointError,
+    LossFn,
+    OptimSpec,
+    Seq,
+    accumulate_stats,
+    atomic_write_dir,
+    bucketed,
+    check_engine_args,
+    check_budget,
+    check_hf_checkpoint,
+    global_counts,
+    loss_masks,
+    merge_stats,
+    non_finite_step,
+    read_train_state,
+    seq_lengths,
+)
+from areal_flow.training.layout import Layout, layout_problems
+from areal_flow.training.megatron import convert
+from areal_flow.training.megatron.cpu_compat import cpu_mode
+from areal_flow.training.megatron.model import build_model, check_hf_config, head_dim, transformer_config
+from areal_flow.training.schedule import lr_factor
+from areal_flow.training.torch_engine import expected_tensors
+
+
+def init_parallel(tp: int, pp: int) -> Layout:
+    """Megatron's process groups over the default group (dp = world / (tp·pp)); once per process,
+    and a second call must ask for the same layout."""
+    if not dist.is_initialized():
+        raise RuntimeError("the megatron engine needs torch.distributed initialised first (every rank of the layout)")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"tp·pp = {tp}·{pp} does not divide the {world} ranks of the process group")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"this process already holds megatron layout tp={have[0]} pp={have[1]}; "
+                             f"every model role on one mesh must use one layout (asked tp={tp} pp={pp})")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return Layout(dp=world // (tp * pp), tp=tp, pp=pp)
+
+
+class MegatronEngine:
+    """One rank of a Hugging Face Qwen2/Llama model on megatron-core: logprobs, train steps, save/load."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        optim: OptimSpec | None = None,
+        micro_batch_tokens: int = 4096,
+        temperature: float = 1.0,
+        tp: int = 1,
+        pp: int = 1,
+        device: str = "cpu",
+        bf16: bool = False,
+    ) -> None:
+        """`optim` None makes a frozen role (ref). `tp`/`pp`: tensor and pipeline parallel sizes;
+        the data-parallel size is what remains of the process group. `bf16` computes in bfloat16
+        (GPU; fp32 master weights)."""
+        check_engine_args(micro_batch_tokens, temperature)
+        self.device = torch.device(device)
+        self._compat = cpu_mode if self.device.type == "cpu" else contextlib.nullcontext
+        expected = expected_tensors(model_path)
+        check_hf_checkpoint(model_path, expected)
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        check_hf_config(self.hf_config, f"{model_path}/config.json")
+        problems = layout_problems(Layout(tp=tp, pp=pp), n_devices=None, model=self.hf_config, where=model_path)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature = temperature
+        self.version = 0
+        self.optim = optim
+        self.expected = expected
+        self.heads = convert.Heads(self.hf_config.num_attention_heads, self.hf_config.num_key_value_heads,
+                                   head_dim(self.hf_config))
+        self._step = 0
+        self._nan_in_a_row = 0
+        with self._compat():
+            self.layout = init_parallel(tp, pp)
+            self._dp_group = ps.get_data_parallel_group()
+            self._dp_rank = ps.get_data_parallel_rank()
+            self._tp_group = ps.get_tensor_model_parallel_group()
+            self._pp_group = ps.get_pipeline_model_parallel_group()
+            self.config = transformer_config(self.hf_config, tp=tp, pp=pp, bf16=bf16, on_gpu=self.device.type == "cuda")
+            self._first, self._last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+            if self.device.type == "cuda":
+                tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the GPU initialisation draws from it
+            model = build_model(self.hf_config, self.config, pre_process=self._first, post_process=self._last)
+            model.to(self.device)
+            self._rules = self._local_rules(model)
+            self._load_weights(model, model_path)
+            model.requires_grad_(optim is not None)
+            self._optimizer = None
+            if optim is not None:
+                ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                           use_distributed_optimizer=False)
+                model = DistributedDataParallel(self.config, ddp_config, model)
+                # Clipping is done here (clip_grad 0 for megatron): megatron's own clipping is
+                # CUDA-only, and a non-finite norm must skip the step before anything is clipped.
+                self._optimizer = get_megatron_optimizer(OptimizerConfig(
+                    optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+                    adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=0.0, bf16=False,
+                    params_dtype=torch.float32, use_distributed_optimizer=False), [model])
+            model.eval()  # no dropout: trained logprobs must equal reported ones
+            self._model = model
+            # Which pipeline stage owns each Hugging Face tensor (every rank needs the plan).
+            owned = [hf for names, _, _ in self._rules.values() for hf in names if hf in expected]
+            stages: list[list | None] = [None] * self.layout.pp
+            dist.all_gather_object(stages, owned, group=self._pp_group)
+            self._owner = {hf: stage for stage, names in enumerate(stages) for hf in names}
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: ranks with the same index must be given the same data."""
+        return self._dp_rank
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        if self.optim is None:
+            return 0.0
+        return self.optim.lr * lr_factor(self._step, self.optim.schedule, self.optim.warmup_steps,
+                                         self.optim.decay_steps, self.optim.min_lr_ratio)
+
+    # ------------------------------------------------------------------ weights in
+
+    def _local_rules(self, model: torch.nn.Module) -> dict[str, tuple[tuple[str, ...], str, torch.nn.Parameter]]:
+        """megatron name -> (Hugging Face names, conversion kind, parameter) for this rank."""
+        global_layer = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+        rules = {}
+        for name, param in model.named_parameters():
+            rule = convert.rule(name, global_layer)
+            rules[name] = (rule.hf_names, rule.kind, param)
+        return rules
+
+    def _load_weights(self, model: torch.nn.Module, path: str) -> None:
+        """Copy this rank's shard of every parameter from the Hugging Face files at `path`."""
+        files = {}
+        for fname in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            with safe_open(os.path.join(path, fname), framework="pt") as f:
+                files.update({key: fname for key in f.keys()})
+        tp, tp_rank = self.layout.tp, ps.get_tensor_model_parallel_rank()
+        tied = bool(self.hf_config.tie_word_embeddings)
+        with torch.no_grad():
+            for name, (hf_names, kind, param) in self._rules.items():
+                if tied and hf_names == ("lm_head.weight",):
+                    hf_names = ("model.embed_tokens.weight",)  # the last stage's copy of the tied embedding
+                parts = []
+                for hf in hf_names:
+                    with safe_open(os.path.join(path, files[hf]), framework="pt") as f:
+                        parts.append(f.get_tensor(hf).float())
+                param.copy_(convert.to_megatron(kind, parts, tp, tp_rank, self.heads))
+
+    # ------------------------------------------------------------------ forward
+
+    def logprobs(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
+        """Per sequence, float32 logprobs [len(output_ids)] of each output token under
+        log_softmax(logits / temperature), on every rank (computed on the last pipeline stage)."""
+        with self._compat(), torch.no_grad():
+            micro = self._micro_batches(seqs, None, None)
+            results = self._run(micro, forward_only=True, loss_fn=None, n_valid=1.0)
+            out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+            if self._last:
+                for mb, res in zip(micro, results):
+                    for i, lp in zip(mb["index"], torch.split(res["logprobs"], mb["n_out"])):
+                        out[i] = lp.float().cpu().numpy()
+            if self.layout.pp > 1:
+                box = [out]
+                dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self._pp_group)
+                out = box[0]
+            return out
+
+    def _micro_batches(self, seqs: Sequence[Seq], token_data: dict | None, masks: list[np.ndarray] | None) -> list[dict]:
+        """Packed micro-batches (first-fit-decreasing under the token budget) in THD layout."""
+        lengths = seq_lengths(seqs)
+        check_budget(lengths, self.micro_batch_tokens)
+        batches = []
+        for group in ffd_allocate(lengths, self.micro_batch_tokens):
+            if not group:
+                continue
+            ids, keep, targets, n_out, cu = [], [], [], [], [0]
+            for i in group:
+                prompt, output = (np.asarray(a, dtype=np.int64) for a in seqs[i])
+                if len(prompt) == 0:
+                    raise ValueError("every sequence needs at least one prompt token to predict its first output")
+                ids.append(np.concatenate([prompt, output]))
+                keep.append(cu[-1] + len(prompt) - 1 + np.arange(len(output)))  # logits at t predict t + 1
+                targets.append(output)
+                n_out.append(len(output))
+                cu.append(cu[-1] + len(prompt) + len(output))
+            mb = {"index": group, "n_out": n_out, "ids": torch.from_numpy(np.concatenate(ids)).to(self.device),
+                  "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=self.device),
+                  "max_len": max(lengths[i] for i in group),
+                  "keep": torch.from_numpy(np.concatenate(keep)).to(self.device),
+                  "targets": torch.from_numpy(np.concatenate(targets)).to(self.device)}
+            if token_data is not None:
+                mb["batch"] = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(self.device)
+                               for k, v in token_data.items() if k != LOSS_MASK_KEY}
+                mb["mask"] = torch.from_numpy(np.concatenate([masks[i] for i in group])).to(self.device)
+            batches.append(mb)
+        return batches
+
+    def _run(self, micro: list[dict], *, forward_only: bool, loss_fn: LossFn | None, n_valid: float) -> list[dict]:
+        """Megatron's schedule over the micro-batches; the last stage's per-micro-batch results."""
+        if not micro:
+            return []
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
+        with autocast:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn=loss_fn, n_valid=n_valid),
+                data_iterator=iter(micro),
+                model=[self._model],
+                num_microbatches=len(micro),
+                seq_length=max(len(mb["ids"]) for mb in micro),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+
+    def _forward_step(self, data_iterator, model, *, loss_fn: LossFn | None, n_valid: float):
+        mb = next(data_iterator)
+        total = len(mb["ids"])
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+                                 max_seqlen_q=mb["max_len"], max_seqlen_kv=mb["max_len"])
+        positions = torch.arange(total, device=self.device)[None]  # unused by RoPE in THD (it restarts per sequence)
+        output = model(input_ids=mb["ids"][None], position_ids=positions, attention_mask=None,
+                       packed_seq_params=packed)
+        return output, partial(self._loss, mb, loss_fn=loss_fn, n_valid=n_valid)
+
+    def _loss(self, mb: dict, logits: torch.Tensor, *, loss_fn: LossFn | None, n_valid: float):
+        """On the last stage: logprobs of the output tokens, then the loss (or just the logprobs)."""
+        logits = logits[0, mb["keep"]].float() / self.temperature  # [K, vocab / tp]
+        # -log p(target) with the vocabulary split over TP ranks (reduces max and sum across them).
+        lp = -tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], mb["targets"][:, None])[:, 0]
+        if loss_fn is None:
+            return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
+        loss, stats = loss_fn(lp, mb["batch"], mb["mask"], n_valid)
+        stats = {"loss": loss.detach(), **{k: v.detach() if torch.is_tensor(v) else v for k, v in stats.items()}}
+        return loss, torch.tensor(int(mb["mask"].sum()), dtype=torch.int), stats
+
+    # ------------------------------------------------------------------ train
+
+    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step; the same contract as TorchEngine.train_step (stats summed over DP
+        ranks, loss stats from the last pipeline stage)."""
+        if self._optimizer is None:
+            raise RuntimeError("train_step on an engine built without optim (a frozen role)")
+        start = time.perf_counter()
+        with self._compat():
+            masks = loss_masks(seqs, token_data)
+            lengths = seq_lengths(seqs)
+            n_valid_global, n_tokens_global = global_counts(masks, lengths, self._dp_group)
+            micro = self._micro_batches(seqs, token_data, masks)
+            self._model.zero_grad_buffer()
+            self._optimizer.zero_grad()
+            results = self._run(micro, forward_only=False, loss_fn=loss_fn, n_valid=max(n_valid_global, 1.0))
+            finalize_model_grads([self._model])  # DP all-reduce (SUM) and tied-embedding grads across stages
+            sums: dict[str, float] = {}
+            if self._last and ps.get_tensor_model_parallel_rank() == 0:
+                for stats in results:
+                    accumulate_stats(sums, stats)
+            lr = self.lr
+            grad_norm, skipped = self._clip_and_step(lr)
+            sums = merge_stats(sums, dist.group.WORLD)
+        sums.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(skipped), n_micro_batches=float(len(micro)),
+                    n_tokens=float(n_tokens_global), n_valid_tokens=float(n_valid_global),
+                    step_seconds=time.perf_counter() - start)
+        return sums
+
+    def _clip_and_step(self, lr: float) -> tuple[float, bool]:
+        """Clip to the global norm (over TP and PP, counting shared and replicated weights once) and
+        step, or skip a non-finite step: (norm before clipping, skipped)."""
+        self._optimizer.prepare_grads()  # main_grad -> grad
+        norm = float(self._optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            self._model.zero_grad_buffer()
+            self._optimizer.zero_grad()
+            self._nan_in_a_row = non_finite_step(self._nan_in_a_row, self.optim.max_nan_steps)
+            return norm, True
+        self._nan_in_a_row = 0
+        clip = self.optim.grad_clip
+        if clip > 0:
+            coeff = clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if coeff < 1.0:
+                for p in self._optimizer.get_parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coeff)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self._optimizer.step_with_ready_grads()
+        self._step += 1
+        return norm, False
+
+    # ------------------------------------------------------------------ weights out
+
+    def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full fp32 weights under Hugging Face names (tied weights once, in the Hugging Face
+        order), in buckets of at most `bucket_bytes`, on every rank. Collective: every rank must
+        consume the whole iterator (TP shards are gathered, then each stage broadcasts its own)."""
+        return bucketed(self._hf_tensors(), bucket_bytes)
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        by_hf = {hf: name for name, (names, _, _) in self._rules.items() for hf in names}
+        converted: dict[str, torch.Tensor] = {}
+        my_stage = ps.get_pipeline_model_parallel_rank()
+        for hf, shape in self.expected.items():
+            # The CPU mode is entered per tensor, never across a yield into the caller's code.
+            with self._compat(), torch.no_grad():
+                if self._owner[hf] == my_stage and hf not in converted:
+                    hf_names, kind, param = self._rules[by_hf[hf]]
+                    shards = [torch.empty_like(param) for _ in range(self.layout.tp)]
+                    dist.all_gather(shards, param.detach().contiguous(), group=self._tp_group)
+                    converted.update(zip(hf_names, (t.cpu() for t in convert.to_hf(kind, shards, self.heads))))
+                tensor = converted.pop(hf) if self._owner[hf] == my_stage else torch.empty(shape)
+                if self.layout.pp > 1:
+                    dist.broadcast(tensor, src=dist.get_global_rank(self._pp_group, self._owner[hf]), group=self._pp_group)
+            yield hf, tensor
+
+    def save_weights(self, path: str) -> None:
+        """The current weights as a Hugging Face directory at `path` (atomically), for generation.
+        Collective: every rank calls it; global rank 0 writes."""
+        self._save(path, None, with_train_state=False)
+
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A Hugging Face directory with TRAIN_STATE beside the weights (every rank's optimizer
+        state and RNG, the schedule's step, the layout). Collective; global rank 0 writes."""
+        self._save(path, tokenizer, with_train_state=self._optimizer is not None)
+
+    def _save(self, path: str, tokenizer: PreTrainedTokenizerBase | None, with_train_state: bool) -> None:
+        state = dict(self._hf_tensors())
+        train_state = self._train_state() if with_train_state else None
+
+        def write(tmp: str) -> None:
+            save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            self.hf_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if train_state is not None:
+                torch.save(train_state, os.path.join(tmp, TRAIN_STATE))
+
+        if dist.get_rank() == 0:
+            atomic_write_dir(path, write)
+        dist.barrier()  # no rank goes on before the checkpoint exists
+
+    def _train_state(self) -> dict:
+        mine = {"optimizer": self._optimizer.state_dict(), "rng": torch.get_rng_state()}
+        ranks: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        return {"layout": str(self.layout), "ranks": ranks, "step": self._step, "version": self.version,
+                "nan_in_a_row": self._nan_in_a_row}
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by `save` (or any Hugging Face directory of this model's
+        shape): weights, and the training state when present and this role trains. Optimizer
+        state is per rank, so it resumes only on the layout that saved it (else CheckpointError).
+        Collective."""
+        check_hf_checkpoint(path, self.expected)
+        train_state = read_train_state(path) if self._optimizer is not None else None
+        if train_state is not None and train_state.get("layout") != str(self.layout):
+            raise CheckpointError(f"{os.path.join(path, TRAIN_STATE)}: saved by layout {train_state.get('layout')}, "
+                                  f"this run is {self.layout}; the optimizer state resumes only on the same layout")
+        with self._compat():
+            module = self._model.module if isinstance(self._model, DistributedDataParallel) else self._model
+            self._load_weights(module, path)
+            if train_state is not None:
+                mine = train_state["ranks"][dist.get_rank()]
+                self._optimizer.load_state_dict(mine["optimizer"])
+                torch.set_rng_state(mine["rng"])
+                self._step = train_state["step"]
+                self.version = train_state["version"]
+                self._nan_in_a_row = train_state["nan_in_a_row"]

@@ -1,0 +1,227 @@
+"""The megatron engine against the torch engine (itself pinned to Hugging Face), on real gloo ranks.
+
+Each layout runs in spawned processes (megatron's parallel state is per process): TP=2 splits every
+layer, PP=2 splits the layers into stages (with tied embeddings, whose gradients then cross
+stages), DP=2 gives the ranks different sequences and different numbers of micro-batches.
+"""
+
+import os
+
+import pytest
+import torch
+import transformers
+from engine_helpers import (EXACT, assert_all_close, assert_same_weights, full_weights, make_seqs, make_token_data,
+                            ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2)
+
+from areal_flow.training.engine import TRAIN_STATE, CheckpointError
+from areal_flow.training.layout import Layout, layout_problems, parse_layout
+from areal_flow.training.megatron import convert
+from areal_flow.training.torch_engine import TorchEngine
+
+MBT = 40  # a micro-batch budget that makes several micro-batches of the test sequences
+TEMPERATURE = 0.7
+
+
+def _shards(dp: int, n: int) -> list[tuple[int, int]]:
+    # Uneven on purpose: with DP=2 the ranks get different numbers of micro-batches.
+    return [(0, n)] if dp == 1 else [(0, 8), (8, n)]
+
+
+def _steps():
+    for seed in (0, 1):
+        seqs = make_seqs(seed, 10, 8, 12)
+        yield seqs, make_token_data(seqs, seed)
+
+
+def _layout_rank(rank, model_dir, tp, pp, out_dir):
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, micro_batch_tokens=MBT, tp=tp, pp=pp, **EXACT)
+    ref = MegatronEngine(model_dir, micro_batch_tokens=MBT, tp=tp, pp=pp, temperature=TEMPERATURE)  # frozen role
+    dp_rank = engine.dp_rank
+    result = {"dp_rank": dp_rank, "logprobs": [], "ref_logprobs": [], "stats": []}
+    for seqs, data in _steps():
+        lo, hi = _shards(engine.layout.dp, len(seqs))[dp_rank]
+        result["logprobs"].append(engine.logprobs(seqs[lo:hi]))
+        result["ref_logprobs"].append(ref.logprobs(seqs[lo:hi]))
+        result["stats"].append(engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn))
+    result["weights"] = full_weights(engine)
+    # Resume: save, one more step; a fresh engine loaded from the checkpoint takes the same step.
+    engine.version = 5
+    ckpt = os.path.join(out_dir, "ckpt")
+    engine.save(ckpt)
+    seqs, data = next(_steps())
+    lo, hi = _shards(engine.layout.dp, len(seqs))[dp_rank]
+    shard = (seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
+    engine.train_step(*shard)
+    resumed = MegatronEngine(ckpt, micro_batch_tokens=MBT, tp=tp, pp=pp, **EXACT)
+    resumed.load(ckpt)
+    assert resumed.version == 5
+    resumed.train_step(*shard)
+    result["continued"], result["resumed"] = full_weights(engine), full_weights(resumed)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+LAYOUTS = {  # name: (tp, pp, world, tied embeddings)
+    "single": (1, 1, 1, False),
+    "tp2": (2, 1, 2, False),
+    "pp2_tied": (1, 2, 2, True),
+    "dp2": (1, 1, 2, False),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
+    tp, pp, world, tied = LAYOUTS[name]
+    model_dir = save_tiny_qwen2(tmp_path / "model", tie_word_embeddings=tied)
+    run_ranks(_layout_rank, world, model_dir, tp, pp, str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    dp = world // (tp * pp)
+
+    torch_engine = TorchEngine(model_dir, micro_batch_tokens=MBT, **EXACT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for step, (seqs, data) in enumerate(_steps()):
+        expected = torch_engine.logprobs(seqs)
+        want = torch_engine.train_step(seqs, data, ppo_loss_fn)
+        for result in ranks:
+            lo, hi = _shards(dp, len(seqs))[result["dp_rank"]]
+            # Every rank returns the logprobs of its DP shard, also the stages that are not the last.
+            assert_all_close(result["logprobs"][step], expected[lo:hi], atol=1e-5)
+            if step == 0:
+                assert_all_close(result["ref_logprobs"][0], reference_logprobs(hf, seqs[lo:hi], TEMPERATURE), atol=1e-5)
+            got = result["stats"][step]
+            for key in ("loss", "grad_norm", "n_tokens", "n_valid_tokens", "clipped_tokens", "behav_weight_sum"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, step, key)
+    if dp == 2:  # the case DP=2 exists for: the ranks ran different numbers of micro-batches
+        assert ranks[0]["stats"][0]["n_micro_batches"] != ranks[1]["stats"][0]["n_micro_batches"]
+    for result in ranks:
+        assert_same_weights(result["weights"], full_weights(torch_engine))
+        assert all(torch.equal(result["resumed"][k], result["continued"][k]) for k in result["continued"])
+
+    # The checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert_same_weights({k: v for k, v in saved.named_parameters()}, ranks[0]["weights"], atol=0)
+    assert saved.config.tie_word_embeddings == tied
+
+
+def _mismatched_layout_rank(rank, model_dir, ckpt):
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, micro_batch_tokens=MBT, **EXACT)
+    engine.train_step(*(lambda s: (s, make_token_data(s, 0), ppo_loss_fn))(make_seqs(0, 4)))
+    engine.save(ckpt)
+    state = torch.load(os.path.join(ckpt, TRAIN_STATE), weights_only=True)
+    state["layout"] = str(Layout(tp=2))  # as if a TP=2 run had saved it
+    torch.save(state, os.path.join(ckpt, TRAIN_STATE))
+    before = full_weights(engine)
+    with pytest.raises(CheckpointError, match=r"saved by layout d1p1t2, this run is d1p1t1"):
+        engine.load(ckpt)
+    assert_same_weights(full_weights(engine), before, atol=0)  # nothing was changed
+
+
+def test_training_state_of_another_layout_is_refused_naming_both(tmp_path):
+    run_ranks(_mismatched_layout_rank, 1, save_tiny_qwen2(tmp_path / "model"), str(tmp_path / "ckpt"))
+
+
+# ---------------------------------------------------------------- conversion
+
+
+HEADS = convert.Heads(n_heads=8, n_groups=4, head_dim=3)
+HIDDEN, FFN, VOCAB = 24, 16, 12
+
+
+def _hf_tensors(kind):
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "replicated": [rand(HIDDEN)],
+        "column": [rand(VOCAB, HIDDEN)],
+        "row": [rand(HIDDEN, FFN)],
+        "fc1": [rand(FFN, HIDDEN), rand(FFN, HIDDEN)],
+        "qkv": [rand(8 * 3, HIDDEN), rand(4 * 3, HIDDEN), rand(4 * 3, HIDDEN)],
+        "qkv_bias": [rand(8 * 3), rand(4 * 3), rand(4 * 3)],
+    }[kind]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["replicated", "column", "row", "fc1", "qkv", "qkv_bias"])
+def test_conversion_round_trips_exactly(kind, tp):
+    hf = _hf_tensors(kind)
+    rule_kind = "qkv" if kind == "qkv_bias" else kind
+    shards = [convert.to_megatron(rule_kind, hf, tp, r, HEADS) for r in range(tp)]
+    assert len({s.shape for s in shards}) == 1  # every TP rank holds an equal shard
+    back = convert.to_hf(rule_kind, shards, HEADS)
+    assert len(back) == len(hf) and all(torch.equal(a, b) for a, b in zip(back, hf))
+
+
+def test_fused_qkv_is_ordered_by_query_group_so_tp_shards_hold_whole_groups():
+    q, k, v = _hf_tensors("qkv")
+    shard = convert.to_megatron("qkv", [q, k, v], 2, 1, HEADS)  # TP rank 1: query groups 2 and 3
+    d, per_group = HEADS.head_dim, HEADS.n_heads // HEADS.n_groups
+    for local, group in enumerate((2, 3)):
+        rows = shard[local * (per_group + 2) * d:(local + 1) * (per_group + 2) * d]
+        torch.testing.assert_close(rows[:per_group * d], q[group * per_group * d:(group + 1) * per_group * d])
+        torch.testing.assert_close(rows[per_group * d:(per_group + 1) * d], k[group * d:(group + 1) * d])
+        torch.testing.assert_close(rows[(per_group + 1) * d:], v[group * d:(group + 1) * d])
+
+
+def test_fc1_shard_is_gate_shard_then_up_shard():
+    gate, up = _hf_tensors("fc1")
+    shard = convert.to_megatron("fc1", [gate, up], 2, 1, HEADS)
+    torch.testing.assert_close(shard, torch.cat([gate[FFN // 2:], up[FFN // 2:]]))
+
+
+def test_every_parameter_of_a_layer_has_a_rule_naming_its_global_layer():
+    rule = convert.rule("decoder.layers.1.mlp.linear_fc1.weight", {0: 2, 1: 3})  # the second stage's layers
+    assert rule.hf_names == ("model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")
+    with pytest.raises(KeyError, match="decoder.layers.0.mlp.router.weight"):
+        convert.rule("decoder.layers.0.mlp.router.weight", {0: 0})
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("spec, want", [
+    (None, Layout()), ("d2p2t2", Layout(2, 2, 2)), ("t4", Layout(tp=4)), ("p2d4", Layout(dp=4, pp=2)),
+    ({"tp": 2, "dp": 2}, Layout(dp=2, tp=2)),
+])
+def test_layouts_parse_from_a_mapping_or_the_compact_string(spec, want):
+    assert parse_layout(spec, "graph.train.parallel") == want
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("d2x2", r"graph.train.parallel: 'd2x2' is not a layout like 'd2p2t2'.*character 3"),
+    ("d2d2", r"'d2d2' gives 'd' twice"),
+    ("", r"is not a layout"),
+    ({"tp": 0}, r"tp=0 must be an integer >= 1"),
+    ({"sp": 2}, r"unknown key 'sp'"),
+    (3, r"neither a mapping"),
+])
+def test_bad_layouts_are_refused_naming_the_key_and_the_fault(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_layout(spec, "graph.train.parallel")
+
+
+def test_layout_problems_name_the_number_that_does_not_fit():
+    model = transformers.Qwen2Config(vocab_size=18, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    assert layout_problems(Layout(dp=2, tp=2), n_devices=4, model=model, where="w") == []
+    problems = layout_problems(Layout(tp=4, pp=3), n_devices=8, model=model, where="graph.train")
+    assert problems == [
+        "graph.train: layout d1p3t4 needs dp·tp·pp = 1·4·3 = 12 devices, the mesh has 8",
+        "graph.train: tp=4 does not divide the model's key/value heads (2)",
+        "graph.train: tp=4 does not divide the model's vocabulary (18)",
+        "graph.train: pp=3 is more than the model's 2 layers",
+    ]
+
+
+def test_the_engine_refuses_a_model_or_layout_it_would_get_wrong(tmp_path):
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    model_dir = save_tiny_qwen2(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key/value heads \(2\)"):
+        MegatronEngine(model_dir, tp=4)
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=18)).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match=r"gpt2/config.json: model_type 'gpt2' is not supported by the megatron engine"):
+        MegatronEngine(str(gpt2))
