@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from areal_flow.config.schema import RunConfig, register_configs
-from areal_flow.config.validate import ConfigError, check_run
+from areal_flow.config.validate import ConfigError, check_model, check_run
 from areal_flow.data.dataset import DatasetError, load_jsonl
 from areal_flow.graph import GraphError, graph_from_config, place
 from areal_flow.graph.placement import Placement
@@ -91,6 +91,7 @@ def run(raw: DictConfig, console: Console) -> int:
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg)
     model_path = prepare_model(cfg)
+    check_model(graph, model_path)
     n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
     ports = iter(free_ports(n_gen + n_roll + n_train + 2))
     spec = RunSpec(

@@ -48,8 +48,10 @@ class NodeConfig:
                                factory=dict)
     mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward/combine")
     micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)", ge=1)
-    engine: str = doc("torch", "batch nodes: the engine of the node's role; torch = PyTorch with FSDP2 data parallel "
-                      "(megatron is not implemented yet)", choices=("torch", "megatron"))
+    engine: str = doc("torch", "batch nodes: the engine of the node's role; torch = PyTorch with FSDP2 data parallel, "
+                      "megatron = megatron-core tensor/pipeline/data parallel", choices=("torch", "megatron"))
+    parallel: Any = doc(None, "batch nodes: layout on the mesh, {dp, tp, pp} or 'd2p2t2' (tp/pp need engine megatron); "
+                        "none = every device data parallel")
     workers: int = doc(1, "number of worker processes (reward nodes)", ge=1)
     fn: str = doc("", "reward function name (reward nodes), e.g. 'arith'")
     weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",

@@ -14,6 +14,7 @@ from typing import Any
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph
+from areal_flow.training.layout import layout_problems
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,20 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
         problems.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs the train node '{graph.train.name}' to read "
                         "ref_logprobs from an inference node with role ref")
     return problems
+
+
+def check_model(graph: Graph, model_path: str) -> None:
+    """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
+    heads, PP its layers): found before any process starts, not in a trainer rank's log."""
+    from transformers import AutoConfig
+
+    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
+    if layout is None or (layout.tp == 1 and layout.pp == 1):
+        return
+    where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
+    problems = layout_problems(layout, n_devices=None, model=AutoConfig.from_pretrained(model_path), where=where)
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_run(cfg: RunConfig, graph: Graph) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from areal_flow.graph.keys import NODE_KINDS, NOT_IMPLEMENTED_ROLES, ROLES, TEXT, WRITER_ROLE
+from areal_flow.training.layout import Layout, layout_problems, parse_layout
 
 NODE_TYPES = tuple(NODE_KINDS)
 
@@ -36,6 +37,7 @@ class Node:
     mesh: tuple[int, ...] | None
     micro_batch_tokens: int
     engine: str  # batch nodes: the training engine of the node's role
+    layout: Layout | None  # batch nodes: data/tensor/pipeline parallel sizes on the mesh
     workers: int
     fn: str
     weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
@@ -198,6 +200,9 @@ def build_graph(
                         f"but the cluster has {n_devices} (cluster.n_devices)"
                     )
                     mesh = None
+        layout = None
+        if kind is not None and kind.roles and not kind.streaming and mesh is not None:
+            layout = _layout(name, _field(c, "parallel"), len(mesh), problems)
         nodes[name] = Node(
             name=name,
             type=ntype,
@@ -208,6 +213,7 @@ def build_graph(
             mesh=mesh,
             micro_batch_tokens=int(_field(c, "micro_batch_tokens", 8192)),
             engine=_field(c, "engine", "torch"),
+            layout=layout,
             workers=int(_field(c, "workers", 1)),
             fn=_field(c, "fn", ""),
             weights=tuple((k, float(w)) for k, w in dict(_field(c, "weights", {})).items()),
@@ -377,8 +383,22 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
                 )
 
 
-ENGINES = {"torch": None, "megatron": "the megatron engine is being built (tensor and pipeline parallel)"}
+ENGINES = {"torch": None, "megatron": None}
 """Training engines by name -> why one cannot be used yet (None: it can)."""
+
+
+def _layout(name: str, spec: Any, mesh_size: int, problems: list[str]) -> Layout | None:
+    """The batch node's parallel layout (default: all data parallel), checked against its mesh."""
+    where = f"node '{name}' (graph.{name}.parallel)"
+    if spec is None:
+        return Layout(dp=mesh_size)
+    try:
+        layout = parse_layout(spec, where)
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+    problems.extend(layout_problems(layout, n_devices=mesh_size, model=None, where=where))
+    return layout
 
 
 def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
@@ -393,10 +413,18 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
         elif ENGINES[n.engine]:
             problems.append(f"node '{n.name}': engine {n.engine!r} (graph.{n.name}.engine) is not implemented in "
                             f"this version: {ENGINES[n.engine]}")
+        elif n.engine != "megatron" and n.layout is not None and (n.layout.tp > 1 or n.layout.pp > 1):
+            problems.append(f"node '{n.name}': layout {n.layout} (graph.{n.name}.parallel) splits the model, which "
+                            f"engine {n.engine!r} cannot: tensor and pipeline parallel need engine: megatron")
         first = by_role.setdefault(n.role, n)
         if first.engine != n.engine:
             problems.append(f"nodes '{first.name}' and '{n.name}' run role {n.role!r} on different engines "
                             f"({first.engine!r}, {n.engine!r}; graph.{n.name}.engine): a role has one model")
+    batch = [n for n in nodes.values() if n.type in ("inference", "train") and n.layout is not None]
+    for n in batch[1:]:
+        if n.layout != batch[0].layout:
+            problems.append(f"batch nodes '{batch[0].name}' ({batch[0].layout}) and '{n.name}' ({n.layout}) have "
+                            f"different layouts (graph.{n.name}.parallel): the trainer ranks hold one layout")
 
 
 def graph_from_config(cfg: Any) -> Graph:

@@ -73,6 +73,11 @@ class Engine(Protocol):
     order): logprobs, train_step, save, save_weights, export_weights."""
 
     version: int  # the policy version of the current weights (set by the caller, saved and restored)
+    data_leader: bool  # whether this rank speaks for the ranks that train the same data (logs it)
+
+    def data_parallel_batch(self, items: list) -> list:
+        """What this rank trains, from what it was given: the union over the ranks that hold one
+        copy of the model between them (megatron TP/PP), the same list on each; else `items`."""
 
     def logprobs(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
         """Per sequence, float32 logprobs of each output token under log_softmax(logits / T)."""

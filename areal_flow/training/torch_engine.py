@@ -134,6 +134,11 @@ class TorchEngine:
     def rank(self) -> int:
         return 0 if self._group is None else dist.get_rank(self._group)
 
+    data_leader = True  # every rank trains its own data
+
+    def data_parallel_batch(self, items: list) -> list:
+        return items
+
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step will use."""

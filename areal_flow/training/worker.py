@@ -29,7 +29,7 @@ from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import LOSS_MASK_KEY, OptimSpec, accumulate_stats
+from areal_flow.training.engine import LOSS_MASK_KEY, Engine, OptimSpec, accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import endpoint, make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.transport.messages import (
@@ -90,17 +90,7 @@ class ModelWorker:
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
-        group = None
-        if spec.n_trainers > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.dist_port}",
-                                    rank=rank, world_size=spec.n_trainers)
-            group = dist.group.WORLD
-        trained_role = self.graph.train.role
-        self.engines = {
-            role: TorchEngine(spec.model_path, optim=optim_spec(cfg) if role == trained_role else None,
-                              temperature=cfg.algorithm.temperature, process_group=group)
-            for role in self.graph.roles
-        }
+        self.engines = make_engines(cfg, spec, self.graph, rank)
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
         self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
         ctx = zmq.Context()
@@ -154,7 +144,11 @@ class ModelWorker:
         for g, rank in plan.moves.items():
             send_blocking(self.peers[rank], self.held.pop(g))
         self.wait_for(plan.groups, plan.step)
-        samples = sorted((s for g in plan.groups for s in self.held.pop(g).samples), key=lambda s: (s.group_id, s.index))
+        samples = [s for g in plan.groups for s in self.held.pop(g).samples]
+        trained = self.engines[self.graph.train.role]
+        # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
+        # union of what the controller gave each of them; one of them logs it.
+        samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
         stats: dict[str, float] = {}
         for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs, then train
             if node.type == "inference":
@@ -163,16 +157,16 @@ class ModelWorker:
                 stats = self.train(node, samples)
         version = plan.step + 1
         weights = self.spec.path("weights", f"v{version}")
-        trained = self.engines[self.graph.train.role]
         trained.version = version
         trained.save_weights(weights)  # every rank takes part; rank 0 writes
         if self.rank == 0:
             _prune_weights(self.spec.path("weights"), keep=version)
-        self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
-                                           "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
+        if trained.data_leader:
+            self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
+                                               "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
 
-    def engine(self, node: Node) -> TorchEngine:
+    def engine(self, node: Node) -> Engine:
         """The role's model, packing micro-batches under this node's own token budget."""
         engine = self.engines[node.role]
         engine.micro_batch_tokens = node.micro_batch_tokens
@@ -203,6 +197,29 @@ class ModelWorker:
     def save_checkpoint(self, path: str) -> None:
         """The trained role's Hugging Face directory, with its training state beside it."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict[str, Engine]:
+    """One engine per model role on this trainer rank, as the graph's batch nodes name them."""
+    nodes = {n.role: n for n in graph.batch_nodes}
+    layout = graph.batch_nodes[0].layout
+    megatron = any(n.engine == "megatron" for n in nodes.values())
+    # megatron's parallel state needs a process group even for one rank.
+    if spec.n_trainers > 1 or megatron:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.dist_port}",
+                                rank=rank, world_size=spec.n_trainers)
+    engines: dict[str, Engine] = {}
+    for role, node in nodes.items():
+        optim = optim_spec(cfg) if role == graph.train.role else None
+        if node.engine == "megatron":
+            from areal_flow.training.megatron.engine import MegatronEngine  # imports megatron-core (seconds)
+
+            engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
+                                           tp=layout.tp, pp=layout.pp)
+        else:
+            engines[role] = TorchEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
+                                        process_group=dist.group.WORLD if spec.n_trainers > 1 else None)
+    return engines
 
 
 def optim_spec(cfg: RunConfig) -> OptimSpec:

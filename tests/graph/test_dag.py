@@ -3,6 +3,7 @@ import copy
 import pytest
 
 from areal_flow.graph import GraphError, build_graph, place
+from areal_flow.training.layout import Layout
 
 NODES = {
     "generate": {"type": "generate", "role": "actor", "inputs": ["prompt"],
@@ -162,10 +163,32 @@ def test_a_node_that_reads_a_key_its_type_does_not_use_is_refused():
 
 def test_engines_are_named_per_node_one_per_role_and_only_ones_that_exist():
     assert build(NODES).nodes["actor_train"].engine == "torch"  # the default
-    msg = problems_of(broken(actor_prox__engine="megatron", actor_train__engine="megatron"))
-    assert "node 'actor_train': engine 'megatron' (graph.actor_train.engine) is not implemented in this version" in msg
+    g = build(broken(actor_prox__engine="megatron", actor_train__engine="megatron"))
+    assert g.nodes["actor_train"].engine == "megatron"
     msg = problems_of(broken(actor_train__engine="deepspeed"))
     assert "node 'actor_train': unknown engine 'deepspeed' (graph.actor_train.engine); expected one of torch, megatron" in msg
     msg = problems_of(broken(actor_train__engine="megatron"))
     assert ("nodes 'actor_prox' and 'actor_train' run role 'actor' on different engines ('torch', 'megatron'; "
             "graph.actor_train.engine): a role has one model") in msg
+
+
+def test_batch_nodes_take_a_parallel_layout_checked_against_their_mesh_and_engine():
+    wide = dict(generate__mesh="0", actor_prox__mesh="1-4", actor_train__mesh="1-4",
+                actor_prox__engine="megatron", actor_train__engine="megatron")
+    assert build(broken(**wide), n_devices=5).nodes["actor_train"].layout == Layout(dp=4)  # default: all DP
+    g = build(broken(**wide, actor_prox__parallel="d2t2", actor_train__parallel={"dp": 2, "tp": 2}), n_devices=5)
+    assert g.nodes["actor_prox"].layout == g.nodes["actor_train"].layout == Layout(dp=2, tp=2)
+    assert build(NODES).nodes["generate"].layout is None  # generation is not placed by a layout (yet)
+
+    msg = problems_of(broken(**wide, actor_prox__parallel="t2p2d2", actor_train__parallel="t2p2d2"), n_devices=5)
+    assert ("node 'actor_train' (graph.actor_train.parallel): layout d2p2t2 needs dp·tp·pp = 2·2·2 = 8 devices, "
+            "the mesh has 4") in msg
+    msg = problems_of(broken(**wide, actor_prox__parallel="d2t2", actor_train__parallel="d2p2"), n_devices=5)
+    assert ("batch nodes 'actor_prox' (d2p1t2) and 'actor_train' (d2p2t1) have different layouts "
+            "(graph.actor_train.parallel)") in msg
+    msg = problems_of(broken(**wide, actor_prox__parallel="d2x", actor_train__parallel="d2t2"), n_devices=5)
+    assert "node 'actor_prox' (graph.actor_prox.parallel): 'd2x' is not a layout like 'd2p2t2'" in msg
+    torch_tp = dict(wide, actor_prox__engine="torch", actor_train__engine="torch")
+    msg = problems_of(broken(**torch_tp, actor_prox__parallel="d2t2", actor_train__parallel="d2t2"), n_devices=5)
+    assert ("node 'actor_train': layout d2p1t2 (graph.actor_train.parallel) splits the model, which engine 'torch' "
+            "cannot: tensor and pipeline parallel need engine: megatron") in msg

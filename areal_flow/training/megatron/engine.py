@@ -134,6 +134,7 @@ class MegatronEngine:
             self._dp_rank = ps.get_data_parallel_rank()
             self._tp_group = ps.get_tensor_model_parallel_group()
             self._pp_group = ps.get_pipeline_model_parallel_group()
+            self._mp_group = ps.get_model_parallel_group()
             self.config = transformer_config(self.hf_config, tp=tp, pp=pp, bf16=bf16, on_gpu=self.device.type == "cuda")
             self._first, self._last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
             if self.device.type == "cuda":
@@ -166,6 +167,20 @@ class MegatronEngine:
     def dp_rank(self) -> int:
         """This rank's data-parallel index: ranks with the same index must be given the same data."""
         return self._dp_rank
+
+    @property
+    def data_leader(self) -> bool:
+        """The first rank of its model-parallel group (TP rank 0 of the first stage)."""
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+
+    def data_parallel_batch(self, items: list) -> list:
+        """The union of what the ranks of this model-parallel group were given, in rank order:
+        they must train the same sequences. Collective over the group."""
+        if self.layout.tp * self.layout.pp == 1:
+            return items
+        parts: list[list | None] = [None] * (self.layout.tp * self.layout.pp)
+        dist.all_gather_object(parts, items, group=self._mp_group)
+        return [item for part in parts for item in part]
 
     @property
     def lr(self) -> float:
