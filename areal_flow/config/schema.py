@@ -97,8 +97,8 @@ class AlgorithmConfig:
     lr_schedule: str = doc("constant", "LR schedule over optimizer steps: constant | linear | cosine (after warm-up)",
                            choices=("constant", "linear", "cosine"))
     lr_warmup_steps: int = doc(0, "optimizer steps of linear LR warm-up (the first runs at lr/warmup)", ge=0)
-    lr_decay_steps: Optional[int] = doc(None, "optimizer steps at which linear/cosine reach lr_min_ratio·lr; null = total_steps × n_minibatches",
-                                        ge=1)
+    lr_decay_steps: Optional[int] = doc(None, "optimizer steps at which linear/cosine reach lr_min_ratio·lr; "
+                                        "null = total_steps × n_minibatches × ppo_epochs", ge=1)
     lr_min_ratio: float = doc(0.0, "final LR of linear/cosine as a fraction of lr", ge=0, le=1)
     max_nan_steps: int = doc(3, "train steps in a row with a non-finite loss (each skipped, counted) before the run stops", ge=1)
     eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)", gt=0)
@@ -109,6 +109,7 @@ class AlgorithmConfig:
     kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)", ge=0)
     mask_truncated: bool = doc(False, "answers cut at max_new_tokens get no loss (AReaL's mask_no_eos_with_zero); false trains them")
     n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)", ge=1)
+    ppo_epochs: int = doc(1, "passes over each train batch; every pass makes n_minibatches optimizer steps", ge=1)
     temperature: float = doc(1.0, "sampling temperature; trainer logprobs use the same scaling", gt=0)
     max_new_tokens: int = doc(96, "generation budget per sample", ge=1)
     top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)

@@ -71,7 +71,8 @@ def _machine(cfg: RunConfig) -> list[str]:
 
 def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     problems = []
-    dp = len(graph.trainer_mesh)
+    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
+    dp = layout.dp if layout is not None else len(graph.trainer_mesh)  # TP/PP ranks share their data
     most = math.ceil(cfg.algorithm.batch_size / max(dp, 1))
     if cfg.algorithm.n_minibatches > most:
         problems.append(f"algorithm.n_minibatches={cfg.algorithm.n_minibatches} exceeds the {most} prompt group(s) "

@@ -185,11 +185,7 @@ class ModelWorker:
         loss_fn = partial(ppo_loss, algo=algo)
         engine = self.engine(node)
         stats: dict[str, float] = {}
-        groups = sorted({s.group_id for s in samples})
-        for mb_groups in np.array_split(np.array(groups, dtype=np.int64), algo.n_minibatches):
-            # Minibatches hold whole groups, so every advantage's group trains in one update.
-            members = set(mb_groups.tolist())
-            idx = [i for i, s in enumerate(samples) if s.group_id in members]
+        for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
             accumulate_stats(stats, engine.train_step(
                 [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
         return stats
@@ -197,6 +193,15 @@ class ModelWorker:
     def save_checkpoint(self, path: str) -> None:
         """The trained role's Hugging Face directory, with its training state beside it."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:
+    """Sample indices of each optimizer step: `epochs` passes over the batch, each split into
+    `n_minibatches` by whole groups (every group's advantages train in one update), in group order."""
+    groups = sorted(set(group_ids))
+    splits = [set(part.tolist()) for part in np.array_split(np.array(groups, dtype=np.int64), n_minibatches)]
+    one_pass = [[i for i, g in enumerate(group_ids) if g in members] for members in splits]
+    return one_pass * epochs
 
 
 def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict[str, Engine]:
@@ -225,7 +230,7 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
 def optim_spec(cfg: RunConfig) -> OptimSpec:
     """The trained role's optimizer settings; the LR schedule counts optimizer steps."""
     algo = cfg.algorithm
-    decay = algo.lr_decay_steps if algo.lr_decay_steps is not None else cfg.total_steps * algo.n_minibatches
+    decay = algo.lr_decay_steps if algo.lr_decay_steps is not None else cfg.total_steps * algo.n_minibatches * algo.ppo_epochs
     return OptimSpec(lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
                      schedule=algo.lr_schedule, warmup_steps=algo.lr_warmup_steps, decay_steps=decay,
                      min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)

@@ -46,12 +46,18 @@ def _layout_rank(rank, model_dir, tp, pp, out_dir):
         result["ref_logprobs"].append(ref.logprobs(seqs[lo:hi]))
         result["stats"].append(engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn))
     result["weights"] = full_weights(engine)
+    # A non-finite loss: the step is skipped and counted, and changes nothing.
+    seqs, data = next(_steps())
+    lo, hi = _shards(engine.layout.dp, len(seqs))[dp_rank]
+    nan_stats = engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()},
+                                  lambda lp, b, m, n: (lp.sum() * float("nan"), {}))
+    assert nan_stats["skipped_steps"] == 1.0
+    assert_same_weights(full_weights(engine), result["weights"], atol=0)
     # Resume: save, one more step; a fresh engine loaded from the checkpoint takes the same step.
     engine.version = 5
     ckpt = os.path.join(out_dir, "ckpt")
+    result["ckpt_logprobs"] = engine.logprobs(seqs[lo:hi])
     engine.save(ckpt)
-    seqs, data = next(_steps())
-    lo, hi = _shards(engine.layout.dp, len(seqs))[dp_rank]
     shard = (seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
     engine.train_step(*shard)
     resumed = MegatronEngine(ckpt, micro_batch_tokens=MBT, tp=tp, pp=pp, **EXACT)
@@ -102,6 +108,11 @@ def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
     assert_same_weights({k: v for k, v in saved.named_parameters()}, ranks[0]["weights"], atol=0)
     assert saved.config.tie_word_embeddings == tied
+    # ... and transformers computes from it what the engine computed before saving.
+    seqs, _ = next(_steps())
+    for result in ranks:
+        lo, hi = _shards(dp, len(seqs))[result["dp_rank"]]
+        assert_all_close(result["ckpt_logprobs"], reference_logprobs(saved, seqs[lo:hi]), atol=1e-5)
 
 
 def _mismatched_layout_rank(rank, model_dir, ckpt):

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from areal_flow.config.schema import AlgorithmConfig
+from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph import build_graph
 from areal_flow.training.engine import LOSS_MASK_KEY
-from areal_flow.training.worker import ppo_inputs
+from areal_flow.training.worker import minibatches, optim_spec, ppo_inputs
 from areal_flow.transport.messages import Array, Finish, Sample
 
 NODES = {
@@ -67,3 +67,18 @@ def test_truncated_answers_get_a_zero_loss_mask_only_when_asked():
     assert [m.tolist() for m in data[LOSS_MASK_KEY]] == [[True] * 3, [False] * 4]
     _, data = ppo_inputs(samples, graph, graph.nodes["train"], algo())
     assert LOSS_MASK_KEY not in data
+
+
+def test_minibatches_split_by_whole_groups_and_repeat_per_epoch():
+    group_ids = [3, 3, 1, 1, 2, 2, 5, 5]  # as samples arrive, not sorted
+    one = minibatches(group_ids, n_minibatches=2, epochs=1)
+    assert one == [[2, 3, 4, 5], [0, 1, 6, 7]]  # groups {1, 2} then {3, 5}: whole groups, each sample once
+    assert minibatches(group_ids, n_minibatches=2, epochs=3) == one * 3
+    assert minibatches(group_ids, n_minibatches=1, epochs=2) == [list(range(8))] * 2
+    # More minibatches than groups: the extra ones are empty (the engine still joins the collectives).
+    assert minibatches([0, 0], n_minibatches=2, epochs=1) == [[0, 1], []]
+
+
+def test_the_lr_schedule_spans_every_optimizer_step_of_the_run():
+    cfg = RunConfig(total_steps=10, algorithm=algo(n_minibatches=2, ppo_epochs=3, lr_schedule="linear"))
+    assert optim_spec(cfg).decay_steps == 60
