@@ -53,19 +53,32 @@ def _layout_rank(rank, model_dir, tp, pp, out_dir):
                                   lambda lp, b, m, n: (lp.sum() * float("nan"), {}))
     assert nan_stats["skipped_steps"] == 1.0
     assert_same_weights(full_weights(engine), result["weights"], atol=0)
-    # Resume: save, one more step; a fresh engine loaded from the checkpoint takes the same step.
+    # Resume: save, then one more step here; fresh processes load the checkpoint and take the same
+    # step (_resume_rank).
     engine.version = 5
     ckpt = os.path.join(out_dir, "ckpt")
     result["ckpt_logprobs"] = engine.logprobs(seqs[lo:hi])
     engine.save(ckpt)
-    shard = (seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
-    engine.train_step(*shard)
+    engine.train_step(*_resume_shard(engine))
+    result["continued"] = full_weights(engine)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _resume_shard(engine):
+    seqs, data = next(_steps())
+    lo, hi = _shards(engine.layout.dp, len(seqs))[engine.dp_rank]
+    return seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn
+
+
+def _resume_rank(rank, tp, pp, out_dir):
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    ckpt = os.path.join(out_dir, "ckpt")
     resumed = MegatronEngine(ckpt, micro_batch_tokens=MBT, tp=tp, pp=pp, **EXACT)
     resumed.load(ckpt)
     assert resumed.version == 5
-    resumed.train_step(*shard)
-    result["continued"], result["resumed"] = full_weights(engine), full_weights(resumed)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    resumed.train_step(*_resume_shard(resumed))
+    torch.save(full_weights(resumed), os.path.join(out_dir, f"resumed{rank}.pt"))
 
 
 LAYOUTS = {  # name: (tp, pp, world, tied embeddings)
@@ -81,7 +94,9 @@ def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
     tp, pp, world, tied = LAYOUTS[name]
     model_dir = save_tiny_qwen2(tmp_path / "model", tie_word_embeddings=tied)
     run_ranks(_layout_rank, world, model_dir, tp, pp, str(tmp_path), timeout=240)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    run_ranks(_resume_rank, world, tp, pp, str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) | {"resumed": torch.load(tmp_path / f"resumed{r}.pt")}
+             for r in range(world)]
     dp = world // (tp * pp)
 
     torch_engine = TorchEngine(model_dir, micro_batch_tokens=MBT, **EXACT)
