@@ -92,7 +92,7 @@ class AlgorithmConfig:
     batch_size: int = doc(8, "prompt groups per train step (B)", ge=1)
     lr: float = doc(1e-4, "actor learning rate (AdamW)", gt=0)
     betas: List[float] = doc(help="AdamW betas", factory=lambda: [0.9, 0.999])
-    weight_decay: float = doc(0.0, "AdamW weight decay", ge=0)
+    weight_decay: float = doc(0.0, "AdamW weight decay, on weight matrices only (not biases or norms)", ge=0)
     grad_clip: float = doc(1.0, "gradient norm clip; 0 turns it off", ge=0)
     lr_schedule: str = doc("constant", "LR schedule over optimizer steps: constant | linear | cosine (after warm-up)",
                            choices=("constant", "linear", "cosine"))

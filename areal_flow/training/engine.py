@@ -51,7 +51,7 @@ class OptimSpec:
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW's decoupled decay, on weight matrices only (not biases or norms)
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping (the norm is still reported)
     schedule: str = "constant"  # constant | linear | cosine (training/schedule.py)
     warmup_steps: int = 0
@@ -104,6 +104,12 @@ def check_engine_args(micro_batch_tokens: int, temperature: float) -> None:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies: to weight matrices and embeddings, not to biases and norm
+    scales (megatron's rule, and the field's convention)."""
+    return param.ndim > 1 and not name.endswith(".bias")
 
 
 def non_finite_step(in_a_row: int, max_nan_steps: int) -> int:

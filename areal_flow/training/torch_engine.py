@@ -46,6 +46,7 @@ from areal_flow.training.engine import (
     atomic_write_dir,
     bucketed,
     check_engine_args,
+    decays,
     check_hf_checkpoint,
     global_counts,
     loss_masks,
@@ -120,8 +121,11 @@ class TorchEngine:
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if optim is not None:
-            self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
-                                                betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": optim.weight_decay},
+                      {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+            self._optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
+                                                betas=tuple(optim.betas), eps=optim.eps)
             self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, functools.partial(
                 lr_factor, schedule=optim.schedule, warmup_steps=optim.warmup_steps,
                 decay_steps=optim.decay_steps, min_ratio=optim.min_lr_ratio))

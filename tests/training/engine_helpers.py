@@ -130,3 +130,16 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> None:
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [0] * world
+
+
+def zero_loss(logprobs, batch, mask, n_valid_tokens):
+    """A loss with zero gradient everywhere: a step then only applies weight decay."""
+    return logprobs.sum() * 0.0, {}
+
+
+def assert_decayed_matrices_only(before, after, lr, weight_decay):
+    """After a zero-gradient AdamW step: weight matrices shrank by lr·wd, biases and norms did not."""
+    for name, b in before.items():
+        factor = 1 - lr * weight_decay if b.ndim > 1 and not name.endswith(".bias") else 1.0
+        torch.testing.assert_close(after[name], b * factor, atol=1e-7, rtol=0, msg=name)
+    assert any(n.endswith(".bias") for n in before) and any(b.ndim == 1 for b in before.values())

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from engine_helpers import (EXACT, full_weights, make_seqs, make_token_data, neg_mean_logprob, ppo_loss_fn,
-                            save_tiny_qwen2)
+from engine_helpers import (EXACT, assert_decayed_matrices_only, full_weights, make_seqs, make_token_data,
+                            neg_mean_logprob, ppo_loss_fn, save_tiny_qwen2, zero_loss)
 from safetensors.torch import load_file, save_file
 
 from areal_flow.training.engine import TRAIN_STATE, CheckpointError, NonFiniteLoss, OptimSpec
@@ -25,6 +25,14 @@ def model_dir(tmp_path_factory) -> str:
 
 
 # ---------------------------------------------------------------- LR schedules
+
+
+def test_weight_decay_shrinks_weight_matrices_but_not_biases_or_norms(model_dir):
+    engine = TorchEngine(model_dir, optim=OptimSpec(lr=0.1, weight_decay=0.5))
+    before = full_weights(engine)
+    seqs = make_seqs(0, 4)
+    engine.train_step(seqs, {}, zero_loss)
+    assert_decayed_matrices_only(before, full_weights(engine), lr=0.1, weight_decay=0.5)
 
 
 def test_warmup_then_linear_and_cosine_decay_to_the_floor():

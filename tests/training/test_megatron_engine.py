@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 import transformers
-from engine_helpers import (EXACT, assert_all_close, assert_same_weights, full_weights, make_seqs, make_token_data,
-                            ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2)
+from engine_helpers import (EXACT, assert_all_close, assert_decayed_matrices_only, assert_same_weights, full_weights,
+                            make_seqs, make_token_data, ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2,
+                            zero_loss)
 
 from areal_flow.training.engine import TRAIN_STATE, CheckpointError
 from areal_flow.training.layout import Layout, layout_problems, parse_layout
@@ -147,6 +148,20 @@ def _mismatched_layout_rank(rank, model_dir, ckpt):
 
 def test_training_state_of_another_layout_is_refused_naming_both(tmp_path):
     run_ranks(_mismatched_layout_rank, 1, save_tiny_qwen2(tmp_path / "model"), str(tmp_path / "ckpt"))
+
+
+def _weight_decay_rank(rank, model_dir):
+    from areal_flow.training.engine import OptimSpec
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, optim=OptimSpec(lr=0.1, weight_decay=0.5), tp=2)
+    before = full_weights(engine)
+    engine.train_step(make_seqs(0, 4), {}, zero_loss)
+    assert_decayed_matrices_only(before, full_weights(engine), lr=0.1, weight_decay=0.5)
+
+
+def test_weight_decay_follows_the_same_rule_as_the_torch_engine(tmp_path):
+    run_ranks(_weight_decay_rank, 2, save_tiny_qwen2(tmp_path / "model"))
 
 
 # ---------------------------------------------------------------- conversion

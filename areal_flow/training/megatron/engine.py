@@ -354,6 +354,9 @@ class MegatronEngine:
                         p.grad.mul_(coeff)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
+            # megatron marks biases and norm scales with wd_mult 0 (the same rule as `decays`);
+            # its own scheduler, which applies the mark, is not used here.
+            group["weight_decay"] = self.optim.weight_decay * group.get("wd_mult", 1.0)
         self._optimizer.step_with_ready_grads()
         self._step += 1
         return norm, False
