@@ -186,6 +186,48 @@ def agreed_micro_batches(lengths: list[int], budget: int, group: dist.ProcessGro
         groups = ffd_allocate(lengths, budget, min_groups=most)
 
 
+@dataclass(frozen=True)
+class PackedRow:
+    """Sequences concatenated in one row without padding (every engine's micro-batch)."""
+
+    ids: np.ndarray  # [T] prompt + output tokens of every sequence
+    cu_seqlens: np.ndarray  # [n + 1] where each sequence starts, then the total
+    keep: np.ndarray  # [K] positions whose logits predict an output token
+    targets: np.ndarray  # [K] those output tokens
+    n_out: list[int]  # output tokens per sequence (to split the K logprobs back)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Positions restarting at 0 for each sequence."""
+        starts = np.repeat(self.cu_seqlens[:-1], np.diff(self.cu_seqlens))
+        return np.arange(len(self.ids)) - starts
+
+
+def pack_row(seqs: Sequence[Seq]) -> PackedRow:
+    ids, keep, targets, n_out, cu = [], [], [], [], [0]
+    for prompt, output in seqs:
+        prompt = np.asarray(prompt, dtype=np.int64)
+        output = np.asarray(output, dtype=np.int64)
+        if len(prompt) == 0:
+            raise ValueError("every sequence needs at least one prompt token to predict its first output")
+        ids.append(np.concatenate([prompt, output]))
+        # The logits at position t predict token t + 1: output token j is predicted at P - 1 + j.
+        keep.append(cu[-1] + len(prompt) - 1 + np.arange(len(output)))
+        targets.append(output)
+        n_out.append(len(output))
+        cu.append(cu[-1] + len(prompt) + len(output))
+    return PackedRow(np.concatenate(ids), np.array(cu, dtype=np.int64), np.concatenate(keep),
+                     np.concatenate(targets), n_out)
+
+
+def micro_batch_data(group: list[int], token_data: dict[str, list[np.ndarray]], masks: list[np.ndarray],
+                     device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The loss function's per-token inputs and mask for the sequences `group`, packed in order."""
+    batch = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(device)
+             for k, v in token_data.items() if k != LOSS_MASK_KEY}
+    return batch, torch.from_numpy(np.concatenate([masks[i] for i in group])).to(device)
+
+
 def loss_masks(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
     """Checks token_data against the output lengths; returns the per-sequence bool masks."""
     for key, arrays in token_data.items():

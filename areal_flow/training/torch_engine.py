@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from areal_flow.training.engine import (
-    LOSS_MASK_KEY,
     TRAIN_STATE,
     LossFn,
     OptimSpec,
@@ -51,7 +50,9 @@ from areal_flow.training.engine import (
     global_counts,
     loss_masks,
     merge_stats,
+    micro_batch_data,
     non_finite_step,
+    pack_row,
     read_train_state,
     require_config,
     seq_lengths,
@@ -165,27 +166,13 @@ class TorchEngine:
 
     def _packed_logprobs(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)]."""
-        ids, positions, keep, targets, n_out = [], [], [], [], []
-        offset = 0
-        for prompt, output in seqs:
-            prompt = np.asarray(prompt, dtype=np.int64)
-            output = np.asarray(output, dtype=np.int64)
-            if len(prompt) == 0:
-                raise ValueError("every sequence needs at least one prompt token to predict its first output")
-            n = len(prompt) + len(output)
-            ids.append(np.concatenate([prompt, output]))
-            positions.append(np.arange(n))
-            # The logits at position t predict token t + 1: output token j is predicted at P - 1 + j.
-            keep.append(offset + len(prompt) - 1 + np.arange(len(output)))
-            targets.append(output)
-            n_out.append(len(output))
-            offset += n
-        logits = self._forward(np.concatenate(ids), np.concatenate(positions), np.concatenate(keep))
+        row = pack_row(seqs)
+        logits = self._forward(row.ids, row.positions, row.keep)
         logits = logits.float() / self.temperature
-        target = torch.from_numpy(np.concatenate(targets)).to(self.device)
+        target = torch.from_numpy(row.targets).to(self.device)
         # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
         lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        return list(torch.split(lp, n_out))
+        return list(torch.split(lp, row.n_out))
 
     def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> torch.Tensor:
         """Logits [len(keep), vocab] of one packed row (all positions when keep is None)."""
@@ -246,9 +233,7 @@ class TorchEngine:
                 self._idle_pass(backward=True)
                 continue
             logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
-            batch = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(self.device)
-                     for k, v in token_data.items() if k != LOSS_MASK_KEY}
-            mask = torch.from_numpy(np.concatenate([masks[i] for i in group])).to(self.device)
+            batch, mask = micro_batch_data(group, token_data, masks, self.device)
             # Clamped so that a step without valid tokens gives loss 0, not 0/0.
             loss, stats = loss_fn(logp, batch, mask, max(n_valid_global, 1.0))
             loss.backward()

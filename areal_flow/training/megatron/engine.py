@@ -46,7 +46,6 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.training.engine import (
-    LOSS_MASK_KEY,
     TRAIN_STATE,
     CheckpointError,
     LossFn,
@@ -61,7 +60,9 @@ from areal_flow.training.engine import (
     global_counts,
     loss_masks,
     merge_stats,
+    micro_batch_data,
     non_finite_step,
+    pack_row,
     read_train_state,
     seq_lengths,
 )
@@ -203,20 +204,17 @@ class MegatronEngine:
 
     def _load_weights(self, model: torch.nn.Module, path: str) -> None:
         """Copy this rank's shard of every parameter from the Hugging Face files at `path`."""
-        files = {}
-        for fname in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
-            with safe_open(os.path.join(path, fname), framework="pt") as f:
-                files.update({key: fname for key in f.keys()})
         tp, tp_rank = self.layout.tp, ps.get_tensor_model_parallel_rank()
         tied = bool(self.hf_config.tie_word_embeddings)
-        with torch.no_grad():
-            for name, (hf_names, kind, param) in self._rules.items():
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            files = {}  # Hugging Face name -> its open file, each file opened once
+            for fname in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+                f = stack.enter_context(safe_open(os.path.join(path, fname), framework="pt"))
+                files.update({key: f for key in f.keys()})
+            for hf_names, kind, param in self._rules.values():
                 if tied and hf_names == ("lm_head.weight",):
                     hf_names = ("model.embed_tokens.weight",)  # the last stage's copy of the tied embedding
-                parts = []
-                for hf in hf_names:
-                    with safe_open(os.path.join(path, files[hf]), framework="pt") as f:
-                        parts.append(f.get_tensor(hf).float())
+                parts = [files[hf].get_tensor(hf).float() for hf in hf_names]
                 param.copy_(convert.to_megatron(kind, parts, tp, tp_rank, self.heads))
 
     # ------------------------------------------------------------------ forward
@@ -244,27 +242,14 @@ class MegatronEngine:
         check_budget(lengths, self.micro_batch_tokens)
         batches = []
         for group in ffd_allocate(lengths, self.micro_batch_tokens):
-            if not group:
-                continue
-            ids, keep, targets, n_out, cu = [], [], [], [], [0]
-            for i in group:
-                prompt, output = (np.asarray(a, dtype=np.int64) for a in seqs[i])
-                if len(prompt) == 0:
-                    raise ValueError("every sequence needs at least one prompt token to predict its first output")
-                ids.append(np.concatenate([prompt, output]))
-                keep.append(cu[-1] + len(prompt) - 1 + np.arange(len(output)))  # logits at t predict t + 1
-                targets.append(output)
-                n_out.append(len(output))
-                cu.append(cu[-1] + len(prompt) + len(output))
-            mb = {"index": group, "n_out": n_out, "ids": torch.from_numpy(np.concatenate(ids)).to(self.device),
-                  "cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=self.device),
-                  "max_len": max(lengths[i] for i in group),
-                  "keep": torch.from_numpy(np.concatenate(keep)).to(self.device),
-                  "targets": torch.from_numpy(np.concatenate(targets)).to(self.device)}
+            row = pack_row([seqs[i] for i in group])
+            as_tensor = partial(torch.as_tensor, device=self.device)
+            mb = {"index": group, "n_out": row.n_out, "ids": as_tensor(row.ids),
+                  "cu_seqlens": as_tensor(row.cu_seqlens, dtype=torch.int32),
+                  "max_len": max(lengths[i] for i in group), "keep": as_tensor(row.keep),
+                  "targets": as_tensor(row.targets)}
             if token_data is not None:
-                mb["batch"] = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(self.device)
-                               for k, v in token_data.items() if k != LOSS_MASK_KEY}
-                mb["mask"] = torch.from_numpy(np.concatenate([masks[i] for i in group])).to(self.device)
+                mb["batch"], mb["mask"] = micro_batch_data(group, token_data, masks, self.device)
             batches.append(mb)
         return batches
 
