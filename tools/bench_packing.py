@@ -5,15 +5,18 @@ Qwen2, each variant in its own process (for its own peak memory), median of --re
 
 - padded: Hugging Face forward/backward on padded rows of --pad-rows sequences (attention mask),
   as a trainer without packing runs it; its speed counts every padded position;
-- packed: the torch engine, sequences packed without padding under --micro-batch-tokens;
+- packed, one row: the torch engine, each micro-batch of --micro-batch-tokens one packed row;
+- packed, rows: the torch engine as the tiny_arith recipe runs it, micro-batches of
+  --rows-micro-batch-tokens split into packed rows of --row-tokens, one call each;
 - megatron TP=1 and TP=2: the megatron engine on the same packed micro-batches (TP=2: two gloo
   processes, one core each).
 
 Speeds are REAL (non-padding) tokens per second unless they say padded. The packing target: packed
-real tokens/s >= 0.9 x the padded run's padded tokens/s (padding then costs what it would save).
+(rows) real tokens/s >= 0.9 x the padded run's padded tokens/s (padding then costs what it would save).
 Peak memory is the largest resident-set growth during the step over the process's size before it.
 
-    python tools/bench_packing.py [--repeats 5] [--micro-batch-tokens 256] [--pad-rows 8]
+    python tools/bench_packing.py [--repeats 5] [--micro-batch-tokens 256] [--rows-micro-batch-tokens 4096]
+                                  [--row-tokens 128] [--pad-rows 8]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import statistics
 import tempfile
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -36,6 +40,9 @@ from rich.table import Table
 
 from _bench import machine
 from areal_flow.training.engine import OptimSpec
+
+
+ONE_ROW, ROWS = "packed: torch engine, one row per micro-batch", "packed: torch engine, rows per call"
 
 
 def loss_fn(lp, b, mask, n):
@@ -115,16 +122,19 @@ def padded_step(model_dir: str, seqs, pad_rows: int):
 
 
 def _variant(rank: int, world: int, port: int, name: str, model_dir: str, seqs, args, out: dict) -> None:
+    warnings.filterwarnings("ignore", module="megatron")  # "Apex is not installed" and the like
     torch.set_num_threads(1)  # as a trainer process: one pinned core
     data = {"advantages": [np.ones(len(o), np.float32) for _, o in seqs]}
     optim = OptimSpec(lr=1e-4)
     padded_tokens = None
     if name == "padded":
         step, padded_tokens = padded_step(model_dir, seqs, args.pad_rows)
-    elif name == "packed (torch engine)":
+    elif name.startswith("packed"):
         from areal_flow.training.torch_engine import TorchEngine
 
-        engine = TorchEngine(model_dir, optim=optim, micro_batch_tokens=args.micro_batch_tokens)
+        rows = name == ROWS
+        engine = TorchEngine(model_dir, optim=optim, row_tokens=args.row_tokens if rows else None,
+                             micro_batch_tokens=args.rows_micro_batch_tokens if rows else args.micro_batch_tokens)
         step = lambda: engine.train_step(seqs, data, loss_fn)  # noqa: E731
     else:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -144,6 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--micro-batch-tokens", type=int, default=256)
+    ap.add_argument("--rows-micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--row-tokens", type=int, default=128)
     ap.add_argument("--pad-rows", type=int, default=8)
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "areal_flow_bench_cache"))
     args = ap.parse_args()
@@ -155,7 +167,7 @@ def main() -> None:
     real = sum(len(p) + len(o) for p, o in seqs)
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
-    variants = [("padded", 1), ("packed (torch engine)", 1), ("megatron TP=1", 1), ("megatron TP=2", 2)]
+    variants = [("padded", 1), (ONE_ROW, 1), (ROWS, 1), ("megatron TP=1", 1), ("megatron TP=2", 2)]
     console = Console()
     with console.status("measuring") as status:
         for name, world in variants:
@@ -181,15 +193,16 @@ def main() -> None:
         table.add_row(name, f"{seconds:.3f}", f"{real / seconds:,.0f}", f"{pad_seconds / seconds:.2f}×", f"{peak:.0f}")
     console.print(f"machine: {machine()}")
     console.print(f"command: python tools/bench_packing.py --repeats {args.repeats} "
-                  f"--micro-batch-tokens {args.micro_batch_tokens} --pad-rows {args.pad_rows}")
+                  f"--micro-batch-tokens {args.micro_batch_tokens} --rows-micro-batch-tokens "
+                  f"{args.rows_micro_batch_tokens} --row-tokens {args.row_tokens} --pad-rows {args.pad_rows}")
     console.print(table)
-    packed = real / results["packed (torch engine)"][0]
+    packed = real / results[ROWS][0]
     target = 0.9 * padded_tokens / pad_seconds
     console.print(f"packing target: packed {packed:,.0f} real tokens/s vs 0.9 × padded {padded_tokens / pad_seconds:,.0f} "
                   f"padded tokens/s = {target:,.0f}: ratio {packed / target:.2f} ({'met' if packed >= target else 'NOT met'})")
     tp1, tp2 = results["megatron TP=1"][0], results["megatron TP=2"][0]
     console.print(f"megatron TP=2 vs TP=1 (two cores vs one): {tp1 / tp2:.2f}×; "
-                  f"megatron TP=1 vs torch engine: {results['packed (torch engine)'][0] / tp1:.2f}×")
+                  f"megatron TP=1 vs torch engine, same packing: {results[ONE_ROW][0] / tp1:.2f}×")
 
 
 def _free_port() -> int:

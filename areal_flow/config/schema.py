@@ -48,6 +48,8 @@ class NodeConfig:
                                factory=dict)
     mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward/combine")
     micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)", ge=1)
+    row_tokens: Optional[int] = doc(None, "batch nodes, torch engine: split each micro-batch into packed rows of at most "
+                                    "this many tokens, run as one call (fast on CPU); none = one row", ge=1)
     engine: str = doc("torch", "batch nodes: the engine of the node's role; torch = PyTorch with FSDP2 data parallel, "
                       "megatron = megatron-core tensor/pipeline/data parallel", choices=("torch", "megatron"))
     parallel: Any = doc(None, "batch nodes: layout on the mesh, {dp, tp, pp} or 'd2p2t2' (tp/pp need engine megatron); "

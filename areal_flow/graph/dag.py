@@ -36,6 +36,7 @@ class Node:
     keys: tuple[tuple[str, str], ...]  # (well-known key, the name this node writes it under)
     mesh: tuple[int, ...] | None
     micro_batch_tokens: int
+    row_tokens: int | None  # batch nodes, torch engine: packed rows per micro-batch call
     engine: str  # batch nodes: the training engine of the node's role
     layout: Layout | None  # batch nodes: data/tensor/pipeline parallel sizes on the mesh
     workers: int
@@ -212,6 +213,7 @@ def build_graph(
             keys=tuple(dict(_field(c, "keys", {})).items()),
             mesh=mesh,
             micro_batch_tokens=int(_field(c, "micro_batch_tokens", 8192)),
+            row_tokens=None if _field(c, "row_tokens") is None else int(_field(c, "row_tokens")),
             engine=_field(c, "engine", "torch"),
             layout=layout,
             workers=int(_field(c, "workers", 1)),
@@ -416,6 +418,9 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
         elif n.engine != "megatron" and n.layout is not None and (n.layout.tp > 1 or n.layout.pp > 1):
             problems.append(f"node '{n.name}': layout {n.layout} (graph.{n.name}.parallel) splits the model, which "
                             f"engine {n.engine!r} cannot: tensor and pipeline parallel need engine: megatron")
+        elif n.engine == "megatron" and n.row_tokens is not None:
+            problems.append(f"node '{n.name}': row_tokens={n.row_tokens} (graph.{n.name}.row_tokens) is for engine "
+                            "'torch'; the megatron engine packs each micro-batch as one THD row")
         first = by_role.setdefault(n.role, n)
         if first.engine != n.engine:
             problems.append(f"nodes '{first.name}' and '{n.name}' run role {n.role!r} on different engines "

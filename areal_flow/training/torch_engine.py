@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.training.engine import (
     TRAIN_STATE,
     LossFn,
@@ -81,6 +82,7 @@ class TorchEngine:
         *,
         optim: OptimSpec | None = None,
         micro_batch_tokens: int = 4096,
+        row_tokens: int | None = None,
         temperature: float = 1.0,
         process_group: dist.ProcessGroup | None = None,
         device: str = "cpu",
@@ -88,7 +90,9 @@ class TorchEngine:
         activation_checkpointing: bool = False,
         attention: str = "sdpa",
     ) -> None:
-        """`optim` None makes a frozen role (ref): logprobs only. `bf16` computes in bfloat16 with
+        """`optim` None makes a frozen role (ref): logprobs only. `row_tokens` splits each
+        micro-batch into rows of at most that many tokens, run as one [rows, length] call (None: one
+        row per micro-batch; see `_packed_logprobs`). `bf16` computes in bfloat16 with
         fp32 master weights and fp32 gradient reduction (GPU); `activation_checkpointing` recomputes
         each decoder layer's activations in backward instead of keeping them (GPU memory);
         `attention` is the transformers attention implementation: sdpa (tested everywhere), or
@@ -108,6 +112,7 @@ class TorchEngine:
                 raise ValueError("activation_checkpointing needs attention_dropout 0 (it runs the layers in train mode)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.micro_batch_tokens = micro_batch_tokens
+        self.row_tokens = row_tokens
         self.temperature = temperature
         self.device = torch.device(device)
         self.bf16 = bf16
@@ -165,17 +170,44 @@ class TorchEngine:
         return out
 
     def _packed_logprobs(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)]."""
-        row = pack_row(seqs)
-        logits = self._forward(row.ids, row.positions, row.keep)
+        """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)].
+
+        Without `row_tokens` the sequences are one row. With it they are packed first-fit-decreasing
+        into rows of at most `row_tokens` (a longer sequence gets a row of its own), stacked into one
+        [rows, length] call. A shorter row is filled at its end with a dummy sequence: attention is
+        causal, so no real token sees it, and its positions restart at 0, so transformers' packed
+        detection keeps it a sequence of its own; no padding mask is needed. Why rows: with a dense
+        block-diagonal mask (sdpa on CPU) attention costs the square of the row length, and each
+        call has a fixed cost, so several short rows per call beat one long row or many calls
+        (docs/benchmarks.md). On GPU, flash-attention varlen makes one long row the fast path.
+        """
+        lengths = seq_lengths(seqs)
+        rows = ffd_allocate(lengths, self.row_tokens) if self.row_tokens and sum(lengths) > self.row_tokens else \
+            [list(range(len(seqs)))]
+        packed = [pack_row([seqs[i] for i in row]) for row in rows]
+        width = max(len(r.ids) for r in packed)
+        ids = np.zeros((len(rows), width), np.int64)
+        positions = np.zeros((len(rows), width), np.int64)
+        for r, row in enumerate(packed):
+            n = len(row.ids)
+            ids[r, :n] = row.ids
+            positions[r, :n] = row.positions
+            positions[r, n:] = np.arange(width - n)  # the dummy sequence
+        # Logits only at the columns some row needs: transformers' logits_to_keep picks columns.
+        keep_rows = np.concatenate([np.full(len(r.keep), i) for i, r in enumerate(packed)])
+        keep_cols = np.concatenate([r.keep for r in packed])
+        columns = np.unique(keep_cols)
+        logits = self._forward(ids, positions, columns)
+        logits = logits[torch.from_numpy(keep_rows), torch.from_numpy(np.searchsorted(columns, keep_cols))]
         logits = logits.float() / self.temperature
-        target = torch.from_numpy(row.targets).to(self.device)
+        target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
         # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
         lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        return list(torch.split(lp, row.n_out))
+        by_seq = dict(zip((i for row in rows for i in row), torch.split(lp, [n for r in packed for n in r.n_out])))
+        return [by_seq[i] for i in range(len(seqs))]
 
     def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> torch.Tensor:
-        """Logits [len(keep), vocab] of one packed row (all positions when keep is None)."""
+        """Logits [rows, len(keep), vocab] of packed rows [rows, length] (all columns when keep is None)."""
         as_tensor = functools.partial(torch.as_tensor, device=self.device)
         # Activation checkpointing in transformers works in train mode only (no dropout here).
         self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
@@ -183,18 +215,18 @@ class TorchEngine:
         autocast = self.bf16 and self._group is None
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             return self._model(
-                input_ids=as_tensor(ids)[None],
-                position_ids=as_tensor(positions)[None],
+                input_ids=as_tensor(ids),
+                position_ids=as_tensor(positions),
                 use_cache=False,  # a cache would also switch off the packed-sequence detection
                 logits_to_keep=0 if keep is None else as_tensor(keep),  # lm_head only where needed
-            ).logits[0]
+            ).logits
 
     def _idle_pass(self, backward: bool) -> None:
         """A one-token pass with no effect, on a rank with fewer sequences than the agreed number of
         micro-batches: under FSDP every forward and backward runs collectives all ranks must join."""
         if self._group is None:
             return
-        logits = self._forward(np.zeros(1, np.int64), np.zeros(1, np.int64), None)
+        logits = self._forward(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), None)
         if backward:
             (logits.float().sum() * 0.0).backward()
 

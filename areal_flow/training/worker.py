@@ -167,9 +167,11 @@ class ModelWorker:
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
 
     def engine(self, node: Node) -> Engine:
-        """The role's model, packing micro-batches under this node's own token budget."""
+        """The role's model, packing micro-batches under this node's own token budgets."""
         engine = self.engines[node.role]
         engine.micro_batch_tokens = node.micro_batch_tokens
+        if node.engine == "torch":  # the megatron engine packs one THD row (the graph refuses row_tokens)
+            engine.row_tokens = node.row_tokens
         return engine
 
     def infer(self, node: Node, samples: list[Sample]) -> None:

@@ -172,6 +172,14 @@ def test_engines_are_named_per_node_one_per_role_and_only_ones_that_exist():
             "graph.actor_train.engine): a role has one model") in msg
 
 
+def test_packed_rows_per_call_are_a_torch_engine_setting():
+    assert build(NODES).nodes["actor_train"].row_tokens is None  # the default: one row per micro-batch
+    assert build(broken(actor_train__row_tokens=128)).nodes["actor_train"].row_tokens == 128
+    msg = problems_of(broken(actor_prox__engine="megatron", actor_train__engine="megatron", actor_train__row_tokens=128))
+    assert ("node 'actor_train': row_tokens=128 (graph.actor_train.row_tokens) is for engine 'torch'; the megatron "
+            "engine packs each micro-batch as one THD row") in msg
+
+
 def test_batch_nodes_take_a_parallel_layout_checked_against_their_mesh_and_engine():
     wide = dict(generate__mesh="0", actor_prox__mesh="1-4", actor_train__mesh="1-4",
                 actor_prox__engine="megatron", actor_train__engine="megatron")

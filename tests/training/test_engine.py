@@ -46,6 +46,30 @@ def test_packed_logprobs_equal_unpacked(model_dir):
     assert np.abs(leaky_lp - packed[1]).max() > 1e-3
 
 
+def test_packed_rows_in_one_call_give_the_logprobs_and_update_of_one_row(model_dir):
+    seqs = make_seqs(4, 12) + [(np.arange(9) % 18, np.arange(14) % 18)]  # the last is longer than a row
+    data = make_token_data(seqs, 4)
+    one_row = TorchEngine(model_dir, micro_batch_tokens=10_000, **EXACT)
+    rows = TorchEngine(model_dir, micro_batch_tokens=10_000, row_tokens=16, **EXACT)
+    shapes = []
+    rows.model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                         with_kwargs=True)
+    got = rows.logprobs(seqs)
+    lengths = [len(p) + len(o) for p, o in seqs]
+    expected_rows = ffd_allocate(lengths, 16)
+    # One call of several rows; the long sequence has a row of its own, which sets the width, and
+    # every shorter row ends in a dummy sequence.
+    assert shapes == [(len(expected_rows), 23)] and len(expected_rows) > 3
+    assert_all_close(got, one_row.logprobs(seqs), atol=1e-5)
+    assert_all_close(got, reference_logprobs(one_row.model, seqs), atol=1e-5)
+
+    s_one, s_rows = one_row.train_step(seqs, data, ppo_loss_fn), rows.train_step(seqs, data, ppo_loss_fn)
+    assert s_rows["n_micro_batches"] == s_one["n_micro_batches"] == 1
+    for key in ("loss", "grad_norm", "clipped_tokens", "capped_tokens"):
+        assert s_rows[key] == pytest.approx(s_one[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(full_weights(rows), full_weights(one_row))
+
+
 def test_train_step_lowers_the_loss_and_reports_counts(model_dir):
     engine = TorchEngine(model_dir, optim=OptimSpec(lr=1e-2), micro_batch_tokens=30)
     seqs = make_seqs(2, 8)
@@ -92,10 +116,11 @@ def test_token_data_that_does_not_match_the_outputs_is_rejected(model_dir):
 
 # ---------------------------------------------------------------- data parallel
 
-# (name, micro_batch_tokens, steps); each step is (seed, number of sequences on rank 0, on rank 1).
+# (name, micro_batch_tokens, row_tokens, steps); each step is (seed, sequences on rank 0, on rank 1).
 DP_SCENARIOS = [
-    ("uneven_micro_batches", 24, [(10, 3, 5), (11, 4, 4)]),
-    ("empty_rank", 24, [(12, 6, 0)]),
+    ("uneven_micro_batches", 24, None, [(10, 3, 5), (11, 4, 4)]),
+    ("empty_rank", 24, None, [(12, 6, 0)]),
+    ("rows_per_call", 40, 14, [(13, 5, 3)]),
 ]
 
 
@@ -107,8 +132,9 @@ def _dp_step_data(seed, n0, n1):
 
 
 def _dp_rank(rank, model_dir, out_dir):
-    for name, mbt, steps in DP_SCENARIOS:
-        engine = TorchEngine(model_dir, micro_batch_tokens=mbt, process_group=dist.group.WORLD, **EXACT)
+    for name, mbt, rows, steps in DP_SCENARIOS:
+        engine = TorchEngine(model_dir, micro_batch_tokens=mbt, row_tokens=rows, process_group=dist.group.WORLD,
+                             **EXACT)
         layer = engine.model.model.layers[0].mlp.up_proj.weight
         assert layer.to_local().numel() == layer.numel() // 2  # FSDP2 really shards the parameters
         result = {"stats": [], "logprobs": []}
@@ -126,7 +152,7 @@ def _dp_rank(rank, model_dir, out_dir):
         lo, hi = shards[rank]
         shard = (seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
         engine.train_step(*shard)
-        resumed = TorchEngine(ckpt, micro_batch_tokens=mbt, process_group=dist.group.WORLD, **EXACT)
+        resumed = TorchEngine(ckpt, micro_batch_tokens=mbt, row_tokens=rows, process_group=dist.group.WORLD, **EXACT)
         resumed.load(ckpt)
         assert resumed.version == 7
         resumed.train_step(*shard)
@@ -137,8 +163,8 @@ def _dp_rank(rank, model_dir, out_dir):
 def test_two_fsdp2_ranks_update_exactly_like_one_process_on_the_whole_batch(model_dir, tmp_path):
     run_ranks(_dp_rank, 2, model_dir, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for name, mbt, steps in DP_SCENARIOS:
-        single = TorchEngine(model_dir, micro_batch_tokens=mbt, **EXACT)
+    for name, mbt, _, steps in DP_SCENARIOS:
+        single = TorchEngine(model_dir, micro_batch_tokens=mbt, **EXACT)  # one row per micro-batch
         ranks = [torch.load(tmp_path / f"{name}_{r}.pt", weights_only=False) for r in range(2)]
         natural_counts = []
         for step, (seed, n0, n1) in enumerate(steps):
