@@ -3,11 +3,19 @@
 Requests queue up; at every decode step the thread admits waiting requests into the running batch
 (their prompts are prefilled and their KV cache is left-padded to the batch's width), samples one
 token per row, drops rows that finished, and runs one forward for the rest. Every token is tagged
-with the weight version that produced it. A weight update is applied only when no batch is running:
-new requests wait while the running batch drains, so the KV cache of old weights is never reused.
+with the weight version that produced it.
 
-This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of it, and a later
-interruptible engine can replace it behind the same `submit` / `update_weights_from_disk` calls.
+Interruption, between two decode steps (SGLang's semantics, the ones AReaL's client relies on):
+- `abort(rid)` / `abort(None)` answers the matching requests at once with their tokens so far and
+  finish reason "abort"; a queued one gets no tokens.
+- `pause()` aborts every running request the same way and stops admitting; requests queued or
+  submitted while paused wait (they have no tokens of the old weights) until `continue_generation()`.
+- `update_weights_from_disk(..., abort_all_requests=True)` aborts the running requests and loads
+  the weights right away; without it, the update waits until the running batch has drained (new
+  requests are held back meanwhile). Either way the KV cache of old weights is never reused: an
+  aborted request's client resubmits prompt + tokens so far, which is prefilled under the new weights.
+
+This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of it.
 """
 
 from __future__ import annotations
@@ -60,7 +68,8 @@ class GenerationResult:
     output_versions: list[int]
     """The weight version that produced each generated token."""
     finish_reason: str
-    """Either "stop" (an eos or stop token matched) or "length" (max_new_tokens reached)."""
+    """"stop" (an eos or stop token matched), "length" (max_new_tokens reached) or "abort"
+    (aborted, paused or interrupted by a weight update: output_ids are the tokens so far)."""
     matched_stop: int | None
     """The stop token when finish_reason is "stop"."""
     weight_version: int
@@ -97,6 +106,14 @@ class _WeightUpdate:
     path: str
     version: int
     state: dict[str, torch.Tensor]
+    abort_all: bool  # abort the running requests instead of waiting for them
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Abort:
+    rid: str | None  # None: every request
+    queued_too: bool  # also answer the matching requests that wait in the queue
     done: Future = field(default_factory=Future)
 
 
@@ -131,6 +148,8 @@ class GenerationEngine:
         self._cond = threading.Condition()
         self._waiting: deque[_Row] = deque()
         self._updates: deque[_WeightUpdate] = deque()
+        self._aborts: list[_Abort] = []
+        self._paused = False
         self._inflight: set[str] = set()
         self._stopping = False
         self._num_running = 0
@@ -193,15 +212,16 @@ class GenerationEngine:
             self._cond.notify_all()
         return futures
 
-    def update_weights_from_disk(self, path: str, version: int) -> None:
+    def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
         """Load new weights and set the version; returns once they serve requests.
 
-        The file is read and checked on the caller's thread while decoding goes on; the copy into
-        the model waits until no batch is running. A bad path raises and leaves the old weights.
+        The file is read and checked on the caller's thread while decoding goes on. Then the running
+        requests are aborted (abort_all_requests) or drained, and the weights are copied in. A bad
+        path or a checkpoint of another shape raises and leaves the old weights and version.
         """
         state = load_checkpoint(path)
         self._check_compatible(path, state)
-        update = _WeightUpdate(path, version, state)
+        update = _WeightUpdate(path, version, state, abort_all_requests)
         with self._cond:
             if self._stopping:
                 raise EngineShutdownError("the generation engine is shut down")
@@ -209,12 +229,47 @@ class GenerationEngine:
             self._cond.notify_all()
         update.done.result()
 
+    def abort(self, rid: str | None = None) -> None:
+        """Answer the request `rid` (None: every request, queued or running) with finish reason
+        "abort" and its tokens so far; returns once answered. An unknown rid does nothing."""
+        self._interrupt(_Abort(rid, queued_too=True))
+
+    def pause(self) -> None:
+        """Abort every running request and admit none until `continue_generation`; returns once
+        the aborted requests are answered. Queued and new requests wait."""
+        with self._cond:
+            self._paused = True
+        self._interrupt(_Abort(None, queued_too=False))
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def is_idle(self) -> bool:
+        """No request running or waiting (SGLang refuses /flush_cache otherwise)."""
+        with self._cond:
+            return not self._inflight
+
+    def _interrupt(self, abort: _Abort) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineShutdownError("the generation engine is shut down")
+            self._aborts.append(abort)
+            self._cond.notify_all()
+        abort.done.result()
+
     def stats(self) -> dict[str, float]:
         with self._cond:
             waiting, updates = len(self._waiting), len(self._updates)
         return {
             "num_running_reqs": self._num_running,
             "num_waiting_reqs": waiting,
+            "paused": self._paused,
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
             "busy_seconds": self._busy_seconds,
@@ -282,16 +337,21 @@ class GenerationEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._updates or batch):
+                    while not (self._stopping or (self._waiting and not self._paused) or self._updates
+                               or self._aborts or batch):
                         self._cond.wait()
                     if self._stopping:
                         break
+                    aborts, self._aborts = self._aborts, []
+                    if self._updates and self._updates[0].abort_all:
+                        aborts.append(_Abort(None, queued_too=False))
+                    aborted = self._take_aborted(aborts, batch)
                     update, admitted = None, []
                     if self._updates:
                         # Admit nothing while an update waits, so the running batch drains.
-                        if batch is None:
+                        if batch is None or not batch.live() or self._updates[0].abort_all:
                             update = self._updates.popleft()
-                    else:
+                    elif not self._paused:
                         room = self.max_batch_size - (len(batch.live()) if batch else 0)
                         # New requests join in groups: each join costs a prefill forward and a copy
                         # of the cache, so only a short queue may join one request at a time.
@@ -303,11 +363,20 @@ class GenerationEngine:
                                 admitted.append(row)
                             else:
                                 self._inflight.discard(row.request.rid)  # cancelled while queued
+                for row in aborted:
+                    self._finish(row)
+                for abort in aborts:
+                    abort.done.set_result(None)
+                if batch is not None and not batch.live():
+                    batch = None  # every row aborted: the old weights' cache is dropped with it
+                    self._num_running = 0
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
                     self._busy_seconds += time.perf_counter() - started
                     continue
+                if batch is None and not admitted:
+                    continue  # woken for an abort, or paused
                 try:
                     if admitted:
                         new = self._prefill(admitted)
@@ -325,12 +394,38 @@ class GenerationEngine:
                 self._num_running = len(batch.live()) if batch else 0
         self._num_running = 0
         with self._cond:
-            waiting, updates = list(self._waiting), list(self._updates)
+            waiting, updates, aborts = list(self._waiting), list(self._updates), self._aborts
             self._waiting.clear()
             self._updates.clear()
+            self._aborts = []
+        for abort in aborts:  # the requests it was for fail below, which answers them too
+            abort.done.set_result(None)
         self._fail([*(batch.rows if batch else ()), *waiting], EngineShutdownError("the generation engine shut down"))
         for update in updates:
             update.done.set_exception(EngineShutdownError("the generation engine shut down before the update"))
+
+    def _take_aborted(self, aborts: list[_Abort], batch: _Batch | None) -> list[_Row]:
+        """Mark the rows that `aborts` match as finished by abort and take queued ones off the
+        queue (caller holds the lock); returns them, to be answered outside the lock."""
+        if not aborts:
+            return []
+        hit = []
+        running = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        for abort in aborts:
+            for row in running:
+                if row.finish is None and abort.rid in (None, row.request.rid):
+                    row.finish = ("abort", None)
+                    hit.append(row)
+            if abort.queued_too:
+                queued = [row for row in self._waiting if abort.rid in (None, row.request.rid)]
+                for row in queued:
+                    self._waiting.remove(row)
+                    if row.future.set_running_or_notify_cancel():
+                        row.finish = ("abort", None)
+                        hit.append(row)
+                    else:
+                        self._inflight.discard(row.request.rid)  # cancelled while queued
+        return hit
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
         width = max(len(row.request.input_ids) for row in rows)

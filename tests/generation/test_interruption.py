@@ -1,0 +1,126 @@
+"""Interrupting the engine between decode steps: abort by rid or all, pause and continue, and a
+weight update that aborts the running requests, whose resubmission finishes under the new weights.
+
+The model is slowed by a forward hook (a real sleep in every forward), so that requests are still
+decoding when the interruption arrives, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+from generation_helpers import ModelDirs, full_forward_logprobs, load_reference, wait_until
+
+from areal_flow.generation.engine import GenerationEngine, GenerationResult
+
+PROMPT = [2, 7, 3, 9]
+LONG = 200  # tokens; with the slowed forward a request runs for seconds
+
+
+@pytest.fixture
+def engine(model_dirs: ModelDirs) -> GenerationEngine:
+    engine = GenerationEngine(model_dirs.a, max_batch_size=8)
+    engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    yield engine
+    engine.shutdown()
+
+
+def decoding(engine: GenerationEngine, at_least: int) -> None:
+    wait_until(lambda: engine.stats()["generated_tokens"] >= at_least, f"{at_least} generated tokens")
+
+
+def long_request(engine: GenerationEngine, rid: str, prompt: list[int] = PROMPT) -> Future[GenerationResult]:
+    return engine.submit(prompt, max_new_tokens=LONG, temperature=0.8, ignore_eos=True, rid=rid)
+
+
+def assert_exact_logprobs(model_dir: str, prompt: list[int], result: GenerationResult) -> None:
+    expected = full_forward_logprobs(load_reference(model_dir), prompt, result.output_ids, 0.8)
+    torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_abort_by_rid_answers_that_request_with_its_tokens_so_far_and_spares_the_others(engine, model_dirs):
+    futures = {rid: long_request(engine, rid, [2 + i, 5]) for i, rid in enumerate("abc")}
+    decoding(engine, 3 * 5)
+    engine.abort("no-such-rid")  # unknown: nothing happens
+    engine.abort("b")
+    b = futures["b"].result(timeout=5)
+    assert b.finish_reason == "abort" and 0 < len(b.output_ids) < LONG
+    assert not futures["a"].done() and not futures["c"].done()
+    assert len(b.output_logprobs) == len(b.output_versions) == len(b.output_ids)
+    assert_exact_logprobs(model_dirs.a, [3, 5], b)  # the partial output is consistent
+    for rid in "ac":
+        result = futures[rid].result(timeout=60)
+        assert result.finish_reason == "length" and len(result.output_ids) == LONG
+    # The aborted rid is free again: SGLang's clients resubmit under the same rid.
+    assert engine.submit([3, 5], max_new_tokens=2, rid="b").result(timeout=10).finish_reason == "length"
+
+
+def test_abort_all_answers_running_and_queued_requests(model_dirs):
+    engine = GenerationEngine(model_dirs.a, max_batch_size=1)  # the second request must queue
+    engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    try:
+        running, queued = long_request(engine, "r"), long_request(engine, "q")
+        decoding(engine, 3)
+        engine.abort()
+        assert [f.done() for f in (running, queued)] == [True, True]  # answered before abort returns
+        r, q = running.result(), queued.result()
+        assert r.finish_reason == q.finish_reason == "abort"
+        assert len(r.output_ids) > 0 and q.output_ids == []
+        assert engine.is_idle()
+    finally:
+        engine.shutdown()
+
+
+def test_pause_aborts_the_running_requests_and_holds_new_ones_until_continue(engine):
+    first = long_request(engine, "first")
+    decoding(engine, 3)
+    assert not engine.is_idle()
+    engine.pause()
+    aborted = first.result(timeout=0)  # answered by the time pause returns
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < LONG
+    assert engine.stats()["paused"] is True
+
+    held = engine.submit(PROMPT, max_new_tokens=3, rid="held")
+    time.sleep(0.3)
+    assert not held.done() and engine.stats()["num_waiting_reqs"] == 1
+    engine.continue_generation()
+    assert held.result(timeout=10).finish_reason == "length"
+    assert engine.stats()["paused"] is False
+
+
+def test_an_update_that_aborts_resumes_under_the_new_weights_with_stitched_versions(engine, model_dirs):
+    future = long_request(engine, "r")
+    decoding(engine, 10)
+    started = time.perf_counter()
+    engine.update_weights_from_disk(model_dirs.b, 1, abort_all_requests=True)
+    waited = time.perf_counter() - started
+    first = future.result(timeout=0)  # aborted before the update returned
+    k = len(first.output_ids)
+    assert first.finish_reason == "abort" and 0 < k < LONG and set(first.output_versions) == {0}
+    # It did not wait for the request to finish: about one decode step, not the ~1 s that remained.
+    assert waited < 0.5, waited
+
+    # The client's resubmission: prompt + tokens so far, the remaining budget, the same rid.
+    second = engine.submit(PROMPT + first.output_ids, max_new_tokens=LONG - k, temperature=0.8, ignore_eos=True,
+                           rid="r").result(timeout=60)
+    assert second.finish_reason == "length" and set(second.output_versions) == {1}
+    tokens = first.output_ids + second.output_ids
+    assert len(tokens) == LONG
+    # Each token's logprob is that of the weights that produced it, on the whole sequence before it.
+    under_a = full_forward_logprobs(load_reference(model_dirs.a), PROMPT, tokens, 0.8)
+    under_b = full_forward_logprobs(load_reference(model_dirs.b), PROMPT, tokens, 0.8)
+    stitched = torch.tensor(first.output_logprobs + second.output_logprobs)
+    torch.testing.assert_close(stitched, torch.cat([under_a[:k], under_b[k:]]), atol=1e-4, rtol=0)
+    assert (under_a[k:] - under_b[k:]).abs().max() > 1e-2  # the two models really differ there
+
+
+def test_an_update_without_abort_waits_for_the_running_requests(engine, model_dirs):
+    future = engine.submit(PROMPT, max_new_tokens=40, temperature=0.8, ignore_eos=True)
+    decoding(engine, 3)
+    engine.update_weights_from_disk(model_dirs.b, 1)
+    result = future.result(timeout=0)  # it finished before the update went in
+    assert result.finish_reason == "length" and set(result.output_versions) == {0}
+    assert engine.version == 1
