@@ -28,10 +28,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -70,8 +72,8 @@ class GenerationResult:
     finish_reason: str
     """"stop" (an eos or stop token matched), "length" (max_new_tokens reached) or "abort"
     (aborted, paused or interrupted by a weight update: output_ids are the tokens so far)."""
-    matched_stop: int | None
-    """The stop token when finish_reason is "stop"."""
+    matched_stop: int | str | None
+    """The stop token or stop string when finish_reason is "stop"."""
     weight_version: int
     """The engine's weight version when the request finished."""
 
@@ -124,8 +126,11 @@ class GenerationEngine:
     """
 
     def __init__(
-        self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None
+        self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
+        requests with stop strings are refused."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if num_threads is not None:
@@ -143,6 +148,8 @@ class GenerationEngine:
         self.vocab_size: int = config.vocab_size
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model)
+        self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
+            tokenizer.decode, skip_special_tokens=False)
         self._generator = torch.Generator().manual_seed(seed)
         self._version = 0
         self._cond = threading.Condition()
@@ -178,9 +185,13 @@ class GenerationEngine:
         top_k: int = -1,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        min_p: float = 0.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
         rid: str | None = None,
     ) -> Future[GenerationResult]:
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), ignore_eos)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), ignore_eos,
+                                min_p, tuple(stop), seed)
         request = GenerationRequest(tuple(input_ids), params, rid or uuid.uuid4().hex)
         return self.submit_many([request])[0]
 
@@ -204,11 +215,11 @@ class GenerationEngine:
                 if request.params.max_new_tokens == 0:
                     future.set_result(self._result(_Row(request, future, frozenset()), ("length", None)))
                     continue
-                stop_ids = frozenset(request.params.stop_token_ids)
-                if not request.params.ignore_eos:
-                    stop_ids |= self.eos_token_ids
+                # As SGLang: ignore_eos also ignores stop_token_ids (the request answers "length").
+                stop_ids = frozenset() if request.params.ignore_eos else \
+                    frozenset(request.params.stop_token_ids) | self.eos_token_ids
                 self._inflight.add(request.rid)
-                self._waiting.append(_Row(request, future, stop_ids))
+                self._waiting.append(_Row(request, future, stop_ids, self._decode))
             self._cond.notify_all()
         return futures
 
@@ -313,6 +324,14 @@ class GenerationEngine:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
         if any(t < 0 for t in p.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {list(p.stop_token_ids)}")
+        if not 0 <= p.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {p.min_p}.")
+        if p.stop and self._decode is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (send stop_token_ids instead)")
+        if len(p.stop) > 32 or any(not isinstance(s, str) or not s for s in p.stop):
+            raise ValueError(f"stop must be at most 32 non-empty strings, got {list(p.stop)!r}")
+        if p.seed is not None and not -(2**63) <= p.seed < 2**64:
+            raise ValueError(f"sampling_seed must fit in 64 bits, got {p.seed}")
 
     def _check_compatible(self, path: str, state: dict[str, torch.Tensor]) -> None:
         """Refuse weights that would not fit the served model, before any of them is copied."""
@@ -444,7 +463,8 @@ class GenerationEngine:
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample a token for every live row, answer the rows that finish, decode one step."""
-        tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator)
+        tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
+                                              min_p=batch.min_p, row_generators=batch.generators)
         version, appended, alive = self._version, 0, 0
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish is not None:

@@ -6,7 +6,7 @@ so most decode steps copy nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,10 +86,16 @@ class _Row:
     request: GenerationRequest
     future: Future
     stop_ids: frozenset[int]
+    decode: Callable[[list[int]], str] | None = None  # for stop strings
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish: tuple[str, int | None] | None = None
+    finish: tuple[str, int | str | None] | None = None
+    generator: torch.Generator | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        seed = self.request.params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.output_ids.append(token)
@@ -97,8 +103,19 @@ class _Row:
         self.versions.append(version)
         if token in self.stop_ids:
             self.finish = ("stop", token)
+        elif (matched := self._stop_string()) is not None:
+            self.finish = ("stop", matched)
         elif len(self.output_ids) >= self.request.params.max_new_tokens:
             self.finish = ("length", None)
+
+    def _stop_string(self) -> str | None:
+        """The first stop string in the decoded tail of the output. The tail is long enough to hold
+        the longest one: a token decodes to at least one byte, and a character is at most four."""
+        stop = self.request.params.stop
+        if not stop or self.decode is None:
+            return None
+        tail = self.decode(self.output_ids[-(4 * max(len(s) for s in stop) + 2):])
+        return next((s for s in stop if s in tail), None)
 
     @property
     def last_position(self) -> int:
@@ -121,6 +138,8 @@ class _Batch:
     mask: torch.Tensor
     logits: torch.Tensor
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
+    min_p: torch.Tensor = field(init=False)
+    generators: list[torch.Generator | None] | None = field(init=False)  # None: no seeded row
 
     def __post_init__(self) -> None:
         # Built once per membership change, not per step.
@@ -130,6 +149,9 @@ class _Batch:
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.int64),
         )
+        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        generators = [row.generator for row in self.rows]
+        self.generators = generators if any(g is not None for g in generators) else None
 
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]

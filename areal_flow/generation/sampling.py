@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Ids that end the request besides the model's eos; the stop token is kept in the output."""
     ignore_eos: bool = False
-    """Do not stop on the model's eos ids."""
+    """Do not stop on the model's eos ids (nor on stop_token_ids: the request runs to max_new_tokens)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; in [0, 1], 0 turns it off."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the request once the decoded output contains one; its tokens stay in the output."""
+    seed: int | None = None
+    """This request's own sampling seed: the same seed, prompt and weights give the same tokens."""
 
 
 def sample_next_tokens(
@@ -33,13 +40,17 @@ def sample_next_tokens(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     generator: torch.Generator | None = None,
+    *,
+    min_p: torch.Tensor | None = None,
+    row_generators: Sequence[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens [B] int64, logprobs [B] float32).
 
-    logits [B, V] float32; temperature and top_p [B] float32; top_k [B] int64 (-1 = off).
-    The logprob is log_softmax(logits / T) over the full vocabulary, taken before top-p/top-k
+    logits [B, V] float32; temperature, top_p and min_p [B] float32; top_k [B] int64 (-1 = off).
+    The logprob is log_softmax(logits / T) over the full vocabulary, taken before top-p/top-k/min-p
     truncation (SGLang's semantics, and what the trainer recomputes). Rows with T < 1e-6 take the
-    argmax and report log_softmax(logits).
+    argmax and report log_softmax(logits). A row with its own generator in `row_generators` (a
+    seeded request) samples from it, the others from `generator`.
     """
     greedy = temperature < GREEDY_TEMPERATURE
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -47,17 +58,22 @@ def sample_next_tokens(
     tokens = logprobs.argmax(dim=-1)
     rows = (~greedy).nonzero().squeeze(1)
     if rows.numel() > 0:
-        kept = _truncate(logprobs[rows], top_p[rows], top_k[rows])
-        tokens[rows] = torch.multinomial(kept.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        kept = _truncate(logprobs[rows], top_p[rows], top_k[rows], None if min_p is None else min_p[rows])
+        probs = kept.softmax(dim=-1)
+        tokens[rows] = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        own = [(j, row_generators[r]) for j, r in enumerate(rows.tolist())] if row_generators else []
+        for j, row_generator in own:
+            if row_generator is not None:  # its own stream: the draw does not depend on the other rows
+                tokens[rows[j]] = torch.multinomial(probs[j], 1, generator=row_generator)[0]
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Set logprobs outside each row's top-k and top-p sets to -inf; the best token always stays.
-
-    As in SGLang, top-p is measured on the untruncated distribution.
-    """
-    if bool(((top_k < 0) & (top_p >= 1.0)).all()):
+def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+              min_p: torch.Tensor | None) -> torch.Tensor:
+    """Set logprobs outside each row's top-k, top-p and min-p sets to -inf; the best token always
+    stays. As in SGLang, top-p and min-p are measured on the untruncated distribution."""
+    no_min_p = min_p is None or bool((min_p <= 0).all())
+    if no_min_p and bool(((top_k < 0) & (top_p >= 1.0)).all()):
         return logprobs  # nothing to cut: skip the sort
     vocab = logprobs.shape[-1]
     sorted_lp, order = logprobs.sort(dim=-1, descending=True)
@@ -65,5 +81,7 @@ def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) 
     drop = rank >= torch.where(top_k < 0, vocab, top_k)[:, None]
     probs = sorted_lp.exp()
     drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    if not no_min_p:
+        drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
     return torch.full_like(logprobs, -math.inf).scatter(1, order, sorted_lp)

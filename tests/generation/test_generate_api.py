@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from generation_helpers import (
-    CONTEXT, EOS_PROMPT, VOCAB_SIZE, ModelDirs, async_wait_until, full_forward_logprobs, greedy_reference, http_call,
+    CONTEXT, EOS_ID, EOS_PROMPT, VOCAB_SIZE, ModelDirs, async_wait_until, full_forward_logprobs, greedy_reference, http_call,
     load_reference,
 )
 
@@ -88,11 +88,11 @@ def test_max_new_tokens_ends_with_length_after_exactly_n_tokens(server_a):
 
 def test_stop_token_ids_end_the_output_and_keep_the_stop_token(server_a, ref_a):
     prompt = PROMPTS[0]
-    free_run = greedy_reference(ref_a, prompt, 30, stop_ids=())
-    index = next(i for i in range(1, len(free_run)) if free_run[i] not in free_run[:i])
+    free_run = greedy_reference(ref_a, prompt, 30)  # up to the model's eos, which must not come first
+    index = next(i for i in range(1, len(free_run)) if free_run[i] not in free_run[:i] + [EOS_ID])
     stop = free_run[index]
     answer = generate(server_a, {"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}})
+        "max_new_tokens": 30, "temperature": 0, "stop_token_ids": [stop]}})
     assert answer["output_ids"] == free_run[: index + 1]
     assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
