@@ -4,8 +4,8 @@
   with its own KV-cache loop, tags every token with the weight version that produced it, and swaps
   weights between batches.
 - `server.py` — the SGLang native HTTP API subset (`/generate`, `/update_weights_from_disk`, ...)
-  over the standard library's `http.server`, and the `python -m areal_flow.generation.server` CLI.
-- `client.py` — an asyncio client for that API; it talks to real SGLang just as well.
+  on FastAPI and uvicorn, as SGLang serves it, and the `python -m areal_flow.generation.server` CLI.
+- `client.py` — an asyncio client for that API (aiohttp); it talks to real SGLang just as well.
 
 Nothing is imported here, so that rollout workers can import the client without loading torch.
 """

@@ -1,14 +1,14 @@
 """An asyncio client for SGLang's native HTTP API: the embedded server or real SGLang alike.
 
-A small HTTP/1.1 client on `asyncio.open_connection` (no aiohttp): JSON bodies with
-Content-Length, a pool of keep-alive connections bounded by `max_connections`, one retry on a
-fresh connection when a pooled one turns out to have been closed by the server while idle.
-Imports neither torch nor the engine, so rollout workers stay light.
+On aiohttp, as AReaL's own client for SGLang servers: one session per client, holding a pool of
+keep-alive connections bounded by `max_connections`. Imports neither torch nor the engine, so
+rollout workers stay light.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import urllib.error
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-_Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+import aiohttp
 
 
 class GenerationError(RuntimeError):
@@ -34,10 +34,6 @@ class GenerationError(RuntimeError):
         self.url = url
 
 
-class _StaleConnection(ConnectionError):
-    """The connection failed before any byte of the answer arrived."""
-
-
 class GenerationClient:
     """Talks to one generation server at `base_url` (for example http://127.0.0.1:30000)."""
 
@@ -47,12 +43,13 @@ class GenerationClient:
             raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._host = parts.hostname
-        self._port = parts.port or 80
-        self._host_header = parts.netloc
-        self._prefix = parts.path.rstrip("/")
+        self._max_connections = max_connections
+        # Calls wait here for a free connection, so that `timeout` counts from when a call has one:
+        # aiohttp's own total timeout would also count the wait for the pool, and a rollout worker
+        # queues hundreds of requests behind its connections.
         self._slots = asyncio.Semaphore(max_connections)
-        self._idle: list[_Connection] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._closer: asyncio.Task | None = None
         self._closed = False
 
     async def __aenter__(self) -> GenerationClient:
@@ -114,10 +111,10 @@ class GenerationClient:
 
     async def health(self) -> bool:
         try:
-            status, _, _ = await self._request("GET", "/health", None)
-        except (OSError, asyncio.TimeoutError):
+            async with self._slots, self._http().get(self.base_url + "/health") as answer:
+                return answer.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
-        return status == 200
 
     async def get_server_info(self) -> dict:
         try:
@@ -129,97 +126,47 @@ class GenerationClient:
 
     async def close(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
-        for _, writer in idle:
-            writer.close()
-        for _, writer in idle:
-            try:
-                await writer.wait_closed()
-            except OSError:
-                pass
+        if self._session is not None:
+            self._closer.cancel()
+            await self._session.close()
 
-    # ---- HTTP/1.1 -----------------------------------------------------------------------------
+    # ---- HTTP ---------------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, payload: Any) -> Any:
-        status, headers, data = await self._request(method, path, payload)
-        body: Any = data.decode("utf-8", errors="replace")
-        if "json" in headers.get("content-type", "") and data:
-            body = json.loads(data)
-        if not 200 <= status < 300:
-            raise GenerationError(status, body, self.base_url + path)
-        return body
-
-    async def _request(self, method: str, path: str, payload: Any) -> tuple[int, dict[str, str], bytes]:
+    def _http(self) -> aiohttp.ClientSession:
         if self._closed:
             raise RuntimeError("GenerationClient is closed")
-        body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
-        async with self._slots:
-            return await asyncio.wait_for(self._exchange(method, path, body), self.timeout)
+        if self._session is None:
+            # Made on first use: aiohttp makes a session only inside a running event loop (which it
+            # then belongs to), and a client may be constructed before any loop runs.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                # Compact: token-id lists are most of a request, and ", " costs a byte per id.
+                json_serialize=functools.partial(json.dumps, separators=(",", ":")),
+            )
+            # Not every owner calls close(): a rollout worker runs until the launcher stops it. Left
+            # open, the session would be reported at exit as an unclosed session and connector.
+            self._closer = asyncio.create_task(_close_when_the_loop_ends(self._session))
+        return self._session
 
-    async def _exchange(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
-        for attempt in range(2):
-            reused = bool(self._idle)
-            connection = self._idle.pop() if reused else await asyncio.open_connection(self._host, self._port)
-            try:
-                status, headers, data, keep_alive = await self._roundtrip(connection, method, path, body)
-            except _StaleConnection:
-                connection[1].close()
-                # The server closed this pooled connection while it sat idle, so the request never
-                # reached it: safe to send again, once, on a fresh connection.
-                if reused and attempt == 0:
-                    continue
-                raise
-            except BaseException:  # also cancellation/timeouts: the stream is out of step now
-                connection[1].close()
-                raise
-            if keep_alive and not self._closed:
-                self._idle.append(connection)
-            else:
-                connection[1].close()
-            return status, headers, data
-        raise AssertionError("unreachable")
-
-    async def _roundtrip(
-        self, connection: _Connection, method: str, path: str, body: bytes
-    ) -> tuple[int, dict[str, str], bytes, bool]:
-        reader, writer = connection
-        head = (
-            f"{method} {self._prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
-            f"Content-Type: application/json\r\nAccept: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        try:
-            writer.write(head.encode("latin-1") + body)
-            await writer.drain()
-            status_line = await reader.readline()
-        except ConnectionError as exc:
-            raise _StaleConnection(str(exc)) from exc
-        if not status_line:
-            raise _StaleConnection("connection closed before the response")
-        version, status, *_ = status_line.decode("latin-1").split(" ", 2)
-        headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        keep_alive = headers.get("connection", "").lower() != "close" and version == "HTTP/1.1"
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            data = await _read_chunked(reader)
-        elif "content-length" in headers:
-            data = await reader.readexactly(int(headers["content-length"]))
-        elif int(status) in (204, 304):
-            data = b""
-        else:  # no framing: the body runs to the end of the connection
-            data, keep_alive = await reader.read(), False
-        return int(status), headers, data, keep_alive
+    async def _call(self, method: str, path: str, payload: Any) -> Any:
+        url = self.base_url + path
+        async with self._slots, self._http().request(method, url, json=payload) as answer:
+            status, content_type, data = answer.status, answer.content_type, await answer.read()
+        body: Any = data.decode("utf-8", errors="replace")
+        if "json" in content_type and data:
+            body = json.loads(data)
+        if not 200 <= status < 300:
+            raise GenerationError(status, body, url)
+        return body
 
 
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    chunks = []
-    while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
-        chunks.append(await reader.readexactly(size))
-        await reader.readline()  # the CRLF after each chunk
-    while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
-        pass
-    return b"".join(chunks)
+async def _close_when_the_loop_ends(session: aiohttp.ClientSession) -> None:
+    """Wait until cancelled, then close `session`: asyncio.run() cancels every pending task as it ends."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    finally:
+        await session.close()
 
 
 def wait_healthy(base_url: str, timeout: float = 60.0) -> None:

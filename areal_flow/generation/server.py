@@ -1,8 +1,9 @@
 """SGLang's native HTTP API (the subset RL trainers use) in front of the embedded engine.
 
-Standard library only (`http.server`): one thread per connection, HTTP/1.1 keep-alive. Field
-names, response shapes and error envelopes follow SGLang's native API, so a
-client written for SGLang works here unchanged. The areal_flow extension is
+FastAPI on uvicorn, as SGLang itself serves it: one event loop on a background thread answers
+every connection (HTTP/1.1 keep-alive), and a request waits for the engine's thread without
+holding a thread of its own. Field names, response shapes and error envelopes follow SGLang's
+native API, so a client written for SGLang works here unchanged. The areal_flow extension is
 `meta_info.output_token_versions`: the weight version of each generated token.
 
     python -m areal_flow.generation.server --model-path DIR --host 127.0.0.1 --port 30000
@@ -11,6 +12,7 @@ client written for SGLang works here unchanged. The areal_flow extension is
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -20,12 +22,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areal_flow.generation.engine import (
     EngineShutdownError,
@@ -263,7 +267,7 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def route_generate(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_generate(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     items, batch = parse_generate(_json_object(raw), server)
     try:
         futures = server.engine.submit_many([item.request for item in items])
@@ -271,7 +275,7 @@ def route_generate(server: GenerationServer, raw: bytes, received: float) -> tup
         raise bad_request(str(exc)) from None
     responses = []
     for item, future in zip(items, futures):
-        result = future.result()  # EngineShutdownError surfaces as 503 in the handler
+        result = await asyncio.wrap_future(future)  # EngineShutdownError surfaces as 503 in the endpoint
         responses.append(build_response(item, result, server, time.perf_counter() - received))
     return 200, responses if batch else responses[0]
 
@@ -286,7 +290,7 @@ def _parse_version(value: Any, current: int) -> int:
     return value
 
 
-def route_update_weights(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_update_weights(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     body = _json_object(raw)
     engine = server.engine
     path = body.get("model_path")
@@ -295,7 +299,8 @@ def route_update_weights(server: GenerationServer, raw: bytes, received: float) 
             raise ValueError("model_path is required: a directory with model.safetensors")
         version = _parse_version(body.get("weight_version"), engine.version)
         # abort_all_requests is accepted and has nothing to do: updates land between batches.
-        engine.update_weights_from_disk(path, version)
+        # The update blocks until the running batch drains: on a worker thread, not the event loop.
+        await asyncio.to_thread(engine.update_weights_from_disk, path, version)
     except (OSError, ValueError) as exc:
         message = f"Failed to update weights: {exc}. The server keeps weight version {engine.version}."
         return 400, {"success": False, "message": message, "num_paused_requests": 0}
@@ -303,11 +308,11 @@ def route_update_weights(server: GenerationServer, raw: bytes, received: float) 
     return 200, {"success": True, "message": message, "num_paused_requests": 0}
 
 
-def route_health(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_health(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     return (200 if server.engine.is_running else 503), None
 
 
-def route_model_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_model_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     config = server.engine.model.config
     return 200, {
         "model_path": server.engine.model_path,
@@ -322,7 +327,7 @@ def route_model_info(server: GenerationServer, raw: bytes, received: float) -> t
     }
 
 
-def route_server_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_server_info(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     engine = server.engine
     host, port = server.server_address[:2]
     return 200, {
@@ -344,16 +349,16 @@ def route_server_info(server: GenerationServer, raw: bytes, received: float) -> 
     }
 
 
-def route_weight_version(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_weight_version(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     return 200, {"weight_version": str(server.engine.version)}
 
 
-def route_flush_cache(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+async def route_flush_cache(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     # The engine keeps no prefix cache between requests, so there is never anything to flush.
     return 200, "Cache flushed.\n"
 
 
-Route = Callable[["GenerationServer", bytes, float], tuple[int, Payload]]
+Route = Callable[["GenerationServer", bytes, float], Awaitable[tuple[int, Payload]]]
 
 ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/generate": (frozenset({"POST", "PUT"}), route_generate),
@@ -372,119 +377,129 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
 
 # ---- HTTP plumbing -----------------------------------------------------------------------------
 
+BACKLOG = 256
+"""Listen backlog: a rollout worker opens dozens of connections at once."""
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a rollout worker reuses its connections
-    timeout = 600  # an idle keep-alive connection is closed after this many seconds
-    server: GenerationServer
+KEEP_ALIVE_SECONDS = 600
+"""An idle keep-alive connection is closed after this long (uvicorn's default is 5 s). The client
+(aiohttp) drops idle connections after 15 s, so it is the one to end them: it never sends a request
+on a connection the server is closing at that very moment."""
 
-    def do_GET(self) -> None:
-        self._dispatch()
+GRACEFUL_SHUTDOWN_SECONDS = 5
+"""stop() lets requests in flight finish writing their answers for this long; then uvicorn cancels
+them (answering 500) and closes their connections, so stop() returns even if a client stalls."""
 
-    do_POST = do_PUT = do_GET
 
-    def _dispatch(self) -> None:
+def _response(status: int, payload: Payload, headers: dict[str, str] | None = None) -> Response:
+    if payload is None:
+        return Response(status_code=status, headers=headers)
+    if isinstance(payload, str):
+        return Response(payload, status, headers, media_type="text/plain")
+    # allow_nan=False: SGLang writes no NaN (see _finite); one that gets here is a bug, answered 500.
+    data = json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    return Response(data, status, headers, media_type="application/json")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return _response(status, {"error": {"message": message}}, headers)
+
+
+async def _read_body(request: Request) -> bytes:
+    length = request.headers.get("content-length")  # uvicorn has already refused one that is not a number
+    if length is not None and int(length) > MAX_BODY_BYTES:
+        raise HTTPError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:  # a chunked body announces no length
+            raise HTTPError(413, f"request body is over the {MAX_BODY_BYTES} byte limit")
+    return bytes(body)
+
+
+def _endpoint(server: GenerationServer, route: Route) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
         received = time.perf_counter()
         try:
-            raw = self._read_body()
-            path = urlsplit(self.path).path
-            if path not in ROUTES:
-                raise HTTPError(404, f"no route {self.command} {path}")
-            methods, route = ROUTES[path]
-            if self.command not in methods:
-                raise HTTPError(405, f"{path} takes {', '.join(sorted(methods))}, not {self.command}")
-            status, payload = route(self.server, raw, received)
+            status, payload = await route(server, await _read_body(request), received)
+            return _response(status, payload)
         except HTTPError as exc:
-            status, payload = exc.status, {"error": {"message": exc.message}}
+            # After a 413 the rest of the body may still be on its way: close instead of reading it.
+            return _error(exc.status, exc.message, {"Connection": "close"} if exc.status == 413 else None)
         except EngineShutdownError as exc:
-            status, payload = 503, {"error": {"message": str(exc)}}
-        except Exception as exc:  # a bug must cost one request, not the server
-            logger.exception("%s %s failed", self.command, self.path)
-            status, payload = 500, {"error": {"message": f"internal error: {exc!r}"}}
-        self._send(status, payload)
+            return _error(503, str(exc))
+        except Exception as exc:
+            # A bug must cost one request, not the server. Answered here rather than by an exception
+            # handler: an exception that reaches uvicorn also closes the (keep-alive) connection.
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return _error(500, f"internal error: {exc!r}")
 
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True  # the body's end is unknown: the connection cannot be reused
-            raise HTTPError(411, "send the body with Content-Length (chunked bodies are not supported)")
-        length = self.headers.get("Content-Length", "0")
-        if not length.isdigit():
-            self.close_connection = True
-            raise bad_request(f"bad Content-Length {length!r}")
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise HTTPError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
-        return self.rfile.read(int(length))
-
-    def _send(self, status: int, payload: Payload) -> None:
-        if payload is None:
-            data, content_type = b"", None
-        elif isinstance(payload, str):
-            data, content_type = payload.encode(), "text/plain; charset=utf-8"
-        else:
-            data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
-            content_type = "application/json"
-        try:
-            self.send_response(status)
-            if content_type:
-                self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client went away; nothing to answer
-            self.close_connection = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)
+    return endpoint
 
 
-class GenerationServer(ThreadingHTTPServer):
-    """The HTTP server; `stop()` also ends open keep-alive connections and the engine."""
+async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Starlette's 404 (unknown path) and 405 (wrong method), in SGLang's envelope."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        message = f"{path} takes {', '.join(sorted(ROUTES[path][0]))}, not {method}"
+    else:  # 404: routing raises nothing else
+        message = f"no route {method} {path}"
+    return _error(exc.status_code, message, exc.headers)  # a 405 keeps its Allow header
 
-    daemon_threads = True
-    request_queue_size = 256  # listen backlog: a rollout worker opens dozens of connections at once (default 5)
+
+def create_app(server: GenerationServer) -> FastAPI:
+    """The routes of ROUTES and nothing else: no docs pages, no redirects of trailing slashes."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
+                  exception_handlers={StarletteHTTPException: _routing_error})
+    for path, (methods, route) in ROUTES.items():
+        app.add_api_route(path, _endpoint(server, route), methods=sorted(methods), include_in_schema=False)
+    return app
+
+
+class GenerationServer:
+    """The app on uvicorn, on its own thread and event loop; `stop()` ends it and the engine."""
 
     def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str):
         self.engine = engine
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
+        config = uvicorn.Config(
+            create_app(self),
+            lifespan="off",
+            log_config=None,  # uvicorn's loggers propagate to the process's logging as configured
+            access_log=logger.isEnabledFor(logging.DEBUG),
+            backlog=BACKLOG,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        # Bound here rather than by uvicorn, so that a port 0 is resolved before serve() returns.
+        self._socket = socket.create_server(address, backlog=BACKLOG)
+        self.server_address: tuple[str, int] = self._socket.getsockname()[:2]
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
+                                        name="generation-http", daemon=True)
         self._stopped = False
-        super().__init__(address, _Handler)
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.server_address
         return f"http://{host}:{port}"
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._connections_lock:
-            self._connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._connections_lock:
-            self._connections.discard(request)
-        super().shutdown_request(request)
+    def start(self) -> threading.Thread:
+        self._thread.start()
+        return self._thread
 
     def stop(self) -> None:
-        """Stop accepting, fail unfinished requests (503), close connections, stop the engine."""
+        """Stop the engine (unfinished requests get 503), then uvicorn: no new connections, open ones closed."""
         if self._stopped:
             return
         self._stopped = True
         self.engine.shutdown()  # first, so requests still decoding are answered 503 right away
-        self.shutdown()
-        with self._connections_lock:
-            connections = list(self._connections)
-        for connection in connections:
-            try:  # wakes handler threads blocked reading an idle keep-alive connection
-                connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.server_close()
+        # uvicorn notices within 0.1 s: it stops accepting, closes idle connections, and closes the
+        # others once their answers are written (GRACEFUL_SHUTDOWN_SECONDS at most).
+        self._uvicorn.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join()
+        self._socket.close()  # uvicorn closes it too; this covers a thread that never ran
 
 
 def optional_tokenizer(model_path: str) -> Any:
@@ -506,11 +521,7 @@ def serve(
     except BaseException:
         engine.shutdown()
         raise
-    # serve_forever notices shutdown() only between polls; a short interval keeps stop() quick.
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name="generation-http", daemon=True)
-    thread.start()
-    return server, thread
+    return server, server.start()
 
 
 def main(argv: list[str] | None = None) -> int:

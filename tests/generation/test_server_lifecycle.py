@@ -59,7 +59,7 @@ def test_stop_answers_unfinished_requests_closes_connections_and_ends_threads(mo
     server, thread = serve(model_dirs.a, max_batch_size=1)
     # Queue work ahead of the HTTP request, so that it is surely unfinished when stop() comes.
     ahead = [server.engine.submit([2], max_new_tokens=250, ignore_eos=True) for _ in range(20)]
-    # An idle keep-alive connection: its handler thread waits in recv until stop() wakes it.
+    # An idle keep-alive connection, which stop() must close.
     idle = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
     idle.request("GET", "/health")
     assert idle.getresponse().read() == b""
@@ -80,6 +80,7 @@ def test_stop_answers_unfinished_requests_closes_connections_and_ends_threads(mo
     while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not set(threading.enumerate()) - before, set(threading.enumerate()) - before
+    assert idle.sock.recv(1) == b""  # the server closed the idle connection
     idle.close()
 
 
@@ -97,7 +98,8 @@ def test_wait_healthy_names_the_url_when_nothing_answers():
         raise AssertionError("wait_healthy returned for a dead URL")
 
 
-def test_client_resends_once_when_the_server_closed_its_pooled_connection(model_dirs: ModelDirs):
+def test_client_reconnects_when_the_server_closed_its_pooled_connection(model_dirs: ModelDirs):
+    """A server restart closes the connection the client keeps in its pool: the next call opens a new one."""
     server, thread = serve(model_dirs.a)
     port = server.server_address[1]
     sampling = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}

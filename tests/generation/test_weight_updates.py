@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 
 import pytest
 from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference
@@ -117,9 +119,18 @@ def test_a_failing_decode_step_answers_500_and_the_engine_keeps_serving(server, 
     model.save_pretrained(tmp_path / "nan")
     http_call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "nan")})
 
-    status, _, payload = http_call(server.url, "POST", "/generate",
-                                   {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
-    assert status == 500 and "error" in payload
+    connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    try:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+        connection.request("POST", "/generate", json.dumps(body))
+        answer = connection.getresponse()
+        assert answer.status == 500 and "error" in json.loads(answer.read())
+        sock = connection.sock
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        assert connection.sock is sock  # the 500 did not cost the keep-alive connection either
+    finally:
+        connection.close()
 
     status, _, reply = http_call(server.url, "POST", "/update_weights_from_disk", {"model_path": model_dirs.a})
     assert status == 200, reply
