@@ -14,9 +14,20 @@ class WeightPublisher:
         self.names = names  # process names, for error messages
 
     async def publish(self, weights_path: str, version: int) -> float:
-        """Seconds it took every server to load `weights_path` as `version` (a refusal raises)."""
+        """Seconds it took every server to load `weights_path` as `version` (a refusal raises).
+
+        AReaL's sequence: pause every server (their running requests return with finish_reason
+        abort and the tokens so far, which the rollout workers resubmit), load the weights, then
+        continue. No server decodes on the old weights once any has the new ones, and no update
+        waits for the longest answer in flight. The servers continue even when a load fails.
+        """
         t0 = time.perf_counter()
-        await asyncio.gather(*[c.update_weights_from_disk(weights_path, version) for c in self.clients])
+        await asyncio.gather(*[c.pause_generation() for c in self.clients])
+        try:
+            await asyncio.gather(*[c.update_weights_from_disk(weights_path, version, abort_all_requests=True)
+                                   for c in self.clients])
+        finally:
+            await asyncio.gather(*[c.continue_generation() for c in self.clients])
         return time.perf_counter() - t0
 
     async def busy_seconds(self) -> float | None:

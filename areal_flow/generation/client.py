@@ -109,6 +109,20 @@ class GenerationClient:
             payload["weight_version"] = str(weight_version)  # SGLang declares it a string
         return await self._call("POST", "/update_weights_from_disk", payload)
 
+    async def pause_generation(self) -> dict:
+        """Abort the running requests (they answer finish_reason abort with their tokens so far) and
+        hold new ones until continue_generation; returns once the aborted ones are answered."""
+        return await self._call("POST", "/pause_generation", {})
+
+    async def continue_generation(self) -> dict:
+        return await self._call("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort the request `rid`, or every request with abort_all; an unknown rid is no error."""
+        if rid is None and not abort_all:
+            raise ValueError("give a rid or abort_all=True")
+        await self._call("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
     async def health(self) -> bool:
         try:
             async with self._slots, self._http().get(self.base_url + "/health") as answer:

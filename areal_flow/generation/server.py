@@ -44,13 +44,14 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
 """Larger request bodies are refused (413) rather than read into memory."""
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+                 "sampling_seed"}
 """sampling_params the engine implements."""
 
 NEUTRAL_SAMPLING_KEYS: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "n": (1,), "stop": ([], ""), "stop_regex": ([], ""),
-    "sampling_seed": (), "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "logit_bias": ({},),
+    "repetition_penalty": (1, 1.0), "n": (1,), "stop_regex": ([], ""),
+    "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "logit_bias": ({},),
 }
 """SGLang keys the engine does not implement: accepted at their no-op values (AReaL always sends
 frequency_penalty 0.0), refused otherwise so that nobody gets silently different sampling. null is
@@ -153,7 +154,21 @@ def parse_sampling_params(params: Any, prompt_len: int, context_length: int | No
         top_k=_int(params, "top_k", -1),
         stop_token_ids=() if stop_ids is None else tuple(_token_list(stop_ids, "sampling_params.stop_token_ids")),
         ignore_eos=_bool(params.get("ignore_eos"), "sampling_params.ignore_eos", False),
+        min_p=_float(params, "min_p", 0.0),
+        stop=_stop_strings(params.get("stop")),
+        seed=_int(params, "sampling_seed", None),
     )
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """SGLang's `stop`: a string, a list of strings, or null/"" for none."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request(f"sampling_params.stop must be a string or a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def parse_generate(body: dict, server: GenerationServer) -> tuple[list[_Item], bool]:
@@ -219,7 +234,9 @@ def _finite(x: float) -> float | None:
 
 def build_response(item: _Item, result: GenerationResult, server: GenerationServer, latency: float) -> dict:
     if result.finish_reason == "stop":
-        finish = {"type": "stop", "matched": result.matched_stop}
+        finish: dict[str, Any] = {"type": "stop", "matched": result.matched_stop}
+    elif result.finish_reason == "abort":
+        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     else:
         finish = {"type": "length", "length": item.request.params.max_new_tokens}
     meta: dict[str, Any] = {
@@ -241,9 +258,14 @@ def build_response(item: _Item, result: GenerationResult, server: GenerationServ
     response: dict[str, Any] = {}
     if server.tokenizer is not None:  # without a tokenizer SGLang omits text (--skip-tokenizer-init)
         ids = result.output_ids
-        if result.finish_reason == "stop" and not item.no_stop_trim:
+        trim = result.finish_reason == "stop" and not item.no_stop_trim
+        stop_string = result.matched_stop if isinstance(result.matched_stop, str) else None
+        if trim and stop_string is None:
             ids = ids[:-1]  # SGLang trims the matched stop token from text, never from output_ids
-        response["text"] = server.tokenizer.decode(ids, skip_special_tokens=item.skip_special_tokens)
+        text = server.tokenizer.decode(ids, skip_special_tokens=item.skip_special_tokens)
+        if trim and stop_string is not None and stop_string in text:
+            text = text[:text.rfind(stop_string)]  # ... and a matched stop string, from text only
+        response["text"] = text
     response["output_ids"] = result.output_ids
     response["meta_info"] = meta
     return response
@@ -298,9 +320,12 @@ async def route_update_weights(server: GenerationServer, raw: bytes, received: f
         if not isinstance(path, str) or not path:
             raise ValueError("model_path is required: a directory with model.safetensors")
         version = _parse_version(body.get("weight_version"), engine.version)
-        # abort_all_requests is accepted and has nothing to do: updates land between batches.
-        # The update blocks until the running batch drains: on a worker thread, not the event loop.
-        await asyncio.to_thread(engine.update_weights_from_disk, path, version)
+        abort_all = _bool(body.get("abort_all_requests"), "abort_all_requests", False)
+        # Without abort_all_requests the update waits for the running requests to finish: on a
+        # worker thread, not the event loop.
+        await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all_requests=abort_all)
+    except HTTPError as exc:
+        return 400, {"success": False, "message": exc.message, "num_paused_requests": 0}
     except (OSError, ValueError) as exc:
         message = f"Failed to update weights: {exc}. The server keeps weight version {engine.version}."
         return 400, {"success": False, "message": message, "num_paused_requests": 0}
@@ -354,8 +379,36 @@ async def route_weight_version(server: GenerationServer, raw: bytes, received: f
 
 
 async def route_flush_cache(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
-    # The engine keeps no prefix cache between requests, so there is never anything to flush.
+    # The engine keeps no prefix cache between requests, so there is nothing to flush; as SGLang it
+    # refuses while requests run or wait, because clients poll it to learn that the server is idle.
+    if not server.engine.is_idle():
+        return 400, "Flush cache failed.\n"
     return 200, "Cache flushed.\n"
+
+
+async def route_pause(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    mode = _json_object(raw).get("mode") or "abort"
+    if mode != "abort":
+        raise bad_request(f"pause_generation mode {mode!r} is not supported by the embedded engine; it pauses "
+                          "in mode 'abort' (running requests return with finish_reason abort)")
+    await asyncio.to_thread(server.engine.pause)  # returns once the aborted requests are answered
+    return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+
+async def route_continue(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    _json_object(raw)
+    server.engine.continue_generation()
+    return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+
+async def route_abort(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
+    body = _json_object(raw)
+    rid, abort_all = body.get("rid") or "", _bool(body.get("abort_all"), "abort_all", False)
+    if not isinstance(rid, str):
+        raise bad_request(f"rid must be a string, got {rid!r}")
+    if abort_all or rid:  # an empty rid without abort_all is ignored, as in SGLang; an unknown rid too
+        await asyncio.to_thread(server.engine.abort, None if abort_all else rid)
+    return 200, None
 
 
 Route = Callable[["GenerationServer", bytes, float], Awaitable[tuple[int, Payload]]]
@@ -371,6 +424,9 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/server_info": (frozenset({"GET"}), route_server_info),
     "/get_weight_version": (frozenset({"GET"}), route_weight_version),
     "/flush_cache": (frozenset({"GET", "POST"}), route_flush_cache),
+    "/pause_generation": (frozenset({"POST"}), route_pause),
+    "/continue_generation": (frozenset({"POST"}), route_continue),
+    "/abort_request": (frozenset({"POST"}), route_abort),
 }
 """Path → (methods, handler). SGLang ≥0.5.10 names and their older get_* aliases both work."""
 
@@ -515,9 +571,10 @@ def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_kw: Any
 ) -> tuple[GenerationServer, threading.Thread]:
     """Start an engine and its HTTP server on a background thread (port 0: a free port)."""
-    engine = GenerationEngine(model_path, **engine_kw)
+    tokenizer = optional_tokenizer(model_path)
+    engine = GenerationEngine(model_path, tokenizer=tokenizer, **engine_kw)  # the tokenizer: for stop strings
     try:
-        server = GenerationServer((host, port), engine, optional_tokenizer(model_path), model_path)
+        server = GenerationServer((host, port), engine, tokenizer, model_path)
     except BaseException:
         engine.shutdown()
         raise

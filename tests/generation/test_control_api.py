@@ -1,0 +1,138 @@
+"""SGLang's control endpoints on a real server: /pause_generation, /continue_generation,
+/abort_request, /flush_cache refusing while busy, a weight update with abort_all_requests in the
+middle of generation (the rollout worker resubmits and stitches), and stop strings over HTTP.
+
+The served model is slowed by a forward hook (a real sleep per forward), so that requests are
+still decoding when a control call arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from generation_helpers import ModelDirs, full_forward_logprobs, greedy_reference, http_call, load_reference
+
+from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.rollout.worker import generate_sample
+
+PROMPT = [2, 7, 3, 9]
+LONG = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True}
+
+
+@pytest.fixture
+def server(model_dirs: ModelDirs) -> GenerationServer:
+    server, thread = serve(model_dirs.a, max_batch_size=8)
+    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    yield server
+    server.stop()
+    thread.join(timeout=10)
+
+
+async def started(server: GenerationServer, tokens: int = 5) -> None:
+    while server.engine.stats()["generated_tokens"] < tokens:
+        await asyncio.sleep(0.002)
+
+
+def test_pause_aborts_running_requests_holds_new_ones_and_continue_releases_them(server):
+    async def scenario():
+        async with GenerationClient(server.url) as client:
+            running = asyncio.create_task(client.generate(PROMPT, LONG, rid="running"))
+            await started(server)
+            status, _, body = http_call(server.url, "GET", "/flush_cache")
+            assert status == 400 and body == "Flush cache failed.\n"  # busy: clients poll this
+
+            assert await client.pause_generation() == {"message": "Generation paused successfully.", "status": "ok"}
+            aborted = await asyncio.wait_for(running, 1)  # answered before pause returned
+            meta = aborted["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"] == "Aborted"
+            n = len(aborted["output_ids"])
+            assert 0 < n < 200 == LONG["max_new_tokens"]
+            assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == n
+
+            held = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 3}, rid="held"))
+            await asyncio.sleep(0.3)
+            assert not held.done()
+            assert (await client.continue_generation())["status"] == "ok"
+            answer = await asyncio.wait_for(held, 10)
+            assert answer["meta_info"]["finish_reason"]["type"] == "length"
+        status, _, _ = http_call(server.url, "POST", "/flush_cache")
+        assert status == 200  # idle now
+
+    asyncio.run(scenario())
+
+
+def test_abort_request_by_rid_and_all(server):
+    async def scenario():
+        async with GenerationClient(server.url) as client:
+            tasks = {rid: asyncio.create_task(client.generate(PROMPT, LONG, rid=rid)) for rid in ("x", "y", "z")}
+            await started(server, 15)
+            await client.abort_request("no-such-request")  # 200, no effect
+            await client.abort_request("y")
+            y = await asyncio.wait_for(tasks["y"], 2)
+            assert y["meta_info"]["finish_reason"]["type"] == "abort" and y["meta_info"]["id"] == "y"
+            assert not tasks["x"].done() and not tasks["z"].done()
+            await client.abort_request(abort_all=True)
+            for rid in ("x", "z"):
+                answer = await asyncio.wait_for(tasks[rid], 2)
+                assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+
+    asyncio.run(scenario())
+    status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "retract"})
+    assert status == 400 and "mode 'retract' is not supported" in body["error"]["message"]
+
+
+def test_an_update_mid_generation_is_resubmitted_and_stitched_across_versions(server, model_dirs):
+    """The rollout worker's loop against a real update: tokens before it on version 0, after it on
+    version 1, and every logprob that of the weights that produced it."""
+    params = {"max_new_tokens": 120, "temperature": 0.8, "top_p": 1.0}
+
+    async def scenario():
+        async with GenerationClient(server.url) as client, GenerationClient(server.url) as admin:
+            sample = asyncio.create_task(generate_sample(client, PROMPT, params, "s0"))
+            await started(server, 10)
+            t0 = time.perf_counter()
+            await admin.pause_generation()
+            await admin.update_weights_from_disk(model_dirs.b, 1, abort_all_requests=True)
+            await admin.continue_generation()
+            return await sample, time.perf_counter() - t0
+
+    out, update_seconds = asyncio.run(scenario())
+    assert update_seconds < 2  # not the seconds the rest of the answer takes at 5 ms a token
+    versions, tokens = out["versions"], out["output_ids"]
+    k = versions.index(1)  # the first token of the new weights
+    assert 0 < k and versions == [0] * k + [1] * (len(tokens) - k)
+    assert len(tokens) == len(out["behav_logprobs"])
+    if out["finish"].value == "length":
+        assert len(tokens) == 120
+    under_a = full_forward_logprobs(load_reference(model_dirs.a), PROMPT, tokens, 0.8)
+    under_b = full_forward_logprobs(load_reference(model_dirs.b), PROMPT, tokens, 0.8)
+    torch.testing.assert_close(torch.tensor(out["behav_logprobs"]), torch.cat([under_a[:k], under_b[k:]]),
+                               atol=1e-4, rtol=0)
+
+
+def test_stop_strings_and_seeds_over_http(server, model_dirs):
+    tokenizer = server.tokenizer
+    free_run = greedy_reference(load_reference(model_dirs.a), PROMPT, 30, stop_ids=())
+    index = next(i for i in range(2, len(free_run))
+                 if tokenizer.decode(free_run[i - 1:i + 1]) not in tokenizer.decode(free_run[:i]))
+    stop = tokenizer.decode(free_run[index - 1:index + 1])
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True,
+                                                      "stop": stop}}
+    status, _, answer = http_call(server.url, "POST", "/generate", body)
+    assert status == 200 and answer["output_ids"] == free_run[:index + 1]  # the tokens stay
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    full = tokenizer.decode(free_run[:index + 1])
+    assert answer["text"] == full[:full.rfind(stop)] and stop not in answer["text"]  # the string leaves the text
+    body["sampling_params"]["no_stop_trim"] = True
+    assert http_call(server.url, "POST", "/generate", body)[2]["text"].endswith(stop)
+
+    seeded = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "sampling_seed": 7, "min_p": 0.05}}
+    first, again = (http_call(server.url, "POST", "/generate", seeded)[2] for _ in range(2))
+    assert first["output_ids"] == again["output_ids"]
+    status, _, answer = http_call(server.url, "POST", "/generate", {"input_ids": PROMPT,
+                                                                     "sampling_params": {"stop": [3]}})
+    assert status == 400 and "sampling_params.stop must be a string or a list of strings" in answer["error"]["message"]
