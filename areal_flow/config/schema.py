@@ -124,6 +124,8 @@ class RolloutConfig:
     max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous", ge=0)
     max_concurrent: int = doc(64, "most prompt groups generating at once", ge=1)
     workers: int = doc(1, "rollout worker processes", ge=1)
+    interrupt: bool = doc(True, "a weight update aborts the running requests, which resume under the new weights "
+                          "(AReaL); false: it waits until they finish")
 
 
 @dataclass

@@ -9,19 +9,24 @@ from areal_flow.generation.client import GenerationClient
 
 
 class WeightPublisher:
-    def __init__(self, urls: list[str], names: list[str]):
+    def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True):
         self.clients = [GenerationClient(url) for url in urls]
         self.names = names  # process names, for error messages
+        self.interrupt = interrupt  # rollout.interrupt
 
     async def publish(self, weights_path: str, version: int) -> float:
         """Seconds it took every server to load `weights_path` as `version` (a refusal raises).
 
-        AReaL's sequence: pause every server (their running requests return with finish_reason
-        abort and the tokens so far, which the rollout workers resubmit), load the weights, then
-        continue. No server decodes on the old weights once any has the new ones, and no update
-        waits for the longest answer in flight. The servers continue even when a load fails.
+        Interrupting (AReaL's sequence): pause every server (their running requests return with
+        finish_reason abort and the tokens so far, which the rollout workers resubmit), load the
+        weights, then continue. No server decodes on the old weights once any has the new ones, and
+        no update waits for the longest answer in flight. The servers continue even when a load
+        fails. Without interrupting, each server loads once its running requests have finished.
         """
         t0 = time.perf_counter()
+        if not self.interrupt:
+            await asyncio.gather(*[c.update_weights_from_disk(weights_path, version) for c in self.clients])
+            return time.perf_counter() - t0
         await asyncio.gather(*[c.pause_generation() for c in self.clients])
         try:
             await asyncio.gather(*[c.update_weights_from_disk(weights_path, version, abort_all_requests=True)

@@ -136,3 +136,26 @@ def test_stop_strings_and_seeds_over_http(server, model_dirs):
     status, _, answer = http_call(server.url, "POST", "/generate", {"input_ids": PROMPT,
                                                                      "sampling_params": {"stop": [3]}})
     assert status == 400 and "sampling_params.stop must be a string or a list of strings" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, model_dirs, interrupt):
+    from areal_flow.controller.publisher import WeightPublisher
+
+    async def scenario():
+        publisher = WeightPublisher([server.url], ["gen_server0"], interrupt=interrupt)
+        async with GenerationClient(server.url) as client:
+            running = asyncio.create_task(client.generate(PROMPT, {**LONG, "max_new_tokens": 60}))
+            await started(server)
+            seconds = await publisher.publish(model_dirs.b, 1)
+            answer = await running
+        await publisher.close()
+        return seconds, answer
+
+    seconds, answer = asyncio.run(scenario())
+    reason = answer["meta_info"]["finish_reason"]["type"]
+    assert server.engine.version == 1 and not server.engine.paused
+    if interrupt:  # aborted with its tokens so far, the update at once
+        assert reason == "abort" and len(answer["output_ids"]) < 60 and seconds < 1.0
+    else:  # the update waited for the whole answer, all of it on the old weights
+        assert reason == "length" and answer["meta_info"]["output_token_versions"] == [0] * 60
