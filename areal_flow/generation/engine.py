@@ -20,6 +20,7 @@ This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -28,7 +29,6 @@ import threading
 import time
 import uuid
 from collections import deque
-import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -232,25 +232,19 @@ class GenerationEngine:
         """
         state = load_checkpoint(path)
         self._check_compatible(path, state)
-        update = _WeightUpdate(path, version, state, abort_all_requests)
-        with self._cond:
-            if self._stopping:
-                raise EngineShutdownError("the generation engine is shut down")
-            self._updates.append(update)
-            self._cond.notify_all()
-        update.done.result()
+        self._hand_over(self._updates, _WeightUpdate(path, version, state, abort_all_requests))
 
     def abort(self, rid: str | None = None) -> None:
         """Answer the request `rid` (None: every request, queued or running) with finish reason
         "abort" and its tokens so far; returns once answered. An unknown rid does nothing."""
-        self._interrupt(_Abort(rid, queued_too=True))
+        self._hand_over(self._aborts, _Abort(rid, queued_too=True))
 
     def pause(self) -> None:
         """Abort every running request and admit none until `continue_generation`; returns once
         the aborted requests are answered. Queued and new requests wait."""
         with self._cond:
             self._paused = True
-        self._interrupt(_Abort(None, queued_too=False))
+        self._hand_over(self._aborts, _Abort(None, queued_too=False))
 
     def continue_generation(self) -> None:
         with self._cond:
@@ -266,13 +260,14 @@ class GenerationEngine:
         with self._cond:
             return not self._inflight
 
-    def _interrupt(self, abort: _Abort) -> None:
+    def _hand_over(self, queue: deque | list, command: _WeightUpdate | _Abort) -> None:
+        """Queue a command for the decode thread, which carries it out between two steps; wait for it."""
         with self._cond:
             if self._stopping:
                 raise EngineShutdownError("the generation engine is shut down")
-            self._aborts.append(abort)
+            queue.append(command)
             self._cond.notify_all()
-        abort.done.result()
+        command.done.result()
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -368,7 +363,8 @@ class GenerationEngine:
                     update, admitted = None, []
                     if self._updates:
                         # Admit nothing while an update waits, so the running batch drains.
-                        if batch is None or not batch.live() or self._updates[0].abort_all:
+                        # (An update with abort_all has just aborted every running row.)
+                        if batch is None or not batch.live():
                             update = self._updates.popleft()
                     elif not self._paused:
                         room = self.max_batch_size - (len(batch.live()) if batch else 0)
