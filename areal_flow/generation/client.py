@@ -109,10 +109,12 @@ class GenerationClient:
             payload["weight_version"] = str(weight_version)  # SGLang declares it a string
         return await self._call("POST", "/update_weights_from_disk", payload)
 
-    async def pause_generation(self) -> dict:
-        """Abort the running requests (they answer finish_reason abort with their tokens so far) and
-        hold new ones until continue_generation; returns once the aborted ones are answered."""
-        return await self._call("POST", "/pause_generation", {})
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """Hold new requests until continue_generation and stop the running ones: mode "abort"
+        answers them with finish_reason abort and their tokens so far; "retract" (SGLang ≥ 0.5.10)
+        queues them again, to go on after continue_generation in the same answer. Returns once done."""
+        # An empty body for abort: SGLang before 0.5.10 takes no mode.
+        return await self._call("POST", "/pause_generation", {} if mode == "abort" else {"mode": mode})
 
     async def continue_generation(self) -> dict:
         return await self._call("POST", "/continue_generation", {})

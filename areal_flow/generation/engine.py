@@ -10,10 +10,19 @@ Interruption, between two decode steps (SGLang's semantics, the ones AReaL's cli
   finish reason "abort"; a queued one gets no tokens.
 - `pause()` aborts every running request the same way and stops admitting; requests queued or
   submitted while paused wait (they have no tokens of the old weights) until `continue_generation()`.
+  `pause(mode="retract")` instead puts the running requests back at the head of the queue with
+  their tokens so far and drops their KV cache: after `continue_generation()` they are prefilled
+  again (under the new weights, if an update came in between) and go on, and their clients see one
+  uninterrupted answer (SGLang's retract mode).
 - `update_weights_from_disk(..., abort_all_requests=True)` aborts the running requests and loads
   the weights right away; without it, the update waits until the running batch has drained (new
   requests are held back meanwhile). Either way the KV cache of old weights is never reused: an
   aborted request's client resubmits prompt + tokens so far, which is prefilled under the new weights.
+
+Memory: with `max_total_tokens` set, a request is admitted only while the running requests' prompt
+plus max_new_tokens, summed, stay within it (a reservation for the longest each may grow, so nothing
+is ever evicted mid-answer); the others wait in order. Requests whose prompts are identical (the G
+answers of one prompt, which arrive together) are prefilled once and their KV cache is copied.
 
 This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of it.
 """
@@ -76,6 +85,8 @@ class GenerationResult:
     """The stop token or stop string when finish_reason is "stop"."""
     weight_version: int
     """The engine's weight version when the request finished."""
+    retractions: int = 0
+    """How often the request was retracted by a pause (mode retract) and prefilled again."""
 
     @property
     def completion_tokens(self) -> int:
@@ -116,7 +127,13 @@ class _WeightUpdate:
 class _Abort:
     rid: str | None  # None: every request
     queued_too: bool  # also answer the matching requests that wait in the queue
+    retract: bool = False  # requeue the running requests with their tokens instead of answering them
     done: Future = field(default_factory=Future)
+
+
+PAUSE_MODES = ("abort", "retract")
+"""SGLang's pause modes that the engine implements (SGLang's third, in_place, would keep the old
+weights' KV cache across a weight update)."""
 
 
 class GenerationEngine:
@@ -127,12 +144,15 @@ class GenerationEngine:
 
     def __init__(
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
-        tokenizer: Any = None,
+        tokenizer: Any = None, max_total_tokens: int | None = None,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
-        requests with stop strings are refused."""
+        requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
+        module docstring); None leaves only max_batch_size."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_total_tokens is not None and max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be at least 1, got {max_total_tokens}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -142,6 +162,7 @@ class GenerationEngine:
             raise ValueError(f"{model_path}: sliding-window attention layers are not supported by the embedded engine")
         self.model_path = model_path
         self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens
         self.seed = seed
         self.num_threads = torch.get_num_threads()
         self._join_group = max(1, max_batch_size // 8)
@@ -160,6 +181,8 @@ class GenerationEngine:
         self._inflight: set[str] = set()
         self._stopping = False
         self._num_running = 0
+        self._reserved_tokens = 0  # prompt + max_new_tokens of the running requests
+        self._used_tokens = 0  # tokens in the KV cache of the running requests
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
@@ -239,12 +262,15 @@ class GenerationEngine:
         "abort" and its tokens so far; returns once answered. An unknown rid does nothing."""
         self._hand_over(self._aborts, _Abort(rid, queued_too=True))
 
-    def pause(self) -> None:
-        """Abort every running request and admit none until `continue_generation`; returns once
-        the aborted requests are answered. Queued and new requests wait."""
+    def pause(self, mode: str = "abort") -> None:
+        """Admit no request until `continue_generation`; queued and new requests wait. The running
+        ones are aborted (mode "abort": answered with their tokens so far) or retracted (mode
+        "retract": queued again, first in line, with their tokens so far). Returns once done."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cond:
             self._paused = True
-        self._hand_over(self._aborts, _Abort(None, queued_too=False))
+        self._hand_over(self._aborts, _Abort(None, queued_too=False, retract=mode == "retract"))
 
     def continue_generation(self) -> None:
         with self._cond:
@@ -275,6 +301,9 @@ class GenerationEngine:
         return {
             "num_running_reqs": self._num_running,
             "num_waiting_reqs": waiting,
+            "kv_tokens_used": self._used_tokens,
+            "kv_tokens_reserved": self._reserved_tokens,
+            "kv_tokens_budget": self.max_total_tokens or 0,
             "paused": self._paused,
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
@@ -304,6 +333,10 @@ class GenerationEngine:
             raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         if p.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+        if self.max_total_tokens is not None and len(ids) + p.max_new_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"the request needs {len(ids) + p.max_new_tokens} tokens of KV cache ({len(ids)} of prompt and "
+                f"max_new_tokens {p.max_new_tokens}), more than the server's max_total_tokens {self.max_total_tokens}")
         if self.context_length is not None and len(ids) + p.max_new_tokens > self.context_length:
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens. "
@@ -359,6 +392,9 @@ class GenerationEngine:
                     aborts, self._aborts = self._aborts, []
                     if self._updates and self._updates[0].abort_all:
                         aborts.append(_Abort(None, queued_too=False))
+                    if any(abort.retract for abort in aborts) and batch is not None:
+                        self._retract(batch)
+                        batch = None  # the old weights' cache goes with it
                     aborted = self._take_aborted(aborts, batch)
                     update, admitted = None, []
                     if self._updates:
@@ -367,24 +403,14 @@ class GenerationEngine:
                         if batch is None or not batch.live():
                             update = self._updates.popleft()
                     elif not self._paused:
-                        room = self.max_batch_size - (len(batch.live()) if batch else 0)
-                        # New requests join in groups: each join costs a prefill forward and a copy
-                        # of the cache, so only a short queue may join one request at a time.
-                        if batch is not None and room < min(self._join_group, len(self._waiting)):
-                            room = 0
-                        while self._waiting and len(admitted) < room:
-                            row = self._waiting.popleft()
-                            if row.future.set_running_or_notify_cancel():
-                                admitted.append(row)
-                            else:
-                                self._inflight.discard(row.request.rid)  # cancelled while queued
+                        admitted = self._admit(batch)
                 for row in aborted:
                     self._finish(row)
                 for abort in aborts:
                     abort.done.set_result(None)
                 if batch is not None and not batch.live():
                     batch = None  # every row aborted: the old weights' cache is dropped with it
-                    self._num_running = 0
+                    self._count_running(None)
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
@@ -406,8 +432,8 @@ class GenerationEngine:
                     batch = None
                 # Time spent computing, for the generator's busy fraction in the run metrics.
                 self._busy_seconds += time.perf_counter() - started
-                self._num_running = len(batch.live()) if batch else 0
-        self._num_running = 0
+                self._count_running(batch)
+        self._count_running(None)
         with self._cond:
             waiting, updates, aborts = list(self._waiting), list(self._updates), self._aborts
             self._waiting.clear()
@@ -418,6 +444,47 @@ class GenerationEngine:
         self._fail([*(batch.rows if batch else ()), *waiting], EngineShutdownError("the generation engine shut down"))
         for update in updates:
             update.done.set_exception(EngineShutdownError("the generation engine shut down before the update"))
+
+    def _admit(self, batch: _Batch | None) -> list[_Row]:
+        """Take the requests that join the running batch off the queue, in order (caller holds the lock)."""
+        live = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        room = self.max_batch_size - len(live)
+        # New requests join in groups: each join costs a prefill forward and a copy of the cache,
+        # so only a short queue may join one request at a time.
+        if batch is not None and room < min(self._join_group, len(self._waiting)):
+            return []
+        reserved = sum(row.kv_tokens for row in live)
+        admitted: list[_Row] = []
+        while self._waiting and len(admitted) < room:
+            row = self._waiting[0]
+            if self.max_total_tokens is not None and reserved + row.kv_tokens > self.max_total_tokens:
+                break  # it waits for running requests to finish; the ones behind it wait their turn
+            self._waiting.popleft()
+            if self._claim(row):
+                admitted.append(row)
+                reserved += row.kv_tokens
+        return admitted
+
+    def _claim(self, row: _Row) -> bool:
+        """Mark a queued row's future as running; False (and the rid freed) if it was cancelled.
+        A retracted row's future is running already."""
+        if row.future.running() or row.future.set_running_or_notify_cancel():
+            return True
+        self._inflight.discard(row.request.rid)
+        return False
+
+    def _retract(self, batch: _Batch) -> None:
+        """Queue the live rows of `batch` again, first in line, with their tokens so far (caller holds the lock)."""
+        rows = [batch.rows[i] for i in batch.live()]
+        for row in rows:
+            row.retractions += 1
+        self._waiting.extendleft(reversed(rows))
+
+    def _count_running(self, batch: _Batch | None) -> None:
+        live = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        self._num_running = len(live)
+        self._reserved_tokens = sum(row.kv_tokens for row in live)
+        self._used_tokens = sum(row.last_position + 1 for row in live)
 
     def _take_aborted(self, aborts: list[_Abort], batch: _Batch | None) -> list[_Row]:
         """Mark the rows that `aborts` match as finished by abort and take queued ones off the
@@ -435,27 +502,34 @@ class GenerationEngine:
                 queued = [row for row in self._waiting if abort.rid in (None, row.request.rid)]
                 for row in queued:
                     self._waiting.remove(row)
-                    if row.future.set_running_or_notify_cancel():
+                    if self._claim(row):
                         row.finish = ("abort", None)
                         hit.append(row)
-                    else:
-                        self._inflight.discard(row.request.rid)  # cancelled while queued
         return hit
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
-        width = max(len(row.request.input_ids) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)  # pad id 0: masked out, never attended
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            n = len(row.request.input_ids)
-            ids[i, width - n:] = torch.tensor(row.request.input_ids)
-            mask[i, width - n:] = 1
+        """One forward over the rows' prompts (a retracted row: prompt + tokens so far). Identical
+        sequences are computed once and their cache rows copied."""
+        sequences: dict[tuple[int, ...], int] = {}
+        index = [sequences.setdefault(row.sequence, len(sequences)) for row in rows]
+        width = max(map(len, sequences))
+        ids = torch.zeros(len(sequences), width, dtype=torch.int64)  # pad id 0: masked out, never attended
+        mask = torch.zeros(len(sequences), width, dtype=torch.int64)
+        for i, sequence in enumerate(sequences):
+            ids[i, width - len(sequence):] = torch.tensor(sequence)
+            mask[i, width - len(sequence):] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True, logits_to_keep=1,
         )
-        return _Batch(rows, out.past_key_values, mask, out.logits[:, -1].float())
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        if len(sequences) < len(rows):
+            rows_of = torch.tensor(index)
+            cache = Cache(layers=[_GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
+                                  for layer in cache.layers])
+            mask, logits = mask[rows_of], logits[rows_of]
+        return _Batch(rows, cache, mask, logits)
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample a token for every live row, answer the rows that finish, decode one step."""
@@ -502,7 +576,7 @@ class GenerationEngine:
         return GenerationResult(
             rid=row.request.rid, prompt_tokens=len(row.request.input_ids), output_ids=row.output_ids,
             output_logprobs=row.logprobs, output_versions=row.versions, finish_reason=finish[0],
-            matched_stop=finish[1], weight_version=self._version,
+            matched_stop=finish[1], weight_version=self._version, retractions=row.retractions,
         )
 
     def _finish(self, row: _Row) -> None:

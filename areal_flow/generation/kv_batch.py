@@ -91,6 +91,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: tuple[str, int | str | None] | None = None
+    retractions: int = 0
     generator: torch.Generator | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +117,16 @@ class _Row:
             return None
         tail = self.decode(self.output_ids[-(4 * max(len(s) for s in stop) + 2):])
         return next((s for s in stop if s in tail), None)
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """What a prefill must compute: the prompt, and the tokens so far of a retracted row."""
+        return self.request.input_ids + tuple(self.output_ids)
+
+    @property
+    def kv_tokens(self) -> int:
+        """The most KV cache slots this request can come to hold: prompt + max_new_tokens."""
+        return len(self.request.input_ids) + self.request.params.max_new_tokens
 
     @property
     def last_position(self) -> int:

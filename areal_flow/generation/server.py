@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areal_flow.generation.engine import (
+    PAUSE_MODES,
     EngineShutdownError,
     GenerationEngine,
     GenerationRequest,
@@ -246,6 +247,7 @@ def build_response(item: _Item, result: GenerationResult, server: GenerationServ
         "weight_version": str(result.weight_version),
         "completion_tokens": result.completion_tokens,
         "cached_tokens": 0,
+        "num_retractions": result.retractions,
         "output_token_versions": result.output_versions,
         "e2e_latency": latency,
     }
@@ -362,6 +364,7 @@ async def route_server_info(server: GenerationServer, raw: bytes, received: floa
         "port": port,
         "max_batch_size": engine.max_batch_size,
         "max_running_requests": engine.max_batch_size,
+        "max_total_num_tokens": engine.max_total_tokens,
         "context_length": engine.context_length,
         "vocab_size": engine.vocab_size,
         "eos_token_ids": sorted(engine.eos_token_ids),
@@ -388,10 +391,10 @@ async def route_flush_cache(server: GenerationServer, raw: bytes, received: floa
 
 async def route_pause(server: GenerationServer, raw: bytes, received: float) -> tuple[int, Payload]:
     mode = _json_object(raw).get("mode") or "abort"
-    if mode != "abort":
+    if mode not in PAUSE_MODES:
         raise bad_request(f"pause_generation mode {mode!r} is not supported by the embedded engine; it pauses "
-                          "in mode 'abort' (running requests return with finish_reason abort)")
-    await asyncio.to_thread(server.engine.pause)  # returns once the aborted requests are answered
+                          f"in mode {' or '.join(map(repr, PAUSE_MODES))}")
+    await asyncio.to_thread(server.engine.pause, mode)  # returns once the running requests are aborted or retracted
     return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
 
@@ -588,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless placed on other hosts)")
     parser.add_argument("--port", type=int, default=30000, help="port to bind (0: any free port)")
     parser.add_argument("--max-batch-size", type=int, default=128, help="most requests decoded together")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV cache budget in tokens: requests wait while the running ones' prompt + "
+                             "max_new_tokens would exceed it (default: no budget)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--log-level", default="INFO")
@@ -604,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     server, thread = serve(
         args.model_path, args.host, args.port,
         max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
+        max_total_tokens=args.max_total_tokens,
     )
     logger.info("serving %s at %s", args.model_path, server.url)
     stop.wait()

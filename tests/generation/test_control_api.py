@@ -81,8 +81,6 @@ def test_abort_request_by_rid_and_all(server):
                 assert answer["meta_info"]["finish_reason"]["type"] == "abort"
 
     asyncio.run(scenario())
-    status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "retract"})
-    assert status == 400 and "mode 'retract' is not supported" in body["error"]["message"]
 
 
 def test_an_update_mid_generation_is_resubmitted_and_stitched_across_versions(server, model_dirs):
@@ -159,3 +157,27 @@ def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, mod
         assert reason == "abort" and len(answer["output_ids"]) < 60 and seconds < 1.0
     else:  # the update waited for the whole answer, all of it on the old weights
         assert reason == "length" and answer["meta_info"]["output_token_versions"] == [0] * 60
+
+
+def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server, model_dirs):
+    async def scenario():
+        async with GenerationClient(server.url) as client, GenerationClient(server.url) as admin:
+            running = asyncio.create_task(client.generate(PROMPT, {**LONG, "max_new_tokens": 80}, rid="r"))
+            await started(server, 10)
+            await admin.pause_generation(mode="retract")
+            await asyncio.sleep(0.2)
+            assert not running.done()  # retracted, not answered
+            await admin.update_weights_from_disk(model_dirs.b, 1)  # nothing runs: no wait
+            await admin.continue_generation()
+            return await asyncio.wait_for(running, 60)
+
+    answer = asyncio.run(scenario())
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and len(answer["output_ids"]) == 80
+    assert meta["num_retractions"] == 1 and meta["weight_version"] == "1"
+    versions = meta["output_token_versions"]
+    k = versions.index(1)
+    assert k >= 10 and versions == [0] * k + [1] * (80 - k)
+    status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "in_place"})
+    assert status == 400 and "mode 'in_place' is not supported" in body["error"]["message"]
+    assert not server.engine.paused

@@ -124,3 +124,42 @@ def test_an_update_without_abort_waits_for_the_running_requests(engine, model_di
     result = future.result(timeout=0)  # it finished before the update went in
     assert result.finish_reason == "length" and set(result.output_versions) == {0}
     assert engine.version == 1
+
+
+def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_answer(engine, model_dirs):
+    future = long_request(engine, "r")
+    decoding(engine, 10)
+    engine.pause(mode="retract")
+    assert not future.done() and engine.stats()["num_waiting_reqs"] == 1  # back in the queue, not answered
+    engine.update_weights_from_disk(model_dirs.b, 1)  # nothing runs: loads at once
+    engine.continue_generation()
+    result = future.result(timeout=60)
+    assert result.finish_reason == "length" and len(result.output_ids) == LONG and result.retractions == 1
+    k = result.output_versions.index(1)
+    assert k >= 10 and set(result.output_versions[:k]) == {0} and set(result.output_versions[k:]) == {1}
+    # Tokens before the pause were sampled from weights a, the rest from b, each on its whole prefix.
+    under_a = full_forward_logprobs(load_reference(model_dirs.a), PROMPT, result.output_ids, 0.8)
+    under_b = full_forward_logprobs(load_reference(model_dirs.b), PROMPT, result.output_ids, 0.8)
+    torch.testing.assert_close(torch.tensor(result.output_logprobs), torch.cat([under_a[:k], under_b[k:]]),
+                               atol=1e-4, rtol=0)
+
+
+def test_a_retracted_seeded_request_draws_the_tokens_it_would_have_drawn(engine):
+    def seeded() -> Future[GenerationResult]:
+        return engine.submit(PROMPT, max_new_tokens=60, temperature=1.0, ignore_eos=True, seed=7)
+
+    plain = seeded().result(timeout=60)
+    future = seeded()
+    decoding(engine, 60 + 5)
+    engine.pause(mode="retract")
+    engine.pause(mode="retract")  # a second pause retracts nothing more
+    engine.continue_generation()
+    resumed = future.result(timeout=60)
+    assert resumed.retractions == 1 and resumed.output_ids == plain.output_ids
+    torch.testing.assert_close(resumed.output_logprobs, plain.output_logprobs, atol=1e-5, rtol=0)
+
+
+def test_an_unknown_pause_mode_is_refused(engine):
+    with pytest.raises(ValueError, match="pause mode must be one of"):
+        engine.pause(mode="in_place")
+    assert not engine.paused
