@@ -180,9 +180,7 @@ class GenerationEngine:
         self._paused = False
         self._inflight: set[str] = set()
         self._stopping = False
-        self._num_running = 0
-        self._reserved_tokens = 0  # prompt + max_new_tokens of the running requests
-        self._used_tokens = 0  # tokens in the KV cache of the running requests
+        self._running: list[_Row] = []  # the live rows after the last decode step
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
@@ -298,11 +296,12 @@ class GenerationEngine:
     def stats(self) -> dict[str, float]:
         with self._cond:
             waiting, updates = len(self._waiting), len(self._updates)
+        running = [row for row in self._running if row.finish is None]  # one may have finished since
         return {
-            "num_running_reqs": self._num_running,
+            "num_running_reqs": len(running),
             "num_waiting_reqs": waiting,
-            "kv_tokens_used": self._used_tokens,
-            "kv_tokens_reserved": self._reserved_tokens,
+            "kv_tokens_used": sum(row.last_position + 1 for row in running),  # prompt + tokens so far
+            "kv_tokens_reserved": sum(row.kv_tokens for row in running),
             "kv_tokens_budget": self.max_total_tokens or 0,
             "paused": self._paused,
             "num_pending_weight_updates": updates,
@@ -410,7 +409,7 @@ class GenerationEngine:
                     abort.done.set_result(None)
                 if batch is not None and not batch.live():
                     batch = None  # every row aborted: the old weights' cache is dropped with it
-                    self._count_running(None)
+                self._count_running(batch)  # some may have been aborted or retracted
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
@@ -481,10 +480,8 @@ class GenerationEngine:
         self._waiting.extendleft(reversed(rows))
 
     def _count_running(self, batch: _Batch | None) -> None:
-        live = [batch.rows[i] for i in batch.live()] if batch is not None else []
-        self._num_running = len(live)
-        self._reserved_tokens = sum(row.kv_tokens for row in live)
-        self._used_tokens = sum(row.last_position + 1 for row in live)
+        # The rows only: stats() sums their tokens when asked, not every decode step.
+        self._running = [batch.rows[i] for i in batch.live()] if batch is not None else []
 
     def _take_aborted(self, aborts: list[_Abort], batch: _Batch | None) -> list[_Row]:
         """Mark the rows that `aborts` match as finished by abort and take queued ones off the

@@ -130,7 +130,8 @@ def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_an
     future = long_request(engine, "r")
     decoding(engine, 10)
     engine.pause(mode="retract")
-    assert not future.done() and engine.stats()["num_waiting_reqs"] == 1  # back in the queue, not answered
+    stats = engine.stats()
+    assert not future.done() and stats["num_waiting_reqs"] == 1 and stats["num_running_reqs"] == 0  # requeued
     engine.update_weights_from_disk(model_dirs.b, 1)  # nothing runs: loads at once
     engine.continue_generation()
     result = future.result(timeout=60)
