@@ -126,6 +126,14 @@ class RolloutConfig:
     workers: int = doc(1, "rollout worker processes", ge=1)
     interrupt: bool = doc(True, "a weight update aborts the running requests, which resume under the new weights "
                           "(AReaL); false: it waits until they finish")
+    request_timeout: float = doc(600.0, "seconds one request to a generation server may take before it is retried on "
+                                 "another", gt=0)
+    request_retries: int = doc(3, "retries of a request after a connection error, timeout or 5xx answer (never after "
+                               "a 4xx)", ge=0)
+    retry_backoff: float = doc(0.5, "seconds before the first retry, doubled for each next one (5 s at most)", ge=0)
+    health_interval: float = doc(2.0, "seconds between /health checks of a generation server marked down", gt=0)
+    down_timeout: float = doc(60.0, "seconds a request waits for a server to come back when every one is down, "
+                              "then fails", ge=0)
 
 
 @dataclass

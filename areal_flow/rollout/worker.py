@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.router import ServerPool
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.models.tokenizer import load_tokenizer
@@ -28,16 +28,18 @@ from areal_flow.transport.messages import AdmitRequest, Admitted, Array, Finish,
 log = logging.getLogger("areal_flow.rollout")
 
 
-async def generate_sample(client: GenerationClient, prompt_ids: list[int], params: dict, rid: str) -> dict:
+async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict, rid: str, key: str) -> dict:
     """One sample. When the server aborts it for a weight update (finish_reason abort), resubmit
-    prompt + tokens so far with the remaining budget; each token keeps the version that made it."""
+    prompt + tokens so far with the remaining budget; each token keeps the version that made it.
+    Every request names `key` (its prompt group), so the pool keeps the sample, its resubmissions
+    and the rest of its group on one server while that server is up (ServerPool affinity)."""
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     budget = params["max_new_tokens"]
     for attempt in itertools.count():
-        answer = await client.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
-                                       rid=f"{rid}-{attempt}")
+        answer = await pool.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
+                                     rid=f"{rid}-{attempt}", key=key)
         meta = answer["meta_info"]
         out_ids += answer["output_ids"]
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -63,8 +65,7 @@ class RolloutWorker:
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
         self.tokenizer = load_tokenizer(spec.model_path)
-        self.clients = [GenerationClient(url) for url in spec.gen_urls]
-        self.next_client = itertools.cycle(self.clients)
+        self.pool = ServerPool(spec.gen_urls, config=cfg.rollout)
         # Every worker holds an equal share of the concurrency the controller may grant.
         self.slots = max(1, cfg.rollout.max_concurrent // spec.n_rollout)
         ctx = zmq.asyncio.Context()
@@ -112,9 +113,11 @@ class RolloutWorker:
 
     async def rollout(self, group: PromptGroup) -> None:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
-        client = next(self.next_client)  # one server per group keeps its prompt cache warm
+        # The group's samples share a key: they go together to the least-loaded server, which then
+        # holds the prompt in its cache.
         outs = await asyncio.gather(*[
-            generate_sample(client, prompt_ids, self.params, f"g{group.group_id}-{i}") for i in range(group.group_size)
+            generate_sample(self.pool, prompt_ids, self.params, f"g{group.group_id}-{i}", f"g{group.group_id}")
+            for i in range(group.group_size)
         ])
         samples = [
             Sample(

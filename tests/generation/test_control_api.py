@@ -16,6 +16,7 @@ import torch
 from generation_helpers import ModelDirs, full_forward_logprobs, greedy_reference, http_call, load_reference
 
 from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.router import ServerPool
 from areal_flow.generation.server import GenerationServer, serve
 from areal_flow.rollout.worker import generate_sample
 
@@ -89,8 +90,8 @@ def test_an_update_mid_generation_is_resubmitted_and_stitched_across_versions(se
     params = {"max_new_tokens": 120, "temperature": 0.8, "top_p": 1.0}
 
     async def scenario():
-        async with GenerationClient(server.url) as client, GenerationClient(server.url) as admin:
-            sample = asyncio.create_task(generate_sample(client, PROMPT, params, "s0"))
+        async with ServerPool([server.url]) as pool, GenerationClient(server.url) as admin:
+            sample = asyncio.create_task(generate_sample(pool, PROMPT, params, "s0", "g0"))
             await started(server, 10)
             t0 = time.perf_counter()
             await admin.pause_generation()

@@ -10,7 +10,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.worker import generate_sample
 from areal_flow.transport.messages import Finish
 
@@ -45,11 +45,8 @@ def test_an_aborted_sample_is_resumed_with_its_tokens_and_their_versions():
     AbortingSGLang.calls = []
 
     async def run():
-        client = GenerationClient(f"http://127.0.0.1:{server.server_address[1]}")
-        try:
-            return await generate_sample(client, [4, 5], {"max_new_tokens": 10, "temperature": 1.0}, "g0-0")
-        finally:
-            await client.close()
+        async with ServerPool([f"http://127.0.0.1:{server.server_address[1]}"]) as pool:
+            return await generate_sample(pool, [4, 5], {"max_new_tokens": 10, "temperature": 1.0}, "g0-0", "g0")
 
     try:
         out = asyncio.run(run())

@@ -1,0 +1,294 @@
+"""Routing over several generation servers: least load, affinity, retries, health, weight fan-out.
+
+`ServerPool` holds one `GenerationClient` per server and sends each request to one of them:
+
+- **least load**: the server with the fewest requests this pool has in flight on it (ties go
+  round-robin, starting with the first server);
+- **affinity**: a request may name a `key` (a sample or prompt-group id); later requests with the
+  same key go to the same server while it is up, where the prompt prefix is already cached;
+- **retries**: a connection error, a timeout or a 5xx answer marks the server down and the request
+  is retried (with backoff) on the least-loaded server still up; a 4xx is the request's fault and
+  is raised at once with the server's message;
+- **health**: a server marked down is skipped; every `health_interval` seconds a `/health` check
+  brings back the ones that answer. When every server is down, a request waits up to
+  `down_timeout` for one to come back, then fails naming each server and its last error
+  (the timeouts, retries and intervals are `rollout.*` settings: config/schema.py, RolloutConfig);
+- **weight updates**: `update_weights` pauses, loads and continues every server that is up.
+
+AReaL's client picks servers round-robin, remembers a server per request id and retries on the same
+server; slime's router picks the server with the fewest open requests. This pool does both, and
+moves a request off a server that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from areal_flow.config.schema import RolloutConfig
+from areal_flow.config.validate import check_ranges
+from areal_flow.generation.client import GenerationClient, GenerationError
+
+log = logging.getLogger("areal_flow.generation.router")
+
+AFFINITY_KEYS = 4096
+"""Keys remembered for affinity, the least recently used forgotten first: well above the prompt
+groups one rollout worker has in flight."""
+
+CONTROL_TIMEOUT = 5.0
+"""Seconds a /health check or the abort of a left request may take."""
+
+MAX_BACKOFF = 5.0
+"""Longest wait between two tries of a request."""
+
+
+class ServerPoolError(RuntimeError):
+    """No server could answer a request: every try failed, or every server stayed down."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A server refused to pause, load the weights or continue; the message names each."""
+
+
+@dataclass(eq=False)
+class Server:
+    name: str
+    client: GenerationClient
+    in_flight: int = 0
+    """Requests this pool has sent to the server and not yet had answered."""
+    up: bool = True
+    last_error: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.client.base_url}): {self.last_error or 'no error seen'}"
+
+
+class ServerPool:
+    """Sends requests to the generation servers at `urls` (named `names` in errors and logs)."""
+
+    def __init__(self, urls: Sequence[str], names: Sequence[str] | None = None,
+                 config: RolloutConfig | None = None, *, max_connections: int = 64) -> None:
+        if not urls:
+            raise ValueError("a ServerPool needs at least one server url")
+        names = list(names) if names is not None else [f"gen_server{i}" for i in range(len(urls))]
+        if len(names) != len(urls):
+            raise ValueError(f"{len(names)} names for {len(urls)} server urls")
+        config = config or RolloutConfig()
+        if problems := check_ranges(config, "rollout."):
+            raise ValueError("; ".join(problems))
+        self.servers = [Server(name, GenerationClient(url, max_connections=max_connections,
+                                                      timeout=config.request_timeout))
+                        for name, url in zip(names, urls)]
+        self.retries = config.request_retries
+        self.retry_backoff = config.retry_backoff
+        self.health_interval = config.health_interval
+        self.down_timeout = config.down_timeout
+        self._affinity: OrderedDict[str, Server] = OrderedDict()
+        self._turn = 0  # where the next tie between equally loaded servers starts
+        self._some_up = asyncio.Event()
+        self._some_up.set()
+        self._watcher: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # aborts of left requests
+
+    async def __aenter__(self) -> ServerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def clients(self) -> list[GenerationClient]:
+        return [s.client for s in self.servers]
+
+    def down(self) -> list[str]:
+        """Names of the servers marked down."""
+        return [s.name for s in self.servers if not s.up]
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        key: str | None = None,
+        return_logprob: bool = True,
+    ) -> dict:
+        """One prompt on one server (GenerationClient.generate), retried on another when it fails."""
+        rid = rid or uuid.uuid4().hex
+        tries: list[str] = []
+        for attempt in range(self.retries + 1):
+            server = await self._pick(key, rid)
+            # Each try has its own rid. A try that timed out or lost its connection may still be
+            # decoding on the server it left: it is aborted there (best effort, in the background:
+            # that server may be unreachable), and its answer could reach nobody since the
+            # connection is gone. A fresh rid keeps the retry clear of it even when the retry lands
+            # on the same server before the abort does (SGLang refuses a rid still in flight).
+            try_rid = rid if attempt == 0 else f"{rid}.retry{attempt}"
+            server.in_flight += 1
+            try:
+                return await server.client.generate(input_ids, sampling_params, rid=try_rid,
+                                                    return_logprob=return_logprob)
+            except GenerationError as exc:
+                if exc.status < 500:
+                    raise  # the request is wrong: another server would refuse it too
+                error: BaseException = exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                error = exc
+                if not isinstance(exc, aiohttp.ClientConnectorError):  # it may have reached the server
+                    self._in_background(self._abort(server, try_rid))
+            finally:
+                server.in_flight -= 1
+            self._mark_down(server, error)
+            tries.append(f"{server.name}: {_describe(error)}")
+            if attempt < self.retries:
+                await asyncio.sleep(min(self.retry_backoff * 2 ** attempt, MAX_BACKOFF))
+        raise ServerPoolError(f"request {rid} failed on every try ({len(tries)}): " + "; ".join(tries))
+
+    async def _pick(self, key: str | None, rid: str) -> Server:
+        """The key's server while it is up, else the least-loaded server that is up (waiting for
+        one to come back when none is). Nothing awaits once a server is chosen, so the requests of
+        a group started together all see the server the first of them bound its key to."""
+        await self._wait_until_some_up(f"request {rid}")
+        if key is not None and (server := self._affinity.get(key)) is not None and server.up:
+            self._affinity.move_to_end(key)
+            return server
+        n = len(self.servers)
+        i = min((i for i, s in enumerate(self.servers) if s.up),
+                key=lambda i: (self.servers[i].in_flight, (i - self._turn) % n))
+        server, self._turn = self.servers[i], (i + 1) % n
+        if key is not None:
+            self._affinity[key] = server
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > AFFINITY_KEYS:
+                self._affinity.popitem(last=False)
+        return server
+
+    async def _wait_until_some_up(self, what: str) -> None:
+        deadline = time.monotonic() + self.down_timeout
+        # A loop: a server that came back may fail again before this waiter runs.
+        while not any(s.up for s in self.servers):
+            try:
+                await asyncio.wait_for(self._some_up.wait(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise ServerPoolError(
+                    f"{what}: every generation server is down and none came back within {self.down_timeout:g} s "
+                    "(rollout.down_timeout); " + "; ".join(s.describe() for s in self.servers)) from None
+
+    async def _abort(self, server: Server, rid: str) -> None:
+        try:
+            await asyncio.wait_for(server.client.abort_request(rid), CONTROL_TIMEOUT)
+        except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
+            log.info("could not abort %s on %s, which was left for another server: %s", rid, server.name,
+                     _describe(exc))
+
+    def _in_background(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    def _mark_down(self, server: Server, error: BaseException) -> None:
+        server.last_error = _describe(error)
+        if server.up:
+            log.warning("generation server %s is down: %s", server.name, server.last_error)
+            server.up = False
+        if not any(s.up for s in self.servers):
+            self._some_up.clear()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Check the servers marked down every health_interval until every one is back."""
+        while down := [s for s in self.servers if not s.up]:
+            await asyncio.sleep(self.health_interval)
+            answers = await asyncio.gather(*[self._healthy(s) for s in down])
+            for server, healthy in zip(down, answers):
+                if healthy and not server.up:
+                    log.warning("generation server %s is back", server.name)
+                    server.up = True
+                    self._some_up.set()
+
+    async def _healthy(self, server: Server) -> bool:
+        """/health answers 200 (the server keeps as last_error the failure that marked it down)."""
+        try:
+            return await asyncio.wait_for(server.client.health(), CONTROL_TIMEOUT)
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- weight updates -------------------------------------------------------------------------
+
+    async def update_weights(self, model_path: str, version: int, *, interrupt: bool = True) -> list[str]:
+        """Load `model_path` as `version` on every server that is up; returns the names of the
+        servers left out because they are down (raises ServerPoolError when every one is).
+
+        Interrupting (AReaL's sequence): pause every server (their running requests return with
+        finish_reason abort and the tokens so far, which the rollout workers resubmit), load the
+        weights, then continue. No server decodes on the old weights once any has the new ones, and
+        no update waits for the longest answer in flight. Without interrupting, each server loads
+        once its running requests have finished.
+
+        A server that answers with an error (a refused load) makes the update raise
+        WeightUpdateError, but only after every paused server has been continued. A server that
+        cannot be reached is marked down and left out; when it comes back it serves the weights it
+        has (its tokens carry their version) until the next update reaches it.
+        """
+        await self._wait_until_some_up(f"the update to weight version {version}")
+        servers = [s for s in self.servers if s.up]
+        refusals: list[str] = []
+
+        async def on_each(step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
+                          ) -> list[Server]:
+            """`call` on every target at once; those that answered. Unreachable ones are marked down."""
+            results = await asyncio.gather(*[call(s.client) for s in targets], return_exceptions=True)
+            for server, result in zip(targets, results):
+                if isinstance(result, GenerationError):
+                    refusals.append(f"{server.name} refused to {step}: {_describe(result)}")
+                elif isinstance(result, (aiohttp.ClientError, asyncio.TimeoutError)):
+                    self._mark_down(server, result)
+                elif isinstance(result, BaseException):
+                    raise result
+            return [s for s, r in zip(targets, results) if not isinstance(r, BaseException)]
+
+        def load(client: GenerationClient) -> Awaitable[dict]:
+            return client.update_weights_from_disk(model_path, version, abort_all_requests=interrupt)
+
+        if not interrupt:
+            await on_each("load the weights", servers, load)
+        else:
+            paused = await on_each("pause", servers, lambda c: c.pause_generation())
+            try:
+                await on_each("load the weights", paused, load)
+            finally:
+                # Every server that may be paused, also one whose pause answered an error.
+                await on_each("continue", [s for s in servers if s.up], lambda c: c.continue_generation())
+        if refusals:
+            raise WeightUpdateError(f"weight version {version} from {model_path}: " + "; ".join(refusals))
+        left_out = [s.name for s in self.servers if not s.up]
+        if left_out:
+            log.warning("weight version %d was not loaded on %s: down (%s)", version, ", ".join(left_out),
+                        "; ".join(s.describe() for s in self.servers if not s.up))
+        return left_out
+
+    async def close(self) -> None:
+        for task in [self._watcher, *self._background]:
+            if task is not None:
+                task.cancel()
+        for server in self.servers:
+            await server.client.close()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, asyncio.TimeoutError):
+        return "no answer in time (rollout.request_timeout)"
+    return str(error) or type(error).__name__

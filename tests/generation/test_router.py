@@ -1,0 +1,298 @@
+"""ServerPool on real servers: least load, affinity, retries on another server when one stops or
+stalls, no retry of a 4xx, every server down, a server coming back, and the weight-update fan-out.
+
+The two servers of a test serve different weights where the test must tell which server answered:
+a greedy answer then names the model that made it. A forward hook (a real sleep per forward) keeps
+requests decoding while the test acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+from generation_helpers import ModelDirs, async_wait_until, greedy_reference, load_reference
+
+from areal_flow.config.schema import RolloutConfig
+from areal_flow.controller.publisher import WeightPublisher
+from areal_flow.generation.client import GenerationError
+from areal_flow.generation.router import ServerPool, ServerPoolError, WeightUpdateError
+from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.rollout.worker import generate_sample
+from areal_flow.transport.messages import Finish
+
+PROMPT = [2, 7, 3, 9]
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def fast(**settings) -> RolloutConfig:
+    """Short backoff and health interval, for tests that take servers down."""
+    return RolloutConfig(retry_backoff=0.05, health_interval=0.1, **settings)
+
+
+@pytest.fixture
+def start(model_dirs: ModelDirs):
+    """start(model_dir, delay=s, port=p): a real server, stopped at the end of the test."""
+    started = []
+
+    def start(path: str | None = None, *, delay: float = 0.0, port: int = 0) -> GenerationServer:
+        server, thread = serve(path or model_dirs.a, port=port, max_batch_size=16)
+        if delay:
+            server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(delay))
+        started.append((server, thread))
+        return server
+
+    yield start
+    for server, thread in started:
+        server.stop()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dirs: ModelDirs) -> dict[str, list[int]]:
+    """The greedy answer to PROMPT of each model: model a's and model b's differ."""
+    answers = {m: greedy_reference(load_reference(getattr(model_dirs, m)), PROMPT, 12, stop_ids=()) for m in "ab"}
+    assert answers["a"] != answers["b"]
+    return answers
+
+
+def spy(pool: ServerPool) -> list[tuple[str, str, str]]:
+    """Record (server, rid, outcome) of every request the pool sends; the requests stay real."""
+    calls: list[tuple[str, str, str]] = []
+    for server in pool.servers:
+        async def generate(*args, _real=server.client.generate, _name=server.name, **kw):
+            try:
+                answer = await _real(*args, **kw)
+            except Exception as exc:
+                calls.append((_name, kw["rid"], type(exc).__name__))
+                raise
+            calls.append((_name, kw["rid"], "ok"))
+            return answer
+
+        server.client.generate = generate
+    return calls
+
+
+def served(server: GenerationServer) -> int:
+    return server.engine.stats()["generated_tokens"]
+
+
+def test_least_load_spreads_concurrent_requests_and_avoids_the_busy_server(start):
+    a, b = start(delay=0.01), start(delay=0.01)
+
+    async def scenario():
+        async with ServerPool([a.url, b.url]) as pool:
+            await asyncio.gather(*[pool.generate(PROMPT, {"max_new_tokens": 5, "ignore_eos": True})
+                                   for _ in range(8)])
+            spread = served(a), served(b)
+            # A group of 4 long requests holds one server; the 4 requests after it go to the other.
+            group = [asyncio.create_task(pool.generate(PROMPT, {"max_new_tokens": 40, "ignore_eos": True}, key="g"))
+                     for _ in range(4)]
+            await asyncio.sleep(0)
+            busy = next(s for s in pool.servers if s.in_flight)
+            assert busy.in_flight == 4
+            await asyncio.gather(*group, *[pool.generate(PROMPT, {"max_new_tokens": 3, "ignore_eos": True})
+                                           for _ in range(4)])
+            assert all(s.in_flight == 0 for s in pool.servers)
+            return spread, busy.name
+
+    (spread, busy) = asyncio.run(scenario())
+    assert spread == (20, 20)  # 4 requests of 5 tokens on each
+    group_server, other = (a, b) if busy == "gen_server0" else (b, a)
+    assert served(group_server) == 20 + 4 * 40 and served(other) == 20 + 4 * 3
+
+
+def test_affinity_keeps_a_group_and_its_resubmissions_on_one_server(start, model_dirs, greedy):
+    servers = {"a": start(model_dirs.a, delay=0.005), "b": start(model_dirs.b, delay=0.005)}
+
+    async def scenario():
+        async with ServerPool([servers["a"].url, servers["b"].url]) as pool:
+            calls = spy(pool)
+            groups = [asyncio.gather(*[generate_sample(pool, PROMPT, GREEDY, f"g{g}-{i}", f"g{g}") for i in range(3)])
+                      for g in range(6)]
+            run = asyncio.gather(*groups)
+            # Interrupt both servers mid-generation, as a weight update does: every running sample
+            # comes back aborted and is resubmitted with its tokens so far.
+            await async_wait_until(lambda: served(servers["a"]) > 5 and served(servers["b"]) > 5, "both decoding")
+            await asyncio.gather(*[c.pause_generation() for c in pool.clients])
+            await asyncio.gather(*[c.continue_generation() for c in pool.clients])
+            return await run, calls
+
+    outs, calls = asyncio.run(scenario())
+    models = []
+    for group in outs:
+        # Every sample of a group, resumed or not, is the greedy answer of one model.
+        (model,) = {m for m in "ab" for o in group if o["output_ids"] == greedy[m]}
+        assert all(o["output_ids"] == greedy[model] for o in group)
+        models.append(model)
+    assert Counter(models) == {"a": 3, "b": 3}  # and the groups spread over both
+    # Samples were resubmitted (attempt 1), each to the server of its first request.
+    where = {rid: server for server, rid, outcome in calls}
+    resubmitted = [rid for rid in where if rid.endswith("-1")]
+    assert resubmitted and all(where[rid] == where[rid[:-1] + "0"] for rid in resubmitted)
+
+
+def test_a_stopped_server_s_requests_are_retried_on_the_other_and_each_sample_completes_once(start):
+    a, b = start(delay=0.01), start(delay=0.01)
+    params = {"max_new_tokens": 30, "temperature": 1.0, "ignore_eos": True}
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            calls = spy(pool)
+            samples = [generate_sample(pool, PROMPT, params, f"g{g}-{i}", f"g{g}") for g in range(4) for i in range(3)]
+            run = asyncio.gather(*samples)
+            await async_wait_until(lambda: served(a) > 10, "server a decoding")
+            await asyncio.to_thread(a.stop)
+            return await run, calls, pool.down(), pool.servers[0].last_error
+
+    outs, calls, down, error = asyncio.run(scenario())
+    assert len(outs) == 12 and all(len(o["output_ids"]) == 30 and o["finish"] == Finish.LENGTH for o in outs)
+    assert down == ["gen_server0"] and error.startswith(f"{a.url}/generate answered 503")
+    failed = [rid for server, rid, outcome in calls if outcome != "ok"]
+    assert failed and all(server == "gen_server0" for server, _, outcome in calls if outcome != "ok")
+    # Each sample's request answered once: by b after a failed, never twice.
+    answered = Counter(rid.split(".retry")[0] for _, rid, outcome in calls if outcome == "ok")
+    assert answered == {f"g{g}-{i}-0": 1 for g in range(4) for i in range(3)}
+    assert all(f"{rid}.retry1" in {r for s, r, o in calls if s == "gen_server1" and o == "ok"} for rid in failed)
+
+
+def test_a_request_that_times_out_is_aborted_where_it_ran_and_retried_elsewhere(start):
+    slow, quick = start(delay=0.2), start()
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+
+    async def scenario():
+        async with ServerPool([slow.url, quick.url], config=fast(request_timeout=1.5)) as pool:
+            calls = spy(pool)
+            answer = await pool.generate(PROMPT, params, rid="late")
+            # The abort is sent in the background, at once: the slow server drops the request
+            # instead of decoding it for the 8 s its 40 tokens take there.
+            await async_wait_until(slow.engine.is_idle, "the slow server to drop the request", timeout=3)
+            return answer, calls
+
+    answer, calls = asyncio.run(scenario())
+    assert calls == [("gen_server0", "late", "TimeoutError"), ("gen_server1", "late.retry1", "ok")]
+    assert len(answer["output_ids"]) == 40 and answer["meta_info"]["id"] == "late.retry1"
+    assert served(slow) < 40
+
+
+def test_a_4xx_is_raised_with_the_server_s_message_and_not_retried(start):
+    a, b = start(), start()
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            calls = spy(pool)
+            with pytest.raises(GenerationError) as caught:
+                await pool.generate(PROMPT, {"stop": [3]}, rid="bad")
+            return caught.value, calls, pool.down()
+
+    error, calls, down = asyncio.run(scenario())
+    assert error.status == 400 and "sampling_params.stop must be a string or a list of strings" in str(error)
+    assert calls == [("gen_server0", "bad", "GenerationError")] and down == []
+
+
+def test_every_server_down_fails_after_down_timeout_naming_each_server(start):
+    a, b = start(), start()
+    a.stop()
+    b.stop()
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast(request_retries=5, down_timeout=1.0)) as pool:
+            t0 = time.monotonic()
+            with pytest.raises(ServerPoolError) as caught:
+                await pool.generate(PROMPT, GREEDY, rid="lost")
+            return str(caught.value), time.monotonic() - t0
+
+    message, seconds = asyncio.run(scenario())
+    assert 1.0 <= seconds < 6
+    assert message.startswith("request lost: every generation server is down and none came back within 1 s "
+                              "(rollout.down_timeout); ")
+    for server, name in ((a, "gen_server0"), (b, "gen_server1")):
+        assert f"{name} ({server.url}): " in message
+    assert message.count("Cannot connect to host") == 2
+
+
+def test_a_server_that_comes_back_is_used_again_and_a_waiting_request_completes(start, model_dirs):
+    a = start()
+    port = a.server_address[1]
+
+    async def scenario():
+        async with ServerPool([a.url], config=fast(down_timeout=30)) as pool:
+            await pool.generate(PROMPT, GREEDY)
+            await asyncio.to_thread(a.stop)
+            waiting = asyncio.create_task(pool.generate(PROMPT, GREEDY, rid="patient"))
+            await async_wait_until(lambda: pool.down() == ["gen_server0"], "the server to be marked down")
+            await asyncio.sleep(0.5)  # several health checks find nothing
+            assert not waiting.done()
+            again = await asyncio.to_thread(start, model_dirs.b, port=port)  # a restart, on the same address
+            answer = await asyncio.wait_for(waiting, 10)
+            return answer, pool.down(), again
+
+    answer, down, again = asyncio.run(scenario())
+    assert down == [] and answer["meta_info"]["id"] == "patient.retry1"
+    assert served(again) == 12  # the restarted server answered it
+
+
+def test_publish_pauses_updates_and_continues_every_server(start, model_dirs):
+    a, b = start(delay=0.005), start(delay=0.005)
+
+    async def scenario():
+        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"])
+        async with ServerPool([a.url, b.url]) as pool:
+            running = [asyncio.create_task(pool.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True}))
+                       for _ in range(2)]
+            await async_wait_until(lambda: served(a) > 3 and served(b) > 3, "both decoding")
+            await publisher.publish(model_dirs.b, 1)
+            answers = await asyncio.gather(*running)
+        await publisher.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(a["meta_info"]["finish_reason"]["type"] == "abort" for a in answers)  # paused mid-answer
+    for server in (a, b):
+        assert server.engine.version == 1 and not server.engine.paused
+
+
+def test_a_refused_update_fails_the_publish_but_every_server_is_continued(start, model_dirs):
+    a, wide = start(model_dirs.a), start(model_dirs.wide)  # the wide model cannot take b's weights
+
+    async def scenario():
+        publisher = WeightPublisher([a.url, wide.url], ["gen_server0", "gen_server1"])
+        with pytest.raises(WeightUpdateError) as caught:
+            await publisher.publish(model_dirs.b, 1)
+        await publisher.close()
+        return str(caught.value)
+
+    message = asyncio.run(scenario())
+    assert message.startswith(f"weight version 1 from {model_dirs.b}: gen_server1 refused to load the weights: ")
+    assert "gen_server0" not in message
+    assert a.engine.version == 1 and wide.engine.version == 0
+    assert not a.engine.paused and not wide.engine.paused
+    for server in (a, wide):  # both generate again
+        assert server.engine.submit(PROMPT, max_new_tokens=2).result(timeout=10).output_ids
+
+
+def test_a_down_server_is_left_out_of_an_update_and_reported(start, model_dirs):
+    a, b = start(), start()
+    b.stop()
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            return await pool.update_weights(model_dirs.b, 1)
+
+    assert asyncio.run(scenario()) == ["gen_server1"]
+    assert a.engine.version == 1 and not a.engine.paused
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"urls": []}, "a ServerPool needs at least one server url"),
+    ({"names": ["only_one"]}, "1 names for 2 server urls"),
+    ({"config": RolloutConfig(request_retries=-1)}, "rollout.request_retries=-1 must be ≥ 0"),
+    ({"config": RolloutConfig(request_timeout=0)}, "rollout.request_timeout=0 must be > 0"),
+    ({"urls": ["http://127.0.0.1:1", "127.0.0.1:2"]}, "base_url must look like http://host:port, got '127.0.0.1:2'"),
+])
+def test_bad_pool_settings_are_refused_naming_the_setting(kw, message):
+    kw = {"urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"], **kw}
+    with pytest.raises(ValueError, match=message):
+        ServerPool(kw.pop("urls"), **kw)
