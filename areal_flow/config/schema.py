@@ -124,8 +124,11 @@ class RolloutConfig:
     max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous", ge=0)
     max_concurrent: int = doc(64, "most prompt groups generating at once", ge=1)
     workers: int = doc(1, "rollout worker processes", ge=1)
-    interrupt: bool = doc(True, "a weight update aborts the running requests, which resume under the new weights "
-                          "(AReaL); false: it waits until they finish")
+    interrupt: bool = doc(True, "a weight update interrupts the running requests, which resume under the new "
+                          "weights; false: it waits until they finish")
+    pause_mode: str = doc("abort", "how an interrupting update stops the running requests: 'abort' (AReaL: they "
+                          "return their tokens so far and the rollout worker resubmits them) or 'retract' (SGLang: "
+                          "the server requeues and recomputes them itself)", choices=("abort", "retract"))
     request_timeout: float = doc(600.0, "seconds one request to a generation server may take before it is retried on "
                                  "another", gt=0)
     request_retries: int = doc(3, "retries of a request after a connection error, timeout or 5xx answer (never after "

@@ -74,7 +74,8 @@ class Controller:
         self.eval_rows = load_jsonl(spec.eval_path, list(cfg.dataset.fields))
         self.tokenizer = load_tokenizer(spec.model_path)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
-                                         interrupt=cfg.rollout.interrupt, config=cfg.rollout)
+                                         interrupt=cfg.rollout.interrupt,
+                                         pause_mode=cfg.rollout.pause_mode, config=cfg.rollout)
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.clock, self.traffic = RunClock(), Traffic()

@@ -13,12 +13,13 @@ from areal_flow.generation.router import ServerPool
 
 
 class WeightPublisher:
-    def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True,
+    def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True, pause_mode: str = "abort",
                  config: RolloutConfig | None = None):
         """`config`: the timeouts, retries and health interval of the servers' pool."""
         self.pool = ServerPool(urls, names, config)
         self.names = names  # process names, for error messages
         self.interrupt = interrupt  # rollout.interrupt
+        self.pause_mode = pause_mode  # rollout.pause_mode
 
     @property
     def clients(self) -> list[GenerationClient]:
@@ -29,7 +30,7 @@ class WeightPublisher:
         raises WeightUpdateError once every server is continued (ServerPool.update_weights). A
         server that is down is logged and left out; it is marked up again when /health answers."""
         t0 = time.perf_counter()
-        await self.pool.update_weights(weights_path, version, interrupt=self.interrupt)
+        await self.pool.update_weights(weights_path, version, interrupt=self.interrupt, pause_mode=self.pause_mode)
         return time.perf_counter() - t0
 
     async def busy_seconds(self) -> float | None:

@@ -228,15 +228,17 @@ class ServerPool:
 
     # ---- weight updates -------------------------------------------------------------------------
 
-    async def update_weights(self, model_path: str, version: int, *, interrupt: bool = True) -> list[str]:
+    async def update_weights(self, model_path: str, version: int, *, interrupt: bool = True,
+                             pause_mode: str = "abort") -> list[str]:
         """Load `model_path` as `version` on every server that is up; returns the names of the
         servers left out because they are down (raises ServerPoolError when every one is).
 
-        Interrupting (AReaL's sequence): pause every server (their running requests return with
-        finish_reason abort and the tokens so far, which the rollout workers resubmit), load the
-        weights, then continue. No server decodes on the old weights once any has the new ones, and
-        no update waits for the longest answer in flight. Without interrupting, each server loads
-        once its running requests have finished.
+        Interrupting: pause every server, load the weights, then continue. With pause_mode "abort"
+        (AReaL's sequence) the running requests return with finish_reason abort and the tokens so
+        far, which the rollout workers resubmit; with "retract" (SGLang's) each server requeues them
+        and prefills them again under the new weights itself. No server decodes on the old weights
+        once any has the new ones, and no update waits for the longest answer in flight. Without
+        interrupting, each server loads once its running requests have finished.
 
         A server that answers with an error (a refused load) makes the update raise
         WeightUpdateError, but only after every paused server has been continued. A server that
@@ -261,12 +263,14 @@ class ServerPool:
             return [s for s, r in zip(targets, results) if not isinstance(r, BaseException)]
 
         def load(client: GenerationClient) -> Awaitable[dict]:
-            return client.update_weights_from_disk(model_path, version, abort_all_requests=interrupt)
+            # Paused in mode retract, nothing runs: there is nothing to abort.
+            return client.update_weights_from_disk(model_path, version,
+                                                   abort_all_requests=interrupt and pause_mode == "abort")
 
         if not interrupt:
             await on_each("load the weights", servers, load)
         else:
-            paused = await on_each("pause", servers, lambda c: c.pause_generation())
+            paused = await on_each("pause", servers, lambda c: c.pause_generation(pause_mode))
             try:
                 await on_each("load the weights", paused, load)
             finally:

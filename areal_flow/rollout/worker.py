@@ -43,8 +43,7 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
         meta = answer["meta_info"]
         out_ids += answer["output_ids"]
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-        # output_token_versions is areal_flow's extension; real SGLang reports one version per answer.
-        versions += meta.get("output_token_versions") or [_version(meta)] * len(answer["output_ids"])
+        versions += token_versions(meta, len(answer["output_ids"]))
         reason = meta["finish_reason"]["type"]
         if reason != "abort" or len(out_ids) >= budget:
             # An abort that used the whole budget is a truncation like any other.
@@ -52,10 +51,23 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
             return {"output_ids": out_ids, "behav_logprobs": logprobs, "versions": versions, "finish": finish}
 
 
-def _version(meta: dict) -> int:
+def token_versions(meta: dict, n: int) -> list[int]:
+    """The weight version of each of an answer's n tokens: areal_flow's `output_token_versions`;
+    else SGLang's `weight_versions` spans (0.5.23: a retracted answer spans several); else its
+    `weight_version`, for every token (older SGLang). A label that is no number counts as 0
+    (SGLang's initial label is "default"; areal_flow's runs label versions by number)."""
+    if (versions := meta.get("output_token_versions")) is not None:
+        return list(versions)
+    out = [_number(meta.get("weight_version"))] * n
+    for span in meta.get("weight_versions") or ():
+        out[span["start"]:span["end"]] = [_number(span["version"])] * (span["end"] - span["start"])
+    return out
+
+
+def _number(label: object) -> int:
     try:
-        return int(meta.get("weight_version", 0))
-    except ValueError:  # SGLang's initial label is "default"
+        return int(label)
+    except (TypeError, ValueError):
         return 0
 
 

@@ -137,12 +137,12 @@ def test_stop_strings_and_seeds_over_http(server, model_dirs):
     assert status == 400 and "sampling_params.stop must be a string or a list of strings" in answer["error"]["message"]
 
 
-@pytest.mark.parametrize("interrupt", [True, False])
-def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, model_dirs, interrupt):
+@pytest.mark.parametrize("interrupt, pause_mode", [(True, "abort"), (True, "retract"), (False, "abort")])
+def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, model_dirs, interrupt, pause_mode):
     from areal_flow.controller.publisher import WeightPublisher
 
     async def scenario():
-        publisher = WeightPublisher([server.url], ["gen_server0"], interrupt=interrupt)
+        publisher = WeightPublisher([server.url], ["gen_server0"], interrupt=interrupt, pause_mode=pause_mode)
         async with GenerationClient(server.url) as client:
             running = asyncio.create_task(client.generate(PROMPT, {**LONG, "max_new_tokens": 60}))
             await started(server)
@@ -152,12 +152,15 @@ def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, mod
         return seconds, answer
 
     seconds, answer = asyncio.run(scenario())
-    reason = answer["meta_info"]["finish_reason"]["type"]
+    reason, versions = answer["meta_info"]["finish_reason"]["type"], answer["meta_info"]["output_token_versions"]
     assert server.engine.version == 1 and not server.engine.paused
-    if interrupt:  # aborted with its tokens so far, the update at once
+    if not interrupt:  # the update waited for the whole answer, all of it on the old weights
+        assert reason == "length" and versions == [0] * 60
+    elif pause_mode == "abort":  # aborted with its tokens so far, the update at once
         assert reason == "abort" and len(answer["output_ids"]) < 60 and seconds < 1.0
-    else:  # the update waited for the whole answer, all of it on the old weights
-        assert reason == "length" and answer["meta_info"]["output_token_versions"] == [0] * 60
+    else:  # retracted: one whole answer, its tail on the new weights, the update at once
+        k = versions.index(1)
+        assert reason == "length" and versions == [0] * k + [1] * (60 - k) and k > 0 and seconds < 1.0
 
 
 def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server, model_dirs):
