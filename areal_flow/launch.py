@@ -14,17 +14,19 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from areal_flow.config.schema import RunConfig, register_configs
 from areal_flow.config.validate import ConfigError, check_model, check_run
 from areal_flow.data.dataset import DatasetError, load_jsonl
+from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
-from areal_flow.graph.placement import Placement
+from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import read_metrics
-from areal_flow.runtime.spec import RunSpec, free_ports, typed, write_run
+from areal_flow.runtime.spec import RunSpec, free_ports, reachable, typed, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Hydra config dir. An installed wheel holds it inside the package, as areal_flow/conf with the
@@ -68,26 +70,49 @@ def prepare_model(cfg: RunConfig) -> str:
                              seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True)
 
 
-def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec, seed: int) -> None:
+def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str) -> tuple[list[str], dict[str, str]]:
+    """The argv of generation server `proc` under generation.backend, and its environment beyond
+    the launcher's own."""
+    gen, seed = cfg.generation, cfg.seed + proc.rank
+    if gen.backend == "sglang":
+        return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type),
+                sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))
+    argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host", gen.host,
+            "--port", str(port), "--num-threads", str(max(1, len(proc.devices))), "--seed", str(seed)]
+    if gen.max_batch_size is not None:
+        argv += ["--max-batch-size", str(gen.max_batch_size)]
+    return argv, {}
+
+
+def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
     for proc in placement.procs:
         if proc.role == "gen_server":
-            argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", spec.model_path,
-                    "--port", str(spec.gen_ports[proc.rank]), "--num-threads", str(max(1, len(proc.devices))),
-                    "--seed", str(seed + proc.rank)]
+            launcher.start(proc, *server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank]))
         else:
-            argv = python_role(proc.role, proc, spec.run_dir)
-        launcher.start(proc, argv)
+            launcher.start(proc, python_role(proc.role, proc, spec.run_dir))
+
+
+def describe_servers(cfg: RunConfig, placement: Placement) -> str:
+    """The generation servers' command lines, for a dry run (ports are picked at start)."""
+    model = os.path.abspath(cfg.model.path) if cfg.model.path else f"<the bootstrapped model in {cfg.cache_dir}/models>"
+    lines = [f"generation servers (generation.backend={cfg.generation.backend}):"]
+    for proc in placement.of_role("gen_server"):
+        lines.append(f"  {proc.name}: {shell_line(*server_command(cfg, proc, model, '<port>'))}")
+    return "\n".join(lines)
 
 
 def run(raw: DictConfig, console: Console) -> int:
     cfg = typed(raw)
     graph = graph_from_config(cfg)
     check_run(cfg, graph)
-    placement = place(graph, cfg.rollout.workers)
+    placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size)
     if cfg.dry_run:
         console.print(graph.describe(), highlight=False, markup=False)
         console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
+        console.print(describe_servers(cfg, placement), highlight=False, markup=False)
         return 0
+    if cfg.generation.backend == "sglang" and (problem := sglang_missing()):
+        raise ConfigError([problem])
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg)
     model_path = prepare_model(cfg)
@@ -98,18 +123,18 @@ def run(raw: DictConfig, console: Console) -> int:
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
         gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
         trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
-        n_trainers=n_train, n_rollout=n_roll,
+        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(cfg.generation.host),
     )
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
     launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
                              stop_timeout=cfg.launcher.stop_timeout)
     try:
-        start_processes(launcher, placement, spec, cfg.seed)
+        start_processes(launcher, placement, spec, cfg)
         with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
-        console.print(f"[bold red]run failed:[/] {e}", highlight=False)
+        console.print(f"[bold red]run failed:[/] {escape(str(e))}", highlight=False)
         return 1
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]: stopping every process")
@@ -130,7 +155,8 @@ def main(cfg: DictConfig) -> None:
     try:
         code = run(cfg, console)
     except (GraphError, ConfigError, DatasetError) as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2
     if code:
         sys.exit(code)

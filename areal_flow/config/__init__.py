@@ -5,6 +5,7 @@ from areal_flow.config.schema import (  # noqa: F401
     RolloutConfig,
     ClusterConfig,
     DatasetConfig,
+    GenerationConfig,
     LauncherConfig,
     MetricsConfig,
     ModelConfig,

@@ -140,6 +140,32 @@ class RolloutConfig:
 
 
 @dataclass
+class GenerationConfig:
+    """The generation servers: areal_flow's embedded engine or real SGLang (docs/generation.md, "Real SGLang")."""
+
+    backend: str = doc("embedded", "embedded: areal_flow's engine (any machine); sglang: `python -m sglang.launch_server` "
+                       "(pip install -e '.[sglang]')", choices=("embedded", "sglang"))
+    host: str = doc("127.0.0.1", "address the servers bind (--host); clients connect to it, or to loopback when it is "
+                    "0.0.0.0 or ::")
+    tp_size: int = doc(1, "devices per server: the generate mesh runs len(mesh)/tp_size servers; sglang: --tp-size, "
+                       "embedded: the server's torch threads", ge=1)
+    max_batch_size: Optional[int] = doc(None, "most requests a server decodes at once; null = 128 (embedded), "
+                                        "SGLang's own choice (sglang: --max-running-requests)", ge=1)
+    mem_fraction_static: Optional[float] = doc(None, "sglang: --mem-fraction-static, the share of device memory for "
+                                               "weights and KV cache; null = SGLang's choice", gt=0, le=1)
+    context_length: Optional[int] = doc(None, "sglang: --context-length; null = the model's config.json", ge=1)
+    dtype: Optional[str] = doc(None, "sglang: --dtype of weights and activations; null = SGLang's 'auto'",
+                               choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
+    attention_backend: Optional[str] = doc(None, "sglang: --attention-backend (e.g. fa3, flashinfer, triton, "
+                                           "intel_amx on CPU); null = SGLang's choice")
+    chunked_prefill_size: Optional[int] = doc(None, "sglang: --chunked-prefill-size in tokens; -1 turns chunked "
+                                              "prefill off (AReaL's default); null = SGLang's choice", ge=-1)
+    disable_radix_cache: bool = doc(False, "sglang: --disable-radix-cache (no prefix cache shared by a group's samples)")
+    extra_args: List[str] = doc(help="sglang: more launch_server arguments, passed verbatim, e.g. "
+                                "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
+
+
+@dataclass
 class LauncherConfig:
     """How processes are started and watched."""
 
@@ -180,6 +206,7 @@ class RunConfig:
     graph: Dict[str, NodeConfig] = doc(help="the MFC nodes, by name", factory=dict)
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
     rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
+    generation: GenerationConfig = doc(help="generation servers: backend and SGLang flags", factory=GenerationConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
 

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from areal_flow.config.schema import RunConfig
+from areal_flow.generation.sglang_backend import generation_problems
 from areal_flow.graph.dag import Graph
 from areal_flow.training.layout import layout_problems
 
@@ -105,5 +106,6 @@ def check_model(graph: Graph, model_path: str) -> None:
 def check_run(cfg: RunConfig, graph: Graph) -> None:
     """Raise ConfigError listing every problem of a composed config whose graph is valid."""
     problems = check_ranges(cfg) + _machine(cfg) + _graph(cfg, graph)
+    problems += generation_problems(cfg.generation, len(graph.generate.mesh or ()))
     if problems:
         raise ConfigError(problems)

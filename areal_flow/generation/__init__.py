@@ -6,6 +6,8 @@
 - `server.py` — the SGLang native HTTP API subset (`/generate`, `/update_weights_from_disk`, ...)
   on FastAPI and uvicorn, as SGLang serves it, and the `python -m areal_flow.generation.server` CLI.
 - `client.py` — an asyncio client for that API (aiohttp); it talks to real SGLang just as well.
+- `sglang_backend.py` — `generation.backend=sglang`: the `sglang.launch_server` command line and
+  environment the launcher starts instead of the embedded server, and the checks of `generation.*`.
 
 Nothing is imported here, so that rollout workers can import the client without loading torch.
 """

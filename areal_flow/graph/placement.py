@@ -33,12 +33,14 @@ class Placement:
         return "\n".join(lines)
 
 
-def place(graph: Graph, rollout_workers: int) -> Placement:
-    """One generation server per generate-mesh device (tensor parallel 1), one trainer rank per
-    trainer-mesh device (data parallel), the reward pool, rollout workers and one controller."""
+def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1) -> Placement:
+    """One generation server per `gen_tp_size` consecutive generate-mesh devices (which must divide
+    the mesh: config/validate.py), one trainer rank per trainer-mesh device (data parallel), the
+    reward pool, rollout workers and one controller."""
     procs = [Proc("controller", "controller")]
-    for i, dev in enumerate(graph.generate.mesh or ()):
-        procs.append(Proc(f"gen_server{i}", "gen_server", (dev,), i))
+    gen_mesh = graph.generate.mesh or ()
+    for i, start in enumerate(range(0, len(gen_mesh), gen_tp_size)):
+        procs.append(Proc(f"gen_server{i}", "gen_server", tuple(gen_mesh[start:start + gen_tp_size]), i))
     procs += [Proc(f"rollout{i}", "rollout", (), i) for i in range(rollout_workers)]
     # One pool runs every reward node in graph order on each group it takes.
     n_reward = max((n.workers for n in graph.rewards), default=0)

@@ -61,9 +61,11 @@ class LocalLauncher:
         self.children: dict[str, Child] = {}
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
 
-    def start(self, proc: Proc, argv: list[str]) -> None:
+    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """Start `argv` as `proc`, with `env` on top of this process's environment."""
         # AREAL_FLOW_RUN marks every process of this run, so tools (and tests) can find them all.
-        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_FLOW_PROC=proc.name, AREAL_FLOW_RUN=self.run_dir)
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": proc.name,
+               "AREAL_FLOW_RUN": self.run_dir}
         cores = None
         if self.device_type == "cpu":
             # Light roles (controller, rollout, reward) float; model processes own their cores.

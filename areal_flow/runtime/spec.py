@@ -28,13 +28,21 @@ class RunSpec(msgspec.Struct, kw_only=True):
     dist_port: int  # torch.distributed rendezvous of the trainer ranks
     n_trainers: int
     n_rollout: int
+    gen_host: str = "127.0.0.1"  # where clients reach the generation servers (see reachable)
 
     @property
     def gen_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{p}" for p in self.gen_ports]
+        host = f"[{self.gen_host}]" if ":" in self.gen_host else self.gen_host  # an IPv6 address
+        return [f"http://{host}:{p}" for p in self.gen_ports]
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.run_dir, *parts)
+
+
+def reachable(host: str) -> str:
+    """The address a client on this machine connects to for a server bound to `host`: loopback for
+    a wildcard address, the address itself otherwise."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
 def free_ports(n: int) -> list[int]:

@@ -55,6 +55,14 @@ def test_placement_has_one_process_per_role_and_device():
     assert len(p.of_role("rollout")) == 2 and len(p.of_role("controller")) == 1
 
 
+def test_a_generation_server_spans_tp_size_consecutive_devices_of_the_generate_mesh():
+    nodes = broken(generate__mesh="0,2,4,5", actor_prox__mesh="6", actor_train__mesh="6")
+    p = place(build(nodes, n_devices=8), rollout_workers=1, gen_tp_size=2)
+    assert [(x.name, x.rank, x.devices) for x in p.of_role("gen_server")] == [
+        ("gen_server0", 0, (0, 2)), ("gen_server1", 1, (4, 5))]
+    assert "gen_server1    core 4,5" in p.describe("cpu")
+
+
 def test_unknown_type_and_role_name_node_and_key():
     msg = problems_of(broken(reward__type="scorer", actor_prox__role="teacher"))
     assert "node 'reward': unknown type 'scorer' (graph.reward.type)" in msg

@@ -1,0 +1,112 @@
+"""Stand-in for `python -m sglang.launch_server`, for tests on machines where SGLang cannot be
+installed (it pins a CUDA build of torch). The tests put its folder on PYTHONPATH, so the launcher
+starts it exactly as it starts real SGLang.
+
+It parses the flags areal_flow passes with SGLang's spellings (an unknown or misspelled flag fails
+as in SGLang), checks the environment SGLang's CPU engine reads, appends what it was given to the
+JSON-lines file $SGLANG_STANDIN_RECORD, and serves areal_flow's embedded engine, answering as real
+SGLang does where the two differ: no `meta_info.output_token_versions` (an areal_flow extension),
+the initial weight version labelled "default", no `busy_seconds` in /server_info, and with
+--skip-tokenizer-init no tokenizer (answers carry no text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+from areal_flow.generation import server as embedded
+from areal_flow.generation.engine import GenerationEngine
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    p.add_argument("--model-path", "--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--device", choices=("cuda", "xpu", "hpu", "npu", "cpu", "musa"), default=None)
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def check_cpu_binding(args: argparse.Namespace) -> None:
+    """SGLang's CPU engine gives TP rank r the r-th '|'-separated core list of
+    SGLANG_CPU_OMP_THREADS_BIND: a missing share fails there, so it fails here."""
+    bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+    if args.device == "cpu" and bind is not None and len(bind.split("|")) != args.tp_size:
+        sys.exit(f"SGLANG_CPU_OMP_THREADS_BIND={bind!r} does not give each of the {args.tp_size} TP ranks its cores")
+
+
+def rewrite(route: embedded.Route, fix) -> embedded.Route:
+    """`route` with `fix` applied to every JSON object it answers."""
+    async def wrapped(server, raw, received):
+        status, payload = await route(server, raw, received)
+        for answer in payload if isinstance(payload, list) else [payload]:
+            if isinstance(answer, dict):
+                fix(answer)
+        return status, payload
+    return wrapped
+
+
+def sglang_version(label: str) -> str:
+    return "default" if label == "0" else label  # SGLang's label until the first update names one
+
+
+def fix_generate(answer: dict) -> None:
+    meta = answer["meta_info"]
+    del meta["output_token_versions"]
+    meta["weight_version"] = sglang_version(meta["weight_version"])
+
+
+def fix_server_info(answer: dict) -> None:
+    answer.pop("busy_seconds", None)
+    answer["weight_version"] = sglang_version(answer["weight_version"])
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    check_cpu_binding(args)
+    record = os.environ.get("SGLANG_STANDIN_RECORD")
+    if record:
+        env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and k != "SGLANG_STANDIN_RECORD"}
+        with open(record, "a") as f:
+            f.write(json.dumps({"argv": argv, "env": env, "cores": sorted(os.sched_getaffinity(0))}) + "\n")
+
+    for path, fix in (("/generate", fix_generate), ("/server_info", fix_server_info),
+                      ("/get_server_info", fix_server_info)):
+        methods, route = embedded.ROUTES[path]
+        embedded.ROUTES[path] = (methods, rewrite(route, fix))
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    tokenizer = None if args.skip_tokenizer_init else embedded.optional_tokenizer(args.model_path)
+    engine = GenerationEngine(args.model_path, tokenizer=tokenizer, max_batch_size=args.max_running_requests or 128,
+                              seed=args.random_seed or 0, num_threads=args.tp_size)
+    if args.context_length is not None:
+        engine.context_length = args.context_length
+    server = embedded.GenerationServer((args.host, args.port), engine, tokenizer, args.model_path)
+    server.start()
+    print(f"The server is fired up and ready to roll! ({server.url})", flush=True)
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
