@@ -73,7 +73,7 @@ def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec
         if proc.role == "gen_server":
             argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", spec.model_path,
                     "--port", str(spec.gen_ports[proc.rank]), "--num-threads", str(max(1, len(proc.devices))),
-                    "--seed", str(seed + proc.rank)]
+                    "--seed", str(seed + proc.rank), "--weight-version", "0"]  # versions count train steps
         else:
             argv = python_role(proc.role, proc, spec.run_dir)
         launcher.start(proc, argv)

@@ -36,7 +36,7 @@ def test_greedy_output_equals_plain_hf_argmax_decode(server_a, ref_a):
         meta = answer["meta_info"]
         assert meta["completion_tokens"] == len(answer["output_ids"])
         assert meta["prompt_tokens"] == len(prompt)
-        assert meta["weight_version"] == "0"
+        assert meta["weight_version"] == "default"  # SGLang's initial label; its tokens are version 0
         assert meta["output_token_versions"] == [0] * len(answer["output_ids"])
 
 
@@ -135,8 +135,32 @@ BAD_REQUESTS = {
     "id outside vocab": ({"input_ids": [2, VOCAB_SIZE]}, "input_ids"),
     "no prompt": ({}, "input_ids"),
     "too long": ({"input_ids": [2] * 10, "sampling_params": {"max_new_tokens": CONTEXT}}, "context length"),
-    "stream": ({"input_ids": [2], "stream": True}, "stream is not supported by the embedded engine yet"),
     "batch sampling list of wrong length": ({"input_ids": [[2], [3]], "sampling_params": [{}]}, "sampling_params"),
+    "stream not a bool": ({"input_ids": [2], "stream": "yes"}, "stream must be true or false"),
+    "stream with a bad field": ({"input_ids": [2], "stream": True, "sampling_params": {"top_k": 0}}, "top_k"),
+    "stream_interval 0": ({"input_ids": [2], "stream": True, "sampling_params": {"stream_interval": 0}},
+                          "sampling_params.stream_interval"),
+    "n 0": ({"input_ids": [2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    "n huge": ({"input_ids": [2], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
+    "n a string": ({"input_ids": [2], "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    "n differs in a batch": ({"input_ids": [[2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]},
+                             "sampling_params.n must be the same"),
+    "n with a list of return_logprob": ({"input_ids": [[2], [3]], "return_logprob": [True, False],
+                                         "sampling_params": {"n": 2}}, "return_logprob"),
+    "top_logprobs_num negative": ({"input_ids": [2], "return_logprob": True, "top_logprobs_num": -1},
+                                  "top_logprobs_num"),
+    "top_logprobs_num over the vocab": ({"input_ids": [2], "return_logprob": True,
+                                         "top_logprobs_num": VOCAB_SIZE + 1}, "top_logprobs_num"),
+    "top_logprobs_num a float": ({"input_ids": [2], "top_logprobs_num": 1.5}, "top_logprobs_num"),
+    "logprob_start_len past the prompt": ({"input_ids": [2, 3], "return_logprob": True, "logprob_start_len": 3},
+                                          "logprob_start_len"),
+    "logprob_start_len below -1": ({"input_ids": [2, 3], "return_logprob": True, "logprob_start_len": -2},
+                                   "logprob_start_len"),
+    "logprob_start_len a string": ({"input_ids": [2, 3], "logprob_start_len": "0"}, "logprob_start_len"),
+    "logprob_start_len list in a batch past one prompt": (
+        {"input_ids": [[2, 3, 4], [2]], "return_logprob": True, "logprob_start_len": [1, 2]}, "logprob_start_len"),
+    "return_text_in_logprobs not a bool": ({"input_ids": [2], "return_text_in_logprobs": 1},
+                                           "return_text_in_logprobs"),
     "bad json": (b'{"input_ids": [2, 3', "not valid JSON"),
     "json array body": (b"[1, 2]", "JSON object"),
 }
@@ -165,9 +189,9 @@ def test_health_info_and_flush_cache_routes(server_a, model_dirs):
     assert (status, payload) == (200, "")
     status, _, info = http_call(server_a.url, "GET", "/get_model_info")
     assert status == 200 and info["is_generation"] is True and info["model_path"] == model_dirs.a
-    assert info["weight_version"] == "0" and info["architectures"] == ["Qwen2ForCausalLM"]
+    assert info["weight_version"] == "default" and info["architectures"] == ["Qwen2ForCausalLM"]
     status, _, info = http_call(server_a.url, "GET", "/get_server_info")
-    assert status == 200 and info["max_batch_size"] == 64 and info["weight_version"] == "0"
+    assert status == 200 and info["max_batch_size"] == 64 and info["weight_version"] == "default"
     assert info["context_length"] == CONTEXT and info["internal_states"][0]["num_running_reqs"] == 0
     status, _, _ = http_call(server_a.url, "POST", "/flush_cache")
     assert status == 200

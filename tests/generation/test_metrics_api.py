@@ -1,0 +1,137 @@
+"""Readiness, load and metrics routes of real servers: /ready, SGLang's /v1/loads, and Prometheus
+/metrics (parsed with prometheus_client), two servers in one process apart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from generation_helpers import ModelDirs, http_call, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.server import GenerationServer, serve
+
+PROMPT = [2, 7, 3, 9]
+
+
+@pytest.fixture
+def slow_server(model_dirs: ModelDirs) -> GenerationServer:
+    """One request at a time, each decode step slowed, so that requests are seen running and waiting."""
+    server, thread = serve(model_dirs.a, max_batch_size=1)
+    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    yield server
+    server.stop()
+    thread.join(timeout=10)
+
+
+def metrics(server: GenerationServer) -> dict[str, float]:
+    """Sample name -> value of GET /metrics (one label set per server)."""
+    status, headers, text = http_call(server.url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.labels == {"model_name": server.engine.model_path}
+            samples[sample.name] = sample.value
+    return samples
+
+
+def loads(server: GenerationServer, query: str = "") -> dict:
+    status, _, body = http_call(server.url, "GET", "/v1/loads" + query)
+    assert status == 200, body
+    return body
+
+
+def test_ready_answers_503_while_paused(server_a):
+    assert http_call(server_a.url, "GET", "/ready")[:1] == (200,)
+    try:
+        assert http_call(server_a.url, "POST", "/pause_generation", {})[0] == 200
+        status, _, body = http_call(server_a.url, "GET", "/ready")
+        assert (status, body) == (503, "")
+        assert http_call(server_a.url, "GET", "/health")[0] == 200  # alive, just not taking work
+    finally:
+        http_call(server_a.url, "POST", "/continue_generation", {})
+    assert http_call(server_a.url, "GET", "/ready")[0] == 200
+
+
+def test_loads_and_metrics_count_running_and_waiting_requests(slow_server):
+    idle = loads(slow_server, "?include=core")
+    assert idle["loads"][0]["num_running_reqs"] == idle["loads"][0]["num_waiting_reqs"] == 0
+    assert idle["loads"][0]["max_running_requests"] == 1 and idle["loads"][0]["dp_rank"] == 0
+    engine = slow_server.engine
+    sampling = {"max_new_tokens": 150, "ignore_eos": True}
+
+    async def scenario() -> tuple[dict, dict[str, float]]:
+        async with GenerationClient(slow_server.url) as client:
+            first = asyncio.create_task(client.generate(PROMPT, sampling))
+            second = asyncio.create_task(client.generate(PROMPT, sampling))
+            await asyncio.to_thread(wait_until, lambda: engine.stats()["num_running_reqs"] == 1
+                                    and engine.stats()["num_waiting_reqs"] == 1, "one running, one waiting", 30)
+            busy = await asyncio.to_thread(loads, slow_server)
+            scraped = await asyncio.to_thread(metrics, slow_server)
+            await client.abort_request(abort_all=True)
+            await asyncio.gather(first, second)
+            return busy, scraped
+
+    busy, scraped = asyncio.run(scenario())
+    load = busy["loads"][0]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"], load["utilization"]) == (1, 1, 1.0)
+    assert scraped["sglang:num_running_reqs"] == 1 and scraped["sglang:num_queue_reqs"] == 1
+    assert set(busy) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
+    # No KV token budget in this engine: usage reads 0.
+    assert load["token_usage"] == load["num_used_tokens"] == load["max_total_num_tokens"] == 0
+
+
+def test_metrics_count_tokens_requests_and_busy_time_and_throughput_decays(server_a):
+    before = metrics(server_a)
+    answer = http_call(server_a.url, "POST", "/generate",
+                       {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})[2]
+    assert len(answer["output_ids"]) == 30
+    after = metrics(server_a)
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 30
+    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == len(PROMPT)
+    assert after["sglang:num_requests_total"] - before["sglang:num_requests_total"] == 1
+    assert after["areal_flow:busy_seconds_total"] > before["areal_flow:busy_seconds_total"]
+    assert after["areal_flow:weight_version"] == 0
+    wait_until(lambda: metrics(server_a)["sglang:num_running_reqs"] == 0, "the finished request to leave the batch")
+    time.sleep(1.1)  # a throughput window with those tokens in it, then one with none
+    assert loads(server_a)["loads"][0]["gen_throughput"] > 0
+    time.sleep(1.1)
+    assert metrics(server_a)["sglang:gen_throughput"] == 0
+
+
+def test_two_servers_in_one_process_keep_their_own_metrics(server_a, model_dirs):
+    other, thread = serve(model_dirs.b)  # a second registry: no clash with server_a's metric names
+    try:
+        http_call(server_a.url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
+        assert metrics(other)["sglang:generation_tokens_total"] == 0
+        assert metrics(server_a)["sglang:generation_tokens_total"] >= 4
+    finally:
+        other.stop()
+        thread.join(timeout=10)
+
+
+def test_kv_usage_is_read_from_the_engine_stats_when_it_reports_a_budget(model_dirs):
+    """An engine with a KV token budget reports kv_tokens_used / kv_tokens_budget in its stats."""
+    server, thread = serve(model_dirs.a)
+    engine_stats = server.engine.stats
+    server.engine.stats = lambda: {**engine_stats(), "kv_tokens_used": 30, "kv_tokens_budget": 120}
+    try:
+        load = loads(server)["loads"][0]
+        assert (load["num_used_tokens"], load["max_total_num_tokens"], load["token_usage"]) == (30, 120, 0.25)
+        scraped = metrics(server)
+        assert scraped["sglang:token_usage"] == 0.25 and scraped["sglang:num_used_tokens"] == 30
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(("query", "expected"), [("?include=bogus", "include"), ("?format=prometheus", "format"),
+                                                 ("?dp_rank=x", "dp_rank")])
+def test_bad_loads_query_gets_400_naming_the_parameter(server_a, query, expected):
+    status, _, body = http_call(server_a.url, "GET", "/v1/loads" + query)
+    assert status == 400 and expected in body["error"]["message"]
+    assert loads(server_a, "?dp_rank=0")["loads"][0]["dp_rank"] == 0
+    assert loads(server_a, "?dp_rank=1")["loads"] == []
