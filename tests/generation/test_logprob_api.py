@@ -6,22 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, build_model, greedy_reference, http_call, load_reference, save_model_dir
-
-from areal_flow.generation.server import GenerationServer, serve
+from generation_helpers import build_model, generate_ok, greedy_reference, running_server, save_model_dir
 
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 6], [17, 16, 15, 14, 13]]
-
-
-@pytest.fixture(scope="module")
-def ref_a(model_dirs: ModelDirs) -> torch.nn.Module:
-    return load_reference(model_dirs.a)
-
-
-def generate(server: GenerationServer, body: dict) -> dict | list:
-    status, _, payload = http_call(server.url, "POST", "/generate", body)
-    assert status == 200, payload
-    return payload
 
 
 @torch.no_grad()
@@ -42,7 +29,7 @@ def check_top(rows: list, reference: torch.Tensor, k: int) -> None:
 def test_input_token_logprobs_follow_logprob_start_len_in_a_padded_batch(server_a, ref_a):
     # Prompts of different lengths (left-padded together) and a different start each.
     starts = [0, 1, 3]
-    answers = generate(server_a, {"input_ids": PROMPTS, "return_logprob": True, "logprob_start_len": starts,
+    answers = generate_ok(server_a, {"input_ids": PROMPTS, "return_logprob": True, "logprob_start_len": starts,
                                   "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "ignore_eos": True}})
     for prompt, start, answer in zip(PROMPTS, starts, answers):
         entries = answer["meta_info"]["input_token_logprobs"]
@@ -61,11 +48,11 @@ def test_no_input_logprobs_by_default_at_the_prompt_end_or_without_return_logpro
     for extra, expected in (({}, []), ({"logprob_start_len": -1}, []),
                             ({"logprob_start_len": len(prompt)}, []),
                             ({"logprob_start_len": len(prompt) - 1}, [[None, prompt[-1], None]])):
-        answer = generate(server_a, {"input_ids": prompt, "return_logprob": True, **extra,
+        answer = generate_ok(server_a, {"input_ids": prompt, "return_logprob": True, **extra,
                                      "sampling_params": {"max_new_tokens": 2}})
         assert answer["meta_info"]["input_token_logprobs"] == expected, extra
     # Without return_logprob SGLang ignores the logprob fields (even a start past the prompt).
-    answer = generate(server_a, {"input_ids": prompt, "logprob_start_len": 99, "top_logprobs_num": 99,
+    answer = generate_ok(server_a, {"input_ids": prompt, "logprob_start_len": 99, "top_logprobs_num": 99,
                                  "sampling_params": {"max_new_tokens": 2}})
     assert not any("logprob" in key for key in answer["meta_info"])
 
@@ -73,7 +60,7 @@ def test_no_input_logprobs_by_default_at_the_prompt_end_or_without_return_logpro
 def test_prefill_only_scoring_returns_prompt_logprobs_and_no_tokens(server_a, ref_a):
     """slime's on-policy distillation: max_new_tokens 0 with logprob_start_len 0."""
     prompt = PROMPTS[2]
-    answer = generate(server_a, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+    answer = generate_ok(server_a, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
                                  "sampling_params": {"max_new_tokens": 0}})
     assert answer["output_ids"] == [] and answer["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     entries = answer["meta_info"]["input_token_logprobs"]
@@ -87,7 +74,7 @@ def test_prefill_only_scoring_returns_prompt_logprobs_and_no_tokens(server_a, re
 @pytest.mark.parametrize("temperature", [0.7, 0.0])
 def test_top_logprobs_are_the_most_likely_tokens_of_the_sampled_distribution(server_a, ref_a, temperature):
     prompt, k = PROMPTS[0], 3
-    answer = generate(server_a, {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": k,
+    answer = generate_ok(server_a, {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": k,
                                  "logprob_start_len": 2, "sampling_params": {
                                      "max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}})
     meta, output = answer["meta_info"], answer["output_ids"]
@@ -102,37 +89,33 @@ def test_top_logprobs_are_the_most_likely_tokens_of_the_sampled_distribution(ser
     # Input: the first reported position has none, then the raw distribution at each position.
     assert meta["input_top_logprobs"][0] is None
     check_top(meta["input_top_logprobs"][1:], reference_logprobs(ref_a, prompt)[2: len(prompt) - 1], k)
-    assert "input_top_logprobs" not in generate(server_a, {"input_ids": prompt, "return_logprob": True})["meta_info"]
+    assert "input_top_logprobs" not in generate_ok(server_a, {"input_ids": prompt, "return_logprob": True})["meta_info"]
 
 
 def test_return_text_in_logprobs_fills_the_third_entry_with_the_token_text(server_a, model_dirs, tmp_path):
     body = {"input_ids": PROMPTS[1], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
             "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 3}}
-    meta = generate(server_a, body)["meta_info"]
+    meta = generate_ok(server_a, body)["meta_info"]
     decode = server_a.tokenizer.decode
     entries = meta["input_token_logprobs"] + meta["output_token_logprobs"] + [
         e for row in meta["output_top_logprobs"] + meta["input_top_logprobs"][1:] for e in row]
     assert all(e[2] == decode([e[1]]) and e[2] for e in entries)
     # Without a tokenizer (input_ids only, as SGLang's --skip-tokenizer-init) there is no text to give.
-    bare, thread = serve(save_model_dir(build_model(seed=0), tmp_path / "bare", tokenizer=False))
-    try:
-        meta = generate(bare, body)["meta_info"]
+    with running_server(save_model_dir(build_model(seed=0), tmp_path / "bare", tokenizer=False)) as bare:
+        meta = generate_ok(bare, body)["meta_info"]
         assert all(e[2] is None for e in meta["input_token_logprobs"] + meta["output_token_logprobs"])
-    finally:
-        bare.stop()
-        thread.join(timeout=10)
 
 
 def test_n_samples_each_prompt_in_sglang_order_with_fresh_rids(server_a, ref_a):
     sampling = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}
-    answers = generate(server_a, {"input_ids": PROMPTS[:2], "sampling_params": sampling, "rid": "mine"})
+    answers = generate_ok(server_a, {"input_ids": PROMPTS[:2], "sampling_params": sampling, "rid": "mine"})
     expected = [greedy_reference(ref_a, p, 5, stop_ids=()) for p in PROMPTS[:2]]
     assert [a["output_ids"] for a in answers] == [expected[0], expected[0], expected[1], expected[1]]
     rids = [a["meta_info"]["id"] for a in answers]
     assert len(set(rids)) == 4 and all(len(r) == 32 and "mine" not in r for r in rids)  # uuid hex, as SGLang
 
     # One prompt with n > 1 answers an array too; sampled answers differ and carry their own logprobs.
-    answers = generate(server_a, {"input_ids": PROMPTS[0], "return_logprob": True,
+    answers = generate_ok(server_a, {"input_ids": PROMPTS[0], "return_logprob": True,
                                   "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "n": 3}})
     assert isinstance(answers, list) and len(answers) == 3
     assert len({tuple(a["output_ids"]) for a in answers}) > 1
@@ -144,8 +127,8 @@ def test_n_samples_each_prompt_in_sglang_order_with_fresh_rids(server_a, ref_a):
                                    reference.gather(1, torch.tensor(answer["output_ids"])[:, None]).squeeze(1),
                                    atol=1e-4, rtol=0)
     # n = 1 keeps the single-object form; a list of equal n per prompt is fine.
-    assert isinstance(generate(server_a, {"input_ids": PROMPTS[1], "sampling_params": {"n": 1, "max_new_tokens": 1}}),
-                      dict)
-    answers = generate(server_a, {"input_ids": PROMPTS[:2],
+    single = generate_ok(server_a, {"input_ids": PROMPTS[1], "sampling_params": {"n": 1, "max_new_tokens": 1}})
+    assert isinstance(single, dict)
+    answers = generate_ok(server_a, {"input_ids": PROMPTS[:2],
                                   "sampling_params": [{"n": 2, "max_new_tokens": 1}, {"n": 2, "max_new_tokens": 3}]})
     assert [len(a["output_ids"]) for a in answers] == [1, 1, 3, 3]

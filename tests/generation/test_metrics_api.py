@@ -7,11 +7,11 @@ import asyncio
 import time
 
 import pytest
-from generation_helpers import ModelDirs, http_call, wait_until
+from generation_helpers import ModelDirs, http_call, running_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.server import GenerationServer
 
 PROMPT = [2, 7, 3, 9]
 
@@ -19,11 +19,8 @@ PROMPT = [2, 7, 3, 9]
 @pytest.fixture
 def slow_server(model_dirs: ModelDirs) -> GenerationServer:
     """One request at a time, each decode step slowed, so that requests are seen running and waiting."""
-    server, thread = serve(model_dirs.a, max_batch_size=1)
-    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
-    yield server
-    server.stop()
-    thread.join(timeout=10)
+    with running_server(model_dirs.a, max_batch_size=1, step_delay=0.005) as server:
+        yield server
 
 
 def metrics(server: GenerationServer) -> dict[str, float]:
@@ -103,29 +100,21 @@ def test_metrics_count_tokens_requests_and_busy_time_and_throughput_decays(serve
 
 
 def test_two_servers_in_one_process_keep_their_own_metrics(server_a, model_dirs):
-    other, thread = serve(model_dirs.b)  # a second registry: no clash with server_a's metric names
-    try:
+    with running_server(model_dirs.b) as other:  # a second registry: no clash with server_a's metric names
         http_call(server_a.url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
         assert metrics(other)["sglang:generation_tokens_total"] == 0
         assert metrics(server_a)["sglang:generation_tokens_total"] >= 4
-    finally:
-        other.stop()
-        thread.join(timeout=10)
 
 
 def test_kv_usage_is_read_from_the_engine_stats_when_it_reports_a_budget(model_dirs):
     """An engine with a KV token budget reports kv_tokens_used / kv_tokens_budget in its stats."""
-    server, thread = serve(model_dirs.a)
-    engine_stats = server.engine.stats
-    server.engine.stats = lambda: {**engine_stats(), "kv_tokens_used": 30, "kv_tokens_budget": 120}
-    try:
+    with running_server(model_dirs.a) as server:
+        engine_stats = server.engine.stats
+        server.engine.stats = lambda: {**engine_stats(), "kv_tokens_used": 30, "kv_tokens_budget": 120}
         load = loads(server)["loads"][0]
         assert (load["num_used_tokens"], load["max_total_num_tokens"], load["token_usage"]) == (30, 120, 0.25)
         scraped = metrics(server)
         assert scraped["sglang:token_usage"] == 0.25 and scraped["sglang:num_used_tokens"] == 30
-    finally:
-        server.stop()
-        thread.join(timeout=10)
 
 
 @pytest.mark.parametrize(("query", "expected"), [("?include=bogus", "include"), ("?format=prometheus", "format"),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, http_call, wait_until
+from generation_helpers import ModelDirs, http_call, running_server, wait_until
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.server import GenerationServer, serve
@@ -99,11 +99,8 @@ def test_batch_and_n_streams_interleave_chunks_with_their_index(server_a):
 
 @pytest.fixture
 def slow_server(model_dirs: ModelDirs) -> GenerationServer:
-    server, thread = serve(model_dirs.a, max_batch_size=8)
-    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
-    yield server
-    server.stop()
-    thread.join(timeout=10)
+    with running_server(model_dirs.a, max_batch_size=8, step_delay=0.005) as server:
+        yield server
 
 
 def test_a_client_that_leaves_mid_stream_gets_its_request_aborted(slow_server):

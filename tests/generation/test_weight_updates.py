@@ -8,7 +8,7 @@ import http.client
 import json
 
 import pytest
-from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference
+from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference, running_server
 
 from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.server import GenerationServer, serve
@@ -104,17 +104,13 @@ def test_bad_weight_version_is_refused_and_the_version_kept(server, model_dirs, 
 
 def test_the_initial_label_comes_from_the_command_line_as_sglang_s_weight_version(model_dirs):
     for label, tag in (("0", 0), ("12", 12), ("base", 0)):
-        server, thread = serve(model_dirs.a, weight_label=label)
-        try:
+        with running_server(model_dirs.a, weight_label=label) as server:
             meta = generate(server, PROMPT, GREEDY)["meta_info"]
             assert (meta["weight_version"], meta["output_token_versions"]) == (label, [tag] * 12)
             status, _, _ = http_call(server.url, "POST", "/update_weights_from_disk", {"model_path": model_dirs.b})
             assert status == 200  # no label given: the label stays, the token version advances
             meta = generate(server, PROMPT, GREEDY)["meta_info"]
             assert (meta["weight_version"], meta["output_token_versions"]) == (label, [tag + 1] * 12)
-        finally:
-            server.stop()
-            thread.join(timeout=10)
 
 
 def test_update_lands_between_batches_and_never_mixes_weights_in_a_request(server, model_dirs):
