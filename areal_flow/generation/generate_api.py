@@ -399,7 +399,7 @@ class AnswerStream:
                     pending -= 1
                     try:
                         update = update.result()
-                    except EngineShutdownError as exc:  # as SGLang: an error event, then [DONE]
+                    except Exception as exc:  # shutdown, a failed decode step: as SGLang, an error event, then [DONE]
                         yield _event({"error": {"message": str(exc)}})
                         break
                 chunk = build_answer(self.items[index], update, self.tokenizer,
