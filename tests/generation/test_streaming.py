@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, http_call, running_server, wait_until
+from generation_helpers import ModelDirs, http_call, load_reference, running_server, wait_until
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.server import GenerationServer, serve
@@ -143,3 +143,15 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(model_dirs: 
     assert events[-1] == "[DONE]"
     assert "shut down" in json.loads(events[-2])["error"]["message"]
     assert json.loads(events[0])["meta_info"]["finish_reason"] is None
+
+
+def test_a_stream_whose_decode_step_fails_ends_with_an_error_event_and_done(model_dirs: ModelDirs, tmp_path):
+    model = load_reference(model_dirs.a)
+    for parameter in model.parameters():
+        parameter.data.fill_(float("nan"))  # sampling from NaN logits raises inside the engine
+    model.save_pretrained(tmp_path / "nan")
+    with running_server(str(tmp_path / "nan")) as server:
+        _, events = raw_events(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
+        assert events[-1] == "[DONE]" and len(events) == 2
+        assert json.loads(events[0])["error"]["message"]
+        assert http_call(server.url, "GET", "/health")[0] == 200  # the server serves on
