@@ -78,9 +78,12 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str)
         return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type),
                 sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))
     argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host", gen.host,
-            "--port", str(port), "--num-threads", str(max(1, len(proc.devices))), "--seed", str(seed)]
+            "--port", str(port), "--num-threads", str(max(1, len(proc.devices))), "--seed", str(seed),
+            "--weight-version", "0"]  # versions count train steps
     if gen.max_batch_size is not None:
         argv += ["--max-batch-size", str(gen.max_batch_size)]
+    if gen.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(gen.max_total_tokens)]
     return argv, {}
 
 

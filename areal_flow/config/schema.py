@@ -151,6 +151,10 @@ class GenerationConfig:
                        "embedded: the server's torch threads", ge=1)
     max_batch_size: Optional[int] = doc(None, "most requests a server decodes at once; null = 128 (embedded), "
                                         "SGLang's own choice (sglang: --max-running-requests)", ge=1)
+    max_total_tokens: Optional[int] = doc(None, "KV cache budget of a server in tokens; requests wait while the running "
+                                          "ones would exceed it (embedded: prompt + max_new_tokens reserved per "
+                                          "request); null = no budget (embedded), SGLang's choice (sglang: "
+                                          "--max-total-tokens)", ge=1)
     mem_fraction_static: Optional[float] = doc(None, "sglang: --mem-fraction-static, the share of device memory for "
                                                "weights and KV cache; null = SGLang's choice", gt=0, le=1)
     context_length: Optional[int] = doc(None, "sglang: --context-length; null = the model's config.json", ge=1)

@@ -5,6 +5,8 @@
   weights between batches.
 - `server.py` — the SGLang native HTTP API subset (`/generate`, `/update_weights_from_disk`, ...)
   on FastAPI and uvicorn, as SGLang serves it, and the `python -m areal_flow.generation.server` CLI.
+- `generate_api.py` — `/generate` bodies and answers in SGLang's shapes: batch, `n`, logprob
+  fields, server-sent event streams. `load_report.py` — `/v1/loads` and Prometheus `/metrics`.
 - `client.py` — an asyncio client for that API (aiohttp); it talks to real SGLang just as well.
 - `sglang_backend.py` — `generation.backend=sglang`: the `sglang.launch_server` command line and
   environment the launcher starts instead of the embedded server, and the checks of `generation.*`.

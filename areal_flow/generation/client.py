@@ -13,7 +13,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -78,6 +78,47 @@ class GenerationClient:
         if rid is not None:
             payload["rid"] = rid
         return await self._call("POST", "/generate", payload)
+
+    async def generate_stream(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> AsyncIterator[dict]:
+        """One prompt, streamed: yields SGLang's chunks (cumulative: each holds everything so far;
+        the last one has a finish_reason). Leaving the loop early closes the connection, and the
+        server aborts the request."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "stream": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        url = self.base_url + "/generate"
+        async with self._slots, self._http().post(url, json=payload) as answer:
+            if answer.status != 200:
+                data = await answer.read()
+                raise GenerationError(answer.status, json.loads(data) if "json" in answer.content_type else
+                                      data.decode("utf-8", errors="replace"), url)
+            # Events are split by hand: a cumulative chunk can outgrow aiohttp's line limit.
+            pending = bytearray()
+            async for data in answer.content.iter_any():
+                pending += data
+                *events, rest = pending.split(b"\n\n")
+                pending = bytearray(rest)
+                for event in filter(None, events):
+                    body = event.removeprefix(b"data: ")
+                    if body == b"[DONE]":
+                        return
+                    chunk = json.loads(body)
+                    if "error" in chunk:  # an error after the stream began (the status is already 200)
+                        raise GenerationError(answer.status, chunk, url)
+                    yield chunk
+        raise GenerationError(200, "the stream ended without data: [DONE]", url)
 
     async def generate_batch(
         self,

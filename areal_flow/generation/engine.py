@@ -3,7 +3,9 @@
 Requests queue up; at every decode step the thread admits waiting requests into the running batch
 (their prompts are prefilled and their KV cache is left-padded to the batch's width), samples one
 token per row, drops rows that finished, and runs one forward for the rest. Every token is tagged
-with the weight version that produced it.
+with the weight version that produced it. On request it also reports prompt logprobs (from the
+prefill's logits), the most likely tokens of each step, and each token as it is made (`on_token`,
+which streaming answers use).
 
 Interruption, between two decode steps (SGLang's semantics, the ones AReaL's client relies on):
 - `abort(rid)` / `abort(None)` answers the matching requests at once with their tokens so far and
@@ -50,7 +52,13 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
-from areal_flow.generation.sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next_tokens  # noqa: F401
+from areal_flow.generation.sampling import (  # noqa: F401
+    GREEDY_TEMPERATURE,
+    SamplingParams,
+    sample_next_tokens,
+    scaled_logprobs,
+    top_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,16 @@ class GenerationRequest:
     """How to sample and when to stop."""
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Request id, unique among the requests in flight."""
+    logprob_start_len: int | None = None
+    """Report the logprob of each prompt token from this position on (SGLang's logprob_start_len,
+    0 <= k <= len(input_ids)); None: none. They come from the prefill forward, as log_softmax of the
+    logits without temperature (SGLang's default), and the first one is None."""
+    top_logprobs_num: int = 0
+    """Also report this many most likely tokens at every reported position."""
+    on_token: Callable[[GenerationResult], None] | None = field(default=None, compare=False)
+    """Called on the decode thread after each generated token that does not end the request, with
+    the result so far (finish_reason None). Its lists are the engine's own and keep growing: copy
+    what is needed before returning. The last token comes with the future's result instead."""
 
 
 @dataclass
@@ -78,19 +96,34 @@ class GenerationResult:
     """log_softmax(logits / T) at each generated token, over the full vocabulary."""
     output_versions: list[int]
     """The weight version that produced each generated token."""
-    finish_reason: str
+    finish_reason: str | None
     """"stop" (an eos or stop token matched), "length" (max_new_tokens reached) or "abort"
-    (aborted, paused or interrupted by a weight update: output_ids are the tokens so far)."""
+    (aborted, paused or interrupted by a weight update: output_ids are the tokens so far); None in
+    the partial results passed to `on_token`."""
     matched_stop: int | str | None
     """The stop token or stop string when finish_reason is "stop"."""
     weight_version: int
     """The engine's weight version when the request finished."""
     retractions: int = 0
     """How often the request was retracted by a pause (mode retract) and prefilled again."""
+    weight_label: str = "default"
+    """The label of those weights (SGLang's weight_version string)."""
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per generated token, the request's top_logprobs_num most likely (logprob, id), as output_logprobs."""
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt token from logprob_start_len on: its logprob given the tokens before it (the first is None)."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    """Per prompt token from logprob_start_len on: the most likely (logprob, id) at its position (the first is None)."""
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
+
+
+def version_for_label(label: str, current: int) -> int:
+    """The integer version that tags tokens made by weights labelled `label`: a label of digits is
+    that number; any other label (SGLang takes any string) is the next version after `current`."""
+    return int(label) if label.isascii() and label.isdigit() else current + 1
 
 
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
@@ -118,6 +151,7 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
 class _WeightUpdate:
     path: str
     version: int
+    label: str | None  # None: keep the current label
     state: dict[str, torch.Tensor]
     abort_all: bool  # abort the running requests instead of waiting for them
     done: Future = field(default_factory=Future)
@@ -144,11 +178,12 @@ class GenerationEngine:
 
     def __init__(
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
-        tokenizer: Any = None, max_total_tokens: int | None = None,
+        tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
-        module docstring); None leaves only max_batch_size."""
+        module docstring); None leaves only max_batch_size. `weight_label` names the initial weights
+        (SGLang's --weight-version); the initial integer version is `version_for_label(weight_label, -1)`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -172,7 +207,8 @@ class GenerationEngine:
         self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
             tokenizer.decode, skip_special_tokens=False)
         self._generator = torch.Generator().manual_seed(seed)
-        self._version = 0
+        self._version = version_for_label(weight_label, -1)
+        self._label = weight_label
         self._cond = threading.Condition()
         self._waiting: deque[_Row] = deque()
         self._updates: deque[_WeightUpdate] = deque()
@@ -183,6 +219,8 @@ class GenerationEngine:
         self._running: list[_Row] = []  # the live rows after the last decode step
         self._generated_tokens = 0
         self._busy_seconds = 0.0
+        self._finished_reqs = 0
+        self._finished_prompt_tokens = 0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
         self._thread.start()
 
@@ -191,6 +229,10 @@ class GenerationEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def weight_label(self) -> str:
+        return self._label
 
     @property
     def is_running(self) -> bool:
@@ -233,7 +275,7 @@ class GenerationEngine:
             for request in requests:
                 future: Future[GenerationResult] = Future()
                 futures.append(future)
-                if request.params.max_new_tokens == 0:
+                if request.params.max_new_tokens == 0 and request.logprob_start_len is None:
                     future.set_result(self._result(_Row(request, future, frozenset()), ("length", None)))
                     continue
                 # As SGLang: ignore_eos also ignores stop_token_ids (the request answers "length").
@@ -244,8 +286,9 @@ class GenerationEngine:
             self._cond.notify_all()
         return futures
 
-    def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
-        """Load new weights and set the version; returns once they serve requests.
+    def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False,
+                                 label: str | None = None) -> None:
+        """Load new weights and set the version (and the label, unless None); returns once they serve requests.
 
         The file is read and checked on the caller's thread while decoding goes on. Then the running
         requests are aborted (abort_all_requests) or drained, and the weights are copied in. A bad
@@ -253,12 +296,13 @@ class GenerationEngine:
         """
         state = load_checkpoint(path)
         self._check_compatible(path, state)
-        self._hand_over(self._updates, _WeightUpdate(path, version, state, abort_all_requests))
+        self._hand_over(self._updates, _WeightUpdate(path, version, label, state, abort_all_requests))
 
-    def abort(self, rid: str | None = None) -> None:
+    def abort(self, rid: str | None = None, *, wait: bool = True) -> None:
         """Answer the request `rid` (None: every request, queued or running) with finish reason
-        "abort" and its tokens so far; returns once answered. An unknown rid does nothing."""
-        self._hand_over(self._aborts, _Abort(rid, queued_too=True))
+        "abort" and its tokens so far; returns once answered (or at once, without `wait`). An
+        unknown rid does nothing."""
+        self._hand_over(self._aborts, _Abort(rid, queued_too=True), wait=wait)
 
     def pause(self, mode: str = "abort") -> None:
         """Admit no request until `continue_generation`; queued and new requests wait. The running
@@ -284,14 +328,15 @@ class GenerationEngine:
         with self._cond:
             return not self._inflight
 
-    def _hand_over(self, queue: deque | list, command: _WeightUpdate | _Abort) -> None:
+    def _hand_over(self, queue: deque | list, command: _WeightUpdate | _Abort, wait: bool = True) -> None:
         """Queue a command for the decode thread, which carries it out between two steps; wait for it."""
         with self._cond:
             if self._stopping:
                 raise EngineShutdownError("the generation engine is shut down")
             queue.append(command)
             self._cond.notify_all()
-        command.done.result()
+        if wait:
+            command.done.result()
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -308,6 +353,8 @@ class GenerationEngine:
             "generated_tokens": self._generated_tokens,
             "busy_seconds": self._busy_seconds,
             "weight_version": self._version,
+            "num_finished_reqs": self._finished_reqs,
+            "finished_prompt_tokens": self._finished_prompt_tokens,
         }
 
     def shutdown(self) -> None:
@@ -359,6 +406,12 @@ class GenerationEngine:
             raise ValueError(f"stop must be at most 32 non-empty strings, got {list(p.stop)!r}")
         if p.seed is not None and not -(2**63) <= p.seed < 2**64:
             raise ValueError(f"sampling_seed must fit in 64 bits, got {p.seed}")
+        start = request.logprob_start_len
+        if start is not None and not 0 <= start <= len(ids):
+            raise ValueError(f"logprob_start_len must be in [0, {len(ids)}] (the prompt's length), got {start}")
+        if not 0 <= request.top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}] (the vocabulary size), "
+                             f"got {request.top_logprobs_num}")
 
     def _check_compatible(self, path: str, state: dict[str, torch.Tensor]) -> None:
         """Refuse weights that would not fit the served model, before any of them is copied."""
@@ -516,33 +569,61 @@ class GenerationEngine:
             ids[i, width - len(sequence):] = torch.tensor(sequence)
             mask[i, width - len(sequence):] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        # Prompt logits only for rows that asked for prompt logprobs, and only from their start. (A
+        # retracted row has them already.)
+        scored = [r for r in rows if r.request.logprob_start_len is not None and not r.output_ids]
+        keep = max([1] + [len(r.request.input_ids) - r.request.logprob_start_len for r in scored])
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True, logits_to_keep=1,
+            past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True, logits_to_keep=keep,
         )
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        cache, logits = out.past_key_values, out.logits
         if len(sequences) < len(rows):
             rows_of = torch.tensor(index)
             cache = Cache(layers=[_GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
                                   for layer in cache.layers])
             mask, logits = mask[rows_of], logits[rows_of]
-        return _Batch(rows, cache, mask, logits)
+        if scored:
+            self._prompt_logprobs(rows, logits)
+        return _Batch(rows, cache, mask, logits[:, -1].float())
+
+    def _prompt_logprobs(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Fill the prompt logprobs of the rows that asked for them from the prefill's logits
+        [B, keep, V] (the last `keep` positions); answer the rows that only wanted those."""
+        keep = logits.shape[1]
+        for row, row_logits in zip(rows, logits):
+            request = row.request
+            if request.logprob_start_len is None or row.output_ids:
+                continue
+            ids, start = request.input_ids, request.logprob_start_len
+            # Position p's logits predict token p + 1: tokens start+1 .. n-1 need positions start .. n-2.
+            logprobs = torch.log_softmax(row_logits[keep - (len(ids) - start): keep - 1].float(), dim=-1)
+            targets = torch.tensor(ids[start + 1:], dtype=torch.int64)
+            head: list[Any] = [None] if start < len(ids) else []
+            row.input_logprobs = head + logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            if request.top_logprobs_num:
+                row.input_top_logprobs = head + [top_logprobs(lp, request.top_logprobs_num) for lp in logprobs]
+            if request.params.max_new_tokens == 0:  # prefill-only scoring
+                row.finish = ("length", None)
+                self._finish(row)
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample a token for every live row, answer the rows that finish, decode one step."""
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
                                               min_p=batch.min_p, row_generators=batch.generators)
-        version, appended, alive = self._version, 0, 0
+        self._top_logprobs(batch)
+        version, alive = self._version, 0
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish is not None:
                 continue  # dead row: decodes along, unused, until the next compaction
             row.append(token, logprob, version)
-            appended += 1
+            self._generated_tokens += 1  # before the answer: whoever reads it may read the stats next
             if row.finish is None:
                 alive += 1
+                if row.request.on_token is not None:
+                    self._report(row)
             else:
                 self._finish(row)
-        self._generated_tokens += appended
         if alive == 0:
             return None
         batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.int64)], dim=1)
@@ -555,12 +636,30 @@ class GenerationEngine:
         batch.logits = out.logits[:, -1].float()
         return batch
 
+    def _top_logprobs(self, batch: _Batch) -> None:
+        """Append the most likely tokens of this step to the live rows that asked for them, from the
+        distribution they sample from (temperature-scaled, as their output logprobs)."""
+        rows = [i for i, row in enumerate(batch.rows) if row.finish is None and row.request.top_logprobs_num]
+        if not rows:
+            return
+        logprobs = scaled_logprobs(batch.logits[rows], batch.sampling[0][rows])
+        for i, row_logprobs in zip(rows, logprobs):
+            row = batch.rows[i]
+            row.top_logprobs.append(top_logprobs(row_logprobs, row.request.top_logprobs_num))
+
+    def _report(self, row: _Row) -> None:
+        try:
+            row.request.on_token(self._result(row, (None, None)))
+        except Exception:  # a faulty listener must not fail the batch
+            logger.exception("on_token of request %s failed", row.request.rid)
+
     def _apply_update(self, update: _WeightUpdate) -> None:
         try:
             params = self.model.state_dict()  # these tensors share storage with the model's
             for name, tensor in update.state.items():
                 params[name].copy_(tensor)
             self._version = update.version
+            self._label = self._label if update.label is None else update.label
             self.model_path = update.path
         except Exception as exc:
             logger.exception("weight update from %s failed", update.path)
@@ -569,11 +668,13 @@ class GenerationEngine:
             logger.info("weights from %s loaded, version %d", update.path, update.version)
             update.done.set_result(None)
 
-    def _result(self, row: _Row, finish: tuple[str, int | None]) -> GenerationResult:
+    def _result(self, row: _Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:
         return GenerationResult(
             rid=row.request.rid, prompt_tokens=len(row.request.input_ids), output_ids=row.output_ids,
             output_logprobs=row.logprobs, output_versions=row.versions, finish_reason=finish[0],
             matched_stop=finish[1], weight_version=self._version, retractions=row.retractions,
+            weight_label=self._label, output_top_logprobs=row.top_logprobs, input_logprobs=row.input_logprobs,
+            input_top_logprobs=row.input_top_logprobs,
         )
 
     def _finish(self, row: _Row) -> None:
@@ -581,6 +682,8 @@ class GenerationEngine:
         # Free the rid first: a client may reuse it as soon as it reads the answer.
         with self._cond:
             self._inflight.discard(row.request.rid)
+        self._finished_reqs += 1
+        self._finished_prompt_tokens += len(row.request.input_ids)
         row.future.set_result(self._result(row, row.finish))
 
     def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:

@@ -90,6 +90,9 @@ class _Row:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)  # per generated token, if asked
+    input_logprobs: list[float | None] = field(default_factory=list)  # from the prefill, if asked
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: tuple[str, int | str | None] | None = None
     retractions: int = 0
     generator: torch.Generator | None = field(init=False)

@@ -53,8 +53,7 @@ def sample_next_tokens(
     seeded request) samples from it, the others from `generator`.
     """
     greedy = temperature < GREEDY_TEMPERATURE
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    logprobs = scaled_logprobs(logits, temperature)
     tokens = logprobs.argmax(dim=-1)
     rows = (~greedy).nonzero().squeeze(1)
     if rows.numel() > 0:
@@ -66,6 +65,19 @@ def sample_next_tokens(
             if row_generator is not None:  # its own stream: the draw does not depend on the other rows
                 tokens[rows[j]] = torch.multinomial(probs[j], 1, generator=row_generator)[0]
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def scaled_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) [B, V] over the full vocabulary: the distribution a row samples from
+    (before truncation) and reports logprobs of. Greedy rows (T < 1e-6) take T = 1."""
+    scale = torch.where(temperature < GREEDY_TEMPERATURE, torch.ones_like(temperature), temperature)
+    return torch.log_softmax(logits / scale[:, None], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    """The k largest entries of one row of logprobs [V], as (logprob, token id), most likely first."""
+    values, ids = logprobs.topk(k)
+    return list(zip(values.tolist(), ids.tolist()))
 
 
 def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,

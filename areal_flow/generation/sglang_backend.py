@@ -32,6 +32,7 @@ RUN_FLAGS = {
 
 VALUE_FLAGS = {
     "max_batch_size": "--max-running-requests",
+    "max_total_tokens": "--max-total-tokens",
     "mem_fraction_static": "--mem-fraction-static",
     "context_length": "--context-length",
     "dtype": "--dtype",
@@ -46,7 +47,7 @@ SWITCHES = {"disable_radix_cache": "--disable-radix-cache"}
 ALIASES = {"--model": "--model-path", "--tensor-parallel-size": "--tp-size"}
 """SGLang's other spellings of mapped flags."""
 
-SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k != "max_batch_size") + tuple(SWITCHES) + ("extra_args",)
+SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k not in ("max_batch_size", "max_total_tokens")) + tuple(SWITCHES) + ("extra_args",)
 """generation.* keys that mean nothing to the embedded engine."""
 
 DEVICES = {"cpu": "cpu", "cuda": "cuda"}

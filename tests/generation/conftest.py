@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 import pytest
-from generation_helpers import ModelDirs, make_model_dirs, torch_threads
+import torch
+from generation_helpers import ModelDirs, load_reference, make_model_dirs, running_server, torch_threads
 
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.server import GenerationServer
 
 
 @pytest.fixture(scope="session")
@@ -17,8 +18,11 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> ModelDirs:
 
 @pytest.fixture(scope="module")
 def server_a(model_dirs: ModelDirs) -> GenerationServer:
-    server, thread = serve(model_dirs.a, max_batch_size=64)
-    yield server
-    server.stop()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with running_server(model_dirs.a, max_batch_size=64) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ref_a(model_dirs: ModelDirs) -> torch.nn.Module:
+    """Model a in plain transformers, for reference forwards."""
+    return load_reference(model_dirs.a)

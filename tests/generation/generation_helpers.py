@@ -20,6 +20,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from areal_flow.generation.server import GenerationServer, serve
+
 VOCAB_SIZE = 18
 EOS_ID = 1
 CONTEXT = 256
@@ -98,6 +100,28 @@ def http_call(base_url: str, method: str, path: str, body: bytes | dict | None =
     if headers.get("content-type", "").startswith("application/json"):
         payload = json.loads(raw)
     return response.status, headers, payload
+
+
+def generate_ok(server: GenerationServer, body: dict) -> Any:
+    """POST /generate and the decoded answer, which must be a 200."""
+    status, _, payload = http_call(server.url, "POST", "/generate", body)
+    assert status == 200, payload
+    return payload
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str, *, step_delay: float = 0.0, **engine_kw: Any) -> Iterator[GenerationServer]:
+    """A real server on a free port, stopped on exit. `step_delay` seconds of real sleep before every
+    forward keep requests decoding long enough for a test to act while they run."""
+    server, thread = serve(model_dir, **engine_kw)
+    if step_delay:
+        server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(step_delay))
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

@@ -13,11 +13,13 @@ import time
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, full_forward_logprobs, greedy_reference, http_call, load_reference
+from generation_helpers import (
+    ModelDirs, full_forward_logprobs, greedy_reference, http_call, load_reference, running_server,
+)
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.router import ServerPool
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.server import GenerationServer
 from areal_flow.rollout.worker import generate_sample
 
 PROMPT = [2, 7, 3, 9]
@@ -26,11 +28,8 @@ LONG = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True}
 
 @pytest.fixture
 def server(model_dirs: ModelDirs) -> GenerationServer:
-    server, thread = serve(model_dirs.a, max_batch_size=8)
-    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
-    yield server
-    server.stop()
-    thread.join(timeout=10)
+    with running_server(model_dirs.a, max_batch_size=8, step_delay=0.005) as server:
+        yield server
 
 
 async def started(server: GenerationServer, tokens: int = 5) -> None:

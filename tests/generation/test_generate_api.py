@@ -8,35 +8,24 @@ import random
 import pytest
 import torch
 from generation_helpers import (
-    CONTEXT, EOS_ID, EOS_PROMPT, VOCAB_SIZE, ModelDirs, async_wait_until, full_forward_logprobs, greedy_reference, http_call,
-    load_reference,
+    CONTEXT, EOS_ID, EOS_PROMPT, VOCAB_SIZE, ModelDirs, async_wait_until, full_forward_logprobs, generate_ok,
+    greedy_reference, http_call, running_server,
 )
 
 from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.server import GenerationServer, serve
 
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 6], [11], [4, 4, 4, 4, 12, 13], [17, 16, 15, 14]]
 
 
-@pytest.fixture(scope="module")
-def ref_a(model_dirs: ModelDirs) -> torch.nn.Module:
-    return load_reference(model_dirs.a)
-
-
-def generate(server: GenerationServer, body: dict) -> dict | list:
-    status, _, payload = http_call(server.url, "POST", "/generate", body)
-    assert status == 200, payload
-    return payload
-
-
 def test_greedy_output_equals_plain_hf_argmax_decode(server_a, ref_a):
     for prompt in PROMPTS:
-        answer = generate(server_a, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+        answer = generate_ok(server_a, {"input_ids": prompt,
+                                        "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
         assert answer["output_ids"] == greedy_reference(ref_a, prompt, 24)
         meta = answer["meta_info"]
         assert meta["completion_tokens"] == len(answer["output_ids"])
         assert meta["prompt_tokens"] == len(prompt)
-        assert meta["weight_version"] == "0"
+        assert meta["weight_version"] == "default"  # SGLang's initial label; its tokens are version 0
         assert meta["output_token_versions"] == [0] * len(answer["output_ids"])
 
 
@@ -48,7 +37,7 @@ def test_logprobs_are_full_vocab_log_softmax_of_logits_over_temperature(server_a
                 {"max_new_tokens": 20, "temperature": temperature, "ignore_eos": True, "top_p": 0.8},
                 {"max_new_tokens": 20, "temperature": temperature, "ignore_eos": True, "top_k": 6, "top_p": 0.9},
                 {"max_new_tokens": 20, "temperature": temperature, "ignore_eos": True}]
-    answers = generate(server_a, {"input_ids": PROMPTS, "sampling_params": sampling, "return_logprob": True})
+    answers = generate_ok(server_a, {"input_ids": PROMPTS, "sampling_params": sampling, "return_logprob": True})
     for prompt, answer in zip(PROMPTS, answers):
         triples = answer["meta_info"]["output_token_logprobs"]
         assert [t[1] for t in triples] == answer["output_ids"] and len(triples) == 20
@@ -62,14 +51,14 @@ def test_top_k_1_and_tiny_top_p_sample_the_argmax(server_a, ref_a):
     prompt = PROMPTS[0]
     expected = greedy_reference(ref_a, prompt, 16, stop_ids=())
     for cut in ({"top_k": 1}, {"top_p": 1e-9}):
-        answer = generate(server_a, {"input_ids": prompt,
+        answer = generate_ok(server_a, {"input_ids": prompt,
                                      "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, **cut}})
         assert answer["output_ids"] == expected, cut
 
 
 def test_batch_form_answers_an_array_in_prompt_order(server_a, ref_a):
     sampling = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 9, 1, 5, 2)]
-    answers = generate(server_a, {"input_ids": PROMPTS, "sampling_params": sampling, "rid": "b7"})
+    answers = generate_ok(server_a, {"input_ids": PROMPTS, "sampling_params": sampling, "rid": "b7"})
     assert isinstance(answers, list) and len(answers) == len(PROMPTS)
     for i, (prompt, params, answer) in enumerate(zip(PROMPTS, sampling, answers)):
         assert answer["meta_info"]["id"] == f"b7_{i}"
@@ -79,7 +68,7 @@ def test_batch_form_answers_an_array_in_prompt_order(server_a, ref_a):
 
 def test_max_new_tokens_ends_with_length_after_exactly_n_tokens(server_a):
     for n in (7, 1, 0):
-        answer = generate(server_a, {"input_ids": PROMPTS[1], "return_logprob": True,
+        answer = generate_ok(server_a, {"input_ids": PROMPTS[1], "return_logprob": True,
                                      "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
         assert len(answer["output_ids"]) == n == answer["meta_info"]["completion_tokens"]
         assert len(answer["meta_info"]["output_token_logprobs"]) == n
@@ -91,31 +80,27 @@ def test_stop_token_ids_end_the_output_and_keep_the_stop_token(server_a, ref_a):
     free_run = greedy_reference(ref_a, prompt, 30)  # up to the model's eos, which must not come first
     index = next(i for i in range(1, len(free_run)) if free_run[i] not in free_run[:i] + [EOS_ID])
     stop = free_run[index]
-    answer = generate(server_a, {"input_ids": prompt, "sampling_params": {
+    answer = generate_ok(server_a, {"input_ids": prompt, "sampling_params": {
         "max_new_tokens": 30, "temperature": 0, "stop_token_ids": [stop]}})
     assert answer["output_ids"] == free_run[: index + 1]
     assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
 def test_eos_ends_the_output_and_is_kept_unless_ignore_eos(model_dirs: ModelDirs):
-    server, thread = serve(model_dirs.eos)
-    try:
+    with running_server(model_dirs.eos) as server:
         body = {"input_ids": EOS_PROMPT, "sampling_params": {"max_new_tokens": 30, "temperature": 0}}
-        answer = generate(server, body)
+        answer = generate_ok(server, body)
         assert len(answer["output_ids"]) == model_dirs.eos_index + 1
         assert answer["output_ids"][-1] == model_dirs.eos_token
         assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": model_dirs.eos_token}
         body["sampling_params"]["ignore_eos"] = True
-        answer = generate(server, body)
+        answer = generate_ok(server, body)
         assert len(answer["output_ids"]) == 30
         assert answer["meta_info"]["finish_reason"]["type"] == "length"
-    finally:
-        server.stop()
-        thread.join(timeout=10)
 
 
 def test_text_prompt_is_tokenized_and_output_detokenized(server_a, ref_a):
-    answer = generate(server_a, {"text": "c d e f", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+    answer = generate_ok(server_a, {"text": "c d e f", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
                                                                       "ignore_eos": True}})
     assert answer["meta_info"]["prompt_tokens"] == 4
     assert answer["output_ids"] == greedy_reference(ref_a, [4, 5, 6, 7], 6, stop_ids=())
@@ -135,8 +120,32 @@ BAD_REQUESTS = {
     "id outside vocab": ({"input_ids": [2, VOCAB_SIZE]}, "input_ids"),
     "no prompt": ({}, "input_ids"),
     "too long": ({"input_ids": [2] * 10, "sampling_params": {"max_new_tokens": CONTEXT}}, "context length"),
-    "stream": ({"input_ids": [2], "stream": True}, "stream is not supported by the embedded engine yet"),
     "batch sampling list of wrong length": ({"input_ids": [[2], [3]], "sampling_params": [{}]}, "sampling_params"),
+    "stream not a bool": ({"input_ids": [2], "stream": "yes"}, "stream must be true or false"),
+    "stream with a bad field": ({"input_ids": [2], "stream": True, "sampling_params": {"top_k": 0}}, "top_k"),
+    "stream_interval 0": ({"input_ids": [2], "stream": True, "sampling_params": {"stream_interval": 0}},
+                          "sampling_params.stream_interval"),
+    "n 0": ({"input_ids": [2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    "n huge": ({"input_ids": [2], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
+    "n a string": ({"input_ids": [2], "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    "n differs in a batch": ({"input_ids": [[2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]},
+                             "sampling_params.n must be the same"),
+    "n with a list of return_logprob": ({"input_ids": [[2], [3]], "return_logprob": [True, False],
+                                         "sampling_params": {"n": 2}}, "return_logprob"),
+    "top_logprobs_num negative": ({"input_ids": [2], "return_logprob": True, "top_logprobs_num": -1},
+                                  "top_logprobs_num"),
+    "top_logprobs_num over the vocab": ({"input_ids": [2], "return_logprob": True,
+                                         "top_logprobs_num": VOCAB_SIZE + 1}, "top_logprobs_num"),
+    "top_logprobs_num a float": ({"input_ids": [2], "top_logprobs_num": 1.5}, "top_logprobs_num"),
+    "logprob_start_len past the prompt": ({"input_ids": [2, 3], "return_logprob": True, "logprob_start_len": 3},
+                                          "logprob_start_len"),
+    "logprob_start_len below -1": ({"input_ids": [2, 3], "return_logprob": True, "logprob_start_len": -2},
+                                   "logprob_start_len"),
+    "logprob_start_len a string": ({"input_ids": [2, 3], "logprob_start_len": "0"}, "logprob_start_len"),
+    "logprob_start_len list in a batch past one prompt": (
+        {"input_ids": [[2, 3, 4], [2]], "return_logprob": True, "logprob_start_len": [1, 2]}, "logprob_start_len"),
+    "return_text_in_logprobs not a bool": ({"input_ids": [2], "return_text_in_logprobs": 1},
+                                           "return_text_in_logprobs"),
     "bad json": (b'{"input_ids": [2, 3', "not valid JSON"),
     "json array body": (b"[1, 2]", "JSON object"),
 }
@@ -149,7 +158,7 @@ def test_bad_request_gets_400_naming_the_field_and_the_server_keeps_serving(serv
     assert status == 400
     assert headers["content-type"] == "application/json"
     assert expected in payload["error"]["message"]
-    answer = generate(server_a, {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    answer = generate_ok(server_a, {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     assert len(answer["output_ids"]) == 2
 
 
@@ -165,9 +174,9 @@ def test_health_info_and_flush_cache_routes(server_a, model_dirs):
     assert (status, payload) == (200, "")
     status, _, info = http_call(server_a.url, "GET", "/get_model_info")
     assert status == 200 and info["is_generation"] is True and info["model_path"] == model_dirs.a
-    assert info["weight_version"] == "0" and info["architectures"] == ["Qwen2ForCausalLM"]
+    assert info["weight_version"] == "default" and info["architectures"] == ["Qwen2ForCausalLM"]
     status, _, info = http_call(server_a.url, "GET", "/get_server_info")
-    assert status == 200 and info["max_batch_size"] == 64 and info["weight_version"] == "0"
+    assert status == 200 and info["max_batch_size"] == 64 and info["weight_version"] == "default"
     assert info["context_length"] == CONTEXT and info["internal_states"][0]["num_running_reqs"] == 0
     status, _, _ = http_call(server_a.url, "POST", "/flush_cache")
     assert status == 200
@@ -236,7 +245,7 @@ def test_server_info_reports_compute_busy_seconds_that_grow_only_with_work(serve
         return info["busy_seconds"]
 
     before = busy()
-    generate(server_a, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}})
+    generate_ok(server_a, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}})
     after_work = busy()
     assert after_work > before
     time.sleep(0.3)

@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_cli_serves_and_exits_cleanly_on_sigterm(model_dirs: ModelDirs):
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_dirs.a,
-         "--host", "127.0.0.1", "--port", "0", "--max-batch-size", "8", "--num-threads", "1"],
+         "--host", "127.0.0.1", "--port", "0", "--max-batch-size", "8", "--num-threads", "1",
+         "--weight-version", "4"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
@@ -45,7 +46,10 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(model_dirs: ModelDirs):
             async with GenerationClient(url) as client:
                 return await client.generate([2, 3, 4], {"max_new_tokens": 5, "ignore_eos": True})
 
-        assert len(asyncio.run(ask())["output_ids"]) == 5
+        answer = asyncio.run(ask())
+        assert len(answer["output_ids"]) == 5
+        # --weight-version labels the initial weights; digits also set the token version.
+        assert answer["meta_info"]["weight_version"] == "4" and answer["meta_info"]["output_token_versions"] == [4] * 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -23,13 +23,15 @@ def test_default_command_maps_the_run_and_leaves_sglang_its_own_defaults():
 
 
 def test_every_mapped_key_becomes_its_sglang_flag_and_extra_args_come_last_verbatim():
-    gen = sglang(host="0.0.0.0", tp_size=2, max_batch_size=256, mem_fraction_static=0.85, context_length=4096,
+    gen = sglang(host="0.0.0.0", tp_size=2, max_batch_size=256, max_total_tokens=65536, mem_fraction_static=0.85,
+                 context_length=4096,
                  dtype="bfloat16", attention_backend="fa3", chunked_prefill_size=-1, disable_radix_cache=True,
                  extra_args=["--log-level", "warning", "--trust-remote-code"])
     argv = sglang_command(gen, "/m", 30001, 3, "cuda")
     pairs = dict(zip(argv[3::1], argv[4::1]))
     assert pairs["--host"] == "0.0.0.0" and pairs["--tp-size"] == "2" and pairs["--device"] == "cuda"
     assert pairs["--max-running-requests"] == "256" and pairs["--mem-fraction-static"] == "0.85"
+    assert pairs["--max-total-tokens"] == "65536"
     assert pairs["--context-length"] == "4096" and pairs["--dtype"] == "bfloat16"
     assert pairs["--attention-backend"] == "fa3" and pairs["--chunked-prefill-size"] == "-1"
     assert "--disable-radix-cache" in argv and "--skip-tokenizer-init" in argv
@@ -38,7 +40,7 @@ def test_every_mapped_key_becomes_its_sglang_flag_and_extra_args_come_last_verba
 
 def test_unset_keys_pass_no_flag():
     argv = sglang_command(sglang(disable_radix_cache=False), "/m", 1, 0, "cpu")
-    for flag in ("--max-running-requests", "--mem-fraction-static", "--context-length", "--dtype",
+    for flag in ("--max-running-requests", "--max-total-tokens", "--mem-fraction-static", "--context-length", "--dtype",
                  "--attention-backend", "--chunked-prefill-size", "--disable-radix-cache"):
         assert flag not in argv
 
@@ -95,8 +97,9 @@ def test_sglang_settings_need_the_sglang_backend(key, value):
                         "(the backend is 'embedded')"]
 
 
-def test_embedded_backend_takes_tp_size_and_max_batch_size():
-    assert generation_problems(GenerationConfig(tp_size=2, max_batch_size=16, host="0.0.0.0"), 2) == []
+def test_embedded_backend_takes_tp_size_max_batch_size_and_max_total_tokens():
+    gen = GenerationConfig(tp_size=2, max_batch_size=16, max_total_tokens=4096, host="0.0.0.0")
+    assert generation_problems(gen, 2) == []
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -122,3 +125,17 @@ def test_clients_reach_the_servers_at_generation_host(host, url):
     spec = RunSpec(run_dir="/r", model_path="/m", train_path="/t", eval_path="/e", gen_ports=[9], controller_port=1,
                    rollout_ports=[], trainer_ports=[], dist_port=2, n_trainers=1, n_rollout=1, gen_host=reachable(host))
     assert spec.gen_urls == [url]
+
+
+def test_the_embedded_server_command_maps_the_budget_keys_and_labels_version_0():
+    from areal_flow.graph.placement import Proc
+    from areal_flow.launch import server_command
+
+    cfg = RunConfig(seed=5, generation=GenerationConfig(max_batch_size=16, max_total_tokens=4096))
+    argv, env = server_command(cfg, Proc("gen_server1", "gen_server", (2, 3), rank=1), "/m", 31000)
+    pairs = dict(zip(argv[3:], argv[4:]))
+    assert argv[:3] == [sys.executable, "-m", "areal_flow.generation.server"] and env == {}
+    assert pairs["--max-batch-size"] == "16" and pairs["--max-total-tokens"] == "4096"
+    assert pairs["--num-threads"] == "2" and pairs["--seed"] == "6" and pairs["--weight-version"] == "0"
+    bare, _ = server_command(RunConfig(), Proc("gen_server0", "gen_server", (0,)), "/m", 31000)
+    assert "--max-total-tokens" not in bare and "--max-batch-size" not in bare

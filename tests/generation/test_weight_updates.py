@@ -1,4 +1,5 @@
-"""/update_weights_from_disk on a real server: new weights, new versions, bad paths refused."""
+"""/update_weights_from_disk on a real server: new weights, new versions (SGLang's string labels
+and areal_flow's integer token versions), bad paths refused."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import http.client
 import json
 
 import pytest
-from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference
+from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference, running_server
 
 from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.server import GenerationServer, serve
@@ -36,7 +37,8 @@ def test_update_switches_outputs_weight_version_and_token_versions(server, model
     assert expected_a != expected_b  # otherwise the test could not see the switch
 
     before = generate(server, PROMPT, GREEDY)
-    assert before["output_ids"] == expected_a and before["meta_info"]["weight_version"] == "0"
+    assert before["output_ids"] == expected_a and before["meta_info"]["weight_version"] == "default"
+    assert before["meta_info"]["output_token_versions"] == [0] * 12
 
     status, _, reply = http_call(server.url, "POST", "/update_weights_from_disk",
                                  {"model_path": model_dirs.b, "weight_version": "3", "abort_all_requests": True})
@@ -49,10 +51,11 @@ def test_update_switches_outputs_weight_version_and_token_versions(server, model
     _, _, info = http_call(server.url, "GET", "/get_model_info")
     assert info["weight_version"] == "3" and info["model_path"] == model_dirs.b
 
-    # Without weight_version the new weights still get a new version.
+    # Without weight_version the new weights still get a new token version; the label stays (SGLang).
     http_call(server.url, "POST", "/update_weights_from_disk", {"model_path": model_dirs.a})
     again = generate(server, PROMPT, GREEDY)
     assert again["output_ids"] == expected_a and again["meta_info"]["output_token_versions"] == [4] * 12
+    assert again["meta_info"]["weight_version"] == "3"
 
 
 @pytest.mark.parametrize("where", ["missing", "not a model", "other architecture"])
@@ -71,15 +74,43 @@ def test_bad_weights_are_refused_and_the_old_weights_keep_serving(server, model_
     assert refused.value.body["success"] is False and path in refused.value.body["message"]
     after = generate(server, PROMPT, GREEDY)
     assert after["output_ids"] == before["output_ids"]
-    assert after["meta_info"]["weight_version"] == "0"
+    assert after["meta_info"]["weight_version"] == "default"
+    assert after["meta_info"]["output_token_versions"] == [0] * 12
 
 
-def test_bad_weight_version_is_refused(server, model_dirs):
+def test_any_label_is_a_weight_version_and_token_versions_stay_integers(server, model_dirs):
+    """SGLang takes any string label; areal_flow tags tokens with integers: a label of digits sets
+    the integer, any other label advances it by one."""
+    for label, tag in (("v2", 1), ("7", 7), ("step-8", 8), ("0", 0)):
+        status, _, reply = http_call(server.url, "POST", "/update_weights_from_disk",
+                                     {"model_path": model_dirs.b, "weight_version": label})
+        assert status == 200 and reply["message"].endswith(f"Weight version updated to {label}."), reply
+        meta = generate(server, PROMPT, GREEDY)["meta_info"]
+        assert (meta["weight_version"], meta["output_token_versions"]) == (label, [tag] * 12)
+        assert http_call(server.url, "GET", "/model_info")[2]["weight_version"] == label
+        assert http_call(server.url, "GET", "/get_weight_version")[2] == {"weight_version": label}
+
+
+@pytest.mark.parametrize("bad", ["", "  ", True, 1.5, ["v1"], -1])
+def test_bad_weight_version_is_refused_and_the_version_kept(server, model_dirs, bad):
     status, _, reply = http_call(server.url, "POST", "/update_weights_from_disk",
-                                 {"model_path": model_dirs.b, "weight_version": "v2"})
+                                 {"model_path": model_dirs.b, "weight_version": bad})
     assert status == 400 and reply["success"] is False and "weight_version" in reply["message"]
+    meta = generate(server, PROMPT, GREEDY)["meta_info"]
+    assert (meta["weight_version"], meta["output_token_versions"]) == ("default", [0] * 12)
     status, _, reply = http_call(server.url, "POST", "/update_weights_from_disk", {})
     assert status == 400 and "model_path" in reply["message"]
+
+
+def test_the_initial_label_comes_from_the_command_line_as_sglang_s_weight_version(model_dirs):
+    for label, tag in (("0", 0), ("12", 12), ("base", 0)):
+        with running_server(model_dirs.a, weight_label=label) as server:
+            meta = generate(server, PROMPT, GREEDY)["meta_info"]
+            assert (meta["weight_version"], meta["output_token_versions"]) == (label, [tag] * 12)
+            status, _, _ = http_call(server.url, "POST", "/update_weights_from_disk", {"model_path": model_dirs.b})
+            assert status == 200  # no label given: the label stays, the token version advances
+            meta = generate(server, PROMPT, GREEDY)["meta_info"]
+            assert (meta["weight_version"], meta["output_token_versions"]) == (label, [tag + 1] * 12)
 
 
 def test_update_lands_between_batches_and_never_mixes_weights_in_a_request(server, model_dirs):
