@@ -8,7 +8,9 @@ the datasets are read once so a bad row is reported with its file and line.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import hydra
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from areal_flow.config.schema import RunConfig, register_configs
-from areal_flow.config.validate import ConfigError, check_model, check_run
+from areal_flow.config.validate import SHARED_MEMORY, ConfigError, check_model, check_run
 from areal_flow.data.dataset import DatasetError, load_jsonl
 from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
@@ -121,12 +123,15 @@ def run(raw: DictConfig, console: Console) -> int:
     model_path = prepare_model(cfg)
     check_model(graph, model_path)
     n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
+    # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
+    weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
+        if cfg.rollout.weight_update_mode == "shm" else ""
     ports = iter(free_ports(n_gen + n_roll + n_train + 2))
     spec = RunSpec(
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
         gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
         trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
-        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(cfg.generation.host),
+        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(cfg.generation.host), weights_dir=weights_dir,
     )
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
@@ -144,6 +149,8 @@ def run(raw: DictConfig, console: Console) -> int:
         return 130
     finally:
         launcher.stop_all()
+        if weights_dir:
+            shutil.rmtree(weights_dir, ignore_errors=True)
     metrics = read_metrics(spec.path("metrics.jsonl"))
     print_summary(console, run_dir, metrics)
     if cfg.metrics.plot:

@@ -82,3 +82,16 @@ def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache
     assert all(m["response_length"] > 0 and sum(m["staleness_hist"]) > 0 for m in steps)
     # π_prox came from the renamed key: behaviour weights differ from 1 once weights move on.
     assert nodes_run(run_dir) == [["actor_prox", "actor_train"]] * 3
+
+
+def test_weights_through_shared_memory_with_retracting_updates(tmp_path, run_cache):
+    """rollout.weight_update_mode=shm: each version goes through /dev/shm, not the run directory,
+    and is gone after the run; retracting updates keep the accounting exact."""
+    before = set(Path("/dev/shm").glob("areal_flow-*"))
+    run_dir = run_variant(tmp_path, run_cache, "shm_retract", copy.deepcopy(BASE["graph"]),
+                          "rollout.weight_update_mode=shm", "rollout.interrupt=true", "rollout.pause_mode=retract")
+    log = (run_dir / "logs" / "gen_server0.log").read_text()
+    loaded = [line for line in log.splitlines() if "loaded, version" in line]
+    assert len(loaded) == 3 and all("from /dev/shm/areal_flow-" in line for line in loaded)
+    assert not (run_dir / "weights").exists()
+    assert set(Path("/dev/shm").glob("areal_flow-*")) == before  # removed at the end

@@ -28,7 +28,7 @@ def test_the_tiny_recipe_trains_on_sglang_servers_started_with_the_mapped_flags(
     monkeypatch.setenv("SGLANG_STANDIN_RECORD", str(record))
     run_dir = tmp_path / "run"
     r = launch(run_dir, run_cache, "generation.backend=sglang", "generation.mem_fraction_static=0.5",
-               "generation.max_batch_size=32", "generation.disable_radix_cache=true",
+               "generation.max_batch_size=32", "generation.max_total_tokens=8192", "generation.disable_radix_cache=true",
                "generation.extra_args=[--log-level,warning]", "total_steps=3", "eval_at_start=false",
                "rollout.max_staleness=1", "rollout.interrupt=true", "seed=5")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -40,6 +40,7 @@ def test_the_tiny_recipe_trains_on_sglang_servers_started_with_the_mapped_flags(
     assert pair(argv, "--host") == "127.0.0.1" and pair(argv, "--tp-size") == "1"
     assert pair(argv, "--random-seed") == "5" and pair(argv, "--device") == "cpu"
     assert pair(argv, "--mem-fraction-static") == "0.5" and pair(argv, "--max-running-requests") == "32"
+    assert pair(argv, "--max-total-tokens") == "8192"
     assert "--skip-tokenizer-init" in argv and "--disable-radix-cache" in argv
     assert argv[-2:] == ["--log-level", "warning"]
     # The server owns core 0: pinned there, and SGLang's CPU engine binds its threads there too.

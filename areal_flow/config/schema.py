@@ -129,6 +129,9 @@ class RolloutConfig:
     pause_mode: str = doc("abort", "how an interrupting update stops the running requests: 'abort' (AReaL: they "
                           "return their tokens so far and the rollout worker resubmits them) or 'retract' (SGLang: "
                           "the server requeues and recomputes them itself)", choices=("abort", "retract"))
+    weight_update_mode: str = doc("disk", "how each new version reaches the generation servers: 'disk' (a Hugging "
+                                  "Face directory in the run directory) or 'shm' (the same files in shared memory, "
+                                  "/dev/shm: no disk, one host; removed when the run ends)", choices=("disk", "shm"))
     request_timeout: float = doc(600.0, "seconds one request to a generation server may take before it is retried on "
                                  "another", gt=0)
     request_retries: int = doc(3, "retries of a request after a connection error, timeout or 5xx answer (never after "

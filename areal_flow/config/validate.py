@@ -18,6 +18,10 @@ from areal_flow.graph.dag import Graph
 from areal_flow.training.layout import layout_problems
 
 
+SHARED_MEMORY = "/dev/shm"
+"""Where rollout.weight_update_mode=shm puts the published weights."""
+
+
 class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
@@ -65,6 +69,9 @@ def _machine(cfg: RunConfig) -> list[str]:
     elif kind == "cpu" and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
         problems.append(f"cluster.n_devices={n} but this process may use {len(os.sched_getaffinity(0))} cores "
                         "(lower cluster.n_devices, or set launcher.pin_cpus=false)")
+    if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
+        problems.append(f"rollout.weight_update_mode='shm' needs a writable {SHARED_MEMORY} (a RAM file system), which "
+                        "this machine does not have; use rollout.weight_update_mode=disk")
     if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         problems.append(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
     return problems

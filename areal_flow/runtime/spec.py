@@ -29,6 +29,7 @@ class RunSpec(msgspec.Struct, kw_only=True):
     n_trainers: int
     n_rollout: int
     gen_host: str = "127.0.0.1"  # where clients reach the generation servers (see reachable)
+    weights_dir: str = ""  # where trainer rank 0 publishes each version; "" = run_dir/weights
 
     @property
     def gen_urls(self) -> list[str]:
@@ -37,6 +38,10 @@ class RunSpec(msgspec.Struct, kw_only=True):
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.run_dir, *parts)
+
+    def weights(self, *parts: str) -> str:
+        """A path under the published weights' directory."""
+        return os.path.join(self.weights_dir or self.path("weights"), *parts)
 
 
 def reachable(host: str) -> str:

@@ -156,11 +156,11 @@ class ModelWorker:
             else:
                 stats = self.train(node, samples)
         version = plan.step + 1
-        weights = self.spec.path("weights", f"v{version}")
+        weights = self.spec.weights(f"v{version}")
         trained.version = version
         trained.save_weights(weights)  # every rank takes part; rank 0 writes
         if self.rank == 0:
-            _prune_weights(self.spec.path("weights"), keep=version)
+            _prune_weights(self.spec.weights(), keep=version)
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")

@@ -138,3 +138,14 @@ def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(t
     assert "group_size: 8" in r.stdout  # from the recipe
     r = launch("--cfg", "job", cwd=tmp_path)
     assert "adv_scale_by_std: true" in r.stdout and "behav_weight_cap: 5.0" in r.stdout
+
+
+def test_weights_in_shared_memory_need_a_writable_dev_shm(monkeypatch, tmp_path):
+    from areal_flow.config import validate
+    from areal_flow.config.schema import RolloutConfig, RunConfig
+
+    cfg = RunConfig(rollout=RolloutConfig(weight_update_mode="shm"))
+    assert not any("shm" in p for p in validate._machine(cfg))  # this machine has /dev/shm
+    monkeypatch.setattr(validate, "SHARED_MEMORY", str(tmp_path / "missing"))
+    assert any(p.startswith("rollout.weight_update_mode='shm' needs a writable ") and "/missing" in p
+               for p in validate._machine(cfg))

@@ -37,6 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
@@ -55,8 +56,8 @@ def check_cpu_binding(args: argparse.Namespace) -> None:
 
 def rewrite(route: embedded.Route, fix) -> embedded.Route:
     """`route` with `fix` applied to every JSON object it answers."""
-    async def wrapped(server, raw, received):
-        status, payload = await route(server, raw, received)
+    async def wrapped(server, call):
+        status, payload = await route(server, call)
         for answer in payload if isinstance(payload, list) else [payload]:
             if isinstance(answer, dict):
                 fix(answer)
@@ -98,7 +99,8 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, lambda *_: stop.set())
     tokenizer = None if args.skip_tokenizer_init else embedded.optional_tokenizer(args.model_path)
     engine = GenerationEngine(args.model_path, tokenizer=tokenizer, max_batch_size=args.max_running_requests or 128,
-                              seed=args.random_seed or 0, num_threads=args.tp_size)
+                              seed=args.random_seed or 0, num_threads=args.tp_size,
+                              max_total_tokens=args.max_total_tokens)
     if args.context_length is not None:
         engine.context_length = args.context_length
     server = embedded.GenerationServer((args.host, args.port), engine, tokenizer, args.model_path)
