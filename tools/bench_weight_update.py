@@ -37,6 +37,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _bench import machine
 from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.router import ServerPool
 from areal_flow.generation.server import GenerationServer, serve
 from areal_flow.rollout.worker import generate_sample
 
@@ -85,8 +86,8 @@ async def update_in_flight(server: GenerationServer, path: str, version: int, mo
     hook = server.engine.model.register_forward_hook(after_forward)
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
     try:
-        async with GenerationClient(server.url) as client, GenerationClient(server.url) as admin:
-            answers = [asyncio.create_task(generate_sample(client, [3, 4, 5, 6 + i % 5], params, f"{mode}-{i}"))
+        async with ServerPool([server.url]) as pool, GenerationClient(server.url) as admin:
+            answers = [asyncio.create_task(generate_sample(pool, [3, 4, 5, 6 + i % 5], params, f"{mode}-{i}", mode))
                        for i in range(requests)]
             start_tokens = server.engine.stats()["generated_tokens"]
             while server.engine.stats()["generated_tokens"] < start_tokens + requests * max_new_tokens // 4:
@@ -100,7 +101,7 @@ async def update_in_flight(server: GenerationServer, path: str, version: int, mo
                 await admin.continue_generation()
             waited = time.perf_counter() - t0
             # The next request a rollout worker sends: under drain, the first work of the new weights.
-            answers.append(asyncio.create_task(generate_sample(client, [3, 4, 5], params, f"{mode}-next")))
+            answers.append(asyncio.create_task(generate_sample(pool, [3, 4, 5], params, f"{mode}-next", mode)))
             outs = await asyncio.gather(*answers)
             done = time.perf_counter() - t0
     finally:
