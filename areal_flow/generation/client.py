@@ -69,15 +69,8 @@ class GenerationClient:
         return_logprob: bool = True,
     ) -> dict:
         """One prompt; returns SGLang's response object (text, output_ids, meta_info)."""
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params or {}),
-            "return_logprob": return_logprob,
-            "stream": False,
-        }
-        if rid is not None:
-            payload["rid"] = rid
-        return await self._call("POST", "/generate", payload)
+        return await self._call("POST", "/generate", _one_prompt(input_ids, sampling_params, rid, return_logprob,
+                                                                 stream=False))
 
     async def generate_stream(
         self,
@@ -90,14 +83,7 @@ class GenerationClient:
         """One prompt, streamed: yields SGLang's chunks (cumulative: each holds everything so far;
         the last one has a finish_reason). Leaving the loop early closes the connection, and the
         server aborts the request."""
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params or {}),
-            "return_logprob": return_logprob,
-            "stream": True,
-        }
-        if rid is not None:
-            payload["rid"] = rid
+        payload = _one_prompt(input_ids, sampling_params, rid, return_logprob, stream=True)
         url = self.base_url + "/generate"
         async with self._slots, self._http().post(url, json=payload) as answer:
             if answer.status != 200:
@@ -216,6 +202,20 @@ class GenerationClient:
         if not 200 <= status < 300:
             raise GenerationError(status, body, url)
         return body
+
+
+def _one_prompt(input_ids: Sequence[int], sampling_params: dict[str, Any] | None, rid: str | None,
+                return_logprob: bool, *, stream: bool) -> dict[str, Any]:
+    """The /generate body for one prompt."""
+    payload: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": dict(sampling_params or {}),
+        "return_logprob": return_logprob,
+        "stream": stream,
+    }
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
 
 
 async def _close_when_the_loop_ends(session: aiohttp.ClientSession) -> None:
