@@ -87,9 +87,7 @@ class GenerationClient:
         url = self.base_url + "/generate"
         async with self._slots, self._http().post(url, json=payload) as answer:
             if answer.status != 200:
-                data = await answer.read()
-                raise GenerationError(answer.status, json.loads(data) if "json" in answer.content_type else
-                                      data.decode("utf-8", errors="replace"), url)
+                raise GenerationError(answer.status, _decoded(answer.content_type, await answer.read()), url)
             # Events are split by hand: a cumulative chunk can outgrow aiohttp's line limit.
             pending = bytearray()
             async for data in answer.content.iter_any():
@@ -196,12 +194,17 @@ class GenerationClient:
         url = self.base_url + path
         async with self._slots, self._http().request(method, url, json=payload) as answer:
             status, content_type, data = answer.status, answer.content_type, await answer.read()
-        body: Any = data.decode("utf-8", errors="replace")
-        if "json" in content_type and data:
-            body = json.loads(data)
+        body = _decoded(content_type, data)
         if not 200 <= status < 300:
             raise GenerationError(status, body, url)
         return body
+
+
+def _decoded(content_type: str, data: bytes) -> Any:
+    """An answer's body: JSON decoded, anything else as text."""
+    if "json" in content_type and data:
+        return json.loads(data)
+    return data.decode("utf-8", errors="replace")
 
 
 def _one_prompt(input_ids: Sequence[int], sampling_params: dict[str, Any] | None, rid: str | None,

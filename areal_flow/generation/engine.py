@@ -460,9 +460,10 @@ class GenerationEngine:
                     self._finish(row)
                 for abort in aborts:
                     abort.done.set_result(None)
-                if batch is not None and not batch.live():
-                    batch = None  # every row aborted: the old weights' cache is dropped with it
-                self._count_running(batch)  # some may have been aborted or retracted
+                if aborts:  # some rows may have been aborted or retracted
+                    if batch is not None and not batch.live():
+                        batch = None  # every row aborted: the old weights' cache is dropped with it
+                    self._count_running(batch)
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
@@ -505,16 +506,17 @@ class GenerationEngine:
         # so only a short queue may join one request at a time.
         if batch is not None and room < min(self._join_group, len(self._waiting)):
             return []
-        reserved = sum(row.kv_tokens for row in live)
+        budget = self.max_total_tokens
+        free = math.inf if budget is None else budget - sum(row.kv_tokens for row in live)
         admitted: list[_Row] = []
         while self._waiting and len(admitted) < room:
             row = self._waiting[0]
-            if self.max_total_tokens is not None and reserved + row.kv_tokens > self.max_total_tokens:
+            if row.kv_tokens > free:
                 break  # it waits for running requests to finish; the ones behind it wait their turn
             self._waiting.popleft()
             if self._claim(row):
                 admitted.append(row)
-                reserved += row.kv_tokens
+                free -= row.kv_tokens
         return admitted
 
     def _claim(self, row: _Row) -> bool:

@@ -65,19 +65,13 @@ def rewrite(route: embedded.Route, fix) -> embedded.Route:
     return wrapped
 
 
-def sglang_version(label: str) -> str:
-    return "default" if label == "0" else label  # SGLang's label until the first update names one
-
-
+# The engine's first label is "default", as SGLang's is (the launcher passes no --weight-version).
 def fix_generate(answer: dict) -> None:
-    meta = answer["meta_info"]
-    del meta["output_token_versions"]
-    meta["weight_version"] = sglang_version(meta["weight_version"])
+    del answer["meta_info"]["output_token_versions"]
 
 
 def fix_server_info(answer: dict) -> None:
     answer.pop("busy_seconds", None)
-    answer["weight_version"] = sglang_version(answer["weight_version"])
 
 
 def main(argv: list[str]) -> None:
