@@ -83,7 +83,8 @@ async def update_in_flight(server: GenerationServer, path: str, version: int, mo
         if not first_new and server.engine.version == version:
             first_new.append(time.perf_counter())
 
-    hook = server.engine.model.register_forward_hook(after_forward)
+    # The output layer ends every forward, prefill or decode step (which bypasses the model's own forward).
+    hook = server.engine.model.get_output_embeddings().register_forward_hook(after_forward)
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
     try:
         async with ServerPool([server.url]) as pool, GenerationClient(server.url) as admin:

@@ -51,6 +51,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
+from areal_flow.generation.decode import DecodeStep, padding_bias
 from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
@@ -179,11 +180,14 @@ class GenerationEngine:
     def __init__(
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
         tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
+        fast_decode: bool = True,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
         module docstring); None leaves only max_batch_size. `weight_label` names the initial weights
-        (SGLang's --weight-version); the initial integer version is `version_for_label(weight_label, -1)`."""
+        (SGLang's --weight-version); the initial integer version is `version_for_label(weight_label, -1)`.
+        `fast_decode=False` runs every decode step through the transformers forward instead of the
+        engine's own (generation/decode.py): slower, for comparison and debugging."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -201,9 +205,14 @@ class GenerationEngine:
         self.seed = seed
         self.num_threads = torch.get_num_threads()
         self._join_group = max(1, max_batch_size // 8)
+        # Compact the batch once a quarter of its rows are dead (measured best of 1/2, 3/4, 9/10 on
+        # tools/bench_generation.py): a dead row costs a full row of every decode step until then.
+        self._compact_at = 0.75
         self.vocab_size: int = config.vocab_size
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model)
+        # Decode steps in plain torch ops where the architecture allows (generation/decode.py).
+        self._decode_step = DecodeStep.for_model(self.model) if fast_decode else None
         self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
             tokenizer.decode, skip_special_tokens=False)
         self._generator = torch.Generator().manual_seed(seed)
@@ -476,7 +485,7 @@ class GenerationEngine:
                         new = self._prefill(admitted)
                         batch = new if batch is None else _Batch.combine(
                             [(batch, batch.live()), (new, list(range(len(admitted))))])
-                    elif 2 * len(batch.live()) <= len(batch.rows):
+                    elif len(batch.live()) <= self._compact_at * len(batch.rows):
                         batch = _Batch.combine([(batch, batch.live())])  # half dead: compact
                     batch = self._step(batch)
                 except Exception as exc:
@@ -630,12 +639,15 @@ class GenerationEngine:
             return None
         batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.int64)], dim=1)
         # A dead row's position stops advancing, so it never runs past the context length.
-        positions = torch.tensor([[row.last_position] for row in batch.rows])
-        out = self.model(
-            input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions,
-            past_key_values=batch.cache, use_cache=True,
-        )
-        batch.logits = out.logits[:, -1].float()
+        positions = torch.tensor([row.last_position for row in batch.rows])
+        if self._decode_step is not None:
+            batch.logits = self._decode_step(tokens, positions, batch.cache, padding_bias(batch.mask, torch.float32))
+        else:
+            out = self.model(
+                input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions[:, None],
+                past_key_values=batch.cache, use_cache=True,
+            )
+            batch.logits = out.logits[:, -1].float()
         return batch
 
     def _top_logprobs(self, batch: _Batch) -> None:

@@ -56,27 +56,30 @@ class _GrowingLayer(DynamicLayer):
     def gather(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], width: int
                ) -> _GrowingLayer:
         """A layer holding rows `index` of each part's (keys, values) from column `start` on,
-        right-aligned to `width` columns (left padding is zeros, masked by the caller)."""
+        right-aligned to `width` columns (left padding is zeros, masked by the caller: zeros rather
+        than garbage, because a masked score must stay finite before the mask makes it -inf)."""
         rows = sum(len(index) for _, _, index, _ in parts)
         first = parts[0][0]
         layer = cls()
         layer.lazy_initialization(first, first)
-        layer._keys = _spacious_like(first, width, rows=rows, zero=True)
-        layer._values = torch.zeros_like(layer._keys)
+        layer._keys = _spacious_like(first, width, rows=rows)
+        layer._values = torch.empty_like(layer._keys)
         offset = 0
         for keys, values, index, start in parts:
             n, w = len(index), keys.shape[-2] - start
-            layer._keys[offset: offset + n, :, width - w: width] = keys[index, :, start:]
-            layer._values[offset: offset + n, :, width - w: width] = values[index, :, start:]
+            for buffer, source in ((layer._keys, keys), (layer._values, values)):
+                buffer[offset: offset + n, :, :width - w] = 0
+                buffer[offset: offset + n, :, width - w: width] = source[index, :, start:]
             offset += n
         layer._set_length(width)
         return layer
 
 
-def _spacious_like(like: torch.Tensor, length: int, rows: int | None = None, zero: bool = False) -> torch.Tensor:
-    """A [rows, heads, capacity, dim] buffer with capacity ~2x length: amortised O(1) copies per step."""
+def _spacious_like(like: torch.Tensor, length: int, rows: int | None = None) -> torch.Tensor:
+    """A [rows, heads, capacity, dim] buffer with capacity ~2x length: amortised O(1) copies per step.
+    Uninitialised: only the first `length` columns are ever read, after they are written."""
     shape = (like.shape[0] if rows is None else rows, like.shape[1], max(2 * length, 64), like.shape[-1])
-    return like.new_zeros(shape) if zero else like.new_empty(shape)
+    return like.new_empty(shape)
 
 
 @dataclass
@@ -143,8 +146,8 @@ class _Batch:
     real positions; `logits` [B, V] are what each row samples its next token from.
 
     A finished row stays in the batch as a dead row until the next `combine` (its outputs are
-    ignored): for small models a forward costs about the same with a few more rows, while
-    compacting copies the whole cache.
+    ignored): compacting copies the whole cache, so the engine does it only when new rows join or
+    enough rows are dead.
     """
 
     rows: list[_Row]

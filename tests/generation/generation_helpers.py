@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from areal_flow.generation.engine import GenerationEngine
 from areal_flow.generation.server import GenerationServer, serve
 
 VOCAB_SIZE = 18
@@ -109,13 +110,20 @@ def generate_ok(server: GenerationServer, body: dict) -> Any:
     return payload
 
 
+def before_every_forward(engine: GenerationEngine, hook: Callable[..., object]) -> object:
+    """Call `hook(module, args)` before every forward of the engine's model, prefill or decode step
+    (the decode step does not go through the model's own forward, but every forward embeds its
+    token ids [rows, columns] first: args[0])."""
+    return engine.model.get_input_embeddings().register_forward_pre_hook(hook)
+
+
 @contextlib.contextmanager
 def running_server(model_dir: str, *, step_delay: float = 0.0, **engine_kw: Any) -> Iterator[GenerationServer]:
     """A real server on a free port, stopped on exit. `step_delay` seconds of real sleep before every
     forward keep requests decoding long enough for a test to act while they run."""
     server, thread = serve(model_dir, **engine_kw)
     if step_delay:
-        server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(step_delay))
+        before_every_forward(server.engine, lambda *_: time.sleep(step_delay))
     try:
         yield server
     finally:

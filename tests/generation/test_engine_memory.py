@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, full_forward_logprobs, greedy_reference, load_reference
+from generation_helpers import ModelDirs, before_every_forward, full_forward_logprobs, greedy_reference, load_reference
 
 from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
 
@@ -15,8 +15,7 @@ PROMPT = (2, 7, 3, 9, 4)
 def rows_per_forward(engine: GenerationEngine) -> list[tuple[int, int]]:
     """(rows, columns) of every input the model sees from now on."""
     shapes: list[tuple[int, int]] = []
-    engine.model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    before_every_forward(engine, lambda module, args: shapes.append(tuple(args[0].shape)))
     return shapes
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, full_forward_logprobs, load_reference, wait_until
+from generation_helpers import ModelDirs, before_every_forward, full_forward_logprobs, load_reference, wait_until
 
 from areal_flow.generation.engine import GenerationEngine, GenerationResult
 
@@ -23,7 +23,7 @@ LONG = 200  # tokens; with the slowed forward a request runs for seconds
 @pytest.fixture
 def engine(model_dirs: ModelDirs) -> GenerationEngine:
     engine = GenerationEngine(model_dirs.a, max_batch_size=8)
-    engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    before_every_forward(engine, lambda *_: time.sleep(0.005))
     yield engine
     engine.shutdown()
 
@@ -60,7 +60,7 @@ def test_abort_by_rid_answers_that_request_with_its_tokens_so_far_and_spares_the
 
 def test_abort_all_answers_running_and_queued_requests(model_dirs):
     engine = GenerationEngine(model_dirs.a, max_batch_size=1)  # the second request must queue
-    engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    before_every_forward(engine, lambda *_: time.sleep(0.005))
     try:
         running, queued = long_request(engine, "r"), long_request(engine, "q")
         decoding(engine, 3)

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 
 import pytest
-from generation_helpers import ModelDirs, async_wait_until, greedy_reference, load_reference
+from generation_helpers import ModelDirs, async_wait_until, before_every_forward, greedy_reference, load_reference
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.controller.publisher import WeightPublisher
@@ -40,7 +40,7 @@ def start(model_dirs: ModelDirs):
     def start(path: str | None = None, *, delay: float = 0.0, port: int = 0) -> GenerationServer:
         server, thread = serve(path or model_dirs.a, port=port, max_batch_size=16)
         if delay:
-            server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(delay))
+            before_every_forward(server.engine, lambda *_: time.sleep(delay))
         started.append((server, thread))
         return server
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from generation_helpers import ModelDirs, http_call, load_reference, running_server, wait_until
+from generation_helpers import ModelDirs, before_every_forward, http_call, load_reference, running_server, wait_until
 
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.server import GenerationServer, serve
@@ -129,7 +129,7 @@ def test_a_client_that_leaves_mid_stream_gets_its_request_aborted(slow_server):
 
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(model_dirs: ModelDirs):
     server, thread = serve(model_dirs.a)
-    server.engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    before_every_forward(server.engine, lambda *_: time.sleep(0.005))
     events: list[str] = []
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
     reader = threading.Thread(target=lambda: events.extend(raw_events(server, body)[1]))
