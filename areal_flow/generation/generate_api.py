@@ -251,9 +251,19 @@ def parse_generate(body: dict, server: GenerationServer) -> GenerateCall:
             no_stop_trim=as_bool(params.get("no_stop_trim"), "sampling_params.no_stop_trim", False),
             stream_interval=stream_interval,
         )
-        items += [dataclasses.replace(item, request=dataclasses.replace(item.request, rid=rid))
-                  for rid in rids[i * n: (i + 1) * n]]
+        items += [dataclasses.replace(item, request=dataclasses.replace(
+                      item.request, rid=rid, params=_nth_sample_params(parsed, j)))
+                  for j, rid in enumerate(rids[i * n: (i + 1) * n])]
     return GenerateCall(items, array=batch or n > 1, stream=stream)
+
+
+def _nth_sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of sample j of n: with a sampling_seed, sample j draws from seed + j (wrapped
+    to 64 bits), as SGLang does, so that the n samples of a seeded request differ."""
+    if params.seed is None or j == 0:
+        return params
+    seed = params.seed + j
+    return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
 
 
 def _rids(rid: Any, count: int, batch: bool, n: int) -> list[str]:

@@ -131,6 +131,13 @@ def test_stop_strings_and_seeds_over_http(server, model_dirs):
     seeded = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "sampling_seed": 7, "min_p": 0.05}}
     first, again = (http_call(server.url, "POST", "/generate", seeded)[2] for _ in range(2))
     assert first["output_ids"] == again["output_ids"]
+    # n samples of a seeded request draw from seed, seed + 1, ... (as SGLang): they differ, and
+    # sample j is the single answer of seed + j.
+    seeded["sampling_params"].update(n=3, max_new_tokens=40, ignore_eos=True)
+    samples = [a["output_ids"] for a in http_call(server.url, "POST", "/generate", seeded)[2]]
+    assert len({tuple(ids) for ids in samples}) == 3
+    seeded["sampling_params"].update(n=1, sampling_seed=9)
+    assert http_call(server.url, "POST", "/generate", seeded)[2]["output_ids"] == samples[2]
     status, _, answer = http_call(server.url, "POST", "/generate", {"input_ids": PROMPT,
                                                                      "sampling_params": {"stop": [3]}})
     assert status == 400 and "sampling_params.stop must be a string or a list of strings" in answer["error"]["message"]
