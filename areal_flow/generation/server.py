@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
 """Larger request bodies are refused (413) rather than read into memory."""
 
+DISCONNECT_POLL = 1.0
+"""Seconds between checks that the client of a running non-streaming /generate is still connected."""
+
 # ---- routes ------------------------------------------------------------------------------------
 
 Payload = dict | list | str | None
@@ -63,6 +66,8 @@ class Call:
     received: float
     """time.perf_counter() when the request arrived."""
     query: Mapping[str, str]
+    disconnected: Callable[[], Awaitable[bool]]
+    """Whether the client has gone (Starlette's Request.is_disconnected)."""
 
 
 def _json_object(raw: bytes) -> dict:
@@ -88,10 +93,20 @@ async def route_generate(server: GenerationServer, call: Call) -> tuple[int, Pay
     if stream is not None:
         stream.watch(futures)
         return StreamingResponse(stream.events(), media_type="text/event-stream")
-    answers = []
-    for item, future in zip(items, futures):
-        result = await asyncio.wrap_future(future)  # EngineShutdownError surfaces as 503 in the endpoint
-        answers.append(build_answer(item, result, server.tokenizer, time.perf_counter() - call.received))
+    # EngineShutdownError surfaces as 503 in the endpoint.
+    results = asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(results), DISCONNECT_POLL)
+            break
+        except asyncio.TimeoutError:
+            if await call.disconnected():  # no one would read the answer: stop decoding it (as SGLang)
+                for item in items:
+                    server.engine.abort(item.request.rid, wait=False)
+                await results
+                return 499, "client disconnected"
+    answers = [build_answer(item, result, server.tokenizer, time.perf_counter() - call.received)
+               for item, result in zip(items, results.result())]
     return 200, answers if parsed.array else answers[0]
 
 
@@ -301,7 +316,8 @@ def _endpoint(server: GenerationServer, route: Route) -> Callable[[Request], Awa
     async def endpoint(request: Request) -> Response:
         received = time.perf_counter()
         try:
-            answer = await route(server, Call(await _read_body(request), received, request.query_params))
+            call = Call(await _read_body(request), received, request.query_params, request.is_disconnected)
+            answer = await route(server, call)
             return answer if isinstance(answer, Response) else _response(*answer)
         except HTTPError as exc:
             # After a 413 the rest of the body may still be on its way: close instead of reading it.

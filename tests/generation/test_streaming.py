@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -125,6 +126,24 @@ def test_a_client_that_leaves_mid_stream_gets_its_request_aborted(slow_server):
     status, _, answer = http_call(slow_server.url, "POST", "/generate",
                                   {"input_ids": PROMPT, "rid": "gone", "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and answer["meta_info"]["id"] == "gone"
+
+
+def test_a_client_that_leaves_a_plain_request_gets_it_aborted(slow_server):
+    engine = slow_server.engine
+    body = json.dumps({"input_ids": PROMPT, "rid": "left", "sampling_params": {"max_new_tokens": 240,
+                                                                                "ignore_eos": True}}).encode()
+    before = engine.stats()["generated_tokens"]
+    with socket.create_connection(slow_server.server_address) as client:
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: engine.stats()["generated_tokens"] > before, "the request to start decoding")
+    # 240 tokens at 5 ms or more each would take over a second more; the server notices the closed
+    # connection within its poll interval and aborts.
+    wait_until(lambda: engine.is_idle(), "the engine to abort the abandoned request", timeout=30)
+    assert engine.stats()["generated_tokens"] - before < 200
+    status, _, answer = http_call(slow_server.url, "POST", "/generate",
+                                  {"input_ids": PROMPT, "rid": "left", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and answer["meta_info"]["id"] == "left"  # the rid was answered and freed
 
 
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(model_dirs: ModelDirs):
