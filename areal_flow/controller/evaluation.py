@@ -1,15 +1,15 @@
-"""Held-out accuracy through the generation servers: greedy, one batch request per server."""
+"""Held-out accuracy through the generation servers: greedy, one request per prompt."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable
 
-from areal_flow.generation.client import GenerationClient
+from areal_flow.generation.router import ServerPool
 
 
 async def held_out_accuracy(
-    clients: list[GenerationClient],
+    pool: ServerPool,
     tokenizer,
     rows: list[dict[str, str]],
     reward_fn: Callable[[str, str], float],
@@ -17,15 +17,13 @@ async def held_out_accuracy(
     reference_key: str,
     max_new_tokens: int,
 ) -> float:
-    prompts = [tokenizer.encode(r[prompt_key], add_special_tokens=False) for r in rows]
-    shards = [list(range(i, len(rows), len(clients))) for i in range(len(clients))]
+    """The fraction of `rows` whose greedy answer the reward function scores 1 or more. The prompts
+    go through the pool as the rollout workers' do: spread by load over the servers, retried on
+    another server when one fails (a server down at evaluation time does not fail the run)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
-    answers = await asyncio.gather(
-        *[c.generate_batch([prompts[i] for i in idx], params) for c, idx in zip(clients, shards) if idx]
-    )
-    correct = 0.0
-    for idx, outs in zip(shards, answers):
-        for i, out in zip(idx, outs):
-            text = tokenizer.decode(out["output_ids"], skip_special_tokens=True)
-            correct += reward_fn(text, rows[i][reference_key]) >= 1.0
+    answers = await asyncio.gather(*[
+        pool.generate(tokenizer.encode(row[prompt_key], add_special_tokens=False), params, return_logprob=False)
+        for row in rows])
+    correct = sum(reward_fn(tokenizer.decode(answer["output_ids"], skip_special_tokens=True), row[reference_key]) >= 1.0
+                  for answer, row in zip(answers, rows))
     return correct / len(rows)

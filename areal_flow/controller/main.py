@@ -246,7 +246,7 @@ class Controller:
         with self.clock.paused():
             t0 = time.monotonic()
             reward = self.graph.rewards[0]
-            acc = await held_out_accuracy(self.publisher.clients, self.tokenizer, self.eval_rows,
+            acc = await held_out_accuracy(self.publisher.pool, self.tokenizer, self.eval_rows,
                                           REWARD_FNS[reward.fn], self.graph.dataset_input(self.graph.generate),
                                           self.graph.dataset_input(reward), self.cfg.algorithm.max_new_tokens)
             self.metrics.log("eval", when=when, step=step, accuracy=acc, seconds=time.monotonic() - t0)

@@ -285,6 +285,29 @@ def test_a_down_server_is_left_out_of_an_update_and_reported(start, model_dirs):
     assert a.engine.version == 1 and not a.engine.paused
 
 
+def test_held_out_evaluation_goes_through_the_pool_and_survives_a_down_server(start, model_dirs):
+    from transformers import AutoTokenizer
+
+    from areal_flow.controller.evaluation import held_out_accuracy
+
+    a, b = start(), start()
+    b.stop()
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs.a)
+    reference = load_reference(model_dirs.a)
+    prompts = ["c d e", "f g", "h i j k", "b c", "d d d", "p o n"]
+    rows = []
+    for i, text in enumerate(prompts):  # every other row's reference is the model's greedy answer
+        greedy = greedy_reference(reference, tokenizer.encode(text, add_special_tokens=False), 6)
+        rows.append({"q": text, "a": tokenizer.decode(greedy, skip_special_tokens=True) if i % 2 == 0 else "nope"})
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            return await held_out_accuracy(pool, tokenizer, rows, lambda text, ref: float(text == ref), "q", "a", 6)
+
+    assert asyncio.run(scenario()) == 0.5
+    assert a.engine.stats()["num_finished_reqs"] >= len(prompts)  # every prompt was answered by the server up
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"urls": []}, "a ServerPool needs at least one server url"),
     ({"names": ["only_one"]}, "1 names for 2 server urls"),
