@@ -157,6 +157,10 @@ class GenerationClient:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
+    async def get_weight_version(self) -> str:
+        """The label of the weights the server serves (SGLang's /get_weight_version)."""
+        return str((await self._call("GET", "/get_weight_version", None))["weight_version"])
+
     async def get_server_info(self) -> dict:
         try:
             return await self._call("GET", "/server_info", None)

@@ -97,6 +97,7 @@ class ServerPool:
         self._some_up.set()
         self._watcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # aborts of left requests
+        self._weights: tuple[str, int] | None = None  # the last (path, version) update_weights loaded
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -212,12 +213,31 @@ class ServerPool:
         """Check the servers marked down every health_interval until every one is back."""
         while down := [s for s in self.servers if not s.up]:
             await asyncio.sleep(self.health_interval)
-            answers = await asyncio.gather(*[self._healthy(s) for s in down])
-            for server, healthy in zip(down, answers):
-                if healthy and not server.up:
+            answers = await asyncio.gather(*[self._back(s) for s in down])
+            for server, back in zip(down, answers):
+                if back and not server.up:
                     log.warning("generation server %s is back", server.name)
                     server.up = True
                     self._some_up.set()
+
+    async def _back(self, server: Server) -> bool:
+        """Whether a server marked down can serve again: /health answers, and it serves the last
+        weights this pool loaded, which it loads first if it missed them while down (a stalled or
+        restarted server would otherwise decode on older weights until the next update)."""
+        if not await self._healthy(server):
+            return False
+        if self._weights is None:
+            return True
+        path, version = self._weights
+        try:
+            if await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT) != str(version):
+                log.warning("generation server %s came back with old weights: loading version %d", server.name, version)
+                # Requests another pool routed to it meanwhile come back aborted, for resubmission.
+                await server.client.update_weights_from_disk(path, version, abort_all_requests=True)
+        except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
+            server.last_error = f"could not load weight version {version} on its return: {_describe(exc)}"
+            return False
+        return True
 
     async def _healthy(self, server: Server) -> bool:
         """/health answers 200 (the server keeps as last_error the failure that marked it down)."""
@@ -242,8 +262,8 @@ class ServerPool:
 
         A server that answers with an error (a refused load) makes the update raise
         WeightUpdateError, but only after every paused server has been continued. A server that
-        cannot be reached is marked down and left out; when it comes back it serves the weights it
-        has (its tokens carry their version) until the next update reaches it.
+        cannot be reached is marked down and left out; when it comes back, this pool loads the
+        last weights it updated to on it before using it again.
         """
         await self._wait_until_some_up(f"the update to weight version {version}")
         servers = [s for s in self.servers if s.up]
@@ -278,6 +298,7 @@ class ServerPool:
                 await on_each("continue", [s for s in servers if s.up], lambda c: c.continue_generation())
         if refusals:
             raise WeightUpdateError(f"weight version {version} from {model_path}: " + "; ".join(refusals))
+        self._weights = (model_path, version)
         left_out = [s.name for s in self.servers if not s.up]
         if left_out:
             log.warning("weight version %d was not loaded on %s: down (%s)", version, ", ".join(left_out),

@@ -9,6 +9,7 @@ requests decoding while the test acts.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections import Counter
 
@@ -17,7 +18,7 @@ from generation_helpers import ModelDirs, async_wait_until, before_every_forward
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.controller.publisher import WeightPublisher
-from areal_flow.generation.client import GenerationError
+from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.router import ServerPool, ServerPoolError, WeightUpdateError
 from areal_flow.generation.server import GenerationServer, serve
 from areal_flow.rollout.worker import generate_sample
@@ -283,6 +284,45 @@ def test_a_down_server_is_left_out_of_an_update_and_reported(start, model_dirs):
 
     assert asyncio.run(scenario()) == ["gen_server1"]
     assert a.engine.version == 1 and not a.engine.paused
+
+
+def test_a_server_that_missed_an_update_gets_the_last_weights_before_it_is_used_again(start, model_dirs, greedy):
+    a, b = start(), start()
+    port = b.server_address[1]
+    b.stop()
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            assert await pool.update_weights(model_dirs.b, 1) == ["gen_server1"]
+            again = await asyncio.to_thread(start, model_dirs.a, port=port)  # restarted on its start weights
+            await async_wait_until(lambda: pool.down() == [], "the restarted server to be taken back")
+            async with GenerationClient(again.url) as direct:
+                answer = await direct.generate(PROMPT, GREEDY)
+            return again, answer
+
+    again, answer = asyncio.run(scenario())
+    assert again.engine.version == 1 and again.engine.weight_label == "1"
+    assert answer["output_ids"] == greedy["b"]  # the weights of version 1, not the ones it started with
+
+
+def test_a_server_that_cannot_load_the_missed_weights_stays_down_naming_why(start, model_dirs, tmp_path):
+    a, b = start(), start()
+    port = b.server_address[1]
+    b.stop()
+    version_1 = shutil.copytree(model_dirs.b, tmp_path / "v1")
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            await pool.update_weights(str(version_1), 1)
+            shutil.rmtree(version_1)  # gone by the time the server returns
+            again = await asyncio.to_thread(start, model_dirs.a, port=port)
+            await async_wait_until(lambda: "on its return" in pool.servers[1].last_error, "the failed catch-up")
+            await asyncio.sleep(0.3)  # more health checks: still not taken back
+            return again, pool.down(), pool.servers[1].last_error
+
+    again, down, error = asyncio.run(scenario())
+    assert down == ["gen_server1"] and again.engine.version != 1
+    assert "could not load weight version 1" in error and "v1" in error
 
 
 def test_held_out_evaluation_goes_through_the_pool_and_survives_a_down_server(start, model_dirs):
