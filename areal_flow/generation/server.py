@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
 """Larger request bodies are refused (413) rather than read into memory."""
+
+HEALTH_GENERATE_TIMEOUT = 20.0
+"""Seconds /health_generate waits for its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)."""
 
 DISCONNECT_POLL = 1.0
 """Seconds between checks that the client of a running non-streaming /generate is still connected."""
@@ -145,6 +149,23 @@ async def route_update_weights(server: GenerationServer, call: Call) -> tuple[in
 
 async def route_health(server: GenerationServer, call: Call) -> tuple[int, Payload]:
     return (200 if server.engine.is_running else 503), None
+
+
+async def route_health_generate(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """As SGLang's: 200 once a one-token request through the engine answers, 503 if it does not
+    within HEALTH_GENERATE_TIMEOUT. While paused it answers 503 at once (SGLang's would hold the
+    request until the timeout)."""
+    engine = server.engine
+    if not engine.is_running or engine.paused:
+        return 503, None
+    rid = f"health_generate-{uuid.uuid4().hex}"
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine.submit([0], max_new_tokens=1, rid=rid)),
+                               HEALTH_GENERATE_TIMEOUT)
+    except asyncio.TimeoutError:
+        engine.abort(rid, wait=False)
+        return 503, None
+    return 200, None
 
 
 async def route_ready(server: GenerationServer, call: Call) -> tuple[int, Payload]:
@@ -254,7 +275,7 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/generate": (frozenset({"POST", "PUT"}), route_generate),
     "/update_weights_from_disk": (frozenset({"POST"}), route_update_weights),
     "/health": (frozenset({"GET"}), route_health),
-    "/health_generate": (frozenset({"GET"}), route_health),
+    "/health_generate": (frozenset({"GET"}), route_health_generate),
     "/ready": (frozenset({"GET"}), route_ready),
     "/v1/loads": (frozenset({"GET"}), route_loads),
     "/metrics": (frozenset({"GET"}), route_metrics),

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 from generation_helpers import (
-    ModelDirs, full_forward_logprobs, greedy_reference, http_call, load_reference, running_server,
+    ModelDirs, before_every_forward, full_forward_logprobs, greedy_reference, http_call, load_reference,
+    running_server, wait_until,
 )
 
 from areal_flow.generation.client import GenerationClient
@@ -191,3 +192,24 @@ def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server
     status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "in_place"})
     assert status == 400 and "mode 'in_place' is not supported" in body["error"]["message"]
     assert not server.engine.paused
+
+
+def test_health_generate_runs_a_one_token_request_and_fails_when_the_engine_does_not_answer(
+        model_dirs: ModelDirs, monkeypatch):
+    from areal_flow.generation import server as server_module
+
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        finished = server.engine.stats()["num_finished_reqs"]
+        assert http_call(server.url, "GET", "/health_generate")[0] == 200
+        assert server.engine.stats()["num_finished_reqs"] == finished + 1  # it went through the engine
+        server.engine.pause()
+        started = time.monotonic()
+        assert http_call(server.url, "GET", "/health_generate")[0] == 503  # paused: no generation
+        assert time.monotonic() - started < 5
+        server.engine.continue_generation()
+        # An engine too slow to answer within the timeout: 503, and the probe is aborted.
+        monkeypatch.setattr(server_module, "HEALTH_GENERATE_TIMEOUT", 0.2)
+        before_every_forward(server.engine, lambda *_: time.sleep(0.5))
+        assert http_call(server.url, "GET", "/health_generate")[0] == 503
+        wait_until(server.engine.is_idle, "the probe to be aborted")
+        assert http_call(server.url, "GET", "/health")[0] == 200  # /health does not generate
