@@ -27,7 +27,6 @@ class DecodeStep:
     """`step(tokens [B], positions [B], cache, bias [B, W+1]) -> logits [B, V]` (float32)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         inner = model.model
         self.layers = list(inner.layers)
         self.embed = inner.embed_tokens

@@ -486,7 +486,7 @@ class GenerationEngine:
                         batch = new if batch is None else _Batch.combine(
                             [(batch, batch.live()), (new, list(range(len(admitted))))])
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
-                        batch = _Batch.combine([(batch, batch.live())])  # half dead: compact
+                        batch = _Batch.combine([(batch, batch.live())])  # enough rows dead: compact
                     batch = self._step(batch)
                 except Exception as exc:
                     logger.exception("decode step failed; failing the requests in it")
