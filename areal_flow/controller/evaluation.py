@@ -24,6 +24,6 @@ async def held_out_accuracy(
     answers = await asyncio.gather(*[
         pool.generate(tokenizer.encode(row[prompt_key], add_special_tokens=False), params, return_logprob=False)
         for row in rows])
-    correct = sum(reward_fn(tokenizer.decode(answer["output_ids"], skip_special_tokens=True), row[reference_key]) >= 1.0
-                  for answer, row in zip(answers, rows))
+    texts = [tokenizer.decode(answer["output_ids"], skip_special_tokens=True) for answer in answers]
+    correct = sum(reward_fn(text, row[reference_key]) >= 1.0 for text, row in zip(texts, rows))
     return correct / len(rows)

@@ -97,18 +97,14 @@ async def route_generate(server: GenerationServer, call: Call) -> tuple[int, Pay
     if stream is not None:
         stream.watch(futures)
         return StreamingResponse(stream.events(), media_type="text/event-stream")
-    # EngineShutdownError surfaces as 503 in the endpoint.
     results = asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-    while True:
-        try:
-            await asyncio.wait_for(asyncio.shield(results), DISCONNECT_POLL)
-            break
-        except asyncio.TimeoutError:
-            if await call.disconnected():  # no one would read the answer: stop decoding it (as SGLang)
-                for item in items:
-                    server.engine.abort(item.request.rid, wait=False)
-                await results
-                return 499, "client disconnected"
+    while not (await asyncio.wait({results}, timeout=DISCONNECT_POLL))[0]:
+        if await call.disconnected():  # no one would read the answer: stop decoding it (as SGLang)
+            for item in items:
+                server.engine.abort(item.request.rid, wait=False)
+            await results
+            return 499, "client disconnected"
+    # results.result() raises EngineShutdownError, which the endpoint answers with 503.
     answers = [build_answer(item, result, server.tokenizer, time.perf_counter() - call.received)
                for item, result in zip(items, results.result())]
     return 200, answers if parsed.array else answers[0]
