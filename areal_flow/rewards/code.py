@@ -1,0 +1,178 @@
+"""The code reward: the completion's last fenced code block, run in the sandbox against the
+problem's tests, scores 1.0 when every test passes and 0.0 otherwise.
+
+Tests come in the `input_output` shape of AReaL's code data (from APPS and LiveCodeBench):
+`{"inputs": [...], "outputs": [...], "fn_name": optional}`. Without `fn_name` each input is the
+program's stdin and its output the expected stdout, compared after normalising whitespace. With
+`fn_name` the program defines that function (or a method of `class Solution`) and each input is its
+arguments: a list (APPS), or a string with one JSON value per line (LiveCodeBench); the return
+value must equal the expected output (a JSON text or value; APPS wraps it in a one-element list).
+
+Debug one program as a user would before a long run:
+
+    python -m areal_flow.rewards.code PROGRAM.py TESTS.json
+
+prints one JSON object (reward, per-test results, the sandbox's isolation) and exits 0 whatever the
+program did; 2 only for bad input to the command itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from typing import Any
+
+import msgspec
+
+from areal_flow.rewards.sandbox import CaseResult, Limits, Sandbox, SandboxUnavailable
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str | None:
+    """The last fenced code block of a completion (a python/py/untagged block; other languages
+    are skipped), or None when it has none."""
+    blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
+    return blocks[-1] if blocks and blocks[-1].strip() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tests:
+    """A problem's tests: per case the text handed to the sandbox and the expected output."""
+
+    inputs: list[str]  # stdin text, or (fn_name) the JSON list of arguments
+    outputs: list[Any]  # expected stdout text, or (fn_name) the expected value
+    fn_name: str | None = None
+
+
+def parse_tests(input_output: str | dict) -> Tests:
+    """Read the `input_output` field (JSON text or its object). Raises ValueError saying what is wrong."""
+    spec = input_output
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"input_output is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"input_output must be an object, got {type(spec).__name__}")
+    inputs, outputs, fn_name = spec.get("inputs"), spec.get("outputs"), spec.get("fn_name")
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        raise ValueError("input_output needs 'inputs' and 'outputs' lists")
+    if len(inputs) != len(outputs):
+        raise ValueError(f"input_output: 'inputs' has {len(inputs)} cases, 'outputs' has {len(outputs)}")
+    if not inputs:
+        raise ValueError("input_output has no test cases")
+    if fn_name is not None and not (isinstance(fn_name, str) and fn_name.isidentifier()):
+        raise ValueError(f"input_output: fn_name must be a function name, got {fn_name!r}")
+    if fn_name is None:
+        return Tests([_text(x) for x in inputs], [_text(y) for y in outputs])
+    return Tests([json.dumps(_arguments(x, i)) for i, x in enumerate(inputs)],
+                 [_value(y) for y in outputs], fn_name)
+
+
+def _text(x: Any) -> str:
+    return "\n".join(map(str, x)) if isinstance(x, list) else str(x)
+
+
+def _arguments(x: Any, i: int) -> list:
+    if isinstance(x, list):
+        return x
+    try:
+        return [json.loads(line) for line in str(x).splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"input_output: inputs[{i}] is not one JSON value per line ({e.msg})") from None
+
+
+def _value(y: Any) -> Any:
+    if isinstance(y, str):
+        try:
+            return json.loads(y)
+        except json.JSONDecodeError:
+            return y
+    return json.loads(json.dumps(y))  # tuples become lists, as the program's JSON return value
+
+
+def passed(result: CaseResult, expected: Any, call: bool) -> bool:
+    if result.status != "ok":
+        return False
+    if not call:
+        return result.stdout.split() == str(expected).split()
+    try:
+        got = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        return False
+    return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
+
+
+class TestResult(msgspec.Struct):
+    """One test as scored: passed | wrong_answer | a sandbox status (timeout, runtime_error, ...) |
+    not_run (after an earlier failure)."""
+
+    status: str
+    seconds: float = 0.0
+    stderr: str = ""
+
+
+def score_program(sandbox: Sandbox, program: str | None, tests: Tests) -> dict[str, Any]:
+    """{reward, tests_passed, tests_total, tests: [TestResult]}; reward 1.0 only when every test passes."""
+    n = len(tests.inputs)
+    if program is None:
+        return {"reward": 0.0, "tests_passed": 0, "tests_total": n, "tests": [TestResult("no_code")] * n}
+    results = sandbox.run(program, tests.inputs, fn_name=tests.fn_name)
+    scored = []
+    for r, expected in zip(results, tests.outputs):
+        ok = passed(r, expected, tests.fn_name is not None)
+        status = "passed" if ok else ("wrong_answer" if r.status == "ok" else r.status)
+        scored.append(TestResult(status, r.seconds, "" if ok else r.stderr[-500:]))
+    scored += [TestResult("not_run")] * (n - len(scored))
+    n_passed = sum(t.status == "passed" for t in scored)
+    return {"reward": float(n_passed == n), "tests_passed": n_passed, "tests_total": n, "tests": scored}
+
+
+def _read(path: str) -> str:
+    """A file's text; ValueError naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {e.strerror if isinstance(e, OSError) else e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_flow.rewards.code",
+                                     description="Run one program in the code sandbox against a tests file and "
+                                                 "print the reward and per-test results as JSON.")
+    parser.add_argument("program", help="the program file (Python source, not a completion)")
+    parser.add_argument("tests", help="a JSON file in the input_output shape: {inputs, outputs, fn_name?}")
+    parser.add_argument("--timeout", type=float, default=Limits.wall_seconds, help="seconds per test case")
+    parser.add_argument("--memory-mb", type=int, default=Limits.memory_mb, help="address space of the program")
+    parser.add_argument("--allow-unsandboxed", action="store_true",
+                        help="run without namespaces where the machine cannot make them (unsafe)")
+    args = parser.parse_args(argv)
+    try:
+        program = _read(args.program)
+        try:
+            tests = parse_tests(_read(args.tests))
+        except ValueError as e:
+            raise ValueError(e if str(e).startswith(args.tests) else f"{args.tests}: {e}") from None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    limits = dataclasses.replace(Limits(), wall_seconds=args.timeout, cpu_seconds=max(1, round(args.timeout)),
+                                 memory_mb=args.memory_mb)
+    sandbox = Sandbox(limits, allow_unsandboxed=args.allow_unsandboxed)
+    try:
+        isolation = sandbox.isolation()
+    except SandboxUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = score_program(sandbox, program, tests)
+    print(json.dumps(msgspec.to_builtins({**result, "isolation": isolation})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

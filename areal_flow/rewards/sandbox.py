@@ -1,0 +1,170 @@
+"""The code sandbox, host side: runs an untrusted program against test inputs and returns what it
+printed, case by case.
+
+The program was written by a model under training: treat it as hostile. Each run starts
+`sandbox_init.py` (stdlib only) in a session of its own; inside, the program runs in new PID,
+network and mount namespaces, chrooted into a root of read-only binds, as an unprivileged uid of
+its own, under resource limits, with a wall-clock deadline per case. The host keeps a deadline over
+the whole run and kills the init's process group when it passes; the init dies with its parent
+(PR_SET_PDEATHSIG), and the kernel kills every process of a PID namespace whose init dies. What each
+layer stops is in docs/rewards.md.
+
+Isolation is checked once per process (`isolation()`): where namespaces are unavailable (not root,
+no CAP_SYS_ADMIN) the sandbox refuses to run unless `allow_unsandboxed` is set, and then warns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("areal_flow.sandbox")
+
+INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
+# Programs run as uid UID_BASE + the pid of the worker that runs them: one uid per worker, so
+# RLIMIT_NPROC (counted per uid across the machine) is a budget per sandbox, and no two sandboxes
+# share a uid. Far above any account a distribution creates.
+UID_BASE = 1_500_000_000
+# Directories the program's interpreter needs (shown read-only); the interpreter's own prefix is added.
+# Seconds the host waits beyond the cases' own deadlines (start-up, namespace set-up, clean-up).
+HOST_SLACK = 10.0
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The machine cannot isolate programs and the configuration did not opt out of isolation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one program may use. Times are per test case."""
+
+    wall_seconds: float = 6.0  # AReaL's single-case limit
+    cpu_seconds: int = 6
+    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    file_size_mb: int = 16  # largest file it may write (RLIMIT_FSIZE)
+    disk_mb: int = 64  # size of each of its tmpfs /sandbox and /tmp
+    processes: int = 32  # processes and threads of its uid (RLIMIT_NPROC)
+    open_files: int = 64  # RLIMIT_NOFILE
+    output_bytes: int = 1 << 20  # more stdout (or stderr) than this stops the case
+
+
+class CaseResult(msgspec.Struct):
+    """One test case as the program ran it: status is ok | timeout | runtime_error | memory_limit |
+    file_size_limit | disk_limit | output_limit (| sandbox_error for the host's own failures)."""
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    seconds: float = 0.0
+
+
+class Isolation(msgspec.Struct):
+    """Which layers a run had; `active` is the whole set."""
+
+    pid_namespace: bool
+    network_namespace: bool
+    mount_namespace: bool
+    unprivileged_user: bool
+    rlimits: bool
+
+    @property
+    def active(self) -> bool:
+        return all(msgspec.structs.asdict(self).values())
+
+
+def _interpreter_paths(python: str) -> list[str]:
+    real = os.path.realpath(python)
+    prefix = os.path.dirname(os.path.dirname(real))  # .../bin/python3.11 -> ...
+    return [prefix] if not any(prefix == p or prefix.startswith(p + "/") for p in SYSTEM_PATHS) else []
+
+
+class Sandbox:
+    """Runs programs, one `run` at a time per instance (a reward worker holds one)."""
+
+    def __init__(self, limits: Limits = Limits(), *, python: str | None = None, allow_unsandboxed: bool = False,
+                 uid: int | None = None, fail_fast: bool = True):
+        self.limits = limits
+        # -I: no environment variables or user site; -S: no site-packages (the program gets the
+        # standard library only, and starts in ~10 ms instead of ~25).
+        self.python = os.path.realpath(python or sys.executable)
+        self.allow_unsandboxed = allow_unsandboxed
+        self.uid = UID_BASE + os.getpid() if uid is None else uid
+        self.fail_fast = fail_fast
+        self._isolate: bool | None = None
+
+    def isolation(self) -> Isolation:
+        """Probe once: run a trivial program and report which isolation it had. Raises
+        `SandboxUnavailable` where namespaces cannot be made and `allow_unsandboxed` is false."""
+        reply = self._launch("pass", [""], "stdio", None, isolate=True)
+        if "error" not in reply:
+            self._isolate = True
+            return msgspec.convert(reply["isolation"], Isolation)
+        if not self.allow_unsandboxed:
+            raise SandboxUnavailable(
+                f"the code sandbox cannot isolate programs on this machine: {reply['error']}. Run as root "
+                "(or with CAP_SYS_ADMIN), or set sandbox.allow_unsandboxed=true to run model-written code "
+                "with resource limits and a separate uid only, which does NOT stop it reaching the network "
+                "or reading files this machine lets any user read")
+        log.warning("!" * 80)
+        log.warning("THE CODE SANDBOX RUNS WITHOUT NAMESPACES (sandbox.allow_unsandboxed=true): %s. Programs "
+                    "written by the model can use the network and read world-readable files.", reply["error"])
+        log.warning("!" * 80)
+        self._isolate = False
+        reply = self._launch("pass", [""], "stdio", None, isolate=False)
+        return msgspec.convert(reply["isolation"], Isolation)
+
+    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None) -> list[CaseResult]:
+        """Run `program` once per input: as a script fed the input on stdin (fn_name None), or
+        calling `fn_name` (a function, or a method of class Solution) with the arguments in the
+        input, a JSON list, and printing the JSON of what it returns. Stops at the first case that
+        does not finish cleanly when fail_fast. Never raises for anything the program does."""
+        if self._isolate is None:
+            self.isolation()
+        reply = self._launch(program, inputs, "stdio" if fn_name is None else "call", fn_name, isolate=self._isolate)
+        if "error" in reply:
+            return [CaseResult("sandbox_error", stderr=reply["error"])]
+        return [msgspec.convert(c, CaseResult) for c in reply["cases"]]
+
+    def _launch(self, program: str, inputs: list[str], mode: str, fn_name: str | None, isolate: bool) -> dict[str, Any]:
+        root = tempfile.mkdtemp(prefix="areal_flow_sandbox_")
+        job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
+               "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
+               "program": program, "mode": mode, "fn_name": fn_name, "inputs": inputs,
+               "limits": dataclasses.asdict(self.limits), "fail_fast": self.fail_fast}
+        # Each case is bounded inside; this bounds the whole run, start-up and clean-up included.
+        deadline = len(inputs) * (self.limits.wall_seconds + 1.0) + HOST_SLACK
+        proc = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, env={})
+        try:
+            out, err = proc.communicate(json.dumps(job).encode(), timeout=deadline)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return {"error": f"the sandbox did not finish within {deadline:.0f} s"}
+        finally:
+            _kill_group(proc)
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            return json.loads(out)
+        except json.JSONDecodeError:
+            tail = err.decode("utf-8", "replace")[-2000:]
+            return {"error": f"the sandbox init failed (exit {proc.returncode}): {tail}"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

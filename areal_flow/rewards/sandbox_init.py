@@ -1,0 +1,301 @@
+"""The inside of the code sandbox: runs as a script (`python -I -S sandbox_init.py`), stdlib only.
+
+It reads one job (JSON) on stdin and writes one result (JSON) on stdout. As root it first moves
+into new PID, network, mount, IPC and UTS namespaces and forks; the child is PID 1 of the new PID
+namespace. That child builds a root of its own (a tmpfs holding read-only binds of the interpreter's
+directories, a fresh /proc, /dev/null and friends, and size-limited tmpfs /tmp and /sandbox),
+chroots into it and runs each test case as a grandchild that drops to an unprivileged uid, with
+resource limits, a scrubbed environment and no file descriptors but stdin/stdout/stderr.
+
+After each case PID 1 sends SIGKILL to every process left in the namespace (a daemon the program
+left behind), and when PID 1 exits the kernel kills whatever remains: nothing outlives the job.
+Expected outputs never enter this process: the host compares the outputs it returns.
+See docs/rewards.md for the limits and what each isolation layer stops.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import selectors
+import signal
+import sys
+import time
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+DEVICES = ("null", "zero", "random", "urandom")
+STDERR_KEEP = 4096  # the tail of stderr returned per case, for the reader of a failure
+
+# The function-call harness: the program runs as a module that is not __main__ (so its
+# `if __name__ == "__main__":` block stays quiet), its prints go to stderr, and the return value
+# goes to the real stdout as JSON. Arguments arrive on stdin as a JSON list.
+HARNESS = r'''
+import json, os, sys
+out = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+args = json.loads(sys.stdin.read())
+scope = {"__name__": "solution"}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), scope)
+name = sys.argv[1]
+fn = getattr(scope["Solution"](), name) if "Solution" in scope and hasattr(scope["Solution"], name) else scope[name]
+out.write(json.dumps(fn(*args)))
+out.flush()
+'''
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    enc = (lambda s: None if s is None else s.encode())
+    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {source or fstype} on {target}")
+
+
+def _bind_readonly(path: str, root: str) -> None:
+    """Show `path` at the same place under `root`, read-only; a symlink is recreated as one."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(path):
+        if not os.path.lexists(target):
+            os.symlink(os.readlink(path), target)
+        return
+    if os.path.isdir(path):
+        os.makedirs(target, exist_ok=True)
+    else:
+        open(target, "a").close()
+    _mount(path, target, None, MS_BIND | MS_REC)
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def build_root(job: dict) -> None:
+    """The filesystem the program sees: nothing of the host but the read-only paths it needs."""
+    root, uid, lim = job["root"], job["uid"], job["limits"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in job["ro_paths"]:
+        if os.path.lexists(path):
+            _bind_readonly(path, root)
+    os.makedirs(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/dev")
+    for dev in DEVICES:
+        open(f"{root}/dev/{dev}", "a").close()
+        _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, MS_BIND)
+    disk = f"size={lim['disk_mb']}m"
+    for path, mode in (("/tmp", "1777"), ("/sandbox", "700")):
+        os.makedirs(root + path)
+        _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"{disk},mode={mode},uid={uid},gid={uid}")
+    os.chroot(root)
+    os.chdir("/")
+
+
+def write_files(job: dict, workdir: str) -> None:
+    """The program and the harness, read-only for the program, in its working directory."""
+    if os.geteuid() == 0:
+        os.chown(workdir, job["uid"], job["uid"])
+    os.chmod(workdir, 0o700)
+    for name, text in (("solution.py", job["program"]), ("harness.py", HARNESS)):
+        path = os.path.join(workdir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o444)
+
+
+def _limits(lim: dict) -> None:
+    mib = 1024 * 1024
+    for which, value in ((resource.RLIMIT_CPU, (lim["cpu_seconds"], lim["cpu_seconds"] + 1)),
+                         (resource.RLIMIT_AS, (lim["memory_mb"] * mib,) * 2),
+                         (resource.RLIMIT_FSIZE, (lim["file_size_mb"] * mib,) * 2),
+                         (resource.RLIMIT_NPROC, (lim["processes"],) * 2),
+                         (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
+                         (resource.RLIMIT_CORE, (0, 0))):
+        resource.setrlimit(which, value)
+
+
+def _exec_case(job: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int) -> None:
+    """In the forked child: become the program. Never returns."""
+    try:
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.closerange(3, 65536)
+        os.setsid()
+        os.chdir(workdir)
+        _limits(job["limits"])
+        if os.geteuid() == 0:
+            uid = job["uid"]
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        argv = [job["python"], *job["python_args"]]
+        argv += ["solution.py"] if job["mode"] == "stdio" else ["harness.py", job["fn_name"]]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        os.execve(argv[0], argv, env)
+    except BaseException as e:  # noqa: BLE001 - report anything, then die without running cleanup
+        os.write(2, f"sandbox: could not start the program: {e}\n".encode())
+    os._exit(127)
+
+
+def _kill_all_but_me(isolated: bool, pgid: int) -> None:
+    """Kill what the case left running: in our own PID namespace that is everything but us."""
+    try:
+        if isolated:
+            os.kill(-1, signal.SIGKILL)
+        else:
+            os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:  # reap the case and every orphan the kernel handed to us
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def run_case(job: dict, workdir: str, stdin_text: str, isolated: bool) -> dict:
+    lim = job["limits"]
+    stdin_fd = os.memfd_create("stdin")  # a file, not a pipe: a program that never reads cannot block us
+    os.write(stdin_fd, stdin_text.encode())
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _exec_case(job, workdir, stdin_fd, out_w, err_w)
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    sel = selectors.DefaultSelector()
+    for fd in (out_r, err_r, pidfd):
+        os.set_blocking(fd, False) if fd != pidfd else None
+        sel.register(fd, selectors.EVENT_READ)
+    out, err, status, exited = bytearray(), bytearray(), None, False
+    deadline = start + lim["wall_seconds"]
+    while status is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            status = "timeout"
+            break
+        for key, _ in sel.select(left):
+            if key.fd == pidfd:
+                exited = True
+                continue
+            chunk = _read(key.fd)
+            if chunk is None:
+                continue
+            if not chunk:
+                sel.unregister(key.fd)
+                continue
+            buf = out if key.fd == out_r else err
+            buf += chunk
+            if key.fd == out_r and len(out) > lim["output_bytes"]:
+                status = "output_limit"
+            elif key.fd == err_r and len(err) > lim["output_bytes"]:
+                status = "output_limit"
+            if key.fd == err_r and len(err) > 2 * STDERR_KEEP:
+                del err[:-STDERR_KEEP]  # only the tail is reported
+        if exited:
+            # A daemon may hold the pipes open: take what is there now, then stop waiting.
+            for fd, buf in ((out_r, out), (err_r, err)):
+                while (chunk := _read(fd)):
+                    buf += chunk
+            break
+    seconds = time.monotonic() - start
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _, wait_status = os.waitpid(pid, 0)
+    _kill_all_but_me(isolated, pid)
+    for fd in (out_r, err_r, pidfd):
+        os.close(fd)
+    sel.close()
+    code = os.waitstatus_to_exitcode(wait_status)
+    if status is None:
+        if code == 0:
+            status = "ok"
+        elif code in (-signal.SIGXCPU, -signal.SIGKILL):
+            status = "timeout"  # the CPU limit: SIGXCPU at the soft limit, SIGKILL at the hard one
+        elif code == -signal.SIGXFSZ or b"File too large" in err[-STDERR_KEEP:]:
+            status = "file_size_limit"  # Python ignores SIGXFSZ, so the write fails with EFBIG
+        elif b"No space left on device" in err[-STDERR_KEEP:]:
+            status = "disk_limit"
+        elif b"MemoryError" in err[-STDERR_KEEP:]:
+            status = "memory_limit"
+        else:
+            status = "runtime_error"
+    return {"status": status, "exit_code": code, "seconds": round(seconds, 4),
+            "stdout": out[: lim["output_bytes"]].decode("utf-8", "replace"),
+            "stderr": err[-STDERR_KEEP:].decode("utf-8", "replace")}
+
+
+def _read(fd: int) -> bytes | None:
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
+
+
+def run_cases(job: dict, workdir: str, isolated: bool) -> list[dict]:
+    write_files(job, workdir)
+    results = []
+    for stdin_text in job["inputs"]:
+        results.append(run_case(job, workdir, stdin_text, isolated))
+        if job["fail_fast"] and results[-1]["status"] != "ok":
+            break
+    return results
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the host's worker died: so do we
+    isolation = {"pid_namespace": False, "network_namespace": False, "mount_namespace": False,
+                 "unprivileged_user": os.geteuid() == 0, "rlimits": True}
+    error = None
+    if job["isolate"]:
+        try:
+            _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        except OSError as e:
+            error = f"namespaces unavailable ({e.strerror}; they need root or CAP_SYS_ADMIN)"
+    if error is None and job["isolate"]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # PID 1 of the new namespace
+            os.close(r)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            try:
+                build_root(job)
+                reply = {"cases": run_cases(job, "/sandbox", isolated=True)}
+            except OSError as e:
+                reply = {"error": f"sandbox setup failed: {e}"}
+            os.write(w, json.dumps(reply).encode())
+            os._exit(0)
+        os.close(w)
+        chunks = []
+        while (chunk := os.read(r, 1 << 16)):
+            chunks.append(chunk)
+        os.waitpid(pid, 0)
+        reply = json.loads(b"".join(chunks) or b'{"error": "the namespace init died"}')
+        isolation.update(pid_namespace=True, network_namespace=True, mount_namespace=True)
+    elif error is None:  # opted out of isolation: a directory of its own, the uid and the limits
+        reply = {"cases": run_cases(job, job["root"], isolated=False)}
+    else:
+        reply = {"error": error}
+    sys.stdout.write(json.dumps({"isolation": isolation, **reply}))
+
+
+if __name__ == "__main__":
+    main()

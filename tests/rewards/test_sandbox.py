@@ -1,0 +1,378 @@
+"""Hostile programs in the code sandbox: each is contained, fails its test, and leaves the host, the
+test run and the filesystem as they were.
+
+These tests run as root (as CI does). The ones whose failure could reach other processes (a
+program that kills everything it can) run the sandbox from a driver inside a PID namespace of the
+test's own, so a broken sandbox takes down only that namespace, never pytest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from areal_flow.rewards.sandbox import Limits, Sandbox
+
+LIMITS = Limits(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
+                output_bytes=1 << 16)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
+
+
+def processes_of(uid: int) -> list[int]:
+    """Host pids owned by `uid` (read from /proc, so it sees every PID namespace below ours)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    line = next(ln for ln in f if ln.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            if int(line.split()[1]) == uid:
+                pids.append(int(entry))
+    return pids
+
+
+def sandbox_dirs() -> set[str]:
+    return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("areal_flow_sandbox_")}
+
+
+@pytest.fixture
+def sandbox():
+    before = sandbox_dirs()
+    box = Sandbox(LIMITS)
+    yield box
+    assert processes_of(box.uid) == [], "a process of the sandbox's uid outlived its run"
+    assert sandbox_dirs() == before, "the sandbox left its temporary directory behind"
+
+
+def run1(box: Sandbox, program: str, stdin: str = ""):
+    (result,) = box.run(textwrap.dedent(program), [stdin])
+    return result
+
+
+def test_isolation_is_reported_and_complete_as_root(sandbox):
+    iso = sandbox.isolation()
+    assert iso.active
+    assert iso.pid_namespace and iso.network_namespace and iso.mount_namespace and iso.unprivileged_user
+
+
+def test_correct_program_passes_and_wrong_output_is_returned_as_printed(sandbox):
+    results = sandbox.run("a, b = map(int, input().split())\nprint(a + b)\n", ["1 2", "40 2"])
+    assert [(r.status, r.stdout) for r in results] == [("ok", "3\n"), ("ok", "42\n")]
+
+
+def test_program_runs_as_an_unprivileged_uid_as_pid_2_of_its_own_namespace(sandbox):
+    r = run1(sandbox, "import os; print(os.getuid(), os.geteuid(), os.getpid(), sorted(os.listdir('/proc')))")
+    uid, euid, pid, procs = r.stdout.split(" ", 3)
+    assert int(uid) == int(euid) == sandbox.uid != 0
+    assert int(pid) == 2  # PID 1 is the namespace's init
+    assert "'1'" in procs and "'2'" in procs and "'3'" not in procs  # no host process is visible
+
+
+def test_slow_but_correct_program_within_the_limit_passes(sandbox):
+    r = run1(sandbox, "import time; time.sleep(0.8); print(input())", "slow")
+    assert (r.status, r.stdout) == ("ok", "slow\n")
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_or_wall_limit(sandbox):
+    t0 = time.monotonic()
+    r = run1(sandbox, "while True: pass")
+    assert r.status == "timeout"
+    assert time.monotonic() - t0 < LIMITS.wall_seconds + 3
+
+
+def test_sleeping_past_the_deadline_is_a_timeout(sandbox):
+    t0 = time.monotonic()
+    r = run1(sandbox, "import time; print('started', flush=True); time.sleep(60)")
+    assert r.status == "timeout" and r.stdout == "started\n"
+    assert LIMITS.wall_seconds <= r.seconds < LIMITS.wall_seconds + 0.5
+    assert time.monotonic() - t0 < LIMITS.wall_seconds + 3
+
+
+def test_fork_bomb_is_contained_and_the_next_program_runs(sandbox):
+    r = run1(sandbox, """
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """)
+    assert r.status == "timeout"
+    assert run1(sandbox, "print(6 * 7)").stdout == "42\n"
+
+
+def test_memory_bomb_hits_the_address_space_limit(sandbox):
+    r = run1(sandbox, "x = bytearray(8 * 1024 ** 3)\nprint('allocated')")
+    assert r.status == "memory_limit" and "allocated" not in r.stdout
+    r = run1(sandbox, "chunks = []\nwhile True: chunks.append(b'x' * (1 << 24))")
+    assert r.status == "memory_limit"
+
+
+def test_huge_file_hits_the_file_size_limit(sandbox):
+    r = run1(sandbox, "with open('big', 'wb') as f:\n    while True: f.write(b'0' * (1 << 20))")
+    assert r.status == "file_size_limit"
+
+
+def test_printing_gigabytes_stops_at_the_output_limit(sandbox):
+    t0 = time.monotonic()
+    r = run1(sandbox, "import sys\nwhile True: sys.stdout.write('x' * 65536)")
+    assert r.status == "output_limit"
+    assert len(r.stdout) <= LIMITS.output_bytes
+    assert time.monotonic() - t0 < 2  # stopped when the limit was hit, not at the deadline
+    r = run1(sandbox, "import sys\nwhile True: sys.stderr.write('y' * 65536)")
+    assert r.status == "output_limit" and len(r.stderr) <= 4096
+
+
+def test_writing_outside_its_directory_reaches_nothing_on_the_host(sandbox, tmp_path):
+    target = tmp_path / "open"
+    target.mkdir()
+    target.chmod(0o777)  # only the sandbox's own root keeps the program out, not permissions
+    escape = f"/tmp/areal_flow_escape_{uuid.uuid4().hex}"
+    r = run1(sandbox, f"""
+        import os
+        for path in ({str(target / 'x')!r}, {escape!r}, '/usr/x', '/x', '/etc/x'):
+            try:
+                with open(path, 'w') as f:
+                    f.write('pwned')
+                print('wrote', path)
+            except OSError as e:
+                print('refused', path, type(e).__name__)
+    """)
+    assert r.status == "ok"
+    assert f"refused {target / 'x'}" in r.stdout and "refused /usr/x" in r.stdout and "refused /x" in r.stdout
+    assert not (target / "x").exists() and not os.path.exists(escape)  # /tmp inside is a tmpfs of its own
+    assert list(target.iterdir()) == []
+
+
+def test_reading_files_outside_it_finds_nothing(sandbox, tmp_path):
+    secret = uuid.uuid4().hex
+    public = tmp_path / "public.txt"
+    public.write_text(secret)
+    public.chmod(0o644)
+    tmp_path.chmod(0o755)
+    home = os.path.join(os.path.expanduser("~"), f".areal_flow_test_secret_{secret[:8]}")
+    with open(home, "w") as f:
+        f.write(secret)
+    try:
+        r = run1(sandbox, f"""
+            for path in ({str(public)!r}, {home!r}, '/etc/shadow', '/etc/passwd'):
+                try:
+                    print(open(path).read())
+                except OSError as e:
+                    print('refused', path, type(e).__name__)
+        """)
+    finally:
+        os.unlink(home)
+    assert r.status == "ok"
+    assert secret not in r.stdout
+    assert r.stdout.count("refused") == 4
+
+
+def test_connecting_to_a_local_listener_reaches_nothing(sandbox):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    r = run1(sandbox, f"""
+        import socket
+        for host in ('127.0.0.1', 'localhost', '0.0.0.0'):
+            try:
+                s = socket.create_connection((host, {port}), timeout=1)
+                s.sendall(b'stolen')
+                print('connected', host)
+            except OSError as e:
+                print('refused', host, type(e).__name__)
+    """)
+    with pytest.raises(socket.timeout):
+        listener.accept()  # the listener saw nothing
+    listener.close()
+    assert r.status == "ok" and "connected" not in r.stdout
+
+
+def test_closing_or_hijacking_stdio_only_fails_its_own_test(sandbox):
+    r = run1(sandbox, "import os\nos.close(0)\nos.close(1)\nos.close(2)\n")
+    assert r.status == "ok" and r.stdout == ""
+    # The init's own stdout carries the result to the host: the program cannot reach it.
+    forged = '{"cases": [{"status": "ok", "stdout": "FORGED"}]}'
+    r = run1(sandbox, f"""
+        import os
+        for path in ('/proc/1/fd/1', '/proc/1/fd/0', '/dev/tty'):
+            try:
+                with open(path, 'w') as f:
+                    f.write({forged!r})
+                print('opened', path)
+            except OSError as e:
+                print('refused', path, type(e).__name__)
+    """)
+    assert r.status == "ok" and "FORGED" not in r.stdout and "opened" not in r.stdout
+
+
+def test_a_daemon_left_behind_is_killed_with_its_case(sandbox, tmp_path):
+    r = run1(sandbox, """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            os._exit(0)
+        print('parent done')
+    """)
+    assert (r.status, r.stdout) == ("ok", "parent done\n")
+    # The fixture checks that no process of the sandbox's uid is left on the host.
+
+
+def test_function_call_cases_return_json(sandbox):
+    program = "class Solution:\n    def twice(self, xs, k):\n        return [x * k for x in xs]\n"
+    results = sandbox.run(program, ["[[1, 2], 3]", "[[], 1]"], fn_name="twice")
+    assert [(r.status, json.loads(r.stdout)) for r in results] == [("ok", [3, 6]), ("ok", [])]
+    # Prints of the program go to stderr, so they cannot corrupt the returned value.
+    (r,) = sandbox.run("print('noise')\ndef f(x):\n    print('more')\n    return x\n", ["[5]"], fn_name="f")
+    assert (r.stdout, r.stderr) == ("5", "noise\nmore\n")
+
+
+# ---- programs that attack other processes: run inside a PID namespace of the test's own ----------
+
+CONTAIN = r"""
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID
+    sys.exit("cannot make the test's PID namespace")
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
+"""
+
+DRIVER = r"""
+import json, os, subprocess, sys, time
+from areal_flow.rewards.sandbox import Limits, Sandbox
+
+uid = int(sys.argv[1])
+def as_uid():
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+# Sentinels: a root process and one of the very uid the program runs as (what kill(-1) from that
+# uid would reach if the sandbox had no PID namespace of its own).
+root_sentinel = subprocess.Popen(["sleep", "120"])
+uid_sentinel = subprocess.Popen(["sleep", "120"], preexec_fn=as_uid)
+box = Sandbox(Limits(wall_seconds=2.0, cpu_seconds=2), uid=uid)
+program = sys.stdin.read()
+results = box.run(program, [""])
+time.sleep(0.2)
+alive = [p.poll() is None for p in (root_sentinel, uid_sentinel)]
+print(json.dumps({"status": results[0].status, "stdout": results[0].stdout, "alive": alive,
+                  "after": box.run("print('still works')", [""])[0].stdout}))
+"""
+
+
+def run_contained(program: str, tmp_path) -> dict:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    uid = 1_400_000_000 + os.getpid()
+    proc = subprocess.run([sys.executable, "-c", CONTAIN, str(driver), str(uid)], input=textwrap.dedent(program),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert processes_of(uid) == []
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("attack", [
+    "os.kill(-1, signal.SIGKILL)",
+    "os.kill(os.getppid(), signal.SIGKILL); os.kill(1, signal.SIGKILL)",
+    "[os.kill(int(p), signal.SIGKILL) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]",
+    "os.killpg(0, signal.SIGKILL)",
+])
+def test_killing_other_processes_reaches_none_of_them(attack, tmp_path):
+    program = f"""
+        import os, signal
+        print('attacking', flush=True)
+        try:
+            {attack}
+        except OSError as e:
+            print('refused', type(e).__name__)
+        print('survived')
+    """
+    out = run_contained(program, tmp_path)
+    assert out["alive"] == [True, True], f"{attack} killed a process outside the sandbox"
+    assert out["after"] == "still works\n"
+    assert out["stdout"].startswith("attacking\n")
+
+
+def test_without_namespaces_the_sandbox_refuses_unless_opted_in(tmp_path):
+    # Drop CAP_SYS_ADMIN from the bounding set before exec: the process is root without the
+    # capability namespaces need, as on a machine that cannot make them.
+    def drop_sys_admin():
+        ctypes.CDLL(None, use_errno=True).prctl(24, 21, 0, 0, 0)  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
+
+    script = r"""
+import json, sys, logging
+from areal_flow.rewards.sandbox import Limits, Sandbox, SandboxUnavailable
+logging.basicConfig(level=logging.WARNING)
+try:
+    Sandbox(Limits(wall_seconds=2.0)).isolation()
+    print(json.dumps({"refused": False}))
+except SandboxUnavailable as e:
+    print(json.dumps({"refused": True, "message": str(e)}))
+# Opting in: limits and a uid of its own only; the program needs an interpreter every uid can run.
+box = Sandbox(Limits(wall_seconds=2.0), python=sys.argv[1], allow_unsandboxed=True)
+iso = box.isolation()
+r = box.run("import os; print(os.getuid())", [""])[0]
+print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid": r.stdout.strip(),
+                  "box_uid": box.uid}))
+"""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system interpreter that an unprivileged uid can run")
+    proc = subprocess.run([sys.executable, "-c", script, python], capture_output=True, text=True, timeout=60,
+                          preexec_fn=drop_sys_admin)
+    assert proc.returncode == 0, proc.stderr
+    refused, opted = map(json.loads, proc.stdout.splitlines())
+    assert refused["refused"] and "sandbox.allow_unsandboxed" in refused["message"]
+    assert "CAP_SYS_ADMIN" in refused["message"]
+    assert "WITHOUT NAMESPACES" in proc.stderr  # said loudly
+    assert opted == {"pid_namespace": False, "status": "ok", "uid": str(opted["box_uid"]), "box_uid": opted["box_uid"]}
+
+
+def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
+    # A job whose cases never end (wall limit far beyond the host's deadline): the host gives up
+    # at its own deadline and kills the whole group.
+    box = Sandbox(Limits(wall_seconds=30.0, cpu_seconds=30))
+    monkeypatch.setattr("areal_flow.rewards.sandbox.HOST_SLACK", -29.0)
+    t0 = time.monotonic()
+    (r,) = box.run("import time; time.sleep(60)", [""])
+    assert r.status == "sandbox_error" and "did not finish" in r.stderr
+    assert time.monotonic() - t0 < 10
+    assert processes_of(box.uid) == []
+
+
+def test_a_killed_worker_takes_its_sandbox_down():
+    # The reward worker dies mid-run: PR_SET_PDEATHSIG kills the init, and with it its namespace.
+    uid = 1_300_000_000 + os.getpid()
+    script = ("import sys\nfrom areal_flow.rewards.sandbox import Limits, Sandbox\n"
+              f"Sandbox(Limits(wall_seconds=60, cpu_seconds=60), uid={uid}).run('import time; time.sleep(60)', [''])\n")
+    worker = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 20
+    while not processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(uid), "the program never started"
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    deadline = time.monotonic() + 5
+    while processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(uid) == []
