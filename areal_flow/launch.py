@@ -23,6 +23,9 @@ from areal_flow.config.validate import SHARED_MEMORY, ConfigError, check_model, 
 from areal_flow.data.dataset import DatasetError, load_jsonl
 from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
+from areal_flow.rewards.code import make_sandbox
+from areal_flow.rewards.sandbox import SandboxUnavailable
+from areal_flow.rewards.service import resolve
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
@@ -106,6 +109,22 @@ def describe_servers(cfg: RunConfig, placement: Placement) -> str:
     return "\n".join(lines)
 
 
+def check_rewards(cfg: RunConfig, graph, console: Console) -> None:
+    """Every reward node's function resolves, and a `code` node's sandbox can isolate programs (or
+    the recipe opted out): checked at start, with the isolation in force printed."""
+    problems = []
+    for node in graph.rewards:
+        try:
+            if node.fn == "code":
+                console.print(f"reward node {node.name}: {make_sandbox(cfg.sandbox).describe()}", highlight=False)
+            else:
+                resolve(node.fn, cfg.sandbox)
+        except (SandboxUnavailable, ValueError) as e:
+            problems.append(f"node '{node.name}' (graph.{node.name}.fn={node.fn}): {e}")
+    if problems:
+        raise ConfigError(problems)
+
+
 def run(raw: DictConfig, console: Console) -> int:
     cfg = typed(raw)
     graph = graph_from_config(cfg)
@@ -118,6 +137,7 @@ def run(raw: DictConfig, console: Console) -> int:
         return 0
     if cfg.generation.backend == "sglang" and (problem := sglang_missing()):
         raise ConfigError([problem])
+    check_rewards(cfg, graph, console)
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg)
     model_path = prepare_model(cfg)

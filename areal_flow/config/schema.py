@@ -54,8 +54,15 @@ class NodeConfig:
                       "megatron = megatron-core tensor/pipeline/data parallel", choices=("torch", "megatron"))
     parallel: Any = doc(None, "batch nodes: layout on the mesh, {dp, tp, pp} or 'd2p2t2' (tp/pp need engine megatron); "
                         "none = every device data parallel")
-    workers: int = doc(1, "number of worker processes (reward nodes)", ge=1)
-    fn: str = doc("", "reward function name (reward nodes), e.g. 'arith'")
+    workers: int = doc(1, "reward nodes: worker processes that score samples in parallel", ge=1)
+    fn: str = doc("", "reward nodes: arith | arith_format | math | code, or 'module:function' of your own "
+                  "(docs/rewards.md has the signature)")
+    timeout: float = doc(30.0, "reward nodes: seconds to score one sample; past it the sample scores 0 and "
+                         "counts in reward/<node>_timeout", gt=0)
+    scale: float = doc(1.0, "reward nodes: shaping, reward = clip((r + bias) * scale, -clip, clip); "
+                       "AReaL's ±5 for right/wrong is bias -0.5, scale 10")
+    bias: float = doc(0.0, "reward nodes: added to the function's value before scaling")
+    clip: Optional[float] = doc(None, "reward nodes: bound of the shaped reward's magnitude; null = none", gt=0)
     weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
                                     factory=dict)
 
@@ -173,6 +180,27 @@ class GenerationConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """How `code` reward nodes run the programs a model writes (docs/rewards.md)."""
+
+    backend: str = doc("local", "local: this machine's sandbox (namespaces, chroot, own uid, limits); remote: "
+                       "a SandboxFusion-style service (POST {url}/run_code)", choices=("local", "remote"))
+    url: Optional[str] = doc(None, "remote backend: the service's base URL, e.g. http://sandbox:8080")
+    wall_seconds: float = doc(6.0, "wall-clock seconds per test case", gt=0)
+    cpu_seconds: int = doc(6, "CPU seconds per test case (RLIMIT_CPU)", ge=1)
+    memory_mb: int = doc(1024, "address space of a program in MiB (RLIMIT_AS)", ge=64)
+    file_size_mb: int = doc(16, "largest file a program may write, MiB (RLIMIT_FSIZE)", ge=1)
+    disk_mb: int = doc(64, "size of each of the program's tmpfs /sandbox and /tmp, MiB", ge=1)
+    processes: int = doc(32, "processes and threads a program may have (RLIMIT_NPROC of its own uid)", ge=1)
+    open_files: int = doc(64, "open files of a program (RLIMIT_NOFILE)", ge=16)
+    output_bytes: int = doc(1 << 20, "more stdout or stderr than this stops a test case", ge=1024)
+    fail_fast: bool = doc(True, "stop a program's tests at the first that crashes or times out (the rest: not_run)")
+    allow_unsandboxed: bool = doc(False, "run programs without namespaces where the machine cannot make them: "
+                                  "UNSAFE, they reach the network and every world-readable file")
+    python: Optional[str] = doc(None, "interpreter of the programs; null = the one running areal_flow")
+
+
+@dataclass
 class LauncherConfig:
     """How processes are started and watched."""
 
@@ -214,6 +242,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
     rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
     generation: GenerationConfig = doc(help="generation servers: backend and SGLang flags", factory=GenerationConfig)
+    sandbox: SandboxConfig = doc(help="the code sandbox of `code` reward nodes", factory=SandboxConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
 

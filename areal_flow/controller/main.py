@@ -34,7 +34,7 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rewards.functions import REWARD_FNS
+from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import endpoint, make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
@@ -78,6 +78,7 @@ class Controller:
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout)
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
         self.ledger = Ledger(spec.path("ledger.jsonl"))
+        self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
         self.clock, self.traffic = RunClock(), Traffic()
         self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=endpoint(spec.controller_port))
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
@@ -246,8 +247,14 @@ class Controller:
         with self.clock.paused():
             t0 = time.monotonic()
             reward = self.graph.rewards[0]
+            if self.eval_rewards is None:  # worker processes start at the first evaluation
+                self.eval_rewards = RewardService([reward], self.cfg.sandbox)
+
+            async def score(text: str, reference: str) -> float:
+                return (await self.eval_rewards.score(reward.name, text, reference)).raw
+
             acc = await held_out_accuracy(self.publisher.pool, self.tokenizer, self.eval_rows,
-                                          REWARD_FNS[reward.fn], self.graph.dataset_input(self.graph.generate),
+                                          score, self.graph.dataset_input(self.graph.generate),
                                           self.graph.dataset_input(reward), self.cfg.algorithm.max_new_tokens)
             self.metrics.log("eval", when=when, step=step, accuracy=acc, seconds=time.monotonic() - t0)
         log.info("held-out accuracy at %s: %.1f%%", when, 100 * acc)
@@ -338,5 +345,7 @@ def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
             await controller.run()
         finally:  # a failed run keeps the record of what it did
             controller.ledger.close()
+            if controller.eval_rewards is not None:
+                controller.eval_rewards.close()
 
     asyncio.run(run())

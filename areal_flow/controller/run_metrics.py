@@ -65,7 +65,10 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
             hist[step - version] = hist.get(step - version, 0) + n
     ages = np.array(sorted(hist), dtype=np.int64)
     counts = np.array([hist[a] for a in ages], dtype=np.int64)
-    per_key = {k: float(np.mean([s.scalars[k] for s in samples])) for k in sorted(samples[0].scalars) if k != reward_key}
+    # A reward node's statistics may be missing from a sample (a timed-out sample has no
+    # tests_passed): each is averaged over the samples that have it.
+    keys = sorted({k for s in samples for k in s.scalars} - {reward_key})
+    per_key = {k: float(np.mean([s.scalars[k] for s in samples if k in s.scalars])) for k in keys}
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),

@@ -41,6 +41,10 @@ class Node:
     layout: Layout | None  # batch nodes: data/tensor/pipeline parallel sizes on the mesh
     workers: int
     fn: str
+    timeout: float  # reward nodes: seconds per sample
+    scale: float  # reward nodes: shaping
+    bias: float
+    clip: float | None
     weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
 
     @property
@@ -184,9 +188,9 @@ def build_graph(
             problems.append(f"node '{name}': a {ntype} node runs on role {' or '.join(kind.roles)}, not {role!r} ({key}.role)")
         elif not kind.roles and role is not None:
             problems.append(f"node '{name}': a {ntype} node has no model role ({key}.role={role!r})")
-        if ntype == "reward" and reward_fns and _field(c, "fn") not in reward_fns:
+        if ntype == "reward" and reward_fns and _field(c, "fn") not in reward_fns and ":" not in str(_field(c, "fn")):
             problems.append(f"node '{name}': unknown reward function {_field(c, 'fn')!r} ({key}.fn); "
-                            f"expected one of {', '.join(reward_fns)}")
+                            f"expected one of {', '.join(reward_fns)}, or 'module:function'")
         mesh = None
         if kind is not None and kind.roles:
             if _field(c, "mesh") is None:
@@ -218,6 +222,10 @@ def build_graph(
             layout=layout,
             workers=int(_field(c, "workers", 1)),
             fn=_field(c, "fn", ""),
+            timeout=float(_field(c, "timeout", 30.0)),
+            scale=float(_field(c, "scale", 1.0)),
+            bias=float(_field(c, "bias", 0.0)),
+            clip=None if _field(c, "clip") is None else float(_field(c, "clip")),
             weights=tuple((k, float(w)) for k, w in dict(_field(c, "weights", {})).items()),
         )
 
@@ -434,6 +442,6 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
 
 def graph_from_config(cfg: Any) -> Graph:
     """The validated graph of a run config."""
-    from areal_flow.rewards.functions import REWARD_FNS
+    from areal_flow.rewards.service import builtin_names
 
-    return build_graph(cfg.graph, list(cfg.dataset.fields), cfg.cluster.n_devices, list(REWARD_FNS))
+    return build_graph(cfg.graph, list(cfg.dataset.fields), cfg.cluster.n_devices, builtin_names())

@@ -42,9 +42,9 @@ def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1) -> Placement
     for i, start in enumerate(range(0, len(gen_mesh), gen_tp_size)):
         procs.append(Proc(f"gen_server{i}", "gen_server", tuple(gen_mesh[start:start + gen_tp_size]), i))
     procs += [Proc(f"rollout{i}", "rollout", (), i) for i in range(rollout_workers)]
-    # One pool runs every reward node in graph order on each group it takes.
-    n_reward = max((n.workers for n in graph.rewards), default=0)
-    procs += [Proc(f"reward{i}", "reward", (), i) for i in range(n_reward)]
+    # One reward process runs every reward node in graph order on each group it takes; each node
+    # scores in its own pool of `workers` processes (rewards/service.py).
+    procs += [Proc("reward0", "reward", (), 0)] if graph.rewards else []
     for rank, dev in enumerate(graph.trainer_mesh):
         procs.append(Proc(f"trainer{rank}", "trainer", (dev,), rank))
     return Placement(procs)

@@ -27,7 +27,9 @@ from typing import Any
 
 import msgspec
 
-from areal_flow.rewards.sandbox import CaseResult, Limits, Sandbox, SandboxUnavailable
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.remote_sandbox import RemoteSandbox
+from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -116,7 +118,31 @@ class TestResult(msgspec.Struct):
     stderr: str = ""
 
 
-def score_program(sandbox: Sandbox, program: str | None, tests: Tests) -> dict[str, Any]:
+def make_sandbox(cfg: SandboxConfig) -> Sandbox | RemoteSandbox:
+    """The configured backend. The local one probes its isolation here (and refuses to run where it
+    has none, unless cfg.allow_unsandboxed), so a misconfigured machine fails at start."""
+    if cfg.backend == "remote":
+        return RemoteSandbox(cfg)
+    box = Sandbox(cfg)
+    box.isolation()
+    return box
+
+
+class CodeReward:
+    """The `code` reward function of a worker process: (completion, input_output) -> scores."""
+
+    def __init__(self, cfg: SandboxConfig):
+        self.sandbox = make_sandbox(cfg)
+
+    def __call__(self, completion: str, reference: str) -> dict[str, float]:
+        result = score_program(self.sandbox, extract_code(completion), parse_tests(reference))
+        statuses = [t.status for t in result["tests"]]
+        return {"reward": result["reward"], "tests_passed": result["tests_passed"] / result["tests_total"],
+                "no_code": float("no_code" in statuses), "test_timeout": float("timeout" in statuses),
+                "sandbox_error": float("sandbox_error" in statuses)}
+
+
+def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: Tests) -> dict[str, Any]:
     """{reward, tests_passed, tests_total, tests: [TestResult]}; reward 1.0 only when every test passes."""
     n = len(tests.inputs)
     if program is None:
@@ -147,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  "print the reward and per-test results as JSON.")
     parser.add_argument("program", help="the program file (Python source, not a completion)")
     parser.add_argument("tests", help="a JSON file in the input_output shape: {inputs, outputs, fn_name?}")
-    parser.add_argument("--timeout", type=float, default=Limits.wall_seconds, help="seconds per test case")
-    parser.add_argument("--memory-mb", type=int, default=Limits.memory_mb, help="address space of the program")
+    defaults = SandboxConfig()
+    parser.add_argument("--timeout", type=float, default=defaults.wall_seconds, help="seconds per test case")
+    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="address space of the program")
+    parser.add_argument("--remote", metavar="URL", help="run on a SandboxFusion-style service instead of locally")
     parser.add_argument("--allow-unsandboxed", action="store_true",
                         help="run without namespaces where the machine cannot make them (unsafe)")
     args = parser.parse_args(argv)
@@ -161,16 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    limits = dataclasses.replace(Limits(), wall_seconds=args.timeout, cpu_seconds=max(1, round(args.timeout)),
-                                 memory_mb=args.memory_mb)
-    sandbox = Sandbox(limits, allow_unsandboxed=args.allow_unsandboxed)
+    cfg = SandboxConfig(backend="remote" if args.remote else "local", url=args.remote, wall_seconds=args.timeout,
+                        cpu_seconds=max(1, round(args.timeout)), memory_mb=args.memory_mb,
+                        allow_unsandboxed=args.allow_unsandboxed)
     try:
-        isolation = sandbox.isolation()
+        sandbox = make_sandbox(cfg)
     except SandboxUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = score_program(sandbox, program, tests)
-    print(json.dumps(msgspec.to_builtins({**result, "isolation": isolation})))
+    where = sandbox.describe()
+    print(json.dumps(msgspec.to_builtins({**result, "sandbox": where})))
     return 0
 
 

@@ -15,7 +15,6 @@ no CAP_SYS_ADMIN) the sandbox refuses to run unless `allow_unsandboxed` is set, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -28,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from areal_flow.config.schema import SandboxConfig
+
 log = logging.getLogger("areal_flow.sandbox")
 
 INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
@@ -36,27 +37,41 @@ INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py
 # share a uid. Far above any account a distribution creates.
 UID_BASE = 1_500_000_000
 # Directories the program's interpreter needs (shown read-only); the interpreter's own prefix is added.
+LIMITS = ("wall_seconds", "cpu_seconds", "memory_mb", "file_size_mb", "disk_mb", "processes", "open_files",
+          "output_bytes")
 # Seconds the host waits beyond the cases' own deadlines (start-up, namespace set-up, clean-up).
 HOST_SLACK = 10.0
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
 
 
+# The function-call harness: the program runs as a module that is not __main__ (so its
+# `if __name__ == "__main__":` block stays quiet), its prints go to stderr, and the return value
+# goes to the real stdout as JSON. Arguments arrive on stdin as a JSON list. The program shares the
+# harness's interpreter, so it could forge the value it prints: the sandbox contains a program, it
+# does not make one honest.
+HARNESS = """import json, os, sys
+out = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+args = json.loads(sys.stdin.read())
+scope = {"__name__": "solution"}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), scope)
+name = %r
+cls = scope.get("Solution")
+fn = getattr(cls(), name) if cls is not None and hasattr(cls, name) else scope[name]
+out.write(json.dumps(fn(*args)))
+out.flush()
+"""
+
+
+def harness(fn_name: str) -> str:
+    """The script that calls `fn_name` of solution.py (fn_name: a Python identifier)."""
+    if not fn_name.isidentifier():
+        raise ValueError(f"fn_name must be a Python identifier, got {fn_name!r}")
+    return HARNESS % fn_name
+
+
 class SandboxUnavailable(RuntimeError):
     """The machine cannot isolate programs and the configuration did not opt out of isolation."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What one program may use. Times are per test case."""
-
-    wall_seconds: float = 6.0  # AReaL's single-case limit
-    cpu_seconds: int = 6
-    memory_mb: int = 1024  # address space (RLIMIT_AS)
-    file_size_mb: int = 16  # largest file it may write (RLIMIT_FSIZE)
-    disk_mb: int = 64  # size of each of its tmpfs /sandbox and /tmp
-    processes: int = 32  # processes and threads of its uid (RLIMIT_NPROC)
-    open_files: int = 64  # RLIMIT_NOFILE
-    output_bytes: int = 1 << 20  # more stdout (or stderr) than this stops the case
 
 
 class CaseResult(msgspec.Struct):
@@ -93,25 +108,23 @@ def _interpreter_paths(python: str) -> list[str]:
 class Sandbox:
     """Runs programs, one `run` at a time per instance (a reward worker holds one)."""
 
-    def __init__(self, limits: Limits = Limits(), *, python: str | None = None, allow_unsandboxed: bool = False,
-                 uid: int | None = None, fail_fast: bool = True):
-        self.limits = limits
-        # -I: no environment variables or user site; -S: no site-packages (the program gets the
-        # standard library only, and starts in ~10 ms instead of ~25).
-        self.python = os.path.realpath(python or sys.executable)
-        self.allow_unsandboxed = allow_unsandboxed
+    def __init__(self, cfg: SandboxConfig = SandboxConfig(), *, uid: int | None = None):
+        self.cfg = cfg
+        # The program runs with -I (no environment variables, no user site) and -S (no
+        # site-packages: the standard library only, and a faster start).
+        self.python = os.path.realpath(cfg.python or sys.executable)
         self.uid = UID_BASE + os.getpid() if uid is None else uid
-        self.fail_fast = fail_fast
         self._isolate: bool | None = None
 
     def isolation(self) -> Isolation:
         """Probe once: run a trivial program and report which isolation it had. Raises
         `SandboxUnavailable` where namespaces cannot be made and `allow_unsandboxed` is false."""
-        reply = self._launch("pass", [""], "stdio", None, isolate=True)
+        reply = self._launch("pass", [""], None, isolate=True)
         if "error" not in reply:
             self._isolate = True
-            return msgspec.convert(reply["isolation"], Isolation)
-        if not self.allow_unsandboxed:
+            self._isolation = msgspec.convert(reply["isolation"], Isolation)
+            return self._isolation
+        if not self.cfg.allow_unsandboxed:
             raise SandboxUnavailable(
                 f"the code sandbox cannot isolate programs on this machine: {reply['error']}. Run as root "
                 "(or with CAP_SYS_ADMIN), or set sandbox.allow_unsandboxed=true to run model-written code "
@@ -122,8 +135,15 @@ class Sandbox:
                     "written by the model can use the network and read world-readable files.", reply["error"])
         log.warning("!" * 80)
         self._isolate = False
-        reply = self._launch("pass", [""], "stdio", None, isolate=False)
-        return msgspec.convert(reply["isolation"], Isolation)
+        reply = self._launch("pass", [""], None, isolate=False)
+        self._isolation = msgspec.convert(reply["isolation"], Isolation)
+        return self._isolation
+
+    def describe(self) -> str:
+        """One line for logs: which isolation the programs get."""
+        iso = self.isolation() if self._isolate is None else self._isolation
+        layers = [k for k, on in msgspec.structs.asdict(iso).items() if on]
+        return f"local sandbox ({', '.join(layers) or 'no isolation'})"
 
     def run(self, program: str, inputs: list[str], *, fn_name: str | None = None) -> list[CaseResult]:
         """Run `program` once per input: as a script fed the input on stdin (fn_name None), or
@@ -132,19 +152,19 @@ class Sandbox:
         does not finish cleanly when fail_fast. Never raises for anything the program does."""
         if self._isolate is None:
             self.isolation()
-        reply = self._launch(program, inputs, "stdio" if fn_name is None else "call", fn_name, isolate=self._isolate)
+        reply = self._launch(program, inputs, None if fn_name is None else harness(fn_name), isolate=self._isolate)
         if "error" in reply:
             return [CaseResult("sandbox_error", stderr=reply["error"])]
         return [msgspec.convert(c, CaseResult) for c in reply["cases"]]
 
-    def _launch(self, program: str, inputs: list[str], mode: str, fn_name: str | None, isolate: bool) -> dict[str, Any]:
+    def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool) -> dict[str, Any]:
         root = tempfile.mkdtemp(prefix="areal_flow_sandbox_")
         job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
                "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
-               "program": program, "mode": mode, "fn_name": fn_name, "inputs": inputs,
-               "limits": dataclasses.asdict(self.limits), "fail_fast": self.fail_fast}
+               "program": program, "harness": harness_source, "inputs": inputs,
+               "limits": {k: getattr(self.cfg, k) for k in LIMITS}, "fail_fast": self.cfg.fail_fast}
         # Each case is bounded inside; this bounds the whole run, start-up and clean-up included.
-        deadline = len(inputs) * (self.limits.wall_seconds + 1.0) + HOST_SLACK
+        deadline = len(inputs) * (self.cfg.wall_seconds + 1.0) + HOST_SLACK
         proc = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True, env={})
         try:

@@ -30,22 +30,6 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 DEVICES = ("null", "zero", "random", "urandom")
 STDERR_KEEP = 4096  # the tail of stderr returned per case, for the reader of a failure
 
-# The function-call harness: the program runs as a module that is not __main__ (so its
-# `if __name__ == "__main__":` block stays quiet), its prints go to stderr, and the return value
-# goes to the real stdout as JSON. Arguments arrive on stdin as a JSON list.
-HARNESS = r'''
-import json, os, sys
-out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-args = json.loads(sys.stdin.read())
-scope = {"__name__": "solution"}
-exec(compile(open("solution.py").read(), "solution.py", "exec"), scope)
-name = sys.argv[1]
-fn = getattr(scope["Solution"](), name) if "Solution" in scope and hasattr(scope["Solution"], name) else scope[name]
-out.write(json.dumps(fn(*args)))
-out.flush()
-'''
-
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -104,7 +88,7 @@ def write_files(job: dict, workdir: str) -> None:
     if os.geteuid() == 0:
         os.chown(workdir, job["uid"], job["uid"])
     os.chmod(workdir, 0o700)
-    for name, text in (("solution.py", job["program"]), ("harness.py", HARNESS)):
+    for name, text in (("solution.py", job["program"]), ("harness.py", job["harness"] or "")):
         path = os.path.join(workdir, name)
         with open(path, "w") as f:
             f.write(text)
@@ -139,7 +123,7 @@ def _exec_case(job: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int) -
             os.setresuid(uid, uid, uid)
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         argv = [job["python"], *job["python_args"]]
-        argv += ["solution.py"] if job["mode"] == "stdio" else ["harness.py", job["fn_name"]]
+        argv += ["solution.py"] if job["harness"] is None else ["harness.py"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
         os.execve(argv[0], argv, env)

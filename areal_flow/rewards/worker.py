@@ -1,5 +1,6 @@
 """The reward worker: scores generated groups and sends them on to the trainer rank the controller
-chooses. It runs the graph's reward and combine nodes in graph order on every sample, reports the
+chooses. It runs the graph's reward and combine nodes in graph order on every sample (the reward
+functions in the reward service's worker processes, many samples and groups at once), reports the
 scored group's metadata to the controller, and holds the samples until the controller answers with
 a Route: the samples go to that rank's inbox, or are dropped (the controller's ledger says why).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import zmq
 import zmq.asyncio
@@ -15,7 +17,7 @@ import zmq.asyncio
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rewards.functions import REWARD_FNS
+from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -31,19 +33,25 @@ from areal_flow.transport.messages import (
 log = logging.getLogger("areal_flow.reward")
 
 
-def score_group(group: GeneratedGroup, graph: Graph, tokenizer) -> ScoredGroup:
-    """Each reward node writes its key into every sample's scalars; each combine node writes the
-    weighted sum of its inputs; in graph order, so a combine node sees the rewards it weighs."""
+async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: RewardService) -> ScoredGroup:
+    """Each reward node writes its shaped reward under its output key and its statistics as
+    `<node>_<stat>` (raw, timeout, error, seconds, and what the function returns); each combine
+    node writes the weighted sum of its inputs; in graph order, so a combine node sees the rewards
+    it weighs. The samples of a group are scored concurrently."""
     output_key = graph.output(graph.generate, "output_ids")
-    for sample in group.samples:
+
+    async def one(sample) -> None:
         text = tokenizer.decode(sample.array(output_key).tolist(), skip_special_tokens=True)
         for node in graph.scorers:
             if node.type == "reward":
-                reference = sample.fields[graph.dataset_input(node)]
-                sample.scalars[node.outputs[0]] = float(REWARD_FNS[node.fn](text, reference))
+                score = await service.score(node.name, text, sample.fields[graph.dataset_input(node)])
+                sample.scalars[node.outputs[0]] = score.reward
+                sample.scalars.update({f"{node.name}_{k}": v for k, v in {"raw": score.raw, **score.stats}.items()})
             else:
                 sample.scalars[node.outputs[0]] = sum(w * sample.scalars[k] for k, w in node.weights)
         sample.stage = Stage.SCORED
+
+    await asyncio.gather(*(one(s) for s in group.samples))
     return ScoredGroup(group.group_id, group.samples)
 
 
@@ -58,6 +66,8 @@ class RewardWorker:
         self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
         self.ranks = [make_socket(ctx, zmq.PUSH, connect=endpoint(p)) for p in spec.trainer_ports]
         self.held: dict[int, ScoredGroup] = {}  # scored, waiting for the controller's Route
+        self.service = RewardService(self.graph.rewards, cfg.sandbox)
+        self.tasks: set[asyncio.Task] = set()
 
     async def score(self) -> None:
         log.info("%s scoring with %s", self.name, [n.name for n in self.graph.scorers])
@@ -66,11 +76,24 @@ class RewardWorker:
             if not isinstance(msg, GeneratedGroup):
                 log.error("%s: a %s on the inbox is not a generated group, dropped", self.name, type(msg).__name__)
                 continue
-            scored = score_group(msg, self.graph, self.tokenizer)
-            self.held[scored.group_id] = scored
-            meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
-            traffic = {**msg.traffic, self.name: sent_bytes()}
-            await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic))
+            task = asyncio.create_task(self.handle(msg))  # groups are scored side by side
+            self.tasks.add(task)
+            task.add_done_callback(self.done)
+
+    def done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Scoring never raises for what a sample holds (the service scores that 0), so this is a
+            # bug: stop the process, which the launcher reports, rather than stall the run.
+            log.error("%s: scoring a group failed", self.name, exc_info=task.exception())
+            os._exit(1)
+
+    async def handle(self, msg: GeneratedGroup) -> None:
+        scored = await score_group(msg, self.graph, self.tokenizer, self.service)
+        self.held[scored.group_id] = scored
+        meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
+        traffic = {**msg.traffic, self.name: sent_bytes()}
+        await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic))
 
     async def forward(self) -> None:
         while True:
@@ -85,7 +108,10 @@ class RewardWorker:
                 await send(self.ranks[msg.rank], group)
 
     async def run(self) -> None:
-        await asyncio.gather(self.score(), self.forward())
+        try:
+            await asyncio.gather(self.score(), self.forward())
+        finally:
+            self.service.close()
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

@@ -342,7 +342,10 @@ def test_held_out_evaluation_goes_through_the_pool_and_survives_a_down_server(st
 
     async def scenario():
         async with ServerPool([a.url, b.url], config=fast()) as pool:
-            return await held_out_accuracy(pool, tokenizer, rows, lambda text, ref: float(text == ref), "q", "a", 6)
+            async def exact(text: str, ref: str) -> float:
+                return float(text == ref)
+
+            return await held_out_accuracy(pool, tokenizer, rows, exact, "q", "a", 6)
 
     assert asyncio.run(scenario()) == 0.5
     assert a.engine.stats()["num_finished_reqs"] >= len(prompts)  # every prompt was answered by the server up

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from areal_flow.rewards.code import extract_code, parse_tests, passed, score_program
-from areal_flow.rewards.sandbox import CaseResult, Limits, Sandbox
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.sandbox import CaseResult, Sandbox
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 
@@ -52,7 +53,7 @@ def test_outputs_compare_after_normalising_whitespace():
 
 @needs_root
 def test_score_program_passes_only_when_every_test_passes():
-    box = Sandbox(Limits(wall_seconds=2.0, cpu_seconds=2))
+    box = Sandbox(SandboxConfig(wall_seconds=2.0, cpu_seconds=2))
     tests = parse_tests({"inputs": ["2", "3", "10"], "outputs": ["4", "9", "100"]})
     good = score_program(box, "print(int(input()) ** 2)", tests)
     assert (good["reward"], good["tests_passed"]) == (1.0, 3)
@@ -79,7 +80,7 @@ def test_command_prints_one_json_object_and_exits_0_whatever_the_program_did(tmp
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["reward"] == 1.0 and [t["status"] for t in result["tests"]] == ["passed", "passed"]
-    assert result["isolation"]["pid_namespace"] is True
+    assert result["sandbox"].startswith("local sandbox (pid_namespace, network_namespace, mount_namespace")
 
     program.write_text("import time\ntime.sleep(30)\n")
     out = cli(str(program), str(tests), "--timeout", "1")

@@ -22,9 +22,10 @@ import uuid
 
 import pytest
 
-from areal_flow.rewards.sandbox import Limits, Sandbox
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.sandbox import Sandbox
 
-LIMITS = Limits(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
+LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
                 output_bytes=1 << 16)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
@@ -261,7 +262,8 @@ sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 DRIVER = r"""
 import json, os, subprocess, sys, time
-from areal_flow.rewards.sandbox import Limits, Sandbox
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.sandbox import Sandbox
 
 uid = int(sys.argv[1])
 def as_uid():
@@ -270,7 +272,7 @@ def as_uid():
 # uid would reach if the sandbox had no PID namespace of its own).
 root_sentinel = subprocess.Popen(["sleep", "120"])
 uid_sentinel = subprocess.Popen(["sleep", "120"], preexec_fn=as_uid)
-box = Sandbox(Limits(wall_seconds=2.0, cpu_seconds=2), uid=uid)
+box = Sandbox(SandboxConfig(wall_seconds=2.0, cpu_seconds=2), uid=uid)
 program = sys.stdin.read()
 results = box.run(program, [""])
 time.sleep(0.2)
@@ -321,15 +323,16 @@ def test_without_namespaces_the_sandbox_refuses_unless_opted_in(tmp_path):
 
     script = r"""
 import json, sys, logging
-from areal_flow.rewards.sandbox import Limits, Sandbox, SandboxUnavailable
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.sandbox import Sandbox, SandboxUnavailable
 logging.basicConfig(level=logging.WARNING)
 try:
-    Sandbox(Limits(wall_seconds=2.0)).isolation()
+    Sandbox(SandboxConfig(wall_seconds=2.0)).isolation()
     print(json.dumps({"refused": False}))
 except SandboxUnavailable as e:
     print(json.dumps({"refused": True, "message": str(e)}))
 # Opting in: limits and a uid of its own only; the program needs an interpreter every uid can run.
-box = Sandbox(Limits(wall_seconds=2.0), python=sys.argv[1], allow_unsandboxed=True)
+box = Sandbox(SandboxConfig(wall_seconds=2.0, python=sys.argv[1], allow_unsandboxed=True))
 iso = box.isolation()
 r = box.run("import os; print(os.getuid())", [""])[0]
 print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid": r.stdout.strip(),
@@ -351,7 +354,7 @@ print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid":
 def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
     # A job whose cases never end (wall limit far beyond the host's deadline): the host gives up
     # at its own deadline and kills the whole group.
-    box = Sandbox(Limits(wall_seconds=30.0, cpu_seconds=30))
+    box = Sandbox(SandboxConfig(wall_seconds=30.0, cpu_seconds=30))
     monkeypatch.setattr("areal_flow.rewards.sandbox.HOST_SLACK", -29.0)
     t0 = time.monotonic()
     (r,) = box.run("import time; time.sleep(60)", [""])
@@ -363,8 +366,8 @@ def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
 def test_a_killed_worker_takes_its_sandbox_down():
     # The reward worker dies mid-run: PR_SET_PDEATHSIG kills the init, and with it its namespace.
     uid = 1_300_000_000 + os.getpid()
-    script = ("import sys\nfrom areal_flow.rewards.sandbox import Limits, Sandbox\n"
-              f"Sandbox(Limits(wall_seconds=60, cpu_seconds=60), uid={uid}).run('import time; time.sleep(60)', [''])\n")
+    script = ("from areal_flow.config.schema import SandboxConfig\nfrom areal_flow.rewards.sandbox import Sandbox\n"
+              f"Sandbox(SandboxConfig(wall_seconds=60, cpu_seconds=60), uid={uid}).run('import time; time.sleep(60)', [''])\n")
     worker = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 20
     while not processes_of(uid) and time.monotonic() < deadline:

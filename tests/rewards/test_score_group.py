@@ -1,7 +1,11 @@
+import asyncio
+
 import numpy as np
 
+from areal_flow.config.schema import SandboxConfig
 from areal_flow.graph import build_graph
 from areal_flow.models.tokenizer import build_char_tokenizer
+from areal_flow.rewards.service import RewardService
 from areal_flow.rewards.worker import score_group
 from areal_flow.transport.messages import Array, GeneratedGroup, Sample, Stage
 
@@ -14,7 +18,9 @@ NODES = {
 }
 TWO_REWARDS = {
     **NODES,
-    "short": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "gold"], "outputs": ["also_correct"]},
+    # AReaL's shaping: right/wrong -> +5/-5.
+    "short": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "gold"], "outputs": ["also_correct"],
+              "bias": -0.5, "scale": 10.0},
     "total": {"type": "combine", "inputs": ["correct", "also_correct"], "outputs": ["rewards"],
               "weights": {"correct": 1.0, "also_correct": 0.5}},
     "train": {"type": "train", "role": "actor", "mesh": "1",
@@ -28,19 +34,27 @@ def sample(tok, i: int, text: str) -> Sample:
                   fields={"question": "7+8=", "gold": "15"}, arrays={"output_ids": Array.of(np.array(ids, np.int32))})
 
 
-def test_each_sample_is_scored_against_its_own_reference_field():
+def score(nodes, texts):
     tok = build_char_tokenizer()
-    graph = build_graph(NODES, ["question", "gold"], 2, ["arith"])
+    graph = build_graph(nodes, ["question", "gold"], 2, ["arith"])
+    service = RewardService(graph.rewards, SandboxConfig())
+    try:
+        group = GeneratedGroup(0, [sample(tok, i, t) for i, t in enumerate(texts)])
+        return asyncio.run(score_group(group, graph, tok, service))
+    finally:
+        service.close()
 
-    group = score_group(GeneratedGroup(0, [sample(tok, 0, "7+8+0=15;#### 15"), sample(tok, 1, "7+8+0=15;#### 16"),
-                                           sample(tok, 2, "7+8+0=15;")]), graph, tok)
+
+def test_each_sample_is_scored_against_its_own_reference_field():
+    group = score(NODES, ["7+8+0=15;#### 15", "7+8+0=15;#### 16", "7+8+0=15;"])
     assert [s.scalars["correct"] for s in group.samples] == [1.0, 0.0, 0.0]
+    assert [s.scalars["reward_raw"] for s in group.samples] == [1.0, 0.0, 0.0]
+    assert all(s.scalars["reward_timeout"] == 0.0 and s.scalars["reward_error"] == 0.0 for s in group.samples)
     assert all(s.stage == Stage.SCORED for s in group.samples)
 
 
-def test_a_combine_node_writes_the_weighted_sum_of_the_rewards_it_reads():
-    tok = build_char_tokenizer()
-    graph = build_graph(TWO_REWARDS, ["question", "gold"], 2, ["arith"])
-    group = score_group(GeneratedGroup(0, [sample(tok, 0, "7+8+0=15;#### 15"), sample(tok, 1, "#### 16")]), graph, tok)
-    assert [s.scalars["rewards"] for s in group.samples] == [1.5, 0.0]
-    assert [s.scalars["also_correct"] for s in group.samples] == [1.0, 0.0]
+def test_a_combine_node_writes_the_weighted_sum_of_the_shaped_rewards_it_reads():
+    group = score(TWO_REWARDS, ["7+8+0=15;#### 15", "#### 16"])
+    assert [s.scalars["also_correct"] for s in group.samples] == [5.0, -5.0]
+    assert [s.scalars["short_raw"] for s in group.samples] == [1.0, 0.0]
+    assert [s.scalars["rewards"] for s in group.samples] == [1.0 + 2.5, 0.0 - 2.5]

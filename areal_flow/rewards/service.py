@@ -1,0 +1,175 @@
+"""The reward service: scores completions for the graph's reward nodes without ever blocking the
+caller's event loop, and without ever hanging on a sample.
+
+Each reward node gets a pool of `workers` processes (pebble's ProcessPool: a task past its
+timeout has its worker killed and replaced, which neither concurrent.futures nor multiprocessing
+can do). A worker builds the node's function once (math-verify's import, the sandbox's isolation
+probe) and runs it in its main thread, where math-verify's `signal.alarm` works. An `async def`
+function of the user's runs in the caller's event loop instead, for functions that wait on a
+service rather than compute.
+
+A reward function takes (completion text, reference text) and returns a float, or a mapping with
+a "reward" float and any other numbers, which become per-node metrics (docs/rewards.md). Every
+score comes back as a `Score`: the shaped reward, the raw one, and its statistics, with a timeout
+or an exception scoring 0 and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import pebble
+
+from areal_flow.config.schema import SandboxConfig
+
+log = logging.getLogger("areal_flow.reward")
+
+RewardFn = Callable[[str, str], "float | Mapping[str, float]"]
+
+
+def builtin_names() -> list[str]:
+    from areal_flow.rewards.functions import REWARD_FNS
+
+    return [*REWARD_FNS, "code"]
+
+
+def resolve(fn: str, sandbox: SandboxConfig) -> RewardFn:
+    """The function a reward node names: a built-in, or `package.module:function`. Raises
+    ValueError saying what is wrong with the name."""
+    from areal_flow.rewards.functions import REWARD_FNS
+
+    if fn == "code":
+        from areal_flow.rewards.code import CodeReward
+
+        return CodeReward(sandbox)
+    if fn in REWARD_FNS:
+        return REWARD_FNS[fn]
+    module_name, sep, attr = fn.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"unknown reward function {fn!r}: expected one of {', '.join(builtin_names())}, "
+                         "or 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {fn!r}: cannot import {module_name!r} ({e})") from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ValueError(f"reward function {fn!r}: {module_name!r} has no callable {attr!r}")
+    return obj
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """reward = clip((raw + bias) * scale, -clip, clip)."""
+
+    scale: float = 1.0
+    bias: float = 0.0
+    clip: float | None = None
+
+    def __call__(self, raw: float) -> float:
+        r = (raw + self.bias) * self.scale
+        return r if self.clip is None else max(-self.clip, min(self.clip, r))
+
+
+@dataclass
+class Score:
+    reward: float  # shaped
+    raw: float
+    stats: dict[str, float] = field(default_factory=dict)  # the function's own numbers, timeout, error, seconds
+
+
+def _normalise(out: object) -> tuple[float, dict[str, float]]:
+    """A function's return value as (raw reward, other numbers); TypeError when it is neither a
+    number nor a mapping with a numeric "reward"."""
+    if isinstance(out, Mapping):
+        if "reward" not in out:
+            raise TypeError(f"a reward function returned a mapping without 'reward': {sorted(out)}")
+        stats = {str(k): float(v) for k, v in out.items() if k != "reward"}
+        out = out["reward"]
+    else:
+        stats = {}
+    if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
+        raise TypeError(f"a reward function returned {out!r}; expected a finite number")
+    return float(out), stats
+
+
+# ---- inside a pool worker -----------------------------------------------------------------------
+
+_WORKER_FN: RewardFn | None = None
+
+
+def _init_worker(fn: str, sandbox: SandboxConfig) -> None:
+    global _WORKER_FN
+    logging.basicConfig(level=logging.INFO)
+    _WORKER_FN = resolve(fn, sandbox)
+
+
+def _call(completion: str, reference: str) -> tuple[float, dict[str, float]]:
+    assert _WORKER_FN is not None, "the pool initializer did not run"
+    return _normalise(_WORKER_FN(completion, reference))
+
+
+# ---- in the caller --------------------------------------------------------------------------------
+
+
+class NodeScorer:
+    """Scores samples for one reward node."""
+
+    def __init__(self, name: str, fn: str, workers: int, timeout: float, shaping: Shaping, sandbox: SandboxConfig):
+        self.name, self.fn, self.timeout, self.shaping = name, fn, timeout, shaping
+        local = resolve(fn, sandbox) if ":" in fn else None  # a user's function: is it a coroutine?
+        self._async_fn = local if local is not None and inspect.iscoroutinefunction(local) else None
+        self._pool = None
+        if self._async_fn is None:
+            # spawn: a reward process holds ZeroMQ sockets and an event loop, which must not be forked.
+            self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker, initargs=(fn, sandbox),
+                                            context=multiprocessing.get_context("spawn"))
+        self.busy_seconds = 0.0  # summed over tasks: the pool's busy fraction is this / (workers * wall)
+
+    async def score(self, completion: str, reference: str) -> Score:
+        t0 = time.monotonic()
+        timeout = error = 0.0
+        try:
+            if self._async_fn is not None:
+                raw, stats = _normalise(await asyncio.wait_for(self._async_fn(completion, reference), self.timeout))
+            else:
+                future = self._pool.schedule(_call, (completion, reference), timeout=self.timeout)
+                raw, stats = await asyncio.wrap_future(future)
+        except (FutureTimeout, asyncio.TimeoutError):
+            raw, stats, timeout = 0.0, {}, 1.0
+            log.warning("reward node %s: a sample took over %.0f s (timeout): scored 0", self.name, self.timeout)
+        except Exception as e:  # noqa: BLE001 - a broken function or a dead worker scores 0, counted
+            raw, stats, error = 0.0, {}, 1.0
+            log.warning("reward node %s: %s scoring a sample: %s", self.name, type(e).__name__, e)
+        seconds = time.monotonic() - t0
+        self.busy_seconds += seconds
+        return Score(self.shaping(raw), raw, {**stats, "timeout": timeout, "error": error, "seconds": seconds})
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join()
+
+
+class RewardService:
+    """The scorers of a graph's reward nodes, by node name."""
+
+    def __init__(self, nodes, sandbox: SandboxConfig):
+        self.scorers = {n.name: NodeScorer(n.name, n.fn, n.workers, n.timeout, Shaping(n.scale, n.bias, n.clip), sandbox)
+                        for n in nodes}
+
+    async def score(self, node: str, completion: str, reference: str) -> Score:
+        return await self.scorers[node].score(completion, reference)
+
+    def close(self) -> None:
+        for s in self.scorers.values():
+            s.close()
