@@ -6,14 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from areal_flow.data.arith import arith_reward, extract_answer
-
-
-def math_verify_reward(completion: str, answer: str) -> float:
-    """1.0 when math-verify finds the completion's final answer equal to the reference."""
-    from math_verify import parse, verify  # ~0.5 s import: only workers that use it pay
-
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    return 1.0 if verify(gold, parse(completion)) else 0.0
+from areal_flow.rewards.math import math_reward
 
 
 def arith_format_reward(completion: str, answer: str) -> float:
@@ -25,5 +18,5 @@ def arith_format_reward(completion: str, answer: str) -> float:
 REWARD_FNS: dict[str, Callable[[str, str], float]] = {
     "arith": arith_reward,
     "arith_format": arith_format_reward,
-    "math_verify": math_verify_reward,
+    "math": math_reward,
 }

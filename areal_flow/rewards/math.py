@@ -1,0 +1,197 @@
+"""The `math` reward: the completion's final answer checked with math-verify against every reference.
+
+    python -m areal_flow.rewards.math ANSWER_TEXT REFERENCE [--timeout SECONDS]
+
+prints how one completion scores as one JSON object (`reward`, `extracted`, `references`,
+`matched`, `seconds`).
+
+The final answer is the content of the completion's last `\\boxed{...}` (or `\\fbox{...}`, or
+`\\boxed` followed by one token); without one, the last final-answer line (`The answer is X`,
+`Final answer: X`, `Answer: X`, `#### X`); without either the reward is 0. The reference is one
+answer, or a JSON list of answers (AReaL's `solutions` field, e.g. `["\\\\boxed{2}", "2"]`); the
+reward is 1.0 when any of them matches.
+
+Timeouts: math-verify bounds each parse and each comparison with `signal.alarm`, which works only in
+the main thread of a process, so the reward runs in the reward worker processes' main thread (and
+the controller's, for evaluation); called from another thread it raises RuntimeError. `timeout` is
+whole seconds (what `signal.alarm` takes). A parse or comparison that runs out scores as no match,
+and once a call has spent `timeout` seconds the references not yet tried are skipped, so one call
+takes at most about three timeouts however many references there are.
+
+Known gaps of math-verify 0.9.0, pinned in tests/rewards/test_math_reward.py: a boxed percent
+(`\\boxed{50\\%}`) does not parse, so it matches only the reference `50\\%` itself; and a letter
+that names a unit (t, s, m, h, g, l, c, d, ...) at the end of an answer after a digit is dropped,
+so `2+3t` reads as 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+DEFAULT_TIMEOUT = 3  # seconds; an ordinary answer verifies in milliseconds
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+# One final-answer marker per alternative; each captures the rest of its line.
+_FINAL_LINE_RE = re.compile(
+    r"####[ \t]*(?P<hash>[^\n]*)"
+    r"|(?:\bthe[ \t]+)?\bfinal[ \t]+answer\**[ \t]*(?:is\b)?[ \t]*\**[ \t]*:?(?P<final>[^\n]*)"
+    r"|\bthe[ \t]+answer[ \t]+is\b[ \t]*:?(?P<is>[^\n]*)"
+    r"|\banswer\**[ \t]*:(?P<colon>[^\n]*)",
+    re.IGNORECASE,
+)
+_JSON_LIST_RE = re.compile(r"\s*\[\s*(?:\"|\])")  # `["...` or `[]`; an interval like `[0, 1)` is an answer
+
+
+def _braced(text: str, start: int) -> str | None:
+    """The content of the brace group opening at text[start]; None when it never closes. Escaped
+    braces (`\\{`, `\\}`, as in a set) do not count."""
+    depth, i = 0, start
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+        i += 1
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    matches = list(_BOX_RE.finditer(text))
+    if not matches:
+        return None
+    end = matches[-1].end()
+    rest = text[end:]
+    stripped = rest.lstrip()
+    if stripped.startswith("{"):
+        # A last box that never closes (a truncated completion) is no answer: an earlier box is a
+        # step of the working, not what the model concluded.
+        content = _braced(text, end + len(rest) - len(stripped))
+    else:
+        token = re.match(r"[^\s$]+", stripped) if rest[:1].isspace() else None
+        content = token.group(0).rstrip(".,;") if token else None
+    return content.strip() if content and content.strip() else None
+
+
+def _clean_final(value: str) -> str:
+    value = re.split(r"\.\s", value.strip(), maxsplit=1)[0]  # "5. That is all." -> "5"
+    value = value.strip().strip("*").strip().rstrip(".").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if value.startswith(left) and value.endswith(right) and len(value) >= len(left) + len(right):
+            value = value[len(left):len(value) - len(right)].strip()
+            break
+    return value
+
+
+def extract_answer(completion: str) -> str | None:
+    """The completion's final answer as text: the last box's content, else the last final-answer
+    line's value, else None."""
+    boxed = _last_boxed(completion)
+    if boxed is not None or _BOX_RE.search(completion):
+        return boxed
+    for match in reversed(list(_FINAL_LINE_RE.finditer(completion))):
+        value = _clean_final(next(v for v in match.groupdict().values() if v is not None))
+        if value:
+            return value
+    return None
+
+
+def parse_references(reference: str) -> list[str]:
+    """One reference answer, or the answers of a JSON list of strings. A malformed list is a data
+    error, not a wrong completion, so it raises ValueError instead of scoring every sample 0."""
+    if not _JSON_LIST_RE.match(reference):
+        return [reference]
+    try:
+        items = json.loads(reference)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"reference looks like a JSON list but does not parse ({e}): {reference!r}") from None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"reference is an empty JSON list: {reference!r}")
+    if not all(isinstance(item, (str, int, float)) and not isinstance(item, bool) for item in items):
+        raise ValueError(f"reference JSON list holds something other than strings and numbers: {reference!r}")
+    return [str(item) for item in items]
+
+
+@dataclass
+class MathScore:
+    reward: float
+    extracted: str | None
+    references: list[str]
+    matched: str | None
+    seconds: float
+
+
+def score(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> MathScore:
+    """The reward with what led to it (what the debug command prints)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the math reward must run in a process's main thread: math-verify's timeouts use "
+                           "signal.alarm")
+    from math_verify import parse, verify  # ~0.7 s import, once: only processes that score math pay
+
+    start = time.monotonic()
+    references = parse_references(reference)
+    extracted = extract_answer(completion)
+    matched = None
+    if extracted is not None:
+        # Boxed again so that math-verify's own extraction takes the whole answer as one expression.
+        answer = parse(f"\\boxed{{{extracted}}}", parsing_timeout=timeout)
+        for gold in references:
+            if not answer or time.monotonic() - start > timeout:
+                break
+            # math-verify extracts only from delimited math: a bare gold `1/2` or `x+1` needs `$`.
+            gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
+            if verify(gold_parsed, answer, timeout_seconds=timeout):
+                matched = gold
+                break
+    return MathScore(1.0 if matched is not None else 0.0, extracted, references, matched,
+                     time.monotonic() - start)
+
+
+def math_reward(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> float:
+    """1.0 when the completion's final answer equals any reference answer per math-verify, else 0.0."""
+    return score(completion, reference, timeout).reward
+
+
+def _whole_seconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds >= 1 (signal.alarm's unit)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_flow.rewards.math",
+        description="Score one completion with the math reward and print the details as one JSON object. "
+                    "Exits 0 whatever the reward; 2 for bad arguments.",
+        epilog="An argument that starts with '-' (other than a number) goes after '--'.")
+    ap.add_argument("answer_text", metavar="ANSWER_TEXT", help="the completion, e.g. 'so \\boxed{1/2}'")
+    ap.add_argument("reference", metavar="REFERENCE", help="a reference answer, or a JSON list of them")
+    ap.add_argument("--timeout", type=_whole_seconds, metavar="SECONDS", default=DEFAULT_TIMEOUT,
+                    help=f"seconds for each math-verify parse and comparison (default {DEFAULT_TIMEOUT})")
+    args = ap.parse_args(argv)
+    try:
+        parse_references(args.reference)
+    except ValueError as e:
+        ap.error(f"argument REFERENCE: {e}")
+    result = score(args.answer_text, args.reference, args.timeout)
+    print(json.dumps({**asdict(result), "seconds": round(result.seconds, 4)}, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
