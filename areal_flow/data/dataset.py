@@ -89,17 +89,33 @@ def _saved_dataset_rows(path: str, split: str | None) -> Iterator[tuple[str, str
         import datasets
     except ImportError:
         raise _missing("datasets", path, "directories saved by datasets") from None
+    folder = path
+    splits_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(splits_file):
+        # A DatasetDict is a folder per split beside the list of them: read the one asked for.
+        try:
+            with open(splits_file) as f:
+                splits = list(json.load(f)["splits"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DatasetError(f"{splits_file}: not a DatasetDict's list of splits ({e})") from None
+        if split not in splits:
+            raise DatasetError(f"{path}: a DatasetDict with no split {split!r} (it has: {', '.join(splits) or 'none'})")
+        folder = os.path.join(path, split)
+    # load_from_disk fails with an IndexError on a dataset saved with no rows (it has no data
+    # files): such a dataset is empty, and is reported as that.
     try:
-        ds = datasets.load_from_disk(path)
+        with open(os.path.join(folder, "state.json")) as f:
+            if json.load(f).get("_data_files") == []:
+                return
+    except (OSError, ValueError, AttributeError):
+        pass  # load_from_disk below says what is wrong
+    try:
+        ds = datasets.load_from_disk(folder)
     except Exception as e:
-        raise DatasetError(f"{path}: not readable by datasets.load_from_disk ({type(e).__name__}: {e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise DatasetError(f"{path}: a DatasetDict with no split {split!r} (it has: {', '.join(ds) or 'none'})")
-        ds = ds[split]
+        raise DatasetError(f"{folder}: not readable by datasets.load_from_disk ({type(e).__name__}: {e})") from None
     for n, obj in enumerate(ds):
-        # Rows count from 0, as `ds[n]` does.
-        yield f"{path}: row {n}", f"row {n}", obj
+        # Rows count from 0, as `ds[n]` does; a DatasetDict's rows are named by their split's folder.
+        yield f"{folder}: row {n}", f"row {n}", obj
 
 
 def _reader(path: str, split: str | None) -> Iterator[tuple[str, str, Any]]:
