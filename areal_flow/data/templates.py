@@ -63,7 +63,7 @@ def apply_templates(rows: Sequence[dict[str, str]], prompt_key: str, source: str
                                        f"dataset.prompt_template names (row has: {', '.join(row)})")
             try:
                 text = prompt_template.format_map(row)
-            except (IndexError, KeyError, AttributeError, ValueError) as e:
+            except (IndexError, KeyError, AttributeError, TypeError, ValueError) as e:
                 raise DatasetError(f"{source}: row {row['id']!r}: dataset.prompt_template "
                                    f"{prompt_template!r} fails ({type(e).__name__}: {e})") from None
         if chat_template and tokenizer is not None:
