@@ -78,8 +78,6 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, str, Any]]:
                 # Rows count from 0, as `table.slice(n, 1)` and pandas' `iloc[n]` do.
                 yield f"{path}: row {n}", f"row {n}", obj
                 n += 1
-    except DatasetError:
-        raise
     except Exception as e:  # pyarrow's errors share no base class worth naming
         raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
@@ -111,7 +109,7 @@ def _saved_dataset_rows(path: str, split: str | None) -> Iterator[tuple[str, str
         pass  # load_from_disk below says what is wrong
     try:
         ds = datasets.load_from_disk(folder)
-    except Exception as e:
+    except Exception as e:  # a damaged folder fails in many ways (JSON, Arrow, missing files): all mean unreadable
         raise DatasetError(f"{folder}: not readable by datasets.load_from_disk ({type(e).__name__}: {e})") from None
     for n, obj in enumerate(ds):
         # Rows count from 0, as `ds[n]` does; a DatasetDict's rows are named by their split's folder.

@@ -68,8 +68,8 @@ def test_sample_true_names_the_shipped_files(tmp_path, name):
     (["dataset.name=jsonl", "dataset.sample=true"], "dataset.sample=true needs dataset.name in areal_math, areal_code, not 'jsonl'"),
     (["dataset.name=areal_math", "dataset.sample=true", "dataset.train_path=x.jsonl"],
      "dataset.sample=true uses the shipped sample set: leave dataset.train_path and dataset.eval_path null"),
-    (["dataset.name=areal_code"], "dataset.name=areal_code needs dataset.train_path and dataset.eval_path "
-                                  "(or dataset.sample=true)"),
+    (["dataset.name=areal_code"], ("dataset.name=areal_code needs dataset.train_path and dataset.eval_path "
+                                   "(or dataset.sample=true)")),
 ])
 def test_a_config_naming_no_usable_files_is_refused(tmp_path, overrides, problem):
     cfg = config(tmp_path, *overrides)
