@@ -20,7 +20,9 @@ from rich.markup import escape
 
 from areal_flow.config.schema import RunConfig, register_configs
 from areal_flow.config.validate import SHARED_MEMORY, ConfigError, check_model, check_run
-from areal_flow.data.dataset import DatasetError, load_jsonl
+from areal_flow.data.dataset import DatasetError
+from areal_flow.data.loading import dataset_paths, load_prompts
+from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
 from areal_flow.rewards.code import make_sandbox
@@ -43,22 +45,26 @@ CONF_DIR = next((d for d in (Path(__file__).resolve().parent / "conf", ROOT / "c
 register_configs()
 
 
-def prepare_data(cfg: RunConfig) -> tuple[str, str]:
-    """Paths of the train and held-out JSONL files, generated for tiny_arith, checked for all."""
+def prepare_data(cfg: RunConfig, prompt_key: str | None = None) -> tuple[str, str]:
+    """Absolute paths of the train and held-out data, generated for tiny_arith; every row is read
+    and checked, and the prompt template applied to `prompt_key` (the generate node's dataset
+    input, found from the graph when not given), so a bad row or template stops the run here."""
     ds = cfg.dataset
-    if ds.name == "tiny_arith":
-        from areal_flow.data.arith import ensure_arith_data
+    train, held_out = dataset_paths(ds, cfg.cache_dir)
+    if prompt_key is None:
+        graph = graph_from_config(cfg)
+        prompt_key = graph.dataset_input(graph.generate)
+    for path, split in ((train, ds.train_split), (held_out, ds.eval_split)):
+        load_prompts(ds, path, split, prompt_key)
+    return train, held_out
 
-        train, held_out = ensure_arith_data(os.path.join(cfg.cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
-    elif ds.name == "jsonl":
-        if not ds.train_path or not ds.eval_path:
-            raise DatasetError("dataset.name=jsonl needs dataset.train_path and dataset.eval_path")
-        train, held_out = ds.train_path, ds.eval_path
-    else:
-        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected 'tiny_arith' or 'jsonl'")
-    for path in (train, held_out):
-        load_jsonl(path, list(ds.fields))
-    return os.path.abspath(train), os.path.abspath(held_out)
+
+def check_tokenizer(cfg: RunConfig, model_path: str) -> None:
+    """dataset.chat_template needs a tokenizer that has one: found here, not in the controller's log."""
+    if cfg.dataset.chat_template:
+        from areal_flow.models.tokenizer import load_tokenizer
+
+        check_chat_template(load_tokenizer(model_path), model_path)
 
 
 def prepare_model(cfg: RunConfig) -> str:
@@ -139,9 +145,10 @@ def run(raw: DictConfig, console: Console) -> int:
         raise ConfigError([problem])
     check_rewards(cfg, graph, console)
     run_dir = os.path.abspath(cfg.output_dir)
-    train_path, eval_path = prepare_data(cfg)
+    train_path, eval_path = prepare_data(cfg, graph.dataset_input(graph.generate))
     model_path = prepare_model(cfg)
     check_model(graph, model_path)
+    check_tokenizer(cfg, model_path)
     n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
     # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
     weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \

@@ -82,11 +82,22 @@ class ModelConfig:
 class DatasetConfig:
     """Prompts for training and the held-out set."""
 
-    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache) or 'jsonl' (train_path/eval_path)",
-                    choices=("tiny_arith", "jsonl"))
-    train_path: Optional[str] = doc(None, "JSONL file of training prompts (jsonl datasets)")
-    eval_path: Optional[str] = doc(None, "JSONL file of held-out prompts (jsonl datasets)")
+    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache), 'jsonl' (generic rows), 'areal_math' "
+                    "(AReaL math rows: query_id, prompt, solutions) or 'areal_code' (AReaL code rows: query_id, "
+                    "prompt, input_output); docs/datasets.md",
+                    choices=("tiny_arith", "jsonl", "areal_math", "areal_code"))
+    train_path: Optional[str] = doc(None, "training prompts: a .jsonl file, a .parquet file or a directory saved by "
+                                    "datasets (all but tiny_arith; null with sample=true)")
+    eval_path: Optional[str] = doc(None, "held-out prompts, as train_path")
+    sample: bool = doc(False, "areal_math/areal_code: train and evaluate on the small sample set shipped in "
+                       "areal_flow/data/samples/ (train_path/eval_path stay null)")
+    train_split: str = doc("train", "split of train_path when it is a saved DatasetDict")
+    eval_split: str = doc("test", "split of eval_path when it is a saved DatasetDict")
     fields: List[str] = doc(help="fields every row must have; they become graph keys", factory=lambda: ["prompt", "answer"])
+    prompt_template: Optional[str] = doc(None, "format string over a row's fields giving the prompt text, e.g. "
+                                         "'Question: {prompt}\\nAnswer:'; null = the prompt field as it is")
+    chat_template: bool = doc(False, "wrap the prompt (after prompt_template) in the tokenizer's chat template as one "
+                              "user message, with the generation prompt")
     n_train: int = doc(20000, "generated training problems (tiny_arith)", ge=1)
     n_eval: int = doc(200, "generated held-out problems (tiny_arith)", ge=1)
     seed: int = doc(0, "seed of the generated data and of the prompt order")

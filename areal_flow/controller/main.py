@@ -28,7 +28,7 @@ from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.trainer_pool import merge_results, plan_step
-from areal_flow.data.dataset import load_jsonl
+from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
@@ -70,9 +70,13 @@ class Controller:
             output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
             prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
         )
-        self.prompts = PromptStream(load_jsonl(spec.train_path, list(cfg.dataset.fields)), cfg.dataset.seed)
-        self.eval_rows = load_jsonl(spec.eval_path, list(cfg.dataset.fields))
         self.tokenizer = load_tokenizer(spec.model_path)
+        # The prompt templates are applied here only: rollout workers and the held-out evaluation
+        # read the prompt field of these rows as it is.
+        ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
+        self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer),
+                                    ds.seed)
+        self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
                                          interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout)

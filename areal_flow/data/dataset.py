@@ -1,18 +1,33 @@
-"""JSONL prompt datasets: one JSON object per line, with errors that point at the line.
+"""Prompt datasets: JSONL, Parquet and `datasets.save_to_disk` directories, with errors that
+point at the line (JSONL) or row (the others).
 
-Every row comes back as `dict[str, str]` with an `id`: its own `"id"` field when present, else
-`"{file stem}:{line}"`, so samples can carry a stable prompt id for provenance.
+Every row comes back as `dict[str, str]` with an `id`, so samples can carry a stable prompt id for
+provenance. Lists and objects become JSON text, which a reward function can parse back.
+
+A row format decides what a row must hold and where its id comes from:
+- `jsonl` (generic): the fields asked for; the id is the row's own `"id"`, else `"{stem}:{n}"`.
+- `areal_math` (AReaL's math rows): `query_id` (the id), `prompt`, `solutions`, a non-empty list
+  of reference answers.
+- `areal_code` (AReaL's code rows, the LiveCodeBench/APPS shape): `query_id`, `prompt`,
+  `input_output`, an object (or its JSON text) with `inputs` and `outputs`, non-empty lists of the
+  same length, and an optional `fn_name` string.
+The reader is chosen by the path, whatever the format: a `.jsonl` file, a `.parquet` file, or a
+directory written by `datasets` (`Dataset` or `DatasetDict`, whose `split` is then chosen).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+FORMATS = ("jsonl", "areal_math", "areal_code")
+INSTALL_HINT = "pip install -e '.[data]'"
 
 
 class DatasetError(ValueError):
-    """A dataset file that cannot be used; the message names the file and, where known, the line."""
+    """A dataset that cannot be used; the message names the file and, where known, the line or row."""
 
 
 def _to_str(value: object) -> str:
@@ -25,20 +40,10 @@ def _to_str(value: object) -> str:
     return str(value)
 
 
-def load_jsonl(path: str, required: Sequence[str]) -> list[dict[str, str]]:
-    """Load a JSONL file whose rows must each have the fields `required`.
+# ---- readers: (where, place, object) for every row; `place` is what a duplicate id points back to ----
 
-    Blank lines are skipped (a trailing newline is common). Raises `DatasetError` for a missing
-    file, an empty file, a line that is not a JSON object, a row missing a required field (or
-    with it null), and two rows with the same id.
-    """
-    if not os.path.exists(path):
-        raise DatasetError(f"{path}: dataset file does not exist")
-    if not os.path.isfile(path):
-        raise DatasetError(f"{path}: dataset path is not a file")
-    stem = os.path.splitext(os.path.basename(path))[0]
-    rows: list[dict[str, str]] = []
-    id_line: dict[str, int] = {}
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, str, Any]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -52,23 +57,186 @@ def load_jsonl(path: str, required: Sequence[str]) -> list[dict[str, str]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for field in required:
-                if field not in obj:
-                    has = ", ".join(obj) or "no fields"
-                    raise DatasetError(f"{where}: missing field {field!r} (row has: {has})")
-                if obj[field] is None:
-                    raise DatasetError(f"{where}: field {field!r} is null")
-            row = {k: _to_str(v) for k, v in obj.items() if v is not None}
-            row_id = row.get("id", f"{stem}:{lineno}")
-            row["id"] = row_id
-            if row_id in id_line:
-                raise DatasetError(
-                    f"{where}: duplicate id {row_id!r} (first used on line {id_line[row_id]})"
-                )
-            id_line[row_id] = lineno
-            rows.append(row)
+            yield where, f"line {lineno}", obj
+
+
+def _missing(package: str, path: str, what: str) -> DatasetError:
+    return DatasetError(f"{path}: reading {what} needs the optional package {package!r}, which is not "
+                        f"installed: {INSTALL_HINT}")
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise _missing("pyarrow", path, "Parquet files") from None
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        n = 0
+        for batch in batches:
+            for obj in batch.to_pylist():
+                # Rows count from 0, as `table.slice(n, 1)` and pandas' `iloc[n]` do.
+                yield f"{path}: row {n}", f"row {n}", obj
+                n += 1
+    except Exception as e:  # pyarrow's errors share no base class worth naming
+        raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def _saved_dataset_rows(path: str, split: str | None) -> Iterator[tuple[str, str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise _missing("datasets", path, "directories saved by datasets") from None
+    folder = path
+    splits_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(splits_file):
+        # A DatasetDict is a folder per split beside the list of them: read the one asked for.
+        try:
+            with open(splits_file) as f:
+                splits = list(json.load(f)["splits"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DatasetError(f"{splits_file}: not a DatasetDict's list of splits ({e})") from None
+        if split not in splits:
+            raise DatasetError(f"{path}: a DatasetDict with no split {split!r} (it has: {', '.join(splits) or 'none'})")
+        folder = os.path.join(path, split)
+    # load_from_disk fails with an IndexError on a dataset saved with no rows (it has no data
+    # files): such a dataset is empty, and is reported as that.
+    try:
+        with open(os.path.join(folder, "state.json")) as f:
+            if json.load(f).get("_data_files") == []:
+                return
+    except (OSError, ValueError, AttributeError):
+        pass  # load_from_disk below says what is wrong
+    try:
+        ds = datasets.load_from_disk(folder)
+    except Exception as e:  # a damaged folder fails in many ways (JSON, Arrow, missing files): all mean unreadable
+        raise DatasetError(f"{folder}: not readable by datasets.load_from_disk ({type(e).__name__}: {e})") from None
+    for n, obj in enumerate(ds):
+        # Rows count from 0, as `ds[n]` does; a DatasetDict's rows are named by their split's folder.
+        yield f"{folder}: row {n}", f"row {n}", obj
+
+
+def _reader(path: str, split: str | None) -> Iterator[tuple[str, str, Any]]:
+    if not os.path.exists(path):
+        raise DatasetError(f"{path}: dataset file does not exist")
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            raise DatasetError(f"{path}: a directory, but not one written by datasets' save_to_disk "
+                               "(no dataset_dict.json or state.json)")
+        return _saved_dataset_rows(path, split)
+    if path.endswith(".parquet"):
+        return _parquet_rows(path)
+    if path.endswith(".jsonl"):
+        return _jsonl_rows(path)
+    raise DatasetError(f"{path}: unknown dataset type; expected a .jsonl file, a .parquet file or a "
+                       "directory saved by datasets")
+
+
+# ---- per-format row checks: each returns what is wrong, prefixed by the field, or None ----------
+
+
+def _check_solutions(value: Any) -> str | None:
+    if not isinstance(value, list):
+        return f"solutions: expected a list of answer strings, got {type(value).__name__}"
+    if not value:
+        return "solutions: the list is empty"
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            return f"solutions: item {i} is {type(item).__name__}, expected a string"
+        if not item.strip():
+            return f"solutions: item {i} is an empty string"
+    return None
+
+
+def _check_input_output(value: Any) -> str | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            return f"input_output: not valid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(value, dict):
+        return f"input_output: expected an object with 'inputs' and 'outputs', got {type(value).__name__}"
+    for key in ("inputs", "outputs"):
+        if key not in value:
+            return f"input_output: missing {key!r} (it has: {', '.join(value) or 'nothing'})"
+        if not isinstance(value[key], list):
+            return f"input_output: {key!r} is {type(value[key]).__name__}, expected a list of test cases"
+    n_in, n_out = len(value["inputs"]), len(value["outputs"])
+    if n_in == 0:
+        return "input_output: no test cases ('inputs' is empty)"
+    if n_in != n_out:
+        return f"input_output: 'inputs' has {n_in} cases, 'outputs' has {n_out}"
+    # A Parquet struct column gives rows without fn_name a null: that is the same as absent.
+    fn_name = value.get("fn_name")
+    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name):
+        return f"input_output: 'fn_name' must be a non-empty string, got {fn_name!r}"
+    return None
+
+
+def _check_prompt(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"prompt: expected a string, got {type(value).__name__}"
+    return None
+
+
+# format -> (id field or None, fields it needs, checks by field)
+_FORMATS: dict[str, tuple[str | None, tuple[str, ...], dict[str, Callable[[Any], str | None]]]] = {
+    "jsonl": (None, (), {}),
+    "areal_math": ("query_id", ("query_id", "prompt", "solutions"),
+                   {"prompt": _check_prompt, "solutions": _check_solutions}),
+    "areal_code": ("query_id", ("query_id", "prompt", "input_output"),
+                   {"prompt": _check_prompt, "input_output": _check_input_output}),
+}
+
+
+def load_rows(path: str, required: Sequence[str], fmt: str = "jsonl", split: str | None = "train") -> list[dict[str, str]]:
+    """Load the rows of a dataset of row format `fmt` (see the module's doc); each must have the
+    fields `required` beside the format's own. `split` picks the split of a DatasetDict directory.
+
+    Raises `DatasetError` for a missing path, an unknown file type, an empty dataset, a row that
+    is not an object, a row missing a field (or with it null), a row the format refuses, and two
+    rows with the same id. JSONL blank lines are skipped (a trailing newline is common).
+    """
+    if fmt not in _FORMATS:
+        raise DatasetError(f"unknown dataset format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return _collect(path, _reader(path, split), required, fmt)
+
+
+def load_jsonl(path: str, required: Sequence[str]) -> list[dict[str, str]]:
+    """Load a generic JSONL file, whatever its suffix, whose rows must each have the fields `required`."""
+    if not os.path.exists(path):
+        raise DatasetError(f"{path}: dataset file does not exist")
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: dataset path is not a file")
+    return _collect(path, _jsonl_rows(path), required, "jsonl")
+
+
+def _collect(path: str, objects: Iterator[tuple[str, str, Any]], required: Sequence[str], fmt: str) -> list[dict[str, str]]:
+    id_field, own, checks = _FORMATS[fmt]
+    fields = list(dict.fromkeys([*own, *required]))
+    stem = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    rows: list[dict[str, str]] = []
+    id_place: dict[str, str] = {}
+    for where, place, obj in objects:
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        for field in fields:
+            if field not in obj:
+                has = ", ".join(obj) or "no fields"
+                raise DatasetError(f"{where}: missing field {field!r} (row has: {has})")
+            if obj[field] is None:
+                raise DatasetError(f"{where}: field {field!r} is null")
+        for field, check in checks.items():
+            if problem := check(obj[field]):
+                raise DatasetError(f"{where}: {problem}")
+        row = {k: _to_str(v) for k, v in obj.items() if v is not None}
+        # place is "line N" or "row N": the default id keeps the number only, e.g. "prompts:3".
+        row_id = row[id_field] if id_field else row.get("id", f"{stem}:{place.split()[-1]}")
+        row["id"] = row_id
+        if row_id in id_place:
+            raise DatasetError(f"{where}: duplicate id {row_id!r} (first used on {id_place[row_id]})")
+        id_place[row_id] = place
+        rows.append(row)
     if not rows:
-        raise DatasetError(f"{path}: dataset file is empty (no JSON rows)")
+        raise DatasetError(f"{path}: dataset is empty (no rows)")
     return rows

@@ -88,6 +88,17 @@ def test_a_dataset_row_missing_a_field_names_file_and_line(tmp_path):
     assert f"{data}:2: missing field 'answer'" in r.stdout
 
 
+def test_a_bad_areal_code_row_names_file_line_and_field(tmp_path):
+    data = tmp_path / "code.jsonl"
+    data.write_text('{"query_id": "a", "prompt": "p", "input_output": {"inputs": ["1"], "outputs": ["1"]}}\n'
+                    '{"query_id": "b", "prompt": "p", "input_output": {"inputs": ["1", "2", "3"], "outputs": ["1", "2"]}}\n')
+    r = launch("dataset.name=areal_code", f"dataset.train_path={data}", f"dataset.eval_path={data}",
+               "dataset.fields=[prompt,input_output]", "graph.reward.inputs=[output_ids,input_output]",
+               f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"{data}:2: input_output: 'inputs' has 3 cases, 'outputs' has 2" in r.stdout
+
+
 def test_multirun_gives_each_run_its_own_directory(tmp_path):
     r = launch("-m", "dry_run=true", "rollout.max_staleness=0,4", f"cache_dir={tmp_path}/c",
                f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)

@@ -1,0 +1,58 @@
+"""From `dataset.*` to prompt rows: which files a config names, and the rows the run uses.
+
+The launcher calls both before any process starts, so a bad path, row or template is reported
+with its file and line (or row); the controller calls `load_prompts` again for the rows it hands
+out, with the model's tokenizer, so the chat template is applied once, in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from areal_flow.data.dataset import DatasetError, load_rows
+from areal_flow.data.templates import apply_templates
+
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+# dataset.name -> sample files (train, held-out) in SAMPLES_DIR
+SAMPLES = {
+    "areal_math": ("math_sample.jsonl", "math_sample_eval.jsonl"),
+    "areal_code": ("code_sample.jsonl", "code_sample_eval.jsonl"),
+}
+
+
+def row_format(name: str) -> str:
+    """The row format (`dataset.load_rows`) of a `dataset.name`: tiny_arith writes generic JSONL."""
+    return "jsonl" if name == "tiny_arith" else name
+
+
+def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
+    """Absolute paths of the train and held-out data a `DatasetConfig` names; tiny_arith's are
+    generated into `cache_dir`/data first."""
+    if ds.name == "tiny_arith":
+        from areal_flow.data.arith import ensure_arith_data
+
+        train, held_out = ensure_arith_data(os.path.join(cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
+    elif ds.sample:
+        if ds.name not in SAMPLES:
+            raise DatasetError(f"dataset.sample=true needs dataset.name in {', '.join(SAMPLES)}, not {ds.name!r}")
+        if ds.train_path or ds.eval_path:
+            raise DatasetError("dataset.sample=true uses the shipped sample set: leave dataset.train_path and "
+                               "dataset.eval_path null")
+        train, held_out = (str(SAMPLES_DIR / f) for f in SAMPLES[ds.name])
+    elif ds.name in ("jsonl", *SAMPLES):
+        if not ds.train_path or not ds.eval_path:
+            hint = " (or dataset.sample=true)" if ds.name in SAMPLES else ""
+            raise DatasetError(f"dataset.name={ds.name} needs dataset.train_path and dataset.eval_path{hint}")
+        train, held_out = ds.train_path, ds.eval_path
+    else:
+        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected tiny_arith, jsonl, areal_math or areal_code")
+    return os.path.abspath(train), os.path.abspath(held_out)
+
+
+def load_prompts(ds, path: str, split: str, prompt_key: str, tokenizer=None) -> list[dict[str, str]]:
+    """The rows of `path` checked against `ds.name`'s format and `ds.fields`, with the prompt
+    templates applied to `prompt_key`. Without a tokenizer the chat template is left out (the
+    launcher checks rows before the model exists, and the chat template separately)."""
+    rows = load_rows(path, list(ds.fields), row_format(ds.name), split)
+    return apply_templates(rows, prompt_key, path, ds.prompt_template, ds.chat_template, tokenizer)

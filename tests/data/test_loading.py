@@ -1,0 +1,136 @@
+"""From `dataset.*` to rows: the shipped sample sets, `launch.prepare_data` for every
+dataset.name, and the one loader the controller uses."""
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from areal_flow.data.dataset import DatasetError, load_rows
+from areal_flow.data.loading import SAMPLES, SAMPLES_DIR, dataset_paths, load_prompts
+from areal_flow.launch import CONF_DIR, prepare_data
+from areal_flow.runtime.spec import typed
+
+MATH = ["prompt", "solutions"]
+CODE = ["prompt", "input_output"]
+
+
+def config(tmp_path, *overrides):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        raw = compose("config", overrides=[f"output_dir={tmp_path}/out", f"cache_dir={tmp_path}/cache", *overrides])
+    return typed(raw)
+
+
+# ---- the sample sets -------------------------------------------------------------------------
+
+
+def test_the_math_samples_load_and_have_several_accepted_forms():
+    train = load_rows(str(SAMPLES_DIR / "math_sample.jsonl"), MATH, "areal_math")
+    held_out = load_rows(str(SAMPLES_DIR / "math_sample_eval.jsonl"), MATH, "areal_math")
+    assert (len(train), len(held_out)) == (24, 8)
+    assert not {r["id"] for r in train} & {r["id"] for r in held_out}
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    solutions = [json.loads(r["solutions"]) for r in train + held_out]
+    assert all(s.startswith("\\boxed{") and s.endswith("}") for answers in solutions for s in answers)
+    assert sum(len(answers) > 1 for answers in solutions) >= 5
+
+
+def test_the_code_samples_load_half_stdin_half_function_calls():
+    train = load_rows(str(SAMPLES_DIR / "code_sample.jsonl"), CODE, "areal_code")
+    held_out = load_rows(str(SAMPLES_DIR / "code_sample_eval.jsonl"), CODE, "areal_code")
+    assert (len(train), len(held_out)) == (16, 6)
+    assert not {r["id"] for r in train} & {r["id"] for r in held_out}
+    for rows in (train, held_out):
+        cases = [json.loads(r["input_output"]) for r in rows]
+        with_fn = [c for c in cases if "fn_name" in c]
+        assert len(with_fn) * 2 == len(cases)
+        for c in cases:
+            assert 2 <= len(c["inputs"]) == len(c["outputs"]) <= 4
+            if "fn_name" in c:  # call-based: each case is the list of arguments
+                assert all(isinstance(args, list) for args in c["inputs"])
+            else:  # stdin/stdout: text in, text out
+                assert all(isinstance(x, str) and x.endswith("\n") for x in c["inputs"] + c["outputs"])
+        for r, c in zip(rows, cases):
+            if "fn_name" in c:
+                assert f"`{c['fn_name']}(" in r["prompt"]
+
+
+# ---- which files a config names --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_sample_true_names_the_shipped_files(tmp_path, name):
+    cfg = config(tmp_path, f"dataset.name={name}", "dataset.sample=true")
+    assert dataset_paths(cfg.dataset, cfg.cache_dir) == tuple(str(SAMPLES_DIR / f) for f in SAMPLES[name])
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["dataset.name=jsonl", "dataset.sample=true"], "dataset.sample=true needs dataset.name in areal_math, areal_code, not 'jsonl'"),
+    (["dataset.name=areal_math", "dataset.sample=true", "dataset.train_path=x.jsonl"],
+     "dataset.sample=true uses the shipped sample set: leave dataset.train_path and dataset.eval_path null"),
+    (["dataset.name=areal_code"], ("dataset.name=areal_code needs dataset.train_path and dataset.eval_path "
+                                   "(or dataset.sample=true)")),
+])
+def test_a_config_naming_no_usable_files_is_refused(tmp_path, overrides, problem):
+    cfg = config(tmp_path, *overrides)
+    with pytest.raises(DatasetError) as e:
+        dataset_paths(cfg.dataset, cfg.cache_dir)
+    assert str(e.value) == problem
+
+
+# ---- launch.prepare_data ---------------------------------------------------------------------
+
+
+def test_prepare_data_tiny_arith_is_unchanged(tmp_path):
+    cfg = config(tmp_path, "dataset.n_train=20", "dataset.n_eval=4")
+    train, held_out = prepare_data(cfg)
+    assert train.startswith(str(tmp_path / "cache" / "data")) and train.endswith("train.jsonl")
+    assert len(load_rows(held_out, ["prompt", "answer"])) == 4
+
+
+def test_prepare_data_the_areal_math_recipe_reads_the_math_samples(tmp_path):
+    cfg = config(tmp_path, "recipe=areal_math")
+    assert (cfg.dataset.name, list(cfg.dataset.fields)) == ("areal_math", MATH)
+    assert prepare_data(cfg) == tuple(str(SAMPLES_DIR / f) for f in SAMPLES["areal_math"])
+
+
+def test_prepare_data_areal_code_samples(tmp_path):
+    cfg = config(tmp_path, "dataset.name=areal_code", "dataset.sample=true", "dataset.fields=[prompt,input_output]",
+                 "graph.reward.inputs=[output_ids,input_output]")
+    assert prepare_data(cfg) == tuple(str(SAMPLES_DIR / f) for f in SAMPLES["areal_code"])
+
+
+def test_prepare_data_reads_parquet_and_a_saved_dataset_dict(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [json.loads(line) for line in (SAMPLES_DIR / "math_sample.jsonl").read_text().splitlines()]
+    pq = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(pq))
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "validation": datasets.Dataset.from_list(rows[4:6])}).save_to_disk(str(dd))
+    cfg = config(tmp_path, "recipe=areal_math", "dataset.sample=false", f"dataset.train_path={pq}",
+                 f"dataset.eval_path={dd}", "dataset.eval_split=validation")
+    assert prepare_data(cfg) == (str(pq), str(dd))
+    cfg.dataset.eval_split = "test"
+    with pytest.raises(DatasetError, match=f"^{dd}: a DatasetDict with no split 'test' \\(it has: train, validation\\)"):
+        prepare_data(cfg)
+
+
+def test_prepare_data_names_a_bad_row_and_a_template_field(tmp_path):
+    bad = tmp_path / "code.jsonl"
+    bad.write_text('{"query_id": 1, "prompt": "p", "input_output": "{\\"inputs\\": [1, 2], \\"outputs\\": [1]}"}\n')
+    cfg = config(tmp_path, "dataset.name=areal_code", f"dataset.train_path={bad}", f"dataset.eval_path={bad}",
+                 "dataset.fields=[prompt,input_output]", "graph.reward.inputs=[output_ids,input_output]")
+    with pytest.raises(DatasetError, match=f"^{bad}:1: input_output: 'inputs' has 2 cases, 'outputs' has 1$"):
+        prepare_data(cfg)
+    cfg = config(tmp_path, "recipe=areal_math", "dataset.prompt_template='{prompt} ({topic})'")
+    with pytest.raises(DatasetError, match=r"math_sample.jsonl: row 'math-00' has no field 'topic'"):
+        prepare_data(cfg)
+
+
+def test_load_prompts_applies_the_template_to_the_generate_nodes_prompt(tmp_path):
+    cfg = config(tmp_path, "recipe=areal_math", "dataset.chat_template=false",
+                 "dataset.prompt_template='Problem {query_id}: {prompt}'")
+    rows = load_prompts(cfg.dataset, str(SAMPLES_DIR / "math_sample_eval.jsonl"), "test", "prompt")
+    assert rows[0]["prompt"].startswith("Problem math-eval-00: What is 46 + 38?")
+    assert rows[0]["id"] == "math-eval-00"
