@@ -24,7 +24,7 @@ from areal_flow.controller.intake import Intake
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher
-from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics
+from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.trainer_pool import merge_results, plan_step
@@ -232,6 +232,7 @@ class Controller:
         self.metrics.log(
             "step", step=step + 1,
             **batch_metrics([meta for meta, _, _ in batch.values()], step, self.intake.reward_key, self.intake.output_keys[0]),
+            **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
             **{f"train/{k}": v for k, v in stats.items()},
             **{f"sent_bytes/{p}": n for p, n in traffic.items()},
             step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds,

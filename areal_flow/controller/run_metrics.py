@@ -79,3 +79,12 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
         "response_length": float(np.mean([s.lengths[output_key] for s in samples])),
         "truncated_fraction": float(np.mean([s.finish != Finish.STOP for s in samples])),
     }
+
+
+def reward_busy(groups: list[GroupMeta], nodes, seconds: float) -> dict[str, float]:
+    """Per reward node, the busy fraction of its worker pool over a step: the seconds its function
+    ran for the step's samples over workers × the step's wall time (well under 1: the rewards keep
+    up with generation)."""
+    samples = [s for g in groups for s in g.samples]
+    return {f"reward_busy/{n.name}": sum(s.scalars.get(f"{n.name}_seconds", 0.0) for s in samples) / (n.workers * seconds)
+            for n in nodes if seconds > 0}

@@ -36,7 +36,10 @@ _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 def extract_code(completion: str) -> str | None:
     """The last fenced code block of a completion (a python/py/untagged block; other languages
-    are skipped), or None when it has none."""
+    are skipped); a completion with no fence at all is taken whole, as a bare program (it then
+    fails as a syntax error when it is prose); None when there is nothing to run."""
+    if "```" not in completion:
+        return completion if completion.strip() else None
     blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
     return blocks[-1] if blocks and blocks[-1].strip() else None
 

@@ -15,7 +15,7 @@ no CAP_SYS_ADMIN) the sandbox refuses to run unless `allow_unsandboxed` is set, 
 
 from __future__ import annotations
 
-import json
+import marshal
 import logging
 import os
 import shutil
@@ -168,7 +168,7 @@ class Sandbox:
         proc = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True, env={})
         try:
-            out, err = proc.communicate(json.dumps(job).encode(), timeout=deadline)
+            out, err = proc.communicate(marshal.dumps(job), timeout=deadline)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             return {"error": f"the sandbox did not finish within {deadline:.0f} s"}
@@ -176,8 +176,8 @@ class Sandbox:
             _kill_group(proc)
             shutil.rmtree(root, ignore_errors=True)
         try:
-            return json.loads(out)
-        except json.JSONDecodeError:
+            return marshal.loads(out)
+        except (EOFError, ValueError, TypeError):
             tail = err.decode("utf-8", "replace")[-2000:]
             return {"error": f"the sandbox init failed (exit {proc.returncode}): {tail}"}
 

@@ -84,7 +84,9 @@ class Shaping:
 class Score:
     reward: float  # shaped
     raw: float
-    stats: dict[str, float] = field(default_factory=dict)  # the function's own numbers, timeout, error, seconds
+    # The function's own numbers; timeout and error (0/1); seconds (the function's run time) and
+    # latency (from the request to the score, the wait for a worker included).
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def _normalise(out: object) -> tuple[float, dict[str, float]]:
@@ -113,9 +115,13 @@ def _init_worker(fn: str, sandbox: SandboxConfig) -> None:
     _WORKER_FN = resolve(fn, sandbox)
 
 
-def _call(completion: str, reference: str) -> tuple[float, dict[str, float]]:
+def _call(completion: str, reference: str) -> tuple[float, dict[str, float], float]:
+    """(raw reward, statistics, seconds the function ran): the last is the worker's busy time,
+    where the caller's clock would also count the wait for a free worker."""
     assert _WORKER_FN is not None, "the pool initializer did not run"
-    return _normalise(_WORKER_FN(completion, reference))
+    t0 = time.perf_counter()
+    raw, stats = _normalise(_WORKER_FN(completion, reference))
+    return raw, stats, time.perf_counter() - t0
 
 
 # ---- in the caller --------------------------------------------------------------------------------
@@ -133,7 +139,6 @@ class NodeScorer:
             # spawn: a reward process holds ZeroMQ sockets and an event loop, which must not be forked.
             self._pool = pebble.ProcessPool(max_workers=workers, initializer=_init_worker, initargs=(fn, sandbox),
                                             context=multiprocessing.get_context("spawn"))
-        self.busy_seconds = 0.0  # summed over tasks: the pool's busy fraction is this / (workers * wall)
 
     async def score(self, completion: str, reference: str) -> Score:
         t0 = time.monotonic()
@@ -141,18 +146,18 @@ class NodeScorer:
         try:
             if self._async_fn is not None:
                 raw, stats = _normalise(await asyncio.wait_for(self._async_fn(completion, reference), self.timeout))
+                seconds = time.monotonic() - t0
             else:
                 future = self._pool.schedule(_call, (completion, reference), timeout=self.timeout)
-                raw, stats = await asyncio.wrap_future(future)
+                raw, stats, seconds = await asyncio.wrap_future(future)
         except (FutureTimeout, asyncio.TimeoutError):
-            raw, stats, timeout = 0.0, {}, 1.0
+            raw, stats, timeout, seconds = 0.0, {}, 1.0, self.timeout
             log.warning("reward node %s: a sample took over %.0f s (timeout): scored 0", self.name, self.timeout)
         except Exception as e:  # noqa: BLE001 - a broken function or a dead worker scores 0, counted
-            raw, stats, error = 0.0, {}, 1.0
+            raw, stats, error, seconds = 0.0, {}, 1.0, 0.0
             log.warning("reward node %s: %s scoring a sample: %s", self.name, type(e).__name__, e)
-        seconds = time.monotonic() - t0
-        self.busy_seconds += seconds
-        return Score(self.shaping(raw), raw, {**stats, "timeout": timeout, "error": error, "seconds": seconds})
+        return Score(self.shaping(raw), raw, {**stats, "timeout": timeout, "error": error, "seconds": seconds,
+                                              "latency": time.monotonic() - t0})
 
     def close(self) -> None:
         if self._pool is not None:

@@ -15,7 +15,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespa
 def test_extract_code_takes_the_last_python_block():
     text = "Try:\n```python\nprint(1)\n```\nBetter:\n```\nprint(2)\n```\n```bash\nrm -rf /\n```\n"
     assert extract_code(text) == "print(2)\n"
-    assert extract_code("no code here") is None
+    assert extract_code("print(3)") == "print(3)"  # no fence: the completion is the program
+    assert extract_code("  \n") is None
+    assert extract_code("```bash\nls\n```") is None
     assert extract_code("```python\n   \n```") is None
 
 
