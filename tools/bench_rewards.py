@@ -9,16 +9,24 @@ Every repeat starts with math-verify's and sympy's caches empty, so no pair is s
 earlier repeat's parse; the best of --repeats is reported, per kind and over the mix. Each pair's
 reward is checked against the one the mix expects.
 
-A part is one entry of PARTS, chosen with --only; `code` (programs/s in the sandbox) is to come.
+Part `code`: --programs programs (a stdin/stdout one and a function-call one, alternately, each
+with --cases test cases) scored by the code reward's sandbox (areal_flow/rewards/sandbox.py:
+namespaces, chroot, own uid, limits), against the same programs run bare, one `python -I -S` per
+case with its stdin, no isolation: programs/s of each and the sandbox's overhead per program.
 
-    python tools/bench_rewards.py [--only math] [--pairs 200] [--repeats 3]
+A part is one entry of PARTS, chosen with --only.
+
+    python tools/bench_rewards.py [--only math|code] [--pairs 200] [--programs 40] [--cases 4] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 from collections import defaultdict
 from fractions import Fraction
@@ -27,7 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 from _bench import machine
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.code import Tests, parse_tests, passed, score_program
 from areal_flow.rewards.math import DEFAULT_TIMEOUT, math_reward
+from areal_flow.rewards.sandbox import CaseResult, Sandbox, harness
 
 KINDS = ("integer", "fraction", "expression",
          "wrong integer", "wrong fraction", "wrong expression")
@@ -112,8 +123,68 @@ def bench_math(args, console: Console) -> None:
         console.print(f"[red]not as expected[/red] ({kind}): {text[len(FILLER):]!r} against {reference!r}")
 
 
-# A part is a function (args, console) that prints its own table; `code` is meant to join `math` here.
-PARTS = {"math": bench_math}
+STDIO = "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"
+CALL = "class Solution:\n    def twice(self, xs):\n        return [2 * x for x in xs]\n"
+
+
+def code_problems(cases: int) -> list[tuple[str, Tests]]:
+    stdio = parse_tests({"inputs": [" ".join(map(str, range(i + 2))) for i in range(cases)],
+                         "outputs": [str(sum(range(i + 2))) for i in range(cases)]})
+    call = parse_tests({"inputs": [json.dumps(list(range(i + 1))) for i in range(cases)],
+                        "outputs": [json.dumps([2 * x for x in range(i + 1)]) for i in range(cases)], "fn_name": "twice"})
+    return [(STDIO, stdio), (CALL, call)]
+
+
+def run_bare(python: str, program: str, tests: Tests) -> float:
+    """The program run as the sandbox would, minus the sandbox: reward 1.0 when every case passes."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "solution.py"), "w") as f:
+            f.write(program)
+        script = "solution.py"
+        if tests.fn_name:
+            with open(os.path.join(d, "harness.py"), "w") as f:
+                f.write(harness(tests.fn_name))
+            script = "harness.py"
+        for stdin, expected in zip(tests.inputs, tests.outputs):
+            p = subprocess.run([python, "-I", "-S", script], input=stdin, capture_output=True, text=True, cwd=d,
+                               timeout=30)
+            if not passed(CaseResult("ok" if p.returncode == 0 else "runtime_error", p.stdout), expected,
+                          tests.fn_name is not None):
+                return 0.0
+    return 1.0
+
+
+def bench_code(args, console: Console) -> None:
+    box = Sandbox(SandboxConfig())
+    console.print(f"sandbox: {box.describe()}")
+    problems = code_problems(args.cases)
+    jobs = [problems[i % 2] for i in range(args.programs)]
+    ways = {"sandboxed": lambda p, t: score_program(box, p, t)["reward"],
+            "bare (no isolation)": lambda p, t: run_bare(box.python, p, t)}
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for name, way in ways.items():  # alternately, so the machine's load falls on both alike
+            start = time.perf_counter()
+            rewards = [way(program, tests) for program, tests in jobs]
+            seconds = time.perf_counter() - start
+            if rewards != [1.0] * len(jobs):
+                console.print(f"[red]{name}: {rewards.count(1.0)}/{len(jobs)} programs passed[/red]")
+            best[name] = min(best.get(name, seconds), seconds)
+    table = Table(title=f"code reward, {args.programs} programs × {args.cases} cases, one process, "
+                        f"best of {args.repeats}")
+    for col in ("run", "ms per program", "ms per case", "programs/s"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for name, seconds in best.items():
+        per = 1000 * seconds / args.programs
+        table.add_row(name, f"{per:.1f}", f"{per / args.cases:.1f}", f"{args.programs / seconds:.1f}")
+    console.print(table)
+    sandboxed, bare = best["sandboxed"], best["bare (no isolation)"]
+    console.print(f"sandbox overhead: {1000 * (sandboxed - bare) / args.programs:.1f} ms per program "
+                  f"({sandboxed / bare:.2f}× the bare run)")
+
+
+# A part is a function (args, console) that prints its own table.
+PARTS = {"math": bench_math, "code": bench_code}
 
 
 def main() -> None:
@@ -121,13 +192,15 @@ def main() -> None:
     ap.add_argument("--only", choices=list(PARTS), help="run one part (default: every part)")
     ap.add_argument("--pairs", type=int, default=200, help="math: (completion, reference) pairs in the mix")
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT, help="math: the reward's timeout, seconds")
+    ap.add_argument("--programs", type=int, default=40, help="code: programs scored")
+    ap.add_argument("--cases", type=int, default=4, help="code: test cases per program")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each part; the best is reported")
     args = ap.parse_args()
     console = Console()
     console.print(f"machine: {machine()}")
     console.print(f"command: python tools/bench_rewards.py{f' --only {args.only}' if args.only else ''} "
-                  f"--pairs {args.pairs} --repeats {args.repeats}")
+                  f"--pairs {args.pairs} --programs {args.programs} --cases {args.cases} --repeats {args.repeats}")
     for name in [args.only] if args.only else PARTS:
         PARTS[name](args, console)
 

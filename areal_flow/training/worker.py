@@ -141,6 +141,9 @@ class ModelWorker:
                 self.receive()
 
     def step(self, plan: RunStep) -> StepDone:
+        # A group routed here may still be on its way from the reward process when the plan moves
+        # it on: receive it first.
+        self.wait_for(list(plan.moves), plan.step)
         for g, rank in plan.moves.items():
             send_blocking(self.peers[rank], self.held.pop(g))
         self.wait_for(plan.groups, plan.step)

@@ -1,0 +1,36 @@
+"""The CPU smoke recipes of the math and code paths run end to end: the sample sets, the math and
+code rewards in their worker pools (the code one in the sandbox), shaped rewards and the reward
+metrics reach the trainer and metrics.jsonl."""
+
+import os
+
+import pytest
+from run_helpers import check_accounting, launch, steps_of
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox's namespaces need root, as on CI")
+def test_code_tiny_runs_every_completion_in_the_sandbox(tmp_path, run_cache):
+    run_dir = tmp_path / "code_tiny"
+    r = launch(run_dir, run_cache, "recipe=code_tiny", "eval_at_start=false", "total_steps=2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "reward node reward: local sandbox (pid_namespace, network_namespace, mount_namespace" in r.stdout
+    check_accounting(run_dir, eta=1)
+    for m in steps_of(run_dir):
+        # The tiny model writes no Python: every program fails, shaped to -5 (AReaL's ±5).
+        assert m["reward"] == -5.0 and m["reward/reward_raw"] == 0.0
+        assert m["reward/reward_error"] == 0.0 and m["reward/reward_timeout"] == 0.0
+        assert m["reward/reward_sandbox_error"] == 0.0  # the programs ran, and failed their tests
+        assert m["reward/reward_tests_passed"] == 0.0 and m["reward/reward_seconds"] > 0
+        assert 0 < m["reward_busy/reward"]
+
+
+def test_math_tiny_scores_with_math_verify_in_worker_processes(tmp_path, run_cache):
+    run_dir = tmp_path / "math_tiny"
+    r = launch(run_dir, run_cache, "recipe=math_tiny", "eval_at_start=false", "eval_at_end=false", "total_steps=2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_accounting(run_dir, eta=1)
+    for m in steps_of(run_dir):
+        assert m["reward"] == -5.0 and m["reward/reward_error"] == 0.0 and m["reward/reward_timeout"] == 0.0
+        assert 0 < m["reward_busy/reward"] < 1
