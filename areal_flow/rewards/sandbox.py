@@ -114,10 +114,11 @@ class Sandbox:
         # site-packages: the standard library only, and a faster start).
         self.python = os.path.realpath(cfg.python or sys.executable)
         self.uid = UID_BASE + os.getpid() if uid is None else uid
-        self._isolate: bool | None = None
+        self._isolate: bool | None = None  # None until probed: whether runs use namespaces
+        self._isolation: Isolation | None = None
 
     def isolation(self) -> Isolation:
-        """Probe once: run a trivial program and report which isolation it had. Raises
+        """Probe: run a trivial program and report which isolation it had. Raises
         `SandboxUnavailable` where namespaces cannot be made and `allow_unsandboxed` is false."""
         reply = self._launch("pass", [""], None, isolate=True)
         if "error" not in reply:
