@@ -25,14 +25,14 @@ from areal_flow.data.loading import dataset_paths, load_prompts
 from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
-from areal_flow.rewards.code import make_sandbox
-from areal_flow.rewards.sandbox import SandboxUnavailable
-from areal_flow.rewards.service import resolve
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import read_metrics
+from areal_flow.rewards.code import CodeReward
+from areal_flow.rewards.sandbox import SandboxUnavailable
+from areal_flow.rewards.service import resolve
 from areal_flow.runtime.spec import RunSpec, free_ports, reachable, typed, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,10 +121,9 @@ def check_rewards(cfg: RunConfig, graph, console: Console) -> None:
     problems = []
     for node in graph.rewards:
         try:
-            if node.fn == "code":
-                console.print(f"reward node {node.name}: {make_sandbox(cfg.sandbox).describe()}", highlight=False)
-            else:
-                resolve(node.fn, cfg.sandbox)
+            fn = resolve(node.fn, cfg.sandbox)  # a code node's sandbox probes its isolation here
+            if isinstance(fn, CodeReward):
+                console.print(f"reward node {node.name}: {fn.sandbox.describe()}", highlight=False)
         except (SandboxUnavailable, ValueError) as e:
             problems.append(f"node '{node.name}' (graph.{node.name}.fn={node.fn}): {e}")
     if problems:
