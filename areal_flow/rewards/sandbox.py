@@ -1,11 +1,12 @@
 """The code sandbox, host side: runs an untrusted program against test inputs and returns what it
 printed, case by case.
 
-The program was written by a model under training: treat it as hostile. Each run starts
-`sandbox_init.py` (stdlib only) in a session of its own; inside, the program runs in new PID,
-network and mount namespaces, chrooted into a root of read-only binds, as an unprivileged uid of
-its own, under resource limits, with a wall-clock deadline per case. The host keeps a deadline over
-the whole run and kills the init's process group when it passes; the init dies with its parent
+The program was written by a model under training: treat it as hostile. Each Sandbox keeps one
+`sandbox_init.py` (stdlib only) resident in a session of its own and sends it one job per program;
+for each job it makes new PID, network and mount namespaces in which the program runs, chrooted into
+a root of read-only binds, as an unprivileged uid of its own, under resource limits, with a
+wall-clock deadline per case. The host keeps a deadline over the whole job and kills the init's
+process group when it passes (the next job starts a new init); the init dies with its parent
 (PR_SET_PDEATHSIG), and the kernel kills every process of a PID namespace whose init dies. What each
 layer stops is in docs/rewards.md.
 
@@ -18,11 +19,16 @@ from __future__ import annotations
 import marshal
 import logging
 import os
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
+import weakref
 from typing import Any
 
 import msgspec
@@ -106,7 +112,8 @@ def _interpreter_paths(python: str) -> list[str]:
 
 
 class Sandbox:
-    """Runs programs, one `run` at a time per instance (a reward worker holds one)."""
+    """Runs programs, one `run` at a time per instance (a reward worker holds one, and with it one
+    resident init process)."""
 
     def __init__(self, cfg: SandboxConfig = SandboxConfig(), *, uid: int | None = None):
         self.cfg = cfg
@@ -116,6 +123,8 @@ class Sandbox:
         self.uid = UID_BASE + os.getpid() if uid is None else uid
         self._isolate: bool | None = None  # None until probed: whether runs use namespaces
         self._isolation: Isolation | None = None
+        self._server: subprocess.Popen | None = None  # the resident init (sandbox_init.py)
+        self._server_log: Any = None
 
     def isolation(self) -> Isolation:
         """Probe: run a trivial program and report which isolation it had. Raises
@@ -153,10 +162,46 @@ class Sandbox:
         does not finish cleanly when fail_fast. Never raises for anything the program does."""
         if self._isolate is None:
             self.isolation()
+        if (failed := self._does_not_compile(program)) is not None:
+            return [failed] if self.cfg.fail_fast else [failed] * len(inputs)
         reply = self._launch(program, inputs, None if fn_name is None else harness(fn_name), isolate=self._isolate)
         if "error" in reply:
             return [CaseResult("sandbox_error", stderr=reply["error"])]
         return [msgspec.convert(c, CaseResult) for c in reply["cases"]]
+
+    def close(self) -> None:
+        """Stop the resident init (it also dies with this process)."""
+        if self._server is not None:
+            _kill_group(self._server)
+            self._server.stdin.close()
+            self._server.stdout.close()
+            self._server_log.close()
+            self._server = None
+
+    def _start(self) -> subprocess.Popen:
+        """The resident init, started on first use and again after it was killed."""
+        if self._server is None or self._server.poll() is not None:
+            self.close()
+            self._server_log = tempfile.TemporaryFile()  # its own errors, for the reply that explains them
+            self._server = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=self._server_log,
+                                            start_new_session=True, env={})
+            weakref.finalize(self, _kill_group, self._server)
+        return self._server
+
+    def _does_not_compile(self, program: str) -> CaseResult | None:
+        """The failure a program that does not compile would give, found without starting it: early
+        in training most completions are not Python. Only where the sandbox runs this interpreter
+        (the same grammar); compiling runs none of the program, and CPython bounds what it folds."""
+        if self.python != os.path.realpath(sys.executable):
+            return None
+        try:
+            compile(program, "solution.py", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte in the source
+            return CaseResult("runtime_error", stderr="".join(traceback.format_exception_only(e)), exit_code=1)
+        except (RecursionError, MemoryError):
+            pass  # let the interpreter in the sandbox say what it makes of it
+        return None
 
     def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool) -> dict[str, Any]:
         root = tempfile.mkdtemp(prefix="areal_flow_sandbox_")
@@ -164,26 +209,47 @@ class Sandbox:
                "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
                "program": program, "harness": harness_source, "inputs": inputs,
                "limits": {k: getattr(self.cfg, k) for k in LIMITS}, "fail_fast": self.cfg.fail_fast}
-        # Each case is bounded inside; this bounds the whole run, start-up and clean-up included.
-        deadline = len(inputs) * (self.cfg.wall_seconds + 1.0) + HOST_SLACK
-        proc = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, env={})
+        # Each case is bounded inside; this bounds the whole job, namespace set-up and clean-up included.
+        budget = len(inputs) * (self.cfg.wall_seconds + 1.0) + HOST_SLACK
+        deadline = time.monotonic() + budget
+        server = self._start()
         try:
-            out, err = proc.communicate(marshal.dumps(job), timeout=deadline)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return {"error": f"the sandbox did not finish within {deadline:.0f} s"}
+            data = marshal.dumps(job)
+            server.stdin.write(struct.pack("<Q", len(data)) + data)
+            server.stdin.flush()
+            fd = server.stdout.fileno()
+            size = struct.unpack("<Q", _read_exactly(fd, 8, deadline))[0]
+            return marshal.loads(_read_exactly(fd, size, deadline))
+        except TimeoutError:
+            self.close()  # the job's namespace dies with the init; the next job starts a fresh one
+            return {"error": f"the sandbox did not finish within {budget:.0f} s"}
+        except (OSError, EOFError, ValueError, struct.error):
+            _kill_group(server)
+            self._server_log.seek(0)
+            tail = self._server_log.read()[-2000:].decode("utf-8", "replace")
+            self.close()
+            return {"error": f"the sandbox init failed (exit {server.returncode}): {tail}"}
         finally:
-            _kill_group(proc)
             shutil.rmtree(root, ignore_errors=True)
-        try:
-            return marshal.loads(out)
-        except (EOFError, ValueError, TypeError):
-            tail = err.decode("utf-8", "replace")[-2000:]
-            return {"error": f"the sandbox init failed (exit {proc.returncode}): {tail}"}
+
+
+def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
+    """n bytes from fd; TimeoutError at the deadline, EOFError if the writer is gone."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.returncode is not None:
+        return  # reaped: its pid may belong to someone else now (and its children died with it)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

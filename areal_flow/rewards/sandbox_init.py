@@ -1,29 +1,32 @@
 """The inside of the code sandbox: runs as a script (`python -I -S sandbox_init.py`), stdlib only.
 
-It reads one job on stdin and writes one result on stdout, both marshalled dicts. As root it first moves
-into new PID, network, mount, IPC and UTS namespaces and forks; the child is PID 1 of the new PID
+It is resident, one per reward worker: it reads jobs on stdin and writes one result per job on stdout,
+each a marshalled dict behind an 8-byte length, so the interpreter starts and imports once per worker,
+not once per program. Each job runs in a child forked for it. As root that child moves into new PID,
+network, mount, IPC and UTS namespaces and forks again; the grandchild is PID 1 of the new PID
 namespace. That child builds a root of its own (a tmpfs holding read-only binds of the interpreter's
 directories, a fresh /proc, /dev/null and friends, and size-limited tmpfs /tmp and /sandbox),
 chroots into it and runs each test case as a grandchild that drops to an unprivileged uid, with
 resource limits, a scrubbed environment and no file descriptors but stdin/stdout/stderr.
 
 After each case PID 1 sends SIGKILL to every process left in the namespace (a daemon the program
-left behind), and when PID 1 exits the kernel kills whatever remains: nothing outlives the job.
+left behind), and when PID 1 exits the kernel kills whatever remains: nothing outlives the job, and no
+job sees another's namespaces, files or processes.
 Expected outputs never enter this process: the host compares the outputs it returns.
 See docs/rewards.md for the limits and what each isolation layer stops.
 """
 
 import ctypes
 import marshal
+import struct
 import os
 import resource
 import select
-import sys
 import time
 
-# Every import is start-up time paid by every program: json, selectors and signal would add about
-# 30 ms (they pull in re and enum), so the job and the result travel as marshal (the host runs this
-# same interpreter) and the signals are numbers.
+# Start-up is paid again whenever the host restarts this server (after a job outran the host's
+# deadline): json, selectors and signal would add about 30 ms (they pull in re and enum), so jobs
+# and results travel as marshal (the host runs this same interpreter) and the signals are numbers.
 SIGKILL, SIGXCPU, SIGXFSZ = 9, 24, 25
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -126,6 +129,7 @@ def _exec_case(job: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int) -
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # after the uid change, which clears it
         argv = [job["python"], *job["python_args"]]
         argv += ["solution.py"] if job["harness"] is None else ["harness.py"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -251,45 +255,78 @@ def run_cases(job: dict, workdir: str, isolated: bool) -> list[dict]:
     return results
 
 
-def main() -> None:
-    job = marshal.loads(sys.stdin.buffer.read())
-    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # the host's worker died: so do we
+def handle(job: dict) -> dict:
+    """Run one job (in a process forked for it) and return the reply: its isolation, and its cases or
+    an error."""
     isolation = {"pid_namespace": False, "network_namespace": False, "mount_namespace": False,
                  "unprivileged_user": os.geteuid() == 0, "rlimits": True}
-    error = None
-    if job["isolate"]:
+    if not job["isolate"]:  # opted out of isolation: a directory of its own, the uid and the limits
+        return {"isolation": isolation, "cases": run_cases(job, job["root"], isolated=False)}
+    try:
+        _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    except OSError as e:
+        return {"isolation": isolation,
+                "error": f"namespaces unavailable ({e.strerror}; they need root or CAP_SYS_ADMIN)"}
+    isolation.update(pid_namespace=True, network_namespace=True, mount_namespace=True)
+    return {"isolation": isolation, **_in_child(_in_namespace, job, "the namespace init died")}
+
+
+def _in_namespace(job: dict) -> dict:
+    """PID 1 of the job's namespaces."""
+    try:
+        build_root(job)
+        return {"cases": run_cases(job, "/sandbox", isolated=True)}
+    except OSError as e:
+        return {"error": f"sandbox setup failed: {e}"}
+
+
+def _in_child(fn, job: dict, died: str) -> dict:
+    """fn(job) in a forked child that dies with us; its reply comes back through a pipe, so a child
+    that dies mid-way costs this job only."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         try:
-            _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-        except OSError as e:
-            error = f"namespaces unavailable ({e.strerror}; they need root or CAP_SYS_ADMIN)"
-    if error is None and job["isolate"]:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # PID 1 of the new namespace
-            os.close(r)
-            libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
-            try:
-                build_root(job)
-                reply = {"cases": run_cases(job, "/sandbox", isolated=True)}
-            except OSError as e:
-                reply = {"error": f"sandbox setup failed: {e}"}
-            data = memoryview(marshal.dumps(reply))
-            while data:
-                data = data[os.write(w, data):]
-            os._exit(0)
-        os.close(w)
-        chunks = []
-        while (chunk := os.read(r, 1 << 16)):
-            chunks.append(chunk)
-        os.waitpid(pid, 0)
-        data = b"".join(chunks)
-        reply = marshal.loads(data) if data else {"error": "the namespace init died"}
-        isolation.update(pid_namespace=True, network_namespace=True, mount_namespace=True)
-    elif error is None:  # opted out of isolation: a directory of its own, the uid and the limits
-        reply = {"cases": run_cases(job, job["root"], isolated=False)}
-    else:
-        reply = {"error": error}
-    sys.stdout.buffer.write(marshal.dumps({"isolation": isolation, **reply}))
+            reply = fn(job)
+        except BaseException as e:  # noqa: BLE001 - a reply, whatever went wrong
+            reply = {"error": f"{died}: {type(e).__name__}: {e}"}
+        data = memoryview(marshal.dumps(reply))
+        while data:
+            data = data[os.write(w, data):]
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while (chunk := os.read(r, 1 << 16)):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    data = b"".join(chunks)
+    try:
+        return marshal.loads(data) if data else {"error": died}
+    except (EOFError, ValueError, TypeError):
+        return {"error": died}
+
+
+def _read_exactly(n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(0, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def main() -> None:
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # the host's worker died: so do we
+    while (header := _read_exactly(8)) is not None:
+        job = marshal.loads(_read_exactly(struct.unpack("<Q", header)[0]))
+        reply = marshal.dumps(_in_child(handle, job, "the sandbox's job process died"))
+        data = memoryview(struct.pack("<Q", len(reply)) + reply)
+        while data:
+            data = data[os.write(1, data):]
 
 
 if __name__ == "__main__":

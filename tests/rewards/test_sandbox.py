@@ -65,6 +65,9 @@ def sandbox():
     yield box
     assert processes_of(box.uid) == [], "a process of the sandbox's uid outlived its run"
     assert sandbox_dirs() == before, "the sandbox left its temporary directory behind"
+    init = box._server
+    box.close()
+    assert init is None or not os.path.exists(f"/proc/{init.pid}"), "the resident init outlived close()"
 
 
 def run1(box: Sandbox, program: str, stdin: str = ""):
@@ -89,6 +92,37 @@ def test_program_runs_as_an_unprivileged_uid_as_pid_2_of_its_own_namespace(sandb
     assert int(uid) == int(euid) == sandbox.uid != 0
     assert int(pid) == 2  # PID 1 is the namespace's init
     assert "'1'" in procs and "'2'" in procs and "'3'" not in procs  # no host process is visible
+
+
+def test_programs_share_one_resident_init_and_nothing_else(sandbox):
+    # The init stays up between programs, but each program gets fresh namespaces and a fresh root:
+    # nothing one program leaves behind (files, its pid numbering) reaches the next.
+    first = run1(sandbox, """
+        import os
+        open('/sandbox/left', 'w').write('x'); open('/tmp/left', 'w').write('x')
+        print(os.getpid())
+    """)
+    init = sandbox._server.pid
+    second = run1(sandbox, "import os; print(os.path.exists('/sandbox/left'), os.path.exists('/tmp/left'), os.getpid())")
+    assert first.stdout == "2\n" and second.stdout == "False False 2\n"
+    assert sandbox._server.pid == init
+
+
+def test_a_program_that_does_not_compile_fails_as_the_interpreter_would_without_a_job(sandbox, monkeypatch):
+    program = "Sure! Here is the answer: print(input()"
+    launched = []
+    real = Sandbox._launch
+    monkeypatch.setattr(Sandbox, "_launch", lambda self, *a, **k: launched.append(a) or real(self, *a, **k))
+    sandbox.isolation()
+    launched.clear()  # the probe's job
+    (r,) = sandbox.run(program, ["x", "y"])
+    assert r.status == "runtime_error" and r.exit_code == 1 and "SyntaxError" in r.stderr
+    assert launched == []
+    # The same failure when the interpreter in the sandbox reads it (the shortcut is bypassed).
+    monkeypatch.setattr(Sandbox, "_does_not_compile", lambda self, program: None)
+    (ran,) = sandbox.run(program, ["x", "y"])
+    assert (ran.status, ran.exit_code) == (r.status, r.exit_code) and "SyntaxError" in ran.stderr
+    assert len(launched) == 1
 
 
 def test_slow_but_correct_program_within_the_limit_passes(sandbox):
@@ -370,6 +404,10 @@ def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
     assert time.monotonic() - t0 < 10
     # Killing the init is immediate; the kernel tears its namespace down right after.
     assert wait_until_gone(box.uid) == []
+    # The next program gets a new init.
+    monkeypatch.setattr("areal_flow.rewards.sandbox.HOST_SLACK", 10.0)
+    assert [(r.status, r.stdout) for r in box.run("print(input())", ["again"])] == [("ok", "again\n")]
+    box.close()
 
 
 def test_a_killed_worker_takes_its_sandbox_down():
