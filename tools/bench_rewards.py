@@ -69,7 +69,7 @@ def math_pairs(n: int, seed: int) -> list[tuple[str, str, str, float]]:
             else:
                 answer, reference = f"\\frac{{{value.numerator}}}{{{value.denominator}}}", f"{p / q:g}"
         else:
-            # Not t, s, m...: math-verify drops a trailing unit letter (tests/rewards/test_math_reward.py).
+            # Not t, s, m...: a trailing unit letter after a digit is read as a variable (docs/rewards.md).
             a, b, var = rng.randint(2, 19), rng.randint(1, 50), rng.choice("xyz")
             answer, reference = f"{b} + {a + wrong}{var}", f"{a}{var}+{b}"
         if i % 4 == 0:  # as AReaL's `solutions` field arrives

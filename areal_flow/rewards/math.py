@@ -19,14 +19,19 @@ and once a call has spent `timeout` seconds the references not yet tried are ski
 takes at most about three timeouts however many references there are.
 
 Known gaps of math-verify 0.9.0, pinned in tests/rewards/test_math_reward.py: a boxed percent
-(`\\boxed{50\\%}`) does not parse, so it matches only the reference `50\\%` itself; and a letter
-that names a unit (t, s, m, h, g, l, c, d, ...) at the end of an answer after a digit is dropped,
-so `2+3t` reads as 5.
+(`\\boxed{50\\%}`) does not parse, so it matches only the reference `50\\%` itself.
+
+Units: math-verify drops a trailing unit, and its list holds single letters (t, s, m, h, g, l, c,
+d, ...), so `2+3t` would read as 5 and match the reference 5. Here a single bare letter right after
+a digit at the end of an answer (or reference) is a variable: that text is parsed with unit removal
+off. Units written as words or in `\\text{}` (`5 cm`, `5\\text{ cm}`, `3 hours`) are still dropped;
+`5m` for five metres no longer matches `5`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -132,6 +137,29 @@ class MathScore:
     seconds: float
 
 
+# A digit or a closing brace, then one letter that is not part of a word or a command, at the end:
+# `3t`, `2+3 t`, `\frac{1}{2}t` (what math-verify's unit pattern would take for a unit).
+_TRAILING_VARIABLE = re.compile(r"[\d}]\s*[A-Za-z]\W*$")
+
+
+@functools.cache
+def _configs(units: bool) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+    from latex2sympy2_extended.math_normalization import NormalizationConfig
+
+    # math-verify's defaults, with unit removal as asked.
+    normalization = NormalizationConfig(basic_latex=True, units=units, malformed_operators=True, nits=True,
+                                        boxed="all", equations=False)
+    return [LatexExtractionConfig(try_extract_without_anchor=True, boxed_match_priority=50,
+                                  normalization_config=normalization),
+            ExprExtractionConfig(try_extract_without_anchor=True)]
+
+
+def _config(text: str) -> list:
+    """math-verify's extraction settings for `text`: without unit removal when it ends in a variable."""
+    return _configs(units=_TRAILING_VARIABLE.search(text) is None)
+
+
 def score(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> MathScore:
     """The reward with what led to it (what the debug command prints)."""
     if threading.current_thread() is not threading.main_thread():
@@ -145,12 +173,13 @@ def score(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> Ma
     matched = None
     if extracted is not None:
         # Boxed again so that math-verify's own extraction takes the whole answer as one expression.
-        answer = parse(f"\\boxed{{{extracted}}}", parsing_timeout=timeout)
+        answer = parse(f"\\boxed{{{extracted}}}", extraction_config=_config(extracted), parsing_timeout=timeout)
         for gold in references:
             if not answer or time.monotonic() - start > timeout:
                 break
             # math-verify extracts only from delimited math: a bare gold `1/2` or `x+1` needs `$`.
-            gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
+            gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$",
+                                extraction_config=_config(gold), parsing_timeout=timeout)
             if verify(gold_parsed, answer, timeout_seconds=timeout):
                 matched = gold
                 break

@@ -109,13 +109,19 @@ def test_wrong_answers_score_zero(answer, reference):
     assert math_reward(boxed(answer), reference) == 0.0
 
 
-def test_a_trailing_unit_letter_is_dropped_pinned():
-    """math-verify 0.9.0 strips a trailing unit (t, s, m, h, g, l, c, d, ...) after a digit, so a
-    variable with one of those names at the end of an answer is lost: `2+3t` reads as 2+3. Pinned so
-    that a math-verify upgrade that changes it shows here."""
-    assert math_reward(boxed("2+3t"), "5") == 1.0     # a false positive
-    assert math_reward(boxed("3t+2"), "2+3t") == 0.0  # a false negative
-    assert math_reward(boxed("3x+2"), "2+3x") == 1.0  # x is no unit
+def test_a_trailing_letter_after_a_digit_is_a_variable_not_a_unit():
+    """math-verify 0.9.0 strips a trailing unit, and its list holds t, s, m, h, g, l, c, d, ...: left
+    alone, `2+3t` reads as 2+3. A single bare letter after a digit or a brace is kept as a variable."""
+    assert math_reward(boxed("2+3t"), "5") == 0.0          # was a false positive
+    assert math_reward(boxed("3t+2"), "2+3t") == 1.0       # was a false negative
+    assert math_reward(boxed("\\frac{1}{2}t"), "t/2") == 1.0
+    assert math_reward(boxed("7s"), "7") == 0.0
+    assert math_reward(boxed("3x+2"), "2+3x") == 1.0
+
+
+@pytest.mark.parametrize("answer", ["5 cm", "5\\text{ cm}", "5\\text{m}", "5 \\mathrm{cm}", "5 meters", "5 \\text{ hours}"])
+def test_units_written_as_words_or_text_are_still_dropped(answer):
+    assert math_reward(boxed(answer), "5") == 1.0
 
 
 def test_final_answer_lines_are_verified_too():
