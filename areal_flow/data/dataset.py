@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from areal_flow.data.input_output import parse_tests
+
 FORMATS = ("jsonl", "areal_math", "areal_code")
 INSTALL_HINT = "pip install -e '.[data]'"
 
@@ -149,27 +151,10 @@ def _check_solutions(value: Any) -> str | None:
 
 
 def _check_input_output(value: Any) -> str | None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return f"input_output: not valid JSON ({e.msg} at column {e.colno})"
-    if not isinstance(value, dict):
-        return f"input_output: expected an object with 'inputs' and 'outputs', got {type(value).__name__}"
-    for key in ("inputs", "outputs"):
-        if key not in value:
-            return f"input_output: missing {key!r} (it has: {', '.join(value) or 'nothing'})"
-        if not isinstance(value[key], list):
-            return f"input_output: {key!r} is {type(value[key]).__name__}, expected a list of test cases"
-    n_in, n_out = len(value["inputs"]), len(value["outputs"])
-    if n_in == 0:
-        return "input_output: no test cases ('inputs' is empty)"
-    if n_in != n_out:
-        return f"input_output: 'inputs' has {n_in} cases, 'outputs' has {n_out}"
-    # A Parquet struct column gives rows without fn_name a null: that is the same as absent.
-    fn_name = value.get("fn_name")
-    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name):
-        return f"input_output: 'fn_name' must be a non-empty string, got {fn_name!r}"
+    try:
+        parse_tests(value)
+    except ValueError as e:
+        return str(e)
     return None
 
 

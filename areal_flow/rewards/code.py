@@ -1,12 +1,11 @@
 """The code reward: the completion's last fenced code block, run in the sandbox against the
 problem's tests, scores 1.0 when every test passes and 0.0 otherwise.
 
-Tests come in the `input_output` shape of AReaL's code data (from APPS and LiveCodeBench):
-`{"inputs": [...], "outputs": [...], "fn_name": optional}`. Without `fn_name` each input is the
-program's stdin and its output the expected stdout, compared after normalising whitespace. With
-`fn_name` the program defines that function (or a method of `class Solution`) and each input is its
-arguments: a list (APPS), or a string with one JSON value per line (LiveCodeBench); the return
-value must equal the expected output (a JSON text or value; APPS wraps it in a one-element list).
+Tests come in the `input_output` shape of AReaL's code data (areal_flow/data/input_output.py).
+Without `fn_name` each input is the program's stdin and its output the expected stdout, compared
+after normalising whitespace. With `fn_name` the program defines that function (or a method of
+`class Solution`) called with each input's arguments; the return value must equal the expected
+output (APPS wraps it in a one-element list).
 
 Debug one program as a user would before a long run:
 
@@ -19,7 +18,6 @@ program did; 2 only for bad input to the command itself.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -28,6 +26,7 @@ from typing import Any
 import msgspec
 
 from areal_flow.config.schema import SandboxConfig
+from areal_flow.data.input_output import Tests, parse_tests
 from areal_flow.rewards.remote_sandbox import RemoteSandbox
 from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
 
@@ -42,62 +41,6 @@ def extract_code(completion: str) -> str | None:
         return completion if completion.strip() else None
     blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
     return blocks[-1] if blocks and blocks[-1].strip() else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Tests:
-    """A problem's tests: per case the text handed to the sandbox and the expected output."""
-
-    inputs: list[str]  # stdin text, or (fn_name) the JSON list of arguments
-    outputs: list[Any]  # expected stdout text, or (fn_name) the expected value
-    fn_name: str | None = None
-
-
-def parse_tests(input_output: str | dict) -> Tests:
-    """Read the `input_output` field (JSON text or its object). Raises ValueError saying what is wrong."""
-    spec = input_output
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"input_output is not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"input_output must be an object, got {type(spec).__name__}")
-    inputs, outputs, fn_name = spec.get("inputs"), spec.get("outputs"), spec.get("fn_name")
-    if not isinstance(inputs, list) or not isinstance(outputs, list):
-        raise ValueError("input_output needs 'inputs' and 'outputs' lists")
-    if len(inputs) != len(outputs):
-        raise ValueError(f"input_output: 'inputs' has {len(inputs)} cases, 'outputs' has {len(outputs)}")
-    if not inputs:
-        raise ValueError("input_output has no test cases")
-    if fn_name is not None and not (isinstance(fn_name, str) and fn_name.isidentifier()):
-        raise ValueError(f"input_output: fn_name must be a function name, got {fn_name!r}")
-    if fn_name is None:
-        return Tests([_text(x) for x in inputs], [_text(y) for y in outputs])
-    return Tests([json.dumps(_arguments(x, i)) for i, x in enumerate(inputs)],
-                 [_value(y) for y in outputs], fn_name)
-
-
-def _text(x: Any) -> str:
-    return "\n".join(map(str, x)) if isinstance(x, list) else str(x)
-
-
-def _arguments(x: Any, i: int) -> list:
-    if isinstance(x, list):
-        return x
-    try:
-        return [json.loads(line) for line in str(x).splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"input_output: inputs[{i}] is not one JSON value per line ({e.msg})") from None
-
-
-def _value(y: Any) -> Any:
-    if isinstance(y, str):
-        try:
-            return json.loads(y)
-        except json.JSONDecodeError:
-            return y
-    return json.loads(json.dumps(y))  # tuples become lists, as the program's JSON return value
 
 
 def passed(result: CaseResult, expected: Any, call: bool) -> bool:

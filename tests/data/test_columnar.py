@@ -47,9 +47,9 @@ def test_parquet_round_trip_math(tmp_path):
 def test_parquet_code_rows_with_input_output_as_a_struct(tmp_path):
     # A struct column gives the row without fn_name a null there: the same as absent.
     rows = [{"query_id": "a", "prompt": "p", "input_output": {"inputs": ["1\n"], "outputs": ["1\n"], "fn_name": None}},
-            {"query_id": "b", "prompt": "p", "input_output": {"inputs": ["x"], "outputs": ["y"], "fn_name": "f"}}]
+            {"query_id": "b", "prompt": "p", "input_output": {"inputs": ["[1, 2]"], "outputs": ["3"], "fn_name": "f"}}]
     loaded = load_rows(_parquet(tmp_path, rows), ["prompt", "input_output"], "areal_code")
-    assert json.loads(loaded[1]["input_output"]) == {"inputs": ["x"], "outputs": ["y"], "fn_name": "f"}
+    assert json.loads(loaded[1]["input_output"]) == {"inputs": ["[1, 2]"], "outputs": ["3"], "fn_name": "f"}
 
 
 def test_parquet_generic_rows_get_row_numbered_ids(tmp_path):

@@ -66,7 +66,8 @@ def test_bad_solutions_name_file_line_and_field(tmp_path, solutions, problem):
     ({"inputs": "1", "outputs": ["1"]}, "input_output: 'inputs' is str, expected a list of test cases"),
     ({"inputs": [], "outputs": []}, "input_output: no test cases ('inputs' is empty)"),
     ({"inputs": ["1", "2", "3"], "outputs": ["1", "2"]}, "input_output: 'inputs' has 3 cases, 'outputs' has 2"),
-    (json.dumps({"inputs": [[1]], "outputs": [1], "fn_name": 5}), "input_output: 'fn_name' must be a non-empty string, got 5"),
+    (json.dumps({"inputs": [[1]], "outputs": [1], "fn_name": 5}), "input_output: 'fn_name' must be a function name (a Python identifier), got 5"),
+    (json.dumps({"inputs": ["[1"], "outputs": [1], "fn_name": "f"}), "input_output: inputs[0] is not one JSON value per line"),
 ])
 def test_bad_input_output_names_file_line_and_field(tmp_path, io, problem):
     rows = [_code(f"c{i}") for i in range(6)] + [_code("bad", io=io)]

@@ -32,11 +32,11 @@ def test_parse_tests_stdio_and_function_call_shapes():
 
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "not valid JSON"),
-    ("[1, 2]", "must be an object"),
-    ('{"inputs": ["1"]}', "needs 'inputs' and 'outputs' lists"),
+    ("[1, 2]", "expected an object"),
+    ('{"inputs": ["1"]}', "missing 'outputs'"),
     ('{"inputs": ["1", "2"], "outputs": ["1"]}', "'inputs' has 2 cases, 'outputs' has 1"),
     ('{"inputs": [], "outputs": []}', "no test cases"),
-    ('{"inputs": ["1"], "outputs": ["1"], "fn_name": "not a name"}', "fn_name must be a function name"),
+    ('{"inputs": ["1"], "outputs": ["1"], "fn_name": "not a name"}', "'fn_name' must be a function name"),
     ('{"inputs": ["[1"], "outputs": ["1"], "fn_name": "f"}', r"inputs\[0\] is not one JSON value per line"),
 ])
 def test_malformed_input_output_says_what_is_wrong(bad, message):
