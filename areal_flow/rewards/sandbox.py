@@ -120,6 +120,7 @@ class Sandbox:
         # The program runs with -I (no environment variables, no user site) and -S (no
         # site-packages: the standard library only, and a faster start).
         self.python = os.path.realpath(cfg.python or sys.executable)
+        self._same_grammar = self.python == os.path.realpath(sys.executable)  # may compile programs here
         self.uid = UID_BASE + os.getpid() if uid is None else uid
         self._isolate: bool | None = None  # None until probed: whether runs use namespaces
         self._isolation: Isolation | None = None
@@ -193,7 +194,7 @@ class Sandbox:
         """The failure a program that does not compile would give, found without starting it: early
         in training most completions are not Python. Only where the sandbox runs this interpreter
         (the same grammar); compiling runs none of the program, and CPython bounds what it folds."""
-        if self.python != os.path.realpath(sys.executable):
+        if not self._same_grammar:
             return None
         try:
             compile(program, "solution.py", "exec", dont_inherit=True)
