@@ -7,6 +7,8 @@ import os
 import pytest
 from run_helpers import check_accounting, launch, steps_of
 
+from areal_flow.rewards.code import TEST_STATUSES
+
 pytestmark = pytest.mark.slow
 
 
@@ -21,8 +23,11 @@ def test_code_tiny_runs_every_completion_in_the_sandbox(tmp_path, run_cache):
         # The tiny model writes no Python: every program fails, shaped to -5 (AReaL's ±5).
         assert m["reward"] == -5.0 and m["reward/reward_raw"] == 0.0
         assert m["reward/reward_error"] == 0.0 and m["reward/reward_timeout"] == 0.0
-        assert m["reward/reward_sandbox_error"] == 0.0  # the programs ran, and failed their tests
-        assert m["reward/reward_tests_passed"] == 0.0 and m["reward/reward_seconds"] > 0
+        # The programs ran (no sandbox errors) and failed their tests; every status has its share.
+        shares = {k.removeprefix("reward/reward_tests_"): v for k, v in m.items() if k.startswith("reward/reward_tests_")}
+        assert set(shares) == set(TEST_STATUSES) and sum(shares.values()) == pytest.approx(1.0)
+        assert shares["sandbox_error"] == shares["passed"] == 0.0 and shares["runtime_error"] > 0
+        assert m["reward/reward_seconds"] > 0
         assert 0 < m["reward_busy/reward"]
 
 

@@ -99,11 +99,11 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
 def check_model(graph: Graph, model_path: str) -> None:
     """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
     heads, PP its layers): found before any process starts, not in a trainer rank's log."""
-    from transformers import AutoConfig
-
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     if layout is None or (layout.tp == 1 and layout.pp == 1):
         return
+    from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
+
     where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
     problems = layout_problems(layout, n_devices=None, model=AutoConfig.from_pretrained(model_path), where=where)
     if problems:

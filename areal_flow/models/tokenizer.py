@@ -10,8 +10,14 @@ post-processor, so callers append `eos_token_id` themselves where a sequence sho
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is made: it takes a second, and the
+    from transformers import (
+        PreTrainedTokenizerFast,  # launcher reads only CHARS on every run
+    )
 
 CHARS = "0123456789+=;# "
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -29,6 +35,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins tokens with no separator; the default decoder would put spaces between them.
     core.decoder = decoders.Fuse()
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -45,4 +53,6 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     Not `AutoTokenizer`: beside a `qwen2` config.json it can rebuild a `Qwen2Tokenizer`, which
     drops the space in `"#### 4690"` and so breaks every answer.
     """
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast.from_pretrained(path)

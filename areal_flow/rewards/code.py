@@ -55,9 +55,15 @@ def passed(result: CaseResult, expected: Any, call: bool) -> bool:
     return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
 
 
+# Every status a test can end with: passed, wrong_answer, the sandbox's statuses of a program that
+# did not finish well, not_run (after an earlier failure, with sandbox.fail_fast) and no_code.
+TEST_STATUSES = ("passed", "wrong_answer", "timeout", "runtime_error", "memory_limit", "file_size_limit",
+                 "disk_limit", "output_limit", "sandbox_error", "not_run", "no_code")
+
+
 class TestResult(msgspec.Struct):
     """One test as scored: passed | wrong_answer | a sandbox status (timeout, runtime_error, ...) |
-    not_run (after an earlier failure)."""
+    not_run (after an earlier failure); see TEST_STATUSES."""
 
     status: str
     seconds: float = 0.0
@@ -81,11 +87,18 @@ class CodeReward:
         self.sandbox = make_sandbox(cfg)
 
     def __call__(self, completion: str, reference: str) -> dict[str, float]:
+        """The reward and `tests_<status>`: the fraction of the sample's tests that ended so, for
+        every status of TEST_STATUSES (0.0 included, so a step's mean is over all its samples)."""
         result = score_program(self.sandbox, extract_code(completion), parse_tests(reference))
-        statuses = [t.status for t in result["tests"]]
-        return {"reward": result["reward"], "tests_passed": result["tests_passed"] / result["tests_total"],
-                "no_code": float("no_code" in statuses), "test_timeout": float("timeout" in statuses),
-                "sandbox_error": float("sandbox_error" in statuses)}
+        return {"reward": result["reward"], **status_fractions(result["tests"])}
+
+
+def status_fractions(tests: list[TestResult]) -> dict[str, float]:
+    """`tests_<status>` -> the share of `tests` with that status, for every status; they sum to 1."""
+    counts = dict.fromkeys(TEST_STATUSES, 0)
+    for t in tests:
+        counts[t.status] += 1  # a status outside TEST_STATUSES is a bug of this module: KeyError
+    return {f"tests_{status}": n / len(tests) for status, n in counts.items()}
 
 
 def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: Tests) -> dict[str, Any]:

@@ -8,13 +8,11 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from areal_flow.data.arith import extract_answer
-from areal_flow.models import bootstrap
-from areal_flow.models.bootstrap import (
-    REQUIRED_FILES,
-    ensure_base_model,
+from areal_flow.models import bootstrap, supervised
+from areal_flow.models.bootstrap import REQUIRED_FILES, ensure_base_model, publish_dir
+from areal_flow.models.supervised import (
     greedy_accuracy,
     greedy_completions,
-    publish_dir,
     supervised_batch,
 )
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
@@ -107,7 +105,7 @@ def test_crash_while_saving_leaves_nothing_to_reuse(tmp_path, monkeypatch):
     def die(*args, **kwargs):
         raise KeyboardInterrupt  # after model and tokenizer files were written
 
-    monkeypatch.setattr(bootstrap.json, "dump", die)
+    monkeypatch.setattr(supervised.json, "dump", die)
     settings = dict(steps=2, batch_size=4, warmup_steps=1, progress=False)
     with pytest.raises(KeyboardInterrupt):
         ensure_base_model(str(tmp_path), **settings)

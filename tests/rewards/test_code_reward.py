@@ -5,8 +5,15 @@ import sys
 
 import pytest
 
-from areal_flow.rewards.code import extract_code, parse_tests, passed, score_program
 from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.code import (
+    TEST_STATUSES,
+    CodeReward,
+    extract_code,
+    parse_tests,
+    passed,
+    score_program,
+)
 from areal_flow.rewards.sandbox import CaseResult, Sandbox
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
@@ -65,6 +72,27 @@ def test_score_program_passes_only_when_every_test_passes():
     crash = score_program(box, "raise SystemExit(3)", tests)
     assert crash["reward"] == 0.0 and [t.status for t in crash["tests"]] == ["runtime_error", "not_run", "not_run"]
     assert score_program(box, None, tests)["tests"][0].status == "no_code"
+
+
+@needs_root
+def test_every_test_status_reaches_the_metrics_as_a_share_of_the_samples_tests():
+    reward = CodeReward(SandboxConfig(wall_seconds=1.0, cpu_seconds=1, fail_fast=False))
+    tests = json.dumps({"inputs": ["1", "2", "3", "4"], "outputs": ["1", "2", "3", "4"]})
+    program = ("import sys, time\nn = int(input())\n"
+               "if n == 2: print(0)\nelif n == 3: sys.exit(1)\nelif n == 4: time.sleep(30)\nelse: print(n)\n")
+    got = reward(f"```python\n{program}```", tests)
+    assert set(got) == {"reward"} | {f"tests_{s}" for s in TEST_STATUSES}
+    assert got["reward"] == 0.0
+    assert {k: v for k, v in got.items() if v and k != "reward"} == {
+        "tests_passed": 0.25, "tests_wrong_answer": 0.25, "tests_runtime_error": 0.25, "tests_timeout": 0.25}
+    prose = "no fence and only prose"  # taken as a bare program: a syntax error in every test
+    assert reward(prose, tests)["tests_runtime_error"] == 1.0
+    assert reward("```python\n```", tests)["tests_no_code"] == 1.0
+    reward.sandbox.close()
+    fail_fast = CodeReward(SandboxConfig(wall_seconds=1.0, cpu_seconds=1, fail_fast=True))
+    stopped = fail_fast(prose, tests)
+    assert (stopped["tests_runtime_error"], stopped["tests_not_run"]) == (0.25, 0.75)
+    fail_fast.sandbox.close()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -18,7 +18,6 @@ from areal_flow.config.schema import SandboxConfig
 from areal_flow.rewards.code import CodeReward, parse_tests, score_program
 from areal_flow.rewards.remote_sandbox import RemoteSandbox
 
-
 REQUESTS = web.AppKey("requests", list)
 
 
@@ -90,7 +89,7 @@ def test_timeouts_errors_and_a_sandbox_error_map_onto_the_local_statuses(service
 def test_a_service_that_is_down_scores_zero_as_a_sandbox_error(unused_port):
     reward = CodeReward(SandboxConfig(backend="remote", url=f"http://127.0.0.1:{unused_port}", wall_seconds=1.0))
     out = reward("```python\nprint(1)\n```", json.dumps({"inputs": [""], "outputs": ["1"]}))
-    assert out["reward"] == 0.0 and out["sandbox_error"] == 1.0
+    assert out["reward"] == 0.0 and out["tests_sandbox_error"] == 1.0
 
 
 def test_remote_needs_a_url():
