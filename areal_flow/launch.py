@@ -25,6 +25,7 @@ from areal_flow.data.loading import dataset_paths, load_prompts
 from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import shell_line, sglang_command, sglang_env, sglang_missing
 from areal_flow.graph import GraphError, graph_from_config, place
+from areal_flow.graph.allocation import AllocationError, allocation_problems, apply_allocation, parse_allocation
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
@@ -130,12 +131,28 @@ def check_rewards(cfg: RunConfig, graph, console: Console) -> None:
         raise ConfigError(problems)
 
 
+def with_allocation(raw: DictConfig, console: Console) -> None:
+    """An `allocation` string places the generate and batch nodes: written into `raw` itself, so
+    the run directory's config.yaml, which every process reads, is the placement that runs."""
+    if not raw.get("allocation"):
+        return
+    alloc = parse_allocation(raw.allocation)
+    # Before the graph is built: a mesh past the cluster's end would be reported there, less clearly.
+    if problems := allocation_problems(alloc, n_nodes=raw.cluster.n_nodes, per_node=raw.cluster.n_devices):
+        raise ConfigError(problems)
+    console.print(f"allocation {alloc.text.strip()!r} sets " + ", ".join(apply_allocation(raw, alloc)),
+                  highlight=False, markup=False)
+
+
 def run(raw: DictConfig, console: Console) -> int:
+    with_allocation(raw, console)
     cfg = typed(raw)
     graph = graph_from_config(cfg)
     check_run(cfg, graph)
-    placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size)
+    placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
     if cfg.dry_run:
+        if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            check_model(graph, cfg.model.path, cfg.generation.tp_size)
         console.print(graph.describe(), highlight=False, markup=False)
         console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
         console.print(describe_servers(cfg, placement), highlight=False, markup=False)
@@ -146,7 +163,7 @@ def run(raw: DictConfig, console: Console) -> int:
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg, graph.dataset_input(graph.generate))
     model_path = prepare_model(cfg)
-    check_model(graph, model_path)
+    check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
     n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
     # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
@@ -190,7 +207,7 @@ def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, ConfigError, DatasetError) as e:
+    except (GraphError, ConfigError, DatasetError, AllocationError) as e:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2

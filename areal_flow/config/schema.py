@@ -31,9 +31,11 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None,
 class ClusterConfig:
     """The devices a run may place nodes on."""
 
-    device_type: str = doc("cpu", "'cpu' (a device is a core); 'cuda' is refused until the engines place work on GPUs",
-                           choices=("cpu", "cuda"))
-    n_devices: int = doc(2, "number of devices on this machine that meshes may use (0..n_devices-1)", ge=1)
+    device_type: str = doc("cpu", "'cpu' (a device is a core); 'cuda' only with dry_run=true until the engines place "
+                           "work on GPUs", choices=("cpu", "cuda"))
+    n_devices: int = doc(2, "devices on each node that meshes may use; node k holds devices k·n_devices .. "
+                         "(k+1)·n_devices-1", ge=1)
+    n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 only with dry_run=true in this version", ge=1)
 
 
 @dataclass
@@ -239,6 +241,9 @@ class RunConfig:
     output_dir: str = doc("${hydra:runtime.output_dir}", "where this run writes logs, metrics, weights and the checkpoint")
     cache_dir: str = doc("${oc.env:AREAL_FLOW_CACHE,${oc.env:HOME}/.cache/areal_flow}", "generated data and bootstrapped base models, reused across runs")
     dry_run: bool = doc(False, "print the graph and the placement, then exit")
+    allocation: Optional[str] = doc(None, "devices and parallelism of generation then training, e.g. 'sglang:d32t2 + "
+                                    "megatron:d4p2t4' (d data, t tensor, p pipeline): sets the generate and batch "
+                                    "nodes' meshes, layouts and engines and generation.backend/tp_size (docs/allocation.md)")
     total_steps: int = doc(100, "train steps (policy versions) to run", ge=1)
     max_wall_seconds: float = doc(0.0, "stop after this many seconds of training (0 = no limit)", ge=0)
     step_timeout: float = doc(600.0, "fail the run, naming what it waited for, when no train step completes for this many seconds (0 = never)",

@@ -62,11 +62,14 @@ def check_ranges(obj: Any, prefix: str = "") -> list[str]:
 def _machine(cfg: RunConfig) -> list[str]:
     problems = []
     kind, n = cfg.cluster.device_type, cfg.cluster.n_devices
-    if kind == "cuda":
+    if kind == "cuda" and not cfg.dry_run:
         # Accepting it would start every process on the CPU and look like a GPU run.
         problems.append("cluster.device_type='cuda': the training and generation engines of this version run on "
-                        "the CPU only; use cluster.device_type=cpu")
-    elif kind == "cpu" and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
+                        "the CPU only; use cluster.device_type=cpu (or dry_run=true to see a GPU placement)")
+    if cfg.cluster.n_nodes > 1 and not cfg.dry_run:
+        problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type={cfg.launcher.type} starts processes on "
+                        "this host only; use dry_run=true to see the placement on several nodes")
+    elif kind == "cpu" and not cfg.dry_run and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
         problems.append(f"cluster.n_devices={n} but this process may use {len(os.sched_getaffinity(0))} cores "
                         "(lower cluster.n_devices, or set launcher.pin_cpus=false)")
     if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
@@ -96,16 +99,23 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     return problems
 
 
-def check_model(graph: Graph, model_path: str) -> None:
+def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
-    heads, PP its layers): found before any process starts, not in a trainer rank's log."""
+    heads, PP its layers), or generation's tensor parallel its attention heads: found before any
+    process starts, not in a trainer rank's or a server's log."""
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
-    if layout is None or (layout.tp == 1 and layout.pp == 1):
+    if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
         return
     from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
 
-    where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
-    problems = layout_problems(layout, n_devices=None, model=AutoConfig.from_pretrained(model_path), where=where)
+    model = AutoConfig.from_pretrained(model_path)
+    problems = []
+    if layout is not None:
+        where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
+        problems += layout_problems(layout, n_devices=None, model=model, where=where)
+    if model.num_attention_heads % gen_tp:
+        problems.append(f"generation.tp_size={gen_tp} with model {model_path}: does not divide the model's "
+                        f"{model.num_attention_heads} attention heads")
     if problems:
         raise ConfigError(problems)
 

@@ -139,7 +139,16 @@ def _as(key: str, meaning: str | None) -> str:
 
 
 def format_mesh(mesh: Sequence[int] | None) -> str:
-    return ",".join(map(str, mesh)) if mesh else "-"
+    """Sorted devices as a mesh is written: runs of three or more as 'a-b' ('0-7,9,10'); '-' when empty."""
+    if not mesh:
+        return "-"
+    runs: list[list[int]] = []
+    for d in mesh:
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
 
 
 def parse_mesh(spec: Any, where: str) -> tuple[tuple[int, ...] | None, str | None]:
@@ -202,7 +211,7 @@ def build_graph(
                 elif mesh[-1] >= n_devices:
                     problems.append(
                         f"node '{name}': mesh {_field(c, 'mesh')!r} ({key}.mesh) uses device {mesh[-1]} "
-                        f"but the cluster has {n_devices} (cluster.n_devices)"
+                        f"but the cluster has {n_devices} (cluster.n_nodes × cluster.n_devices)"
                     )
                     mesh = None
         layout = None
@@ -444,4 +453,5 @@ def graph_from_config(cfg: Any) -> Graph:
     """The validated graph of a run config."""
     from areal_flow.rewards.service import builtin_names
 
-    return build_graph(cfg.graph, list(cfg.dataset.fields), cfg.cluster.n_devices, builtin_names())
+    n_devices = cfg.cluster.n_nodes * cfg.cluster.n_devices
+    return build_graph(cfg.graph, list(cfg.dataset.fields), n_devices, builtin_names())

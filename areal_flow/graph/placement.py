@@ -13,8 +13,10 @@ class Proc:
 
     name: str
     role: str  # controller | gen_server | rollout | reward | trainer
-    devices: tuple[int, ...] = ()  # cores (CPU) or GPUs it owns; () = floats
+    devices: tuple[int, ...] = ()  # cores (CPU) or GPUs it owns, numbered across nodes; () = floats
     rank: int = 0
+    node: int = 0  # the node (host) it runs on
+    local_devices: tuple[int, ...] = ()  # `devices` as numbered on its node (what CUDA_VISIBLE_DEVICES lists)
 
 
 @dataclass
@@ -26,25 +28,34 @@ class Placement:
 
     def describe(self, device_type: str) -> str:
         unit = "core" if device_type == "cpu" else "gpu"
-        lines = ["placement:"]
+        nodes = sorted({p.node for p in self.procs})
+        lines = ["placement:" if nodes == [0] else f"placement on {len(nodes)} nodes:"]
         for p in self.procs:
-            where = f"{unit} {format_mesh(p.devices)}" if p.devices else "any core (light)"
-            lines.append(f"  {p.name:<14} {where}")
+            where = f"{unit} {format_mesh(p.local_devices)}" if p.devices else "any core (light)"
+            lines.append(f"  {p.name:<14} {where}" if nodes == [0] else f"  {p.name:<14} node {p.node:<3} {where}")
         return "\n".join(lines)
 
 
-def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1) -> Placement:
+def _on_node(name: str, role: str, devices: tuple[int, ...], rank: int, per_node: int) -> Proc:
+    # Callers keep a process's devices on one node (config/validate.py checks the groups).
+    node = devices[0] // per_node
+    return Proc(name, role, devices, rank, node, tuple(d - node * per_node for d in devices))
+
+
+def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: int | None = None) -> Placement:
     """One generation server per `gen_tp_size` consecutive generate-mesh devices (which must divide
-    the mesh: config/validate.py), one trainer rank per trainer-mesh device (data parallel), the
-    reward pool, rollout workers and one controller."""
+    the mesh: config/validate.py), one trainer rank per trainer-mesh device, the reward pool,
+    rollout workers and one controller; on nodes of `per_node` devices (default: one node), with the
+    light processes on node 0."""
+    per_node = per_node or max((*(graph.generate.mesh or ()), *graph.trainer_mesh, 0)) + 1
     procs = [Proc("controller", "controller")]
     gen_mesh = graph.generate.mesh or ()
     for i, start in enumerate(range(0, len(gen_mesh), gen_tp_size)):
-        procs.append(Proc(f"gen_server{i}", "gen_server", tuple(gen_mesh[start:start + gen_tp_size]), i))
+        procs.append(_on_node(f"gen_server{i}", "gen_server", tuple(gen_mesh[start:start + gen_tp_size]), i, per_node))
     procs += [Proc(f"rollout{i}", "rollout", (), i) for i in range(rollout_workers)]
     # One reward process runs every reward node in graph order on each group it takes; each node
     # scores in its own pool of `workers` processes (rewards/service.py).
     procs += [Proc("reward0", "reward", (), 0)] if graph.rewards else []
     for rank, dev in enumerate(graph.trainer_mesh):
-        procs.append(Proc(f"trainer{rank}", "trainer", (dev,), rank))
+        procs.append(_on_node(f"trainer{rank}", "trainer", (dev,), rank, per_node))
     return Placement(procs)

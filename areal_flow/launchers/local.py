@@ -72,7 +72,7 @@ class LocalLauncher:
             env["OMP_NUM_THREADS"] = str(max(1, len(proc.devices)))
             cores = proc.devices if self.pin_cpus and proc.devices else None
         elif proc.devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.devices))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.local_devices or proc.devices))
         log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -122,9 +122,27 @@ def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
         assert expected in r.stdout
 
 
-def test_cuda_is_refused_until_the_engines_place_work_on_gpus(tmp_path):
-    r = launch("cluster.device_type=cuda", "dry_run=true", cwd=tmp_path)
+def test_cuda_and_several_nodes_are_refused_until_they_can_run_but_a_dry_run_places_them(tmp_path):
+    r = launch("cluster.device_type=cuda", "cluster.n_nodes=2", cwd=tmp_path)
     assert r.returncode == 2 and "cluster.device_type='cuda'" in r.stdout and "CPU only" in r.stdout
+    assert "cluster.n_nodes=2: launcher.type=local starts processes on this host only" in r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
+    r = launch("recipe=tiny_arith_megatron", "cluster.device_type=cuda", "cluster.n_nodes=2", "cluster.n_devices=8",
+               "allocation=sglang:d4t2 + megatron:d2p2t2", "dry_run=true", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "graph.actor_train.parallel=d2p2t2, graph.actor_train.engine=megatron" in r.stdout
+    assert "actor_train: train [actor] on mesh 8-15" in r.stdout and "placement on 2 nodes:" in r.stdout
+    assert "gen_server3    node 0   gpu 6,7" in r.stdout and "trainer7       node 1   gpu 7" in r.stdout
+    assert "--tp-size 2" in r.stdout  # the sglang servers' command lines follow the allocation
+
+
+def test_a_bad_allocation_points_at_the_character_and_one_too_big_names_the_cluster(tmp_path):
+    r = launch("allocation=sglang:d4 + megatron:d2q2", "dry_run=true", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "unknown size 'q'" in r.stdout and "(character 24)" in r.stdout
+    assert "    sglang:d4 + megatron:d2q2\n" + " " * 27 + "^" in r.stdout
+    r = launch("allocation=embedded:d2 + torch:d1", "dry_run=true", cwd=tmp_path)
+    assert r.returncode == 2 and "needs 2 + 1 = 3 devices, the cluster has 1 node(s) × 2 = 2" in r.stdout
 
 
 def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):

@@ -63,6 +63,16 @@ def test_a_generation_server_spans_tp_size_consecutive_devices_of_the_generate_m
     assert "gen_server1    core 4,5" in p.describe("cpu")
 
 
+def test_on_several_nodes_each_process_gets_its_node_and_the_devices_numbered_there():
+    nodes = broken(generate__mesh="0-5", actor_prox__mesh="6-9", actor_train__mesh="6-9")
+    p = place(build(nodes, n_devices=12), rollout_workers=1, gen_tp_size=2, per_node=4)
+    assert [(x.node, x.local_devices) for x in p.of_role("gen_server")] == [(0, (0, 1)), (0, (2, 3)), (1, (0, 1))]
+    assert [(x.node, x.local_devices) for x in p.of_role("trainer")] == [(1, (2,)), (1, (3,)), (2, (0,)), (2, (1,))]
+    assert all(x.node == 0 for x in p.procs if not x.devices)  # controller, rollout, reward: node 0
+    text = p.describe("cuda")
+    assert text.startswith("placement on 3 nodes:") and "gen_server2    node 1   gpu 0,1" in text
+
+
 def test_unknown_type_and_role_name_node_and_key():
     msg = problems_of(broken(reward__type="scorer", actor_prox__role="teacher"))
     assert "node 'reward': unknown type 'scorer' (graph.reward.type)" in msg
@@ -89,7 +99,7 @@ def test_cycle_is_named():
 
 
 def test_mesh_beyond_devices_bad_syntax_and_overlaps():
-    assert "uses device 3 but the cluster has 2 (cluster.n_devices)" in problems_of(broken(actor_train__mesh="1-3"))
+    assert "uses device 3 but the cluster has 2 (cluster.n_nodes × cluster.n_devices)" in problems_of(broken(actor_train__mesh="1-3"))
     assert "mesh 'one' is not a device list" in problems_of(broken(generate__mesh="one"))
     msg = problems_of(broken(generate__mesh="0-1"))
     assert "meshes of 'generate' (0,1) and 'actor_prox' (1) overlap" in msg
