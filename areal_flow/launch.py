@@ -34,6 +34,7 @@ from areal_flow.metrics.writer import read_metrics
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
 from areal_flow.rewards.service import resolve
+from areal_flow.runtime.security import API_KEY_ENV, LOOPBACK, Security, host_address, is_loopback, security_needed
 from areal_flow.runtime.spec import RunSpec, free_ports, reachable, typed, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,37 +83,52 @@ def prepare_model(cfg: RunConfig) -> str:
                              seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True)
 
 
-def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str) -> tuple[list[str], dict[str, str]]:
+def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,
+                   api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv of generation server `proc` under generation.backend, and its environment beyond
-    the launcher's own."""
+    the launcher's own. `host`: the address to bind when not generation.host; `api_key`: the
+    run's API key, when it is secured."""
     gen, seed = cfg.generation, cfg.seed + proc.rank
     if gen.backend == "sglang":
-        return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type),
+        return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key),
                 sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))
-    argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host", gen.host,
-            "--port", str(port), "--num-threads", str(max(1, len(proc.devices))), "--seed", str(seed),
-            "--weight-version", "0"]  # versions count train steps
+    argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host",
+            host or gen.host, "--port", str(port), "--num-threads", str(max(1, len(proc.devices))),
+            "--seed", str(seed), "--weight-version", "0"]  # versions count train steps
     if gen.max_batch_size is not None:
         argv += ["--max-batch-size", str(gen.max_batch_size)]
     if gen.max_total_tokens is not None:
         argv += ["--max-total-tokens", str(gen.max_total_tokens)]
-    return argv, {}
+    # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
+    # launcher uses that, since a command line is visible to every user of the host.
+    return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})
+
+
+def server_host(cfg: RunConfig, host: str) -> str:
+    """The address generation servers bind: generation.host, or this host's address `host` when
+    the run is secured and generation.host would keep them on loopback."""
+    return host if security_needed(cfg) and is_loopback(cfg.generation.host) else cfg.generation.host
 
 
 def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
     for proc in placement.procs:
         if proc.role == "gen_server":
-            launcher.start(proc, *server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank]))
+            launcher.start(proc, *server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank],
+                                                 host=server_host(cfg, spec.host), api_key=spec.api_key))
         else:
             launcher.start(proc, python_role(proc.role, proc, spec.run_dir))
 
 
 def describe_servers(cfg: RunConfig, placement: Placement) -> str:
-    """The generation servers' command lines, for a dry run (ports are picked at start)."""
+    """The generation servers' command lines, for a dry run (ports and the secret are made at start)."""
     model = os.path.abspath(cfg.model.path) if cfg.model.path else f"<the bootstrapped model in {cfg.cache_dir}/models>"
+    secured = security_needed(cfg)
+    host = server_host(cfg, host_address()) if secured else None
+    api_key = "<the API key of the run>" if secured else None
     lines = [f"generation servers (generation.backend={cfg.generation.backend}):"]
     for proc in placement.of_role("gen_server"):
-        lines.append(f"  {proc.name}: {shell_line(*server_command(cfg, proc, model, '<port>'))}")
+        argv, env = server_command(cfg, proc, model, "<port>", host=host, api_key=api_key)
+        lines.append(f"  {proc.name}: {shell_line(argv, env)}")
     return "\n".join(lines)
 
 
@@ -169,15 +185,24 @@ def run(raw: DictConfig, console: Console) -> int:
     # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
     weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
         if cfg.rollout.weight_update_mode == "shm" else ""
-    ports = iter(free_ports(n_gen + n_roll + n_train + 2))
+    # A secured run listens on this host's address, with a secret made here (docs/security.md).
+    security = Security.new() if security_needed(cfg) else None
+    host = host_address() if security is not None else LOOPBACK
+    # Secured: ports free on every address, since servers bind the host's address, loopback
+    # (torch.distributed) and maybe a wildcard (generation.host).
+    ports = iter(free_ports(n_gen + n_roll + n_train + 2, LOOPBACK if security is None else "0.0.0.0"))
     spec = RunSpec(
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
         gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
         trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
-        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(cfg.generation.host), weights_dir=weights_dir,
+        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir,
+        host=host, security=security,
     )
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
+    if security is not None:
+        console.print(f"secured: servers listen on {host}; ZeroMQ is CURVE-encrypted and the generation "
+                      "servers take the run's API key (in spec.json, owner-only)", highlight=False)
     launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
                              stop_timeout=cfg.launcher.stop_timeout)
     try:

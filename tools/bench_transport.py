@@ -3,11 +3,12 @@
 1. Throughput: a sender process pushes scored groups of 512-answer-token samples (ids, behaviour
    logprobs, versions, and a 64-token prompt) over ZeroMQ to a receiver process that decodes every
    message, as a trainer rank's inbox does. The same samples as pickled dicts of numpy arrays over
-   the same sockets are the comparison. Prints samples/s and MB/s for both and the ratio.
+   the same sockets are the comparison. Prints samples/s and MB/s for both and the ratio. With
+   `--secure`, also msgspec over CURVE sockets with a run's keys (what a secured run pays).
 2. With `--run DIR` (a finished run directory): the median bytes each process sent per step, and
    the controller's CPU time per step as a fraction of the step, from DIR/metrics.jsonl.
 
-    python tools/bench_transport.py [--samples 200000] [--group 8] [--run outputs/tiny_arith/<time>]
+    python tools/bench_transport.py [--samples 200000] [--group 8] [--secure] [--run outputs/tiny_arith/<time>]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import zmq
 
 from _bench import machine
 from areal_flow.metrics.writer import read_metrics
+from areal_flow.runtime.security import Security
 from areal_flow.runtime.spec import free_ports
 from areal_flow.transport.channels import endpoint, make_socket
 from areal_flow.transport.messages import Array, Sample, ScoredGroup, decode, encode
@@ -48,9 +50,9 @@ def as_pickle(group: ScoredGroup) -> bytes:
                           **{k: s.array(k) for k in s.arrays}} for s in group.samples], protocol=5)
 
 
-def sender(port: int, n_messages: int, size: int, kind: str) -> None:
-    sock = make_socket(zmq.Context(), zmq.PUSH, connect=endpoint(port))
-    frames = [encode(make_group(g, size)) if kind == "msgspec" else as_pickle(make_group(g, size)) for g in range(16)]
+def sender(port: int, n_messages: int, size: int, kind: str, security: Security | None) -> None:
+    sock = make_socket(zmq.Context(), zmq.PUSH, connect=endpoint(port), security=security)
+    frames = [as_pickle(make_group(g, size)) if kind == "pickle" else encode(make_group(g, size)) for g in range(16)]
     for i in range(n_messages):
         sock.send(frames[i % len(frames)], copy=False)
     sock.close(linger=-1)
@@ -59,11 +61,12 @@ def sender(port: int, n_messages: int, size: int, kind: str) -> None:
 def measure(n_samples: int, size: int, kind: str) -> tuple[float, float]:
     """(samples/s, MB/s) received and decoded, timed from the first message to the last."""
     port = free_ports(1)[0]
-    sock = make_socket(zmq.Context(), zmq.PULL, bind=endpoint(port))
+    security = Security.new() if kind == "msgspec, CURVE" else None
+    sock = make_socket(zmq.Context(), zmq.PULL, bind=endpoint(port), security=security)
     n_messages = n_samples // size
-    proc = mp.get_context("spawn").Process(target=sender, args=(port, n_messages, size, kind))
+    proc = mp.get_context("spawn").Process(target=sender, args=(port, n_messages, size, kind, security))
     proc.start()
-    load = decode if kind == "msgspec" else pickle.loads
+    load = pickle.loads if kind == "pickle" else decode
     first = sock.recv(copy=False)
     t0, nbytes = time.perf_counter(), len(first)
     load(first.buffer)
@@ -100,19 +103,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=200_000)
     ap.add_argument("--group", type=int, default=8, help="samples per message (a prompt group)")
+    ap.add_argument("--secure", action="store_true", help="also measure msgspec over CURVE (a secured run's sockets)")
     ap.add_argument("--run", help="a finished run directory: report its per-step traffic")
     args = ap.parse_args()
     if args.run and len(run_steps(args.run)) < 1:
         ap.error(f"--run {args.run}: {args.run}/metrics.jsonl has fewer than 2 steps (an unfinished or failed run?)")
     print(f"machine: {machine()}")
-    print(f"command: python tools/bench_transport.py --samples {args.samples} --group {args.group}")
-    rows = {kind: measure(args.samples, args.group, kind) for kind in ("msgspec", "pickle")}
+    print(f"command: python tools/bench_transport.py --samples {args.samples} --group {args.group}"
+          + (" --secure" if args.secure else ""))
+    kinds = ("msgspec", "pickle") + (("msgspec, CURVE",) if args.secure else ())
+    rows = {kind: measure(args.samples, args.group, kind) for kind in kinds}
     print(f"\n{ANSWER}-token samples (+{PROMPT}-token prompt), {args.group} per message, two processes, loopback TCP")
     print("| wire format | samples/s | MB/s |\n|---|---|---|")
     for kind, (sps, mbs) in rows.items():
         print(f"| {kind} | {sps:,.0f} | {mbs:,.0f} |")
     print(f"msgspec / pickle: {rows['msgspec'][0] / rows['pickle'][0]:.2f}x samples/s; target ≥ 50,000 samples/s: "
           f"{'met' if rows['msgspec'][0] >= 50_000 else 'NOT met'}")
+    if args.secure:
+        print(f"CURVE / plain: {rows['msgspec, CURVE'][0] / rows['msgspec'][0]:.2f}x samples/s")
     if args.run:
         run_traffic(args.run)
 

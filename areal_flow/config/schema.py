@@ -221,6 +221,8 @@ class LauncherConfig:
     pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
     start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails", gt=0)
     stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children", ge=0)
+    secure: bool = doc(False, "bind to the host's address with a per-run secret (ZeroMQ CURVE, an HTTP API token) "
+                       "even on one host; on automatically when the placement spans hosts (docs/security.md)")
 
 
 @dataclass

@@ -79,12 +79,13 @@ class Controller:
         self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
                                          interrupt=cfg.rollout.interrupt,
-                                         pause_mode=cfg.rollout.pause_mode, config=cfg.rollout)
+                                         pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key)
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
         self.clock, self.traffic = RunClock(), Traffic()
-        self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=endpoint(spec.controller_port))
+        self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=endpoint(spec.controller_port, spec.host),
+                                  security=spec.security)
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks
         self.slots = RolloutSlots()  # rollout workers' free generation slots
@@ -269,7 +270,8 @@ class Controller:
 
     async def wait_for_processes(self) -> None:
         timeout = self.cfg.launcher.start_timeout
-        await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout) for url in self.spec.gen_urls])
+        await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout, self.spec.api_key)
+                               for url in self.spec.gen_urls])
         deadline = time.monotonic() + timeout
         while len(self.ranks) < self.spec.n_trainers:
             try:

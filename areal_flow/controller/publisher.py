@@ -14,9 +14,10 @@ from areal_flow.generation.router import ServerPool
 
 class WeightPublisher:
     def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True, pause_mode: str = "abort",
-                 config: RolloutConfig | None = None):
-        """`config`: the timeouts, retries and health interval of the servers' pool."""
-        self.pool = ServerPool(urls, names, config)
+                 config: RolloutConfig | None = None, api_key: str | None = None):
+        """`config`: the timeouts, retries and health interval of the servers' pool; `api_key`: the
+        servers' (a secured run's)."""
+        self.pool = ServerPool(urls, names, config, api_key=api_key)
         self.names = names  # process names, for error messages
         self.interrupt = interrupt  # rollout.interrupt
         self.pause_mode = pause_mode  # rollout.pause_mode

@@ -35,15 +35,19 @@ class GenerationError(RuntimeError):
 
 
 class GenerationClient:
-    """Talks to one generation server at `base_url` (for example http://127.0.0.1:30000)."""
+    """Talks to one generation server at `base_url` (for example http://127.0.0.1:30000); every
+    request carries `Authorization: Bearer <api_key>` when an `api_key` is given (SGLang's
+    --api-key; a secured run's servers refuse requests without it)."""
 
-    def __init__(self, base_url: str, *, max_connections: int = 64, timeout: float = 600) -> None:
+    def __init__(self, base_url: str, *, max_connections: int = 64, timeout: float = 600,
+                 api_key: str | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._max_connections = max_connections
+        self._headers = auth_headers(api_key)
         # Calls wait here for a free connection, so that `timeout` counts from when a call has one:
         # aiohttp's own total timeout would also count the wait for the pool, and a rollout worker
         # queues hundreds of requests behind its connections.
@@ -186,6 +190,7 @@ class GenerationClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=self._headers,
                 # Compact: token-id lists are most of a request, and ", " costs a byte per id.
                 json_serialize=functools.partial(json.dumps, separators=(",", ":")),
             )
@@ -202,6 +207,11 @@ class GenerationClient:
         if not 200 <= status < 300:
             raise GenerationError(status, body, url)
         return body
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that carry `api_key` the way SGLang's --api-key wants it (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
 
 
 def _decoded(content_type: str, data: bytes) -> Any:
@@ -233,14 +243,16 @@ async def _close_when_the_loop_ends(session: aiohttp.ClientSession) -> None:
         await session.close()
 
 
-def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
-    """Block until GET {base_url}/health answers 200; TimeoutError naming the URL otherwise."""
-    url = base_url.rstrip("/") + "/health"
+def wait_healthy(base_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
+    """Block until GET {base_url}/health answers 200; TimeoutError naming the URL otherwise.
+    `api_key`: sent as a bearer token (SGLang and the embedded server answer /health without one,
+    a proxy in front of them may not)."""
+    request = urllib.request.Request(base_url.rstrip("/") + "/health", headers=auth_headers(api_key))
     deadline = time.monotonic() + timeout
     last_error = "no answer yet"
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=max(deadline - time.monotonic(), 0.1)) as answer:
+            with urllib.request.urlopen(request, timeout=max(deadline - time.monotonic(), 0.1)) as answer:
                 if answer.status == 200:
                     return
                 last_error = f"status {answer.status}"

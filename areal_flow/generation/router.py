@@ -72,10 +72,11 @@ class Server:
 
 
 class ServerPool:
-    """Sends requests to the generation servers at `urls` (named `names` in errors and logs)."""
+    """Sends requests to the generation servers at `urls` (named `names` in errors and logs), with
+    `api_key` as a bearer token when the servers want one (a secured run's)."""
 
     def __init__(self, urls: Sequence[str], names: Sequence[str] | None = None,
-                 config: RolloutConfig | None = None, *, max_connections: int = 64) -> None:
+                 config: RolloutConfig | None = None, *, max_connections: int = 64, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("a ServerPool needs at least one server url")
         names = list(names) if names is not None else [f"gen_server{i}" for i in range(len(urls))]
@@ -85,7 +86,7 @@ class ServerPool:
         if problems := check_ranges(config, "rollout."):
             raise ValueError("; ".join(problems))
         self.servers = [Server(name, GenerationClient(url, max_connections=max_connections,
-                                                      timeout=config.request_timeout))
+                                                      timeout=config.request_timeout, api_key=api_key))
                         for name, url in zip(names, urls)]
         self.retries = config.request_retries
         self.retry_backoff = config.retry_backoff

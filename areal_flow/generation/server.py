@@ -7,6 +7,9 @@ native API, so a client written for SGLang works here unchanged. The areal_flow 
 `meta_info.output_token_versions`: the integer weight version of each generated token (SGLang's
 `weight_version` is a free label; see `engine.version_for_label`). `/generate` bodies and answers,
 streaming included, are in `generate_api.py`; `/v1/loads` and `/metrics` in `load_report.py`.
+With an API key (`--api-key`, as SGLang's, or the AREAL_FLOW_API_KEY environment variable) every
+request but /health* and /metrics needs `Authorization: Bearer <key>`, else it is answered 401 as
+SGLang answers it (ApiKeyGuard).
 
     python -m areal_flow.generation.server --model-path DIR --host 127.0.0.1 --port 30000
 """
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -32,7 +37,9 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from areal_flow.generation.engine import PAUSE_MODES, EngineShutdownError, GenerationEngine, version_for_label
 from areal_flow.generation.generate_api import (
@@ -44,6 +51,7 @@ from areal_flow.generation.generate_api import (
     parse_generate,
 )
 from areal_flow.generation.load_report import LoadReport
+from areal_flow.runtime.security import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -360,25 +368,60 @@ async def _routing_error(request: Request, exc: StarletteHTTPException) -> Respo
     return _error(exc.status_code, message, exc.headers)  # a 405 keeps its Allow header
 
 
-def create_app(server: GenerationServer) -> FastAPI:
-    """The routes of ROUTES and nothing else: no docs pages, no redirects of trailing slashes."""
+OPEN_PATHS = ("/health", "/metrics")
+"""Path prefixes answered without the API key, as SGLang's: liveness probes and Prometheus scrapers
+hold no secret, and these routes neither take input nor change state."""
+
+
+class ApiKeyGuard:
+    """SGLang's --api-key: a request without `Authorization: Bearer <key>` is answered 401 with
+    SGLang's body before it is routed (an unknown path too), unless it is an OPTIONS request or
+    its path starts with one of OPEN_PATHS. Plain ASGI rather than an `@app.middleware("http")`
+    function, which would buffer streamed answers and hide a client's disconnect from /generate."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    def allowed(self, scope: Scope) -> bool:
+        if scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PATHS):
+            return True
+        given = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        # The scheme is case-insensitive (RFC 9110); the token is compared in constant time.
+        return scheme.lower() == "bearer" and hmac.compare_digest(f"Bearer {token}".encode(), self.expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.allowed(scope):
+            await _response(401, {"error": "Unauthorized"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(server: GenerationServer, api_key: str | None = None) -> FastAPI:
+    """The routes of ROUTES and nothing else: no docs pages, no redirects of trailing slashes;
+    behind ApiKeyGuard when there is an `api_key`."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
                   exception_handlers={StarletteHTTPException: _routing_error})
     for path, (methods, route) in ROUTES.items():
         app.add_api_route(path, _endpoint(server, route), methods=sorted(methods), include_in_schema=False)
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app
 
 
 class GenerationServer:
-    """The app on uvicorn, on its own thread and event loop; `stop()` ends it and the engine."""
+    """The app on uvicorn, on its own thread and event loop; `stop()` ends it and the engine.
+    With an `api_key`, requests need it as a bearer token (ApiKeyGuard)."""
 
-    def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str):
+    def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str,
+                 api_key: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.load_report = LoadReport(engine)
         config = uvicorn.Config(
-            create_app(self),
+            create_app(self, api_key),
             lifespan="off",
             log_config=None,  # uvicorn's loggers propagate to the process's logging as configured
             access_log=logger.isEnabledFor(logging.DEBUG),
@@ -427,13 +470,14 @@ def optional_tokenizer(model_path: str) -> Any:
 
 
 def serve(
-    model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_kw: Any
+    model_path: str, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None, **engine_kw: Any
 ) -> tuple[GenerationServer, threading.Thread]:
-    """Start an engine and its HTTP server on a background thread (port 0: a free port)."""
+    """Start an engine and its HTTP server on a background thread (port 0: a free port); with an
+    `api_key`, requests need it as a bearer token."""
     tokenizer = optional_tokenizer(model_path)
     engine = GenerationEngine(model_path, tokenizer=tokenizer, **engine_kw)  # the tokenizer: for stop strings
     try:
-        server = GenerationServer((host, port), engine, tokenizer, model_path)
+        server = GenerationServer((host, port), engine, tokenizer, model_path, api_key)
     except BaseException:
         engine.shutdown()
         raise
@@ -454,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--weight-version", default="default",
                         help="label of the initial weights (digits also set the integer token version)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help="requests need `Authorization: Bearer API_KEY` (all but /health* and /metrics), as "
+                             f"SGLang's; default: the {API_KEY_ENV} environment variable, which unlike the command "
+                             "line other users cannot read")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -468,9 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     server, thread = serve(
         args.model_path, args.host, args.port,
         max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
-        max_total_tokens=args.max_total_tokens, weight_label=args.weight_version,
+        max_total_tokens=args.max_total_tokens, weight_label=args.weight_version, api_key=args.api_key or None,
     )
-    logger.info("serving %s at %s", args.model_path, server.url)
+    # Never the key itself: logs are read by more people than the run's owner.
+    logger.info("serving %s at %s%s", args.model_path, server.url,
+                " (requests need the API key)" if args.api_key else "")
     stop.wait()
     logger.info("shutting down")
     server.stop()

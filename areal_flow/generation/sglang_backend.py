@@ -53,14 +53,28 @@ SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k not in ("max_batch_size", "max_t
 DEVICES = {"cpu": "cpu", "cuda": "cuda"}
 """cluster.device_type -> SGLang's --device (SGLang has a CPU backend too)."""
 
-OWNERS = {**RUN_FLAGS, **{flag: f"generation.{key}" for key, flag in {**VALUE_FLAGS, **SWITCHES}.items()}}
+SECURED_FLAGS = {
+    # SGLang then answers 401 to every request without `Authorization: Bearer <key>` but /health*
+    # and /metrics; areal_flow's clients send it.
+    "--api-key": "the launcher (the run's secret, when launcher.secure is set or the run spans hosts)",
+}
+"""Flags a secured run's servers get -> what decides them."""
+
+OWNERS = {**RUN_FLAGS, **SECURED_FLAGS,
+          **{flag: f"generation.{key}" for key, flag in {**VALUE_FLAGS, **SWITCHES}.items()}}
 
 
-def sglang_command(gen: GenerationConfig, model_path: str, port: int | str, seed: int, device_type: str) -> list[str]:
-    """The argv of one SGLang server; the launcher gives it `gen.tp_size` devices."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", gen.host,
+def sglang_command(gen: GenerationConfig, model_path: str, port: int | str, seed: int, device_type: str, *,
+                   host: str | None = None, api_key: str | None = None) -> list[str]:
+    """The argv of one SGLang server; the launcher gives it `gen.tp_size` devices. `host`: the
+    address to bind when not `generation.host` (a secured run's host address); `api_key`: the
+    run's API key. SGLang reads it from its command line only, so local users can see it in the
+    process list (docs/security.md)."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host or gen.host,
             "--port", str(port), "--tp-size", str(gen.tp_size), "--random-seed", str(seed),
             "--device", DEVICES[device_type], "--skip-tokenizer-init"]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
     for key, flag in VALUE_FLAGS.items():
         if (value := getattr(gen, key)) is not None:
             argv += [flag, str(value)]
@@ -112,7 +126,8 @@ def generation_problems(gen: GenerationConfig, n_gen_devices: int) -> list[str]:
         owned = [flag for flag in OWNERS if name is not None and (flag == name or flag.startswith(name))]
         if owned:
             problems.append(f"generation.extra_args has {arg!r}, which would set {owned[0]}: that is decided by "
-                            f"{OWNERS[owned[0]]}" + ("" if owned[0] in RUN_FLAGS else "; set that key instead"))
+                            f"{OWNERS[owned[0]]}" + ("" if owned[0] in RUN_FLAGS or owned[0] in SECURED_FLAGS
+                                                         else "; set that key instead"))
     return problems
 
 

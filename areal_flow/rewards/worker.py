@@ -62,9 +62,12 @@ class RewardWorker:
         self.tokenizer = load_tokenizer(spec.model_path)
         self.versions_key = self.graph.output(self.graph.generate, "versions")
         ctx = zmq.asyncio.Context()
-        self.inbox = make_socket(ctx, zmq.PULL, connect=[endpoint(p) for p in spec.rollout_ports])
-        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
-        self.ranks = [make_socket(ctx, zmq.PUSH, connect=endpoint(p)) for p in spec.trainer_ports]
+        self.inbox = make_socket(ctx, zmq.PULL, connect=[endpoint(p, spec.host) for p in spec.rollout_ports],
+                                 security=spec.security)
+        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+                                      security=spec.security)
+        self.ranks = [make_socket(ctx, zmq.PUSH, connect=endpoint(p, spec.host), security=spec.security)
+                      for p in spec.trainer_ports]
         self.held: dict[int, ScoredGroup] = {}  # scored, waiting for the controller's Route
         self.service = RewardService(self.graph.rewards, cfg.sandbox)
         self.tasks: set[asyncio.Task] = set()

@@ -77,12 +77,14 @@ class RolloutWorker:
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
         self.tokenizer = load_tokenizer(spec.model_path)
-        self.pool = ServerPool(spec.gen_urls, config=cfg.rollout)
+        self.pool = ServerPool(spec.gen_urls, config=cfg.rollout, api_key=spec.api_key)
         # Every worker holds an equal share of the concurrency the controller may grant.
         self.slots = max(1, cfg.rollout.max_concurrent // spec.n_rollout)
         ctx = zmq.asyncio.Context()
-        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
-        self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank]))
+        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+                                      security=spec.security)
+        self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank], spec.host),
+                                   security=spec.security)
         graph = graph_from_config(cfg)
         # Write what the recipe declares, under the names it gives: well-known key -> name.
         self.keys = {graph.meaning[k]: k for k in graph.generate.outputs}

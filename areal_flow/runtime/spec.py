@@ -1,7 +1,9 @@
-"""The run spec: what the launcher resolved before starting processes (paths and endpoints).
+"""The run spec: what the launcher resolved before starting processes (paths, endpoints and, when
+the run is secured, its secret).
 
 It sits beside the composed config in the run directory; every child reads both at start and
-gets the config typed, as a `RunConfig`.
+gets the config typed, as a `RunConfig`. `spec.json` is readable by its owner only: it may hold the
+run's `Security` (runtime/security.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 from omegaconf import DictConfig, OmegaConf
 
 from areal_flow.config.schema import RunConfig
+from areal_flow.runtime.security import LOOPBACK, Security
 
 
 class RunSpec(msgspec.Struct, kw_only=True):
@@ -30,6 +33,13 @@ class RunSpec(msgspec.Struct, kw_only=True):
     n_rollout: int
     gen_host: str = "127.0.0.1"  # where clients reach the generation servers (see reachable)
     weights_dir: str = ""  # where trainer rank 0 publishes each version; "" = run_dir/weights
+    host: str = LOOPBACK  # where ZeroMQ servers bind and clients connect: this host's address when secured
+    security: Security | None = None  # the run's secret (security_needed); None: plain, on loopback
+
+    @property
+    def api_key(self) -> str | None:
+        """The generation servers' API key, or None when the run is not secured."""
+        return self.security.api_key if self.security is not None else None
 
     @property
     def gen_urls(self) -> list[str]:
@@ -50,13 +60,13 @@ def reachable(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (held open together so they differ)."""
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """n distinct free TCP ports on `host` (held open together so they differ)."""
     socks = []
     try:
         for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -67,7 +77,11 @@ def free_ports(n: int) -> list[int]:
 def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
-    Path(run_dir, "spec.json").write_bytes(msgspec.json.encode(spec))
+    # Owner only, from the first byte: the spec may hold the run's secret.
+    fd = os.open(os.path.join(run_dir, "spec.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # a spec.json left by an earlier run keeps its mode through O_CREAT
+        f.write(msgspec.json.encode(spec))
 
 
 def typed(cfg: DictConfig) -> RunConfig:

@@ -94,9 +94,11 @@ class ModelWorker:
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
         self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
         ctx = zmq.Context()
-        self.control = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port), identity=name)
-        self.inbox = make_socket(ctx, zmq.PULL, bind=endpoint(spec.trainer_ports[rank]))
-        self.peers = {r: make_socket(ctx, zmq.PUSH, connect=endpoint(p))
+        self.control = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+                                   security=spec.security)
+        self.inbox = make_socket(ctx, zmq.PULL, bind=endpoint(spec.trainer_ports[rank], spec.host),
+                                 security=spec.security)
+        self.peers = {r: make_socket(ctx, zmq.PUSH, connect=endpoint(p, spec.host), security=spec.security)
                       for r, p in enumerate(spec.trainer_ports) if r != rank}
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)

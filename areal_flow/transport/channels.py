@@ -4,6 +4,10 @@ Every receive goes through `recv`/`recv_from`: a frame that does not decode is l
 socket's name and dropped, and the receiver keeps listening, so one bad sender cannot stop a run.
 Every send goes through `send`/`send_to`/`send_blocking`, which count the bytes this process has
 sent (`sent_bytes`): the per-process traffic metric of each step.
+
+`make_socket` is the one place sockets are made and secured: given the run's `Security`, a socket
+that binds is a CURVE server that accepts only the run's client key, and one that connects a CURVE
+client (runtime/security.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from areal_flow.runtime.security import Security, curve_client, curve_server
 from areal_flow.transport.messages import Message, decode, encode
 
 log = logging.getLogger("areal_flow.transport")
@@ -34,22 +39,39 @@ def _encoded(msg: Message) -> bytes:
 
 
 def endpoint(port: int, host: str = "127.0.0.1") -> str:
-    return f"tcp://{host}:{port}"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"  # an IPv6 address in brackets
 
 
 def make_socket(ctx: zmq.Context | zmq.asyncio.Context, kind: int, *, bind: str | None = None,
-                connect: list[str] | str | None = None, identity: str | None = None) -> zmq.Socket:
+                connect: list[str] | str | None = None, identity: str | None = None,
+                security: Security | None = None) -> zmq.Socket:
+    """A socket of `kind` on `ctx` that binds `bind` or connects to `connect`; with `security`
+    (the run's, from its spec) it speaks CURVE, and a server refuses every client without the
+    run's client key: such a client delivers nothing."""
+    if security is not None and bind and connect:
+        raise ValueError(f"a secured socket either binds ({bind}) or connects ({connect}): CURVE makes it "
+                         "a server or a client, not both")
     sock = ctx.socket(kind)
-    # No high-water mark: a full queue must block the sender, never silently drop a sample.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 1000)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity.encode())
-    if bind:
-        sock.bind(bind)
-    for addr in [connect] if isinstance(connect, str) else connect or []:
-        sock.connect(addr)
+    try:
+        # No high-water mark: a full queue must block the sender, never silently drop a sample.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 1000)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity.encode())
+        if security is not None:
+            # Before bind/connect: libzmq reads the mechanism when a connection starts.
+            if bind:
+                curve_server(ctx, sock, security)
+            else:
+                curve_client(sock, security)
+        if bind:
+            sock.bind(bind)
+        for addr in [connect] if isinstance(connect, str) else connect or []:
+            sock.connect(addr)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock
 
 

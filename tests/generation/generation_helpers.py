@@ -84,23 +84,24 @@ def full_forward_logprobs(model: torch.nn.Module, prompt: list[int], output: lis
     return logprobs.gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
-def http_call(base_url: str, method: str, path: str, body: bytes | dict | None = None
-              ) -> tuple[int, dict[str, str], Any]:
-    """One request on a fresh connection; the body comes back decoded when it is JSON."""
+def http_call(base_url: str, method: str, path: str, body: bytes | dict | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    """One request on a fresh connection, with `headers` besides its JSON content type; the body
+    comes back decoded when it is JSON."""
     parts = urlsplit(base_url)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
-        connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
         raw = response.read()
-        headers = {k.lower(): v for k, v in response.getheaders()}
+        answer_headers = {k.lower(): v for k, v in response.getheaders()}
     finally:
         connection.close()
     payload: Any = raw.decode()
-    if headers.get("content-type", "").startswith("application/json"):
+    if answer_headers.get("content-type", "").startswith("application/json"):
         payload = json.loads(raw)
-    return response.status, headers, payload
+    return response.status, answer_headers, payload
 
 
 def generate_ok(server: GenerationServer, body: dict) -> Any:

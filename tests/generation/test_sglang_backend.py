@@ -139,3 +139,34 @@ def test_the_embedded_server_command_maps_the_budget_keys_and_labels_version_0()
     assert pairs["--num-threads"] == "2" and pairs["--seed"] == "6" and pairs["--weight-version"] == "0"
     bare, _ = server_command(RunConfig(), Proc("gen_server0", "gen_server", (0,)), "/m", 31000)
     assert "--max-total-tokens" not in bare and "--max-batch-size" not in bare
+
+
+def test_a_secured_run_gives_each_server_the_hosts_address_and_its_key_off_the_embedded_command_line():
+    from areal_flow.config.schema import LauncherConfig
+    from areal_flow.graph.placement import Proc
+    from areal_flow.launch import server_command, server_host
+    from areal_flow.runtime.security import API_KEY_ENV, security_needed
+
+    proc = Proc("gen_server0", "gen_server", (0,))
+    secured = RunConfig(launcher=LauncherConfig(secure=True))
+    assert not security_needed(RunConfig()) and security_needed(secured)
+    # Off: generation.host as configured; on: the host's address instead of loopback, but an
+    # address the config names (a wildcard, another interface) stays.
+    assert server_host(RunConfig(), "10.1.2.3") == "127.0.0.1"
+    assert server_host(secured, "10.1.2.3") == "10.1.2.3"
+    wildcard = RunConfig(launcher=LauncherConfig(secure=True), generation=GenerationConfig(host="0.0.0.0"))
+    assert server_host(wildcard, "10.1.2.3") == "0.0.0.0"
+
+    argv, env = server_command(secured, proc, "/m", 31000, host="10.1.2.3", api_key="k3y")
+    assert dict(zip(argv[3:], argv[4:]))["--host"] == "10.1.2.3"
+    assert "k3y" not in argv and env == {API_KEY_ENV: "k3y"}  # other users can read a command line
+    sglang_cfg = RunConfig(launcher=LauncherConfig(secure=True), generation=sglang())
+    argv, _ = server_command(sglang_cfg, proc, "/m", 31000, host="10.1.2.3", api_key="k3y")
+    pairs = dict(zip(argv[3:], argv[4:]))
+    assert pairs["--api-key"] == "k3y" and pairs["--host"] == "10.1.2.3"
+    assert "--api-key" not in sglang_command(sglang(), "/m", 1, 0, "cpu")
+
+
+def test_extra_args_may_not_set_the_api_key():
+    problems = generation_problems(sglang(extra_args=["--api-key", "mine"]), 1)
+    assert len(problems) == 1 and "decided by the launcher" in problems[0] and "set that key" not in problems[0]

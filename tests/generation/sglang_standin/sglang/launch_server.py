@@ -7,7 +7,7 @@ as in SGLang), checks the environment SGLang's CPU engine reads, appends what it
 JSON-lines file $SGLANG_STANDIN_RECORD, and serves areal_flow's embedded engine, answering as real
 SGLang does where the two differ: no `meta_info.output_token_versions` (an areal_flow extension),
 the initial weight version labelled "default", no `busy_seconds` in /server_info, and with
---skip-tokenizer-init no tokenizer (answers carry no text).
+--skip-tokenizer-init no tokenizer (answers carry no text). --api-key guards the routes as SGLang's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--api-key", default=None)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -97,7 +98,8 @@ def main(argv: list[str]) -> None:
                               max_total_tokens=args.max_total_tokens)
     if args.context_length is not None:
         engine.context_length = args.context_length
-    server = embedded.GenerationServer((args.host, args.port), engine, tokenizer, args.model_path)
+    # As SGLang: an empty key means none.
+    server = embedded.GenerationServer((args.host, args.port), engine, tokenizer, args.model_path, args.api_key or None)
     server.start()
     print(f"The server is fired up and ready to roll! ({server.url})", flush=True)
     stop.wait()
