@@ -35,7 +35,7 @@ from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
 from areal_flow.rewards.service import resolve
 from areal_flow.runtime.security import API_KEY_ENV, LOOPBACK, Security, host_address, is_loopback, security_needed
-from areal_flow.runtime.spec import RunSpec, free_ports, reachable, typed, write_run
+from areal_flow.runtime.spec import RunSpec, reachable, typed, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Hydra config dir. An installed wheel holds it inside the package, as areal_flow/conf with the
@@ -110,11 +110,11 @@ def server_host(cfg: RunConfig, host: str) -> str:
     return host if security_needed(cfg) and is_loopback(cfg.generation.host) else cfg.generation.host
 
 
-def start_processes(launcher: LocalLauncher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
+def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
     for proc in placement.procs:
         if proc.role == "gen_server":
             launcher.start(proc, *server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank],
-                                                 host=server_host(cfg, spec.host), api_key=spec.api_key))
+                                                 host=server_host(cfg, spec.host_of(proc.name)), api_key=spec.api_key))
         else:
             launcher.start(proc, python_role(proc.role, proc, spec.run_dir))
 
@@ -130,6 +130,18 @@ def describe_servers(cfg: RunConfig, placement: Placement) -> str:
         argv, env = server_command(cfg, proc, model, "<port>", host=host, api_key=api_key)
         lines.append(f"  {proc.name}: {shell_line(argv, env)}")
     return "\n".join(lines)
+
+
+def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
+    """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
+    lc = cfg.launcher
+    if lc.type == "ray":
+        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
+
+        return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
+                           start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
+    return LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=lc.pin_cpus,
+                         stop_timeout=lc.stop_timeout)
 
 
 def check_rewards(cfg: RunConfig, graph, console: Console) -> None:
@@ -188,23 +200,29 @@ def run(raw: DictConfig, console: Console) -> int:
     # A secured run listens on this host's address, with a secret made here (docs/security.md).
     security = Security.new() if security_needed(cfg) else None
     host = host_address() if security is not None else LOOPBACK
-    # Secured: ports free on every address, since servers bind the host's address, loopback
-    # (torch.distributed) and maybe a wildcard (generation.host).
-    ports = iter(free_ports(n_gen + n_roll + n_train + 2, LOOPBACK if security is None else "0.0.0.0"))
+    launcher = make_launcher(cfg, run_dir, placement)
+    # A free port on the node of each process that listens (trainer 0's node twice: its inbox and the
+    # trainers' torch.distributed rendezvous), in the order the spec lists them. Secured: free on
+    # every address, since servers bind the host's address, loopback (torch.distributed) and maybe a
+    # wildcard (generation.host).
+    listeners = [p.name for r in ("gen_server", "rollout", "trainer") for p in placement.of_role(r)]
+    names = [*listeners, "controller", "trainer0"]
+    reserved = launcher.reserve(names, wildcard=security is not None)
+    ports = iter(port for _, port in reserved)
+    # Processes a launcher put on other nodes (Ray) listen on, and are reached at, their node's address.
+    hosts = {name: addr for name, (addr, _) in zip(names, reserved) if not is_loopback(addr)}
     spec = RunSpec(
         run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
         gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
         trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
         n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir,
-        host=host, security=security,
+        host=host, hosts=hosts, security=security,
     )
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
     if security is not None:
         console.print(f"secured: servers listen on {host}; ZeroMQ is CURVE-encrypted and the generation "
                       "servers take the run's API key (in spec.json, owner-only)", highlight=False)
-    launcher = LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=cfg.launcher.pin_cpus,
-                             stop_timeout=cfg.launcher.stop_timeout)
     try:
         start_processes(launcher, placement, spec, cfg)
         with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:

@@ -217,7 +217,10 @@ class SandboxConfig:
 class LauncherConfig:
     """How processes are started and watched."""
 
-    type: str = doc("local", "'local': one OS process per role on this machine", choices=("local",))
+    type: str = doc("local", "'local': one OS process per role on this machine; 'ray': each process on its node of a "
+                    "Ray cluster, placed by placement groups (pip install -e '.[ray]')", choices=("local", "ray"))
+    ray_address: str = doc("auto", "launcher.type=ray: the cluster to join (`ray start --head` prints it); 'auto' "
+                           "finds the one this host belongs to")
     pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
     start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails", gt=0)
     stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children", ge=0)

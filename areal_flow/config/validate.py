@@ -8,6 +8,7 @@ depend on the machine. Every problem names the key to change; all of them are re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from typing import Any
@@ -66,12 +67,15 @@ def _machine(cfg: RunConfig) -> list[str]:
         # Accepting it would start every process on the CPU and look like a GPU run.
         problems.append("cluster.device_type='cuda': the training and generation engines of this version run on "
                         "the CPU only; use cluster.device_type=cpu (or dry_run=true to see a GPU placement)")
-    if cfg.cluster.n_nodes > 1 and not cfg.dry_run:
-        problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type={cfg.launcher.type} starts processes on "
-                        "this host only; use dry_run=true to see the placement on several nodes")
-    elif kind == "cpu" and not cfg.dry_run and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
+    local = cfg.launcher.type != "ray"  # processes on this host
+    if cfg.cluster.n_nodes > 1 and local and not cfg.dry_run:
+        problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type=local starts processes on this host "
+                        "only; use launcher.type=ray, or dry_run=true to see the placement on several nodes")
+    elif kind == "cpu" and local and not cfg.dry_run and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
         problems.append(f"cluster.n_devices={n} but this process may use {len(os.sched_getaffinity(0))} cores "
                         "(lower cluster.n_devices, or set launcher.pin_cpus=false)")
+    if cfg.launcher.type == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("launcher.type=ray needs Ray, an optional extra: pip install -e '.[ray]'")
     if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
         problems.append(f"rollout.weight_update_mode='shm' needs a writable {SHARED_MEMORY} (a RAM file system), which "
                         "this machine does not have; use rollout.weight_update_mode=disk")

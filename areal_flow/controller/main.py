@@ -36,7 +36,7 @@ from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.transport.channels import endpoint, make_socket, recv_from, send_to, sent_bytes
+from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
     AdmitRequest,
     Admitted,
@@ -84,7 +84,7 @@ class Controller:
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
         self.clock, self.traffic = RunClock(), Traffic()
-        self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=endpoint(spec.controller_port, spec.host),
+        self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=spec.endpoint("controller", spec.controller_port),
                                   security=spec.security)
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks

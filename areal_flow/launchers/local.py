@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from areal_flow.graph.placement import Proc
+from areal_flow.runtime.spec import free_ports
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,6 +61,11 @@ class LocalLauncher:
         self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
         self.children: dict[str, Child] = {}
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+
+    def reserve(self, names: list[str], wildcard: bool = False) -> list[tuple[str, int]]:
+        """(address, free port) for each named process, in order, all on this host: free on loopback,
+        or on every address with `wildcard`."""
+        return [("127.0.0.1", port) for port in free_ports(len(names), "0.0.0.0" if wildcard else "127.0.0.1")]
 
     def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
         """Start `argv` as `proc`, with `env` on top of this process's environment."""

@@ -19,7 +19,7 @@ from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
+from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
     DROP,
     GeneratedGroup,
@@ -62,12 +62,12 @@ class RewardWorker:
         self.tokenizer = load_tokenizer(spec.model_path)
         self.versions_key = self.graph.output(self.graph.generate, "versions")
         ctx = zmq.asyncio.Context()
-        self.inbox = make_socket(ctx, zmq.PULL, connect=[endpoint(p, spec.host) for p in spec.rollout_ports],
+        self.inbox = make_socket(ctx, zmq.PULL, connect=[spec.endpoint(f"rollout{i}", p) for i, p in enumerate(spec.rollout_ports)],
                                  security=spec.security)
-        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+        self.controller = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
                                       security=spec.security)
-        self.ranks = [make_socket(ctx, zmq.PUSH, connect=endpoint(p, spec.host), security=spec.security)
-                      for p in spec.trainer_ports]
+        self.ranks = [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
+                      for r, p in enumerate(spec.trainer_ports)]
         self.held: dict[int, ScoredGroup] = {}  # scored, waiting for the controller's Route
         self.service = RewardService(self.graph.rewards, cfg.sandbox)
         self.tasks: set[asyncio.Task] = set()

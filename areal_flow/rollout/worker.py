@@ -22,7 +22,7 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.transport.channels import endpoint, make_socket, recv, send, sent_bytes
+from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import AdmitRequest, Admitted, Array, Finish, GeneratedGroup, PromptGroup, Sample
 
 log = logging.getLogger("areal_flow.rollout")
@@ -81,9 +81,9 @@ class RolloutWorker:
         # Every worker holds an equal share of the concurrency the controller may grant.
         self.slots = max(1, cfg.rollout.max_concurrent // spec.n_rollout)
         ctx = zmq.asyncio.Context()
-        self.controller = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+        self.controller = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
                                       security=spec.security)
-        self.rewards = make_socket(ctx, zmq.PUSH, bind=endpoint(spec.rollout_ports[rank], spec.host),
+        self.rewards = make_socket(ctx, zmq.PUSH, bind=spec.endpoint(f"rollout{rank}", spec.rollout_ports[rank]),
                                    security=spec.security)
         graph = graph_from_config(cfg)
         # Write what the recipe declares, under the names it gives: well-known key -> name.

@@ -69,10 +69,10 @@ class Security(msgspec.Struct, frozen=True, kw_only=True):
 
 def security_needed(cfg: RunConfig) -> bool:
     """Whether the run gets a per-run secret and its servers bind to the host's address."""
-    # SPANS HOSTS: once a placement can put processes on several hosts (cluster.n_nodes), return
-    # `cfg.launcher.secure or <the placement spans hosts>` here. Nothing else decides it: the
-    # launcher makes a Security exactly when this says so, and every process follows the spec.
-    return cfg.launcher.secure
+    # Several nodes, or a launcher that may start processes on other hosts (Ray), put servers where
+    # other machines reach them. Nothing else decides it: the launcher makes a Security exactly when
+    # this says so, and every process follows the spec.
+    return cfg.launcher.secure or cfg.cluster.n_nodes > 1 or cfg.launcher.type != "local"
 
 
 def host_address() -> str:

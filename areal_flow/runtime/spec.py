@@ -34,6 +34,7 @@ class RunSpec(msgspec.Struct, kw_only=True):
     gen_host: str = "127.0.0.1"  # where clients reach the generation servers (see reachable)
     weights_dir: str = ""  # where trainer rank 0 publishes each version; "" = run_dir/weights
     host: str = LOOPBACK  # where ZeroMQ servers bind and clients connect: this host's address when secured
+    hosts: dict[str, str] = {}  # process name -> its node's address, where the launcher placed it on another node
     security: Security | None = None  # the run's secret (security_needed); None: plain, on loopback
 
     @property
@@ -41,10 +42,22 @@ class RunSpec(msgspec.Struct, kw_only=True):
         """The generation servers' API key, or None when the run is not secured."""
         return self.security.api_key if self.security is not None else None
 
+    def host_of(self, name: str, default: str | None = None) -> str:
+        """The address process `name` listens on (and is reached at): its node's, or the run's."""
+        return self.hosts.get(name, self.host if default is None else default)
+
+    def endpoint(self, name: str, port: int) -> str:
+        """The ZeroMQ endpoint of process `name` listening on `port`."""
+        host = self.host_of(name)
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
     @property
     def gen_urls(self) -> list[str]:
-        host = f"[{self.gen_host}]" if ":" in self.gen_host else self.gen_host  # an IPv6 address
-        return [f"http://{host}:{p}" for p in self.gen_ports]
+        urls = []
+        for i, port in enumerate(self.gen_ports):
+            host = self.host_of(f"gen_server{i}", self.gen_host)
+            urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")  # IPv6 in brackets
+        return urls
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.run_dir, *parts)

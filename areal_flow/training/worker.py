@@ -28,10 +28,11 @@ from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import LOSS_MASK_KEY, Engine, OptimSpec, accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
-from areal_flow.transport.channels import endpoint, make_socket, recv_blocking, send_blocking, sent_bytes
+from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.transport.messages import (
     Array,
     Finish,
@@ -94,11 +95,11 @@ class ModelWorker:
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
         self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
         ctx = zmq.Context()
-        self.control = make_socket(ctx, zmq.DEALER, connect=endpoint(spec.controller_port, spec.host), identity=name,
+        self.control = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
                                    security=spec.security)
-        self.inbox = make_socket(ctx, zmq.PULL, bind=endpoint(spec.trainer_ports[rank], spec.host),
+        self.inbox = make_socket(ctx, zmq.PULL, bind=spec.endpoint(f"trainer{rank}", spec.trainer_ports[rank]),
                                  security=spec.security)
-        self.peers = {r: make_socket(ctx, zmq.PUSH, connect=endpoint(p, spec.host), security=spec.security)
+        self.peers = {r: make_socket(ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
                       for r, p in enumerate(spec.trainer_ports) if r != rank}
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
@@ -218,7 +219,8 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
     megatron = any(n.engine == "megatron" for n in nodes.values())
     # megatron's parallel state needs a process group even for one rank.
     if spec.n_trainers > 1 or megatron:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.dist_port}",
+        # Rank 0's node: its store listens there (on loopback when the run is on one host).
+        dist.init_process_group("gloo", init_method=f"tcp://{spec.hosts.get('trainer0', LOOPBACK)}:{spec.dist_port}",
                                 rank=rank, world_size=spec.n_trainers)
     engines: dict[str, Engine] = {}
     for role, node in nodes.items():

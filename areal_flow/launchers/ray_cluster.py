@@ -1,0 +1,193 @@
+"""`launcher.type=ray`: the run's processes on the nodes of a Ray cluster.
+
+Every process of the placement gets a Ray actor on the node the placement gives it: one placement
+group per placement node (STRICT_PACK: that node's processes share a Ray node), one bundle per
+process that owns devices (its GPUs, or its cores on CPU), and the placement groups are all
+reserved before anything starts, so a run starts whole or not at all (gang scheduling). The light
+processes (controller, rollout and reward workers) need no devices and go beside the first node's
+group. Each actor starts its process with the same command line the local launcher uses, on its
+node, with `logs/<name>.log` in the run directory (which must be on a file system every node
+shares), and reports its node's address and free ports, which the launcher writes into the run
+spec before any process starts.
+
+The launcher watches the actors the way the local launcher watches its children: a process that
+exits, or an actor whose node is lost, stops the run with the process's name; stopping the run
+stops every process and releases the placement groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from areal_flow.graph.placement import Placement, Proc
+from areal_flow.launchers.local import ChildFailed, _in_child, last_traceback
+from areal_flow.runtime.spec import free_ports
+
+
+@ray.remote(num_cpus=0)
+class ProcessActor:
+    """Starts one process of the run on its node and answers for it."""
+
+    def __init__(self) -> None:
+        self.popen: subprocess.Popen | None = None
+
+    def node(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_ports(self, n: int) -> list[int]:
+        return free_ports(n, "0.0.0.0")  # free on every address of the node: servers may bind any
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> dict[str, object]:
+        # The node's own environment (what Ray gave this actor: CUDA_VISIBLE_DEVICES among it),
+        # then the run's variables.
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **env}, preexec_fn=lambda: _in_child(None))
+        context = ray.get_runtime_context()
+        return {"pid": self.popen.pid, "node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+                "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])]}
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def stop(self, timeout: float) -> int | None:
+        if self.popen is None or self.popen.poll() is not None:
+            return None if self.popen is None else self.popen.returncode
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+
+def _bundle(proc: Proc, device_type: str) -> dict[str, float]:
+    n = len(proc.devices)
+    return {"GPU": float(n), "CPU": 1.0} if device_type == "cuda" else {"CPU": float(n)}
+
+
+class RayLauncher:
+    """The local launcher's interface (`reserve`, `start`, `check`, `wait`, `stop_all`) on Ray."""
+
+    def __init__(self, run_dir: str, placement: Placement, *, address: str, device_type: str,
+                 start_timeout: float, stop_timeout: float):
+        self.run_dir, self.stop_timeout, self.device_type = run_dir, stop_timeout, device_type
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        nodes = sorted({p.node for p in placement.procs if p.devices})
+        self.groups: dict[int, PlacementGroup] = {}
+        self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.log_paths: dict[str, str] = {}
+        self.started: dict[str, dict] = {}
+        try:
+            for node in nodes:
+                procs = [p for p in placement.procs if p.devices and p.node == node]
+                self.groups[node] = placement_group([_bundle(p, device_type) for p in procs], strategy="STRICT_PACK",
+                                                    name=f"areal_flow-node{node}")
+            self._wait_for_groups(start_timeout)
+            for node, group in self.groups.items():
+                procs = [p for p in placement.procs if p.devices and p.node == node]
+                for index, proc in enumerate(procs):
+                    self.actors[proc.name] = self._actor(proc, group, index, device_type)
+            first = self.groups[nodes[0]] if nodes else None
+            for proc in placement.procs:
+                if not proc.devices:  # light: no resources, next to the first node's processes
+                    self.actors[proc.name] = ProcessActor.options(
+                        scheduling_strategy=None if first is None else PlacementGroupSchedulingStrategy(first),
+                    ).remote()
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def _actor(self, proc: Proc, group: PlacementGroup, index: int, device_type: str):
+        resources = _bundle(proc, device_type)
+        return ProcessActor.options(
+            num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote()
+
+    def _wait_for_groups(self, timeout: float) -> None:
+        pending = {node: group.ready() for node, group in self.groups.items()}
+        try:
+            ray.get(list(pending.values()), timeout=timeout)
+        except GetTimeoutError:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0)
+            missing = [f"node {node} ({self.groups[node].bundle_specs})" for node, ref in pending.items()
+                       if ref not in ready]
+            raise RuntimeError(f"the Ray cluster could not place {', '.join(missing)} within {timeout:.0f} s "
+                               f"(launcher.start_timeout); it has {ray.cluster_resources()}") from None
+
+    def reserve(self, names: list[str], wildcard: bool = True) -> list[tuple[str, int]]:
+        """(address, free port) on the node of each named process, in order (a name may repeat);
+        ports are always free on every address of the node."""
+        wanted: dict[str, int] = {}
+        for name in names:
+            wanted[name] = wanted.get(name, 0) + 1
+        asked = {n: (self.actors[n].node.remote(), self.actors[n].free_ports.remote(k)) for n, k in wanted.items()}
+        answers = {n: (ray.get(host), ray.get(ports)) for n, (host, ports) in asked.items()}
+        out = []
+        for name in names:
+            host, ports = answers[name]
+            out.append((host, ports.pop(0)))
+        return out
+
+    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**(env or {}), "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": proc.name, "AREAL_FLOW_RUN": self.run_dir}
+        if self.device_type == "cpu":  # as the local launcher: a process's threads are its cores, light ones 1
+            env["OMP_NUM_THREADS"] = str(max(1, len(proc.devices)))
+        log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
+        self.log_paths[proc.name] = log_path
+        self.started[proc.name] = {"node": proc.node, **ray.get(self.actors[proc.name].start.remote(argv, env, log_path))}
+        # Where each process runs (its Ray node, address, pid, GPUs), for the user and the tests.
+        with open(os.path.join(self.run_dir, "ray_placement.json"), "w") as f:
+            json.dump(self.started, f, indent=1)
+
+    def check(self, finished: str) -> bool:
+        """True once `finished` exited 0; raises ChildFailed if any other process exited or its actor died."""
+        names = list(self.log_paths)
+        refs = [self.actors[n].poll.remote() for n in names]
+        codes: dict[str, int] = {}
+        for name, ref in zip(names, refs):
+            try:
+                code = ray.get(ref, timeout=30)
+            except (RayActorError, GetTimeoutError) as e:
+                raise ChildFailed(name, -signal.SIGKILL, f"its Ray actor is gone: {e}", self.log_paths[name]) from None
+            if code is not None:
+                codes[name] = code
+        if codes.get(finished) == 0:
+            return True
+        if codes:
+            name = next((n for n in codes if n != finished), finished)
+            raise ChildFailed(name, codes[name], last_traceback(self.log_paths[name]), self.log_paths[name])
+        return False
+
+    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+        while not self.check(finished):
+            on_tick()
+            time.sleep(interval)
+        on_tick()
+
+    def stop_all(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL after stop_timeout), kill the actors, release the groups."""
+        stops = [a.stop.remote(self.stop_timeout) for a in self.actors.values()]
+        try:
+            ray.get(stops, timeout=self.stop_timeout + 30)
+        except Exception:  # noqa: BLE001 - a lost actor took its process with it
+            pass
+        for actor in self.actors.values():
+            ray.kill(actor)
+        for group in self.groups.values():
+            remove_placement_group(group)
+        self.actors, self.groups = {}, {}
+        ray.shutdown()
