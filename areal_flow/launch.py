@@ -123,10 +123,12 @@ def describe_servers(cfg: RunConfig, placement: Placement) -> str:
     """The generation servers' command lines, for a dry run (ports and the secret are made at start)."""
     model = os.path.abspath(cfg.model.path) if cfg.model.path else f"<the bootstrapped model in {cfg.cache_dir}/models>"
     secured = security_needed(cfg)
-    host = server_host(cfg, host_address()) if secured else None
+    # On this host: its address; placed by a launcher on other nodes: each node's, known at start.
+    here = cfg.launcher.type == "local" and cfg.cluster.n_nodes == 1
     api_key = "<the API key of the run>" if secured else None
     lines = [f"generation servers (generation.backend={cfg.generation.backend}):"]
     for proc in placement.of_role("gen_server"):
+        host = None if not secured else server_host(cfg, host_address() if here else f"<address of node {proc.node}>")
         argv, env = server_command(cfg, proc, model, "<port>", host=host, api_key=api_key)
         lines.append(f"  {proc.name}: {shell_line(argv, env)}")
     return "\n".join(lines)
@@ -181,6 +183,9 @@ def run(raw: DictConfig, console: Console) -> int:
     if cfg.dry_run:
         if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
             check_model(graph, cfg.model.path, cfg.generation.tp_size)
+        elif cfg.model.path:  # a cluster's model need not be on the machine that plans the run
+            console.print(f"model.path={cfg.model.path} is not here: the layouts were not checked against it",
+                          highlight=False, markup=False)
         console.print(graph.describe(), highlight=False, markup=False)
         console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
         console.print(describe_servers(cfg, placement), highlight=False, markup=False)

@@ -79,7 +79,7 @@ def _machine(cfg: RunConfig) -> list[str]:
     if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
         problems.append(f"rollout.weight_update_mode='shm' needs a writable {SHARED_MEMORY} (a RAM file system), which "
                         "this machine does not have; use rollout.weight_update_mode=disk")
-    if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+    if cfg.model.path and not cfg.dry_run and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         problems.append(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
     return problems
 
