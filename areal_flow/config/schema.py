@@ -154,8 +154,9 @@ class RolloutConfig:
                                   "SGLang's update_weights_from_distributed; needs interrupt=true)",
                                   choices=("disk", "shm", "distributed"))
     weight_bucket_mb: int = doc(512, "weight_update_mode=distributed: most MiB of weights per bucket (one request "
-                                "to each server, then one broadcast); bounds the extra memory a transfer takes on "
-                                "the trainer and on each server (a larger tensor travels alone)", ge=1)
+                                "to each server, then one broadcast; a larger tensor travels alone); the trainer "
+                                "gathers one bucket at a time, and each server keeps one bucket's memory to "
+                                "receive into", ge=1)
     request_timeout: float = doc(600.0, "seconds one request to a generation server may take before it is retried on "
                                  "another", gt=0)
     request_retries: int = doc(3, "retries of a request after a connection error, timeout or 5xx answer (never after "

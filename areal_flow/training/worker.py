@@ -190,12 +190,9 @@ class ModelWorker:
                 pass
             return WeightsPublished(self.rank, msg.version)
         if self.sender is None:
-            gen = self.cfg.generation
-            # A real SGLang server joins with each of its TP ranks; the embedded engine is one rank.
-            ranks = gen.tp_size if gen.backend == "sglang" else 1
-            servers = [Server(f"gen_server{i}", url, ranks) for i, url in enumerate(self.spec.gen_urls)]
             # The local launcher runs every process on this host: the servers reach rank 0 on loopback.
-            self.sender = WeightSender(servers, backend=weight_group.BACKENDS[self.cfg.cluster.device_type],
+            self.sender = WeightSender(group_servers(self.cfg, self.spec.gen_urls),
+                                       backend=weight_group.BACKENDS[self.cfg.cluster.device_type],
                                        master_address="127.0.0.1", timeout=self.cfg.rollout.request_timeout)
         try:
             report = self.sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests)
@@ -237,6 +234,14 @@ class ModelWorker:
     def save_checkpoint(self, path: str) -> None:
         """The trained role's Hugging Face directory, with its training state beside it."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def group_servers(cfg: RunConfig, urls: list[str]) -> list[Server]:
+    """The generation servers of the weights group, as the controller names them. A real SGLang
+    server joins with each of its TP ranks (rank_offset + tp_rank); the embedded engine, whose
+    tp_size is its torch threads, is one rank."""
+    ranks = cfg.generation.tp_size if cfg.generation.backend == "sglang" else 1
+    return [Server(f"gen_server{i}", url, ranks) for i, url in enumerate(urls)]
 
 
 def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:

@@ -17,6 +17,7 @@ and this side find each other.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 
 import torch
@@ -123,11 +124,32 @@ def bucket_request(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict:
             "shapes": [list(t.shape) for _, t in bucket]}
 
 
-def receive(group: dist.ProcessGroup, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
-            ) -> dict[str, torch.Tensor]:
+ALIGN = 64
+"""Byte alignment of each tensor in a receive buffer (any dtype's element size divides it)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def bucket_bytes(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    """Bytes of a receive buffer that holds a bucket's tensors (each aligned)."""
+    return sum(_aligned(math.prod(shape) * dtype.itemsize) for _, dtype, shape in specs)
+
+
+def receive(group: dist.ProcessGroup, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+            buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The tensors rank 0 broadcasts for one bucket, in the announced order (all posted at once,
-    then waited for, as SGLang does)."""
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in specs}
+    then waited for, as SGLang does). With `buffer` (flat uint8, at least `bucket_bytes(specs)`)
+    they are views of it: the caller must be done with them before the buffer takes the next bucket."""
+    if buffer is None:
+        tensors = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in specs}
+    else:
+        tensors, offset = {}, 0
+        for name, dtype, shape in specs:
+            n = math.prod(shape) * dtype.itemsize
+            tensors[name] = buffer[offset:offset + n].view(dtype).view(shape)
+            offset += _aligned(n)
     works = [group.broadcast(tensor, 0) for tensor in tensors.values()]
     for work in works:
         work.wait()
