@@ -5,6 +5,7 @@ recipes/tiny_arith.yaml, run end to end on the real processes for a few steps.
 """
 
 import copy
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,23 @@ def test_weights_through_shared_memory_with_retracting_updates(tmp_path, run_cac
     assert len(loaded) == 3 and all("from /dev/shm/areal_flow-" in line for line in loaded)
     assert not (run_dir / "weights").exists()
     assert set(Path("/dev/shm").glob("areal_flow-*")) == before  # removed at the end
+
+
+def test_weights_by_broadcast_from_trainer_rank_0_over_gloo(tmp_path, run_cache):
+    """rollout.weight_update_mode=distributed: each version goes from trainer rank 0 to the server
+    in buckets over a gloo group (SGLang's /update_weights_from_distributed), never through a file,
+    between the controller's pause and continue; the server's version advances with every step."""
+    run_dir = run_variant(tmp_path, run_cache, "broadcast", copy.deepcopy(BASE["graph"]),
+                          "rollout.weight_update_mode=distributed", "rollout.weight_bucket_mb=1",
+                          "rollout.interrupt=true")
+    log = (run_dir / "logs" / "gen_server0.log").read_text()
+    loaded = [line for line in log.splitlines() if "loaded, version" in line]
+    assert all("from weights group 'weight_update_group'" in line for line in loaded)
+    per_version = Counter(int(line.rsplit(" ", 1)[1]) for line in loaded)
+    # The tiny model is 2.4 MB of fp32: three buckets of at most 1 MiB per version.
+    assert sorted(per_version) == [1, 2, 3] and all(n == 3 for n in per_version.values()), per_version
+    trainer = (run_dir / "logs" / "trainer0.log").read_text()
+    assert "weights group 'weight_update_group': 1 server(s), 2 ranks, gloo" in trainer
+    assert all(f"weight version {v} sent to 1 server(s)" in trainer for v in (1, 2, 3))
+    assert not (run_dir / "weights").exists()
+    assert all(m["update_seconds"] > 0 for m in steps_of(run_dir))

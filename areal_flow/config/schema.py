@@ -150,8 +150,15 @@ class RolloutConfig:
                           "return their tokens so far and the rollout worker resubmits them) or 'retract' (SGLang: "
                           "the server requeues and recomputes them itself)", choices=("abort", "retract"))
     weight_update_mode: str = doc("disk", "how each new version reaches the generation servers: 'disk' (a Hugging "
-                                  "Face directory in the run directory) or 'shm' (the same files in shared memory, "
-                                  "/dev/shm: no disk, one host; removed when the run ends)", choices=("disk", "shm"))
+                                  "Face directory in the run directory), 'shm' (the same files in shared memory, "
+                                  "/dev/shm: no disk, one host; removed when the run ends) or 'distributed' (trainer "
+                                  "rank 0 broadcasts them in buckets over a gloo/NCCL group with every server, "
+                                  "SGLang's update_weights_from_distributed; needs interrupt=true)",
+                                  choices=("disk", "shm", "distributed"))
+    weight_bucket_mb: int = doc(512, "weight_update_mode=distributed: most MiB of weights per bucket (one request "
+                                "to each server, then one broadcast; a larger tensor travels alone); the trainer "
+                                "gathers one bucket at a time, and each server keeps one bucket's memory to "
+                                "receive into", ge=1)
     request_timeout: float = doc(600.0, "seconds one request to a generation server may take before it is retried on "
                                  "another", gt=0)
     request_retries: int = doc(3, "retries of a request after a connection error, timeout or 5xx answer (never after "

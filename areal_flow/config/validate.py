@@ -84,6 +84,16 @@ def _machine(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _rollout(cfg: RunConfig) -> list[str]:
+    problems = []
+    if cfg.rollout.weight_update_mode == "distributed" and not cfg.rollout.interrupt:
+        # A bucket is loaded as it arrives (SGLang's semantics). Without a pause a server would admit
+        # requests between two buckets and decode them on a mix of old and new weights.
+        problems.append("rollout.weight_update_mode='distributed' needs rollout.interrupt=true: the weights arrive "
+                        "in several buckets, and only paused servers take no request between two of them")
+    return problems
+
+
 def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     problems = []
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
@@ -126,7 +136,7 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
 
 def check_run(cfg: RunConfig, graph: Graph) -> None:
     """Raise ConfigError listing every problem of a composed config whose graph is valid."""
-    problems = check_ranges(cfg) + _machine(cfg) + _graph(cfg, graph)
+    problems = check_ranges(cfg) + _machine(cfg) + _rollout(cfg) + _graph(cfg, graph)
     problems += generation_problems(cfg.generation, len(graph.generate.mesh or ()))
     if problems:
         raise ConfigError(problems)

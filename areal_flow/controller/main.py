@@ -30,6 +30,7 @@ from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
+from areal_flow.generation.router import WeightUpdateError
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
@@ -45,9 +46,11 @@ from areal_flow.transport.messages import (
     Message,
     PromptGroup,
     Route,
+    PublishWeights,
     Saved,
     SaveCheckpoint,
     StepDone,
+    WeightsPublished,
 )
 
 log = logging.getLogger("areal_flow.controller")
@@ -78,8 +81,10 @@ class Controller:
                                     ds.seed)
         self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
-                                         interrupt=cfg.rollout.interrupt,
-                                         pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key)
+                                         interrupt=cfg.rollout.interrupt, pause_mode=cfg.rollout.pause_mode,
+                                         config=cfg.rollout, api_key=spec.api_key,
+                                         transfer=self.send_weights if cfg.rollout.weight_update_mode == "distributed"
+                                         else None)
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
@@ -108,7 +113,7 @@ class Controller:
                 for proc, n in msg.traffic.items():
                     self.traffic.report(proc, n)
                 await self.route(ident, msg)
-            elif isinstance(msg, (Hello, StepDone, Saved)):
+            elif isinstance(msg, (Hello, StepDone, WeightsPublished, Saved)):
                 self.replies.put_nowait(msg)
             else:
                 log.error("controller: a %s is not for the controller, dropped", type(msg).__name__)
@@ -211,6 +216,17 @@ class Controller:
         for d in done:
             self.traffic.report(f"trainer{d.rank}", d.sent_bytes)
         return merge_results(done)
+
+    async def send_weights(self, version: int, abort_all_requests: bool) -> None:
+        """rollout.weight_update_mode=distributed, once the publisher has paused the servers: every
+        trainer rank takes part in sending `version`, rank 0 broadcasts it to the servers. Raises
+        WeightUpdateError with rank 0's account of what failed (server, bucket, tensor)."""
+        self.waiting_for = f"the trainer ranks to send weight version {version}"
+        for ident in self.ranks.values():
+            await send_to(self.socket, ident, PublishWeights(version, abort_all_requests))
+        done = await self.replies_from_ranks(WeightsPublished, f"sending weight version {version}")
+        if errors := [d.error for d in done if d.error]:
+            raise WeightUpdateError("; ".join(errors))
 
     async def replies_from_ranks(self, kind: type, what: str) -> list:
         """One reply of type `kind` from every trainer rank."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -14,24 +15,30 @@ from areal_flow.generation.router import ServerPool
 
 class WeightPublisher:
     def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True, pause_mode: str = "abort",
-                 config: RolloutConfig | None = None, api_key: str | None = None):
+                 config: RolloutConfig | None = None, api_key: str | None = None,
+                 transfer: Callable[[int, bool], Awaitable[None]] | None = None):
         """`config`: the timeouts, retries and health interval of the servers' pool; `api_key`: the
-        servers' (a secured run's)."""
+        servers' (a secured run's). `transfer` (rollout.weight_update_mode=distributed): has the
+        trainer broadcast a version to the paused servers (ServerPool.update_weights); without it
+        they load the published directory."""
         self.pool = ServerPool(urls, names, config, api_key=api_key)
         self.names = names  # process names, for error messages
         self.interrupt = interrupt  # rollout.interrupt
         self.pause_mode = pause_mode  # rollout.pause_mode
+        self.transfer = transfer
 
     @property
     def clients(self) -> list[GenerationClient]:
         return self.pool.clients
 
     async def publish(self, weights_path: str, version: int) -> float:
-        """Seconds it took every server that is up to load `weights_path` as `version`; a refusal
-        raises WeightUpdateError once every server is continued (ServerPool.update_weights). A
-        server that is down is logged and left out; it is marked up again when /health answers."""
+        """Seconds it took every server that is up to load `weights_path` (by broadcast: the
+        trainer's weights; the path is "") as `version`; a refusal raises WeightUpdateError once
+        every server is continued (ServerPool.update_weights). A server that is down is logged and
+        left out (by broadcast it fails the update); it is marked up again when /health answers."""
         t0 = time.perf_counter()
-        await self.pool.update_weights(weights_path, version, interrupt=self.interrupt, pause_mode=self.pause_mode)
+        await self.pool.update_weights(weights_path or None, version, interrupt=self.interrupt,
+                                       pause_mode=self.pause_mode, transfer=self.transfer)
         return time.perf_counter() - t0
 
     async def busy_seconds(self) -> float | None:

@@ -150,7 +150,8 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 @dataclass
 class _WeightUpdate:
-    path: str
+    path: str | None  # the directory the weights came from (the new model_path); None: not from disk
+    source: str  # what they came from, for the log
     version: int
     label: str | None  # None: keep the current label
     state: dict[str, torch.Tensor]
@@ -304,8 +305,19 @@ class GenerationEngine:
         path or a checkpoint of another shape raises and leaves the old weights and version.
         """
         state = load_checkpoint(path)
-        self._check_compatible(path, state)
-        self._hand_over(self._updates, _WeightUpdate(path, version, label, state, abort_all_requests))
+        self._check_compatible(f"weights in {path!r}", state, complete=True)
+        self._hand_over(self._updates, _WeightUpdate(path, path, version, label, state, abort_all_requests))
+
+    def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: int, *, source: str,
+                                    abort_all_requests: bool = False, label: str | None = None) -> None:
+        """Load some of the weights (one bucket of a broadcast: `state` maps Hugging Face names to
+        tensors) as `update_weights_from_disk` loads a directory; `source` names them in errors and
+        the log. A floating dtype other than the model's is cast as it is copied in (SGLang's
+        loaders do the same). A name the model does not have, a shape that does not match or a
+        tensor that is not floating point raises ValueError naming the tensor, and nothing of
+        `state` is loaded: the old weights and version stay."""
+        self._check_compatible(source, state, complete=False)
+        self._hand_over(self._updates, _WeightUpdate(None, source, version, label, state, abort_all_requests))
 
     def abort(self, rid: str | None = None, *, wait: bool = True) -> None:
         """Answer the request `rid` (None: every request, queued or running) with finish reason
@@ -422,21 +434,25 @@ class GenerationEngine:
             raise ValueError(f"top_logprobs_num must be in [0, {self.vocab_size}] (the vocabulary size), "
                              f"got {request.top_logprobs_num}")
 
-    def _check_compatible(self, path: str, state: dict[str, torch.Tensor]) -> None:
-        """Refuse weights that would not fit the served model, before any of them is copied."""
+    def _check_compatible(self, what: str, state: dict[str, torch.Tensor], *, complete: bool) -> None:
+        """Refuse weights that would not fit the served model, before any of them is copied;
+        `complete`: every weight must be there (a checkpoint, not a bucket)."""
         expected = self.model.state_dict()
         unknown = sorted(set(state) - set(expected))
         # named_parameters() drops duplicates, so a tied lm_head may be absent from the file.
-        missing = sorted({name for name, _ in self.model.named_parameters()} - set(state))
+        missing = sorted({name for name, _ in self.model.named_parameters()} - set(state)) if complete else []
         wrong = [f"{n} {tuple(t.shape)} != {tuple(expected[n].shape)}" for n, t in state.items()
                  if n in expected and t.shape != expected[n].shape]
+        not_float = [f"{n} {str(t.dtype).removeprefix('torch.')}" for n, t in state.items()
+                     if n in expected and not t.is_floating_point() and expected[n].is_floating_point()]
         problems = [
             f"unknown weights {unknown[:3]}" if unknown else "",
             f"missing weights {missing[:3]}" if missing else "",
             f"shape mismatch {wrong[:3]}" if wrong else "",
+            f"not floating point {not_float[:3]}" if not_float else "",
         ]
         if any(problems):
-            raise ValueError(f"weights in {path!r} do not fit the served model: " + "; ".join(p for p in problems if p))
+            raise ValueError(f"{what} do not fit the served model: " + "; ".join(p for p in problems if p))
 
     # ---- the decode thread --------------------------------------------------------------------
 
@@ -674,12 +690,13 @@ class GenerationEngine:
                 params[name].copy_(tensor)
             self._version = update.version
             self._label = self._label if update.label is None else update.label
-            self.model_path = update.path
+            if update.path is not None:
+                self.model_path = update.path
         except Exception as exc:
-            logger.exception("weight update from %s failed", update.path)
+            logger.exception("weight update from %s failed", update.source)
             update.done.set_exception(exc)
         else:
-            logger.info("weights from %s loaded, version %d", update.path, update.version)
+            logger.info("weights from %s loaded, version %d", update.source, update.version)
             update.done.set_result(None)
 
     def _result(self, row: _Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:

@@ -13,7 +13,8 @@
   brings back the ones that answer. When every server is down, a request waits up to
   `down_timeout` for one to come back, then fails naming each server and its last error
   (the timeouts, retries and intervals are `rollout.*` settings: config/schema.py, RolloutConfig);
-- **weight updates**: `update_weights` pauses, loads and continues every server that is up.
+- **weight updates**: `update_weights` pauses, loads and continues every server that is up (or, by
+  broadcast, has the trainer send the weights to all of them between pause and continue).
 
 AReaL's client picks servers round-robin, remembers a server per request id and retries on the same
 server; slime's router picks the server with the fewest open requests. This pool does both, and
@@ -98,7 +99,8 @@ class ServerPool:
         self._some_up.set()
         self._watcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # aborts of left requests
-        self._weights: tuple[str, int] | None = None  # the last (path, version) update_weights loaded
+        # The last (path, version) update_weights loaded; path None: sent by broadcast, not on disk.
+        self._weights: tuple[str | None, int] | None = None
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -232,6 +234,10 @@ class ServerPool:
         path, version = self._weights
         try:
             if await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT) != str(version):
+                if path is None:
+                    server.last_error = (f"it serves old weights, and weight version {version} came by broadcast "
+                                         "(rollout.weight_update_mode=distributed): there is no copy to load")
+                    return False
                 log.warning("generation server %s came back with old weights: loading version %d", server.name, version)
                 # Requests another pool routed to it meanwhile come back aborted, for resubmission.
                 await server.client.update_weights_from_disk(path, version, abort_all_requests=True)
@@ -249,10 +255,17 @@ class ServerPool:
 
     # ---- weight updates -------------------------------------------------------------------------
 
-    async def update_weights(self, model_path: str, version: int, *, interrupt: bool = True,
-                             pause_mode: str = "abort") -> list[str]:
+    async def update_weights(self, model_path: str | None, version: int, *, interrupt: bool = True,
+                             pause_mode: str = "abort",
+                             transfer: Callable[[int, bool], Awaitable[None]] | None = None) -> list[str]:
         """Load `model_path` as `version` on every server that is up; returns the names of the
         servers left out because they are down (raises ServerPoolError when every one is).
+
+        With `transfer` (rollout.weight_update_mode=distributed) the weights come by broadcast
+        instead: between pause and continue, `transfer(version, abort_all_requests)` has the
+        trainer send them to every server of its weights group, and raises WeightUpdateError
+        naming the server and bucket that failed. Every server takes part in each broadcast, so
+        none can be left out: one that is down fails the update before any is paused.
 
         Interrupting: pause every server, load the weights, then continue. With pause_mode "abort"
         (AReaL's sequence) the running requests return with finish_reason abort and the tokens so
@@ -269,6 +282,13 @@ class ServerPool:
         await self._wait_until_some_up(f"the update to weight version {version}")
         servers = [s for s in self.servers if s.up]
         refusals: list[str] = []
+        if transfer is not None:
+            if not interrupt:
+                raise ValueError("weights by broadcast arrive in several buckets and need interrupting updates")
+            if len(servers) < len(self.servers):
+                raise WeightUpdateError(
+                    f"weight version {version} cannot be broadcast: every generation server of the weights group "
+                    "takes part in each broadcast, and " + "; ".join(s.describe() for s in self.servers if not s.up))
 
         async def on_each(step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
                           ) -> list[Server]:
@@ -288,18 +308,31 @@ class ServerPool:
             return client.update_weights_from_disk(model_path, version,
                                                    abort_all_requests=interrupt and pause_mode == "abort")
 
+        async def broadcast(paused: list[Server]) -> None:
+            if len(paused) < len(servers):  # a server that is not paused would decode during the buckets
+                refusals.append(f"the broadcast was not started: {len(servers) - len(paused)} server(s) not paused")
+                return
+            try:
+                await transfer(version, interrupt and pause_mode == "abort")
+            except WeightUpdateError as exc:
+                refusals.append(str(exc))
+
         if not interrupt:
             await on_each("load the weights", servers, load)
         else:
             paused = await on_each("pause", servers, lambda c: c.pause_generation(pause_mode))
             try:
-                await on_each("load the weights", paused, load)
+                if transfer is None:
+                    await on_each("load the weights", paused, load)
+                else:
+                    await broadcast(paused)
             finally:
                 # Every server that may be paused, also one whose pause answered an error.
                 await on_each("continue", [s for s in servers if s.up], lambda c: c.continue_generation())
         if refusals:
-            raise WeightUpdateError(f"weight version {version} from {model_path}: " + "; ".join(refusals))
-        self._weights = (model_path, version)
+            source = "by broadcast" if transfer is not None else f"from {model_path}"
+            raise WeightUpdateError(f"weight version {version} {source}: " + "; ".join(refusals))
+        self._weights = (None if transfer is not None else model_path, version)
         left_out = [s.name for s in self.servers if not s.up]
         if left_out:
             log.warning("weight version %d was not loaded on %s: down (%s)", version, ", ".join(left_out),

@@ -3,7 +3,10 @@
 FastAPI on uvicorn, as SGLang itself serves it: one event loop on a background thread answers
 every connection (HTTP/1.1 keep-alive), and a request waits for the engine's thread without
 holding a thread of its own. Field names, response shapes and error envelopes follow SGLang's
-native API, so a client written for SGLang works here unchanged. The areal_flow extension is
+native API, so a client written for SGLang works here unchanged. New weights come from disk
+(`/update_weights_from_disk`) or by broadcast from the trainer over a weights group
+(`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`;
+`transport/weight_group.py`). The areal_flow extension is
 `meta_info.output_token_versions`: the integer weight version of each generated token (SGLang's
 `weight_version` is a free label; see `engine.version_for_label`). `/generate` bodies and answers,
 streaming included, are in `generate_api.py`; `/v1/loads` and `/metrics` in `load_report.py`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import functools
 import json
 import logging
 import os
@@ -29,10 +33,12 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
@@ -52,6 +58,7 @@ from areal_flow.generation.generate_api import (
 )
 from areal_flow.generation.load_report import LoadReport
 from areal_flow.runtime.security import API_KEY_ENV
+from areal_flow.transport import weight_group
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +156,166 @@ async def route_update_weights(server: GenerationServer, call: Call) -> tuple[in
         return 400, {"success": False, "message": message, "num_paused_requests": 0}
     message = f"Succeeded to update model weights. Weight version updated to {engine.weight_label}."
     return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+# ---- weights by broadcast (SGLang's /init_weights_update_group, /update_weights_from_distributed) --
+
+WEIGHT_GROUP_TIMEOUT = 600.0
+"""Seconds a server waits for the other ranks of a weights group: to join it, and for each
+broadcast (the trainer gathers a bucket meanwhile)."""
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """A weights group this server joined: trainer rank 0 broadcasts, this server is `rank`."""
+
+    name: str
+    process_group: Any
+    rank: int
+    world_size: int
+    lock: threading.Lock
+    """Held while a bucket is received and loaded: two buckets on one group must not interleave,
+    and the next one is received into the same buffer."""
+    buffer: Any = None
+    """The receive buffer (flat uint8), kept from bucket to bucket and grown to the largest. Fresh
+    memory costs its page faults on every bucket: 0.5 s per GB on the 2-core test machine, about
+    as much as the broadcast itself; a GPU caching allocator keeps its blocks the same way."""
+
+    def receive(self, specs: list) -> dict:
+        size = weight_group.bucket_bytes(specs)
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = None  # the old one is freed before the larger one is made
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return weight_group.receive(self.process_group, specs, self.buffer)
+
+
+def _off_loop(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+    """Run `fn` on a daemon thread. A broadcast whose sender died blocks until the group's timeout;
+    on a daemon thread it cannot hold up the process's exit (asyncio.to_thread's pool would)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weights-group", daemon=True).start()
+    return asyncio.wrap_future(future)
+
+
+def _group_field(body: dict, key: str, kind: type, default: Any = None) -> Any:
+    value = body.get(key, default)
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and not value):
+        raise bad_request(f"{key} must be {'a non-empty string' if kind is str else 'an integer'}, got {value!r}")
+    return value
+
+
+async def route_init_weights_update_group(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """Join the weights group as rank `rank_offset` (the embedded engine is one rank: SGLang's TP
+    ranks would take rank_offset + tp_rank). Returns once every rank has joined."""
+    body = _json_object(call.body)
+    try:
+        address = _group_field(body, "master_address", str)
+        port = _group_field(body, "master_port", int)
+        rank = _group_field(body, "rank_offset", int)
+        world_size = _group_field(body, "world_size", int)
+        name = _group_field(body, "group_name", str, weight_group.DEFAULT_GROUP)
+        backend = _group_field(body, "backend", str, "nccl")  # SGLang's default; the embedded engine needs gloo
+        if not 0 < rank < world_size:
+            raise bad_request(f"rank_offset must be in [1, world_size) = [1, {world_size}): rank 0 is the "
+                              f"trainer's, got {rank}")
+        if backend == "nccl":
+            raise bad_request("backend 'nccl' needs CUDA: the embedded engine runs on the CPU, join with backend "
+                              "'gloo'")
+        with server.weight_groups_lock:
+            if name in server.weight_groups:
+                raise bad_request(f"a weights group named {name!r} exists already; destroy it first "
+                                  "(/destroy_weights_update_group)")
+        process_group = await _off_loop(functools.partial(
+            weight_group.join, None, master_address=address, master_port=port, rank=rank, world_size=world_size,
+            group_name=name, backend=backend, timeout=WEIGHT_GROUP_TIMEOUT))
+    except HTTPError as exc:
+        return 400, {"success": False, "message": f"Failed to init the weights update group: {exc.message}"}
+    except weight_group.WeightGroupError as exc:
+        return 400, {"success": False, "message": f"Failed to init the weights update group: {exc}"}
+    with server.weight_groups_lock:
+        server.weight_groups[name] = WeightGroup(name, process_group, rank, world_size, threading.Lock())
+    logger.info("joined weights group %r as rank %d of %d (%s, store at %s:%d)", name, rank, world_size, backend,
+                address, port)
+    return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+async def route_update_weights_from_distributed(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """Receive one bucket by broadcast and load it. Once the bucket can be read (its group exists,
+    names, dtypes and shapes are well formed) its tensors are received whatever else is wrong, so
+    that the sender's broadcast completes and the group stays usable; only then is a bucket that
+    does not fit the model refused, naming the tensor, with nothing of it loaded."""
+    body = _json_object(call.body)
+    engine = server.engine
+    refused = {"success": False, "message": ""}
+    try:
+        name = _group_field(body, "group_name", str, weight_group.DEFAULT_GROUP)
+        with server.weight_groups_lock:
+            group = server.weight_groups.get(name)
+        if group is None:
+            raise ValueError(f"no weights group named {name!r}; join one first (/init_weights_update_group)")
+        specs = weight_group.parse_bucket(body.get("names"), body.get("dtypes"), body.get("shapes"))
+    except HTTPError as exc:
+        return 400, refused | {"message": f"Failed to update weights: {exc.message}"}
+    except ValueError as exc:
+        return 400, refused | {"message": f"Failed to update weights: {exc}"}
+
+    problem = ""  # found before the tensors arrive, told once they have
+    try:
+        version, label = _weight_version(body.get("weight_version"), engine.version)
+        abort_all = as_bool(body.get("abort_all_requests"), "abort_all_requests", False)
+        as_bool(body.get("flush_cache"), "flush_cache", True)  # the engine keeps no prefix cache to flush
+        if body.get("load_format") is not None:
+            raise bad_request(f"load_format {body['load_format']!r} is not supported: the embedded engine loads "
+                              "Hugging Face tensors as they are (load_format null)")
+    except HTTPError as exc:
+        problem = exc.message
+    except ValueError as exc:
+        problem = str(exc)
+
+    def receive_and_load() -> str:
+        """Returns why the bucket was refused, or ""."""
+        with group.lock:
+            try:
+                state = group.receive(specs)
+            except RuntimeError as exc:  # the broadcast failed: the sender left or the group timed out
+                return f"receiving from group {name!r} failed: {exc}"
+            if problem:
+                return problem
+            try:
+                # Returns once the tensors are copied into the model: the buffer is free again.
+                engine.update_weights_from_tensors(state, version, source=f"weights group {name!r} ({len(state)} "
+                                                   "tensors)", abort_all_requests=abort_all, label=label)
+            except ValueError as exc:
+                return str(exc)
+        return ""
+
+    if why := await _off_loop(receive_and_load):
+        return 400, refused | {"message": f"Failed to update weights: {why}. The server keeps weight version "
+                                          f"{engine.weight_label}."}
+    return 200, {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
+                                             f"{engine.weight_label}."}
+
+
+async def route_destroy_weights_update_group(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    body = _json_object(call.body)
+    try:
+        name = _group_field(body, "group_name", str, weight_group.DEFAULT_GROUP)
+    except HTTPError as exc:
+        return 400, {"success": False, "message": exc.message}
+    with server.weight_groups_lock:
+        group = server.weight_groups.pop(name, None)
+    if group is None:
+        return 400, {"success": False, "message": f"no weights group named {name!r}"}
+    # The group's sockets close when nothing holds it; one still receiving keeps it until it is done.
+    logger.info("left weights group %r", name)
+    return 200, {"success": True, "message": f"Succeeded to destroy custom process group {name}."}
 
 
 async def route_health(server: GenerationServer, call: Call) -> tuple[int, Payload]:
@@ -278,6 +445,9 @@ Route = Callable[["GenerationServer", Call], Awaitable["tuple[int, Payload] | Re
 ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/generate": (frozenset({"POST", "PUT"}), route_generate),
     "/update_weights_from_disk": (frozenset({"POST"}), route_update_weights),
+    "/init_weights_update_group": (frozenset({"POST"}), route_init_weights_update_group),
+    "/update_weights_from_distributed": (frozenset({"POST"}), route_update_weights_from_distributed),
+    "/destroy_weights_update_group": (frozenset({"POST"}), route_destroy_weights_update_group),
     "/health": (frozenset({"GET"}), route_health),
     "/health_generate": (frozenset({"GET"}), route_health_generate),
     "/ready": (frozenset({"GET"}), route_ready),
@@ -420,6 +590,8 @@ class GenerationServer:
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.load_report = LoadReport(engine)
+        self.weight_groups: dict[str, WeightGroup] = {}  # the weights groups joined, by name
+        self.weight_groups_lock = threading.Lock()
         config = uvicorn.Config(
             create_app(self, api_key),
             lifespan="off",

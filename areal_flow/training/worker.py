@@ -32,17 +32,21 @@ from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import LOSS_MASK_KEY, Engine, OptimSpec, accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
+from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
+from areal_flow.transport import weight_group
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.transport.messages import (
     Array,
     Finish,
     Hello,
+    PublishWeights,
     RunStep,
     Sample,
     Saved,
     SaveCheckpoint,
     ScoredGroup,
     StepDone,
+    WeightsPublished,
 )
 
 log = logging.getLogger("areal_flow.trainer")
@@ -104,6 +108,8 @@ class ModelWorker:
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
+        self.by_broadcast = cfg.rollout.weight_update_mode == "distributed"
+        self.sender: WeightSender | None = None  # rank 0's end of the weights group, made at the first publish
 
     def run(self) -> None:
         send_blocking(self.control, Hello(self.rank))
@@ -115,6 +121,8 @@ class ModelWorker:
                 msg = recv_blocking(self.control, f"{self.name} control")
                 if isinstance(msg, RunStep):
                     send_blocking(self.control, self.step(msg))
+                elif isinstance(msg, PublishWeights):
+                    send_blocking(self.control, self.publish(msg))
                 elif isinstance(msg, SaveCheckpoint):
                     self.save_checkpoint(msg.path)
                     send_blocking(self.control, Saved(self.rank, msg.path))
@@ -162,15 +170,44 @@ class ModelWorker:
             else:
                 stats = self.train(node, samples)
         version = plan.step + 1
-        weights = self.spec.weights(f"v{version}")
         trained.version = version
-        trained.save_weights(weights)  # every rank takes part; rank 0 writes
-        if self.rank == 0:
-            _prune_weights(self.spec.weights(), keep=version)
+        weights = ""  # by broadcast, the controller asks for the weights once the servers are paused
+        if not self.by_broadcast:
+            weights = self.spec.weights(f"v{version}")
+            trained.save_weights(weights)  # every rank takes part; rank 0 writes
+            if self.rank == 0:
+                _prune_weights(self.spec.weights(), keep=version)
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+
+    def publish(self, msg: PublishWeights) -> WeightsPublished:
+        """Send the trained role's weights to the paused servers over the weights group: every rank
+        takes part in gathering them bucket by bucket (a collective under FSDP and megatron), rank 0
+        broadcasts each bucket."""
+        trained = self.engines[self.graph.train.role]
+        buckets = trained.export_weights(self.cfg.rollout.weight_bucket_mb << 20)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return WeightsPublished(self.rank, msg.version)
+        if self.sender is None:
+            # The servers reach rank 0 where it listens: its node's address, or loopback on one host.
+            self.sender = WeightSender(group_servers(self.cfg, self.spec.gen_urls),
+                                       backend=weight_group.BACKENDS[self.cfg.cluster.device_type],
+                                       master_address=self.spec.hosts.get("trainer0", LOOPBACK),
+                                       timeout=self.cfg.rollout.request_timeout, api_key=self.spec.api_key)
+        try:
+            report = self.sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests)
+        except WeightTransferError as exc:
+            log.error("%s: weight version %d was not sent: %s", self.name, msg.version, exc)
+            return WeightsPublished(self.rank, msg.version, error=str(exc))
+        log.info("%s: weight version %d sent to %d server(s): %.1f MB in %d bucket(s), %.2f s (%.2f GB/s)", self.name,
+                 msg.version, len(self.sender.servers), report.bytes / 1e6, report.buckets, report.seconds,
+                 report.gb_per_second)
+        return WeightsPublished(self.rank, msg.version, buckets=report.buckets, bytes=report.bytes,
+                                seconds=report.seconds)
 
     def engine(self, node: Node) -> Engine:
         """The role's model, packing micro-batches under this node's own token budgets."""
@@ -201,6 +238,14 @@ class ModelWorker:
     def save_checkpoint(self, path: str) -> None:
         """The trained role's Hugging Face directory, with its training state beside it."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def group_servers(cfg: RunConfig, urls: list[str]) -> list[Server]:
+    """The generation servers of the weights group, as the controller names them. A real SGLang
+    server joins with each of its TP ranks (rank_offset + tp_rank); the embedded engine, whose
+    tp_size is its torch threads, is one rank."""
+    ranks = cfg.generation.tp_size if cfg.generation.backend == "sglang" else 1
+    return [Server(f"gen_server{i}", url, ranks) for i, url in enumerate(urls)]
 
 
 def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:

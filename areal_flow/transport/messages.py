@@ -200,6 +200,27 @@ class StepDone(msgspec.Struct, tag=True):
     sent_bytes: int = 0
 
 
+class PublishWeights(msgspec.Struct, tag=True):
+    """rollout.weight_update_mode=distributed: send the trained role's weights to every generation
+    server as `version` over the weights group (rank 0 broadcasts; every rank takes part in
+    gathering them). The controller has paused the servers."""
+
+    version: int
+    abort_all_requests: bool = False
+
+
+class WeightsPublished(msgspec.Struct, tag=True):
+    """A rank finished PublishWeights; rank 0 says how it went (`error` names the server and the
+    bucket when it failed)."""
+
+    rank: int
+    version: int
+    error: str = ""
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class SaveCheckpoint(msgspec.Struct, tag=True):
     """Write the Hugging Face checkpoint of every trained role to `path` (atomically)."""
 
@@ -220,7 +241,7 @@ class Hello(msgspec.Struct, tag=True):
 
 
 Message = (AdmitRequest | Admitted | GeneratedGroup | ScoredGroup | GroupMeta | Route | RunStep | StepDone
-           | SaveCheckpoint | Saved | Hello)
+           | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -178,3 +178,16 @@ def test_weights_in_shared_memory_need_a_writable_dev_shm(monkeypatch, tmp_path)
     monkeypatch.setattr(validate, "SHARED_MEMORY", str(tmp_path / "missing"))
     assert any(p.startswith("rollout.weight_update_mode='shm' needs a writable ") and "/missing" in p
                for p in validate._machine(cfg))
+
+
+def test_weights_by_broadcast_need_interrupting_updates():
+    """Buckets load as they arrive: without a pause, requests admitted between two buckets would
+    decode on a mix of old and new weights."""
+    from areal_flow.config import validate
+    from areal_flow.config.schema import RolloutConfig, RunConfig
+
+    cfg = RunConfig(rollout=RolloutConfig(weight_update_mode="distributed", interrupt=False))
+    assert any(p.startswith("rollout.weight_update_mode='distributed' needs rollout.interrupt=true")
+               for p in validate._rollout(cfg))
+    for mode, interrupt in (("distributed", True), ("disk", False)):
+        assert validate._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []

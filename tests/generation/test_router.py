@@ -274,6 +274,76 @@ def test_a_refused_update_fails_the_publish_but_every_server_is_continued(start,
         assert server.engine.submit(PROMPT, max_new_tokens=2).result(timeout=10).output_ids
 
 
+def test_by_broadcast_the_weights_go_between_pause_and_continue_and_a_refusal_still_continues(start, model_dirs,
+                                                                                              greedy):
+    """rollout.weight_update_mode=distributed: the publisher pauses every server, has the trainer
+    (here this process, over a real gloo group) broadcast the version, and continues them all, also
+    when a server refuses a bucket."""
+    import torch
+
+    from areal_flow.generation.engine import load_checkpoint
+    from areal_flow.training.engine import bucketed
+    from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
+
+    a, b = start(delay=0.005), start(delay=0.005)
+    sender = WeightSender([Server("gen_server0", a.url), Server("gen_server1", b.url)], timeout=30)
+    weights = {1: load_checkpoint(model_dirs.b), 2: {"model.layers.0.mlp.nope.weight": torch.ones(2)}}
+    calls = []
+
+    async def transfer(version: int, abort_all_requests: bool) -> None:
+        calls.append((version, abort_all_requests, a.engine.paused, b.engine.paused))
+        buckets = bucketed(iter(weights[version].items()), 1 << 14)
+        try:
+            await asyncio.to_thread(sender.send, buckets, version, abort_all_requests=abort_all_requests)
+        except WeightTransferError as exc:  # what the controller makes of the trainer's report
+            raise WeightUpdateError(str(exc)) from None
+
+    async def scenario():
+        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"], transfer=transfer)
+        async with ServerPool([a.url, b.url]) as pool:
+            running = [asyncio.create_task(pool.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True}))
+                       for _ in range(2)]
+            await async_wait_until(lambda: served(a) > 3 and served(b) > 3, "both decoding")
+            await publisher.publish("", 1)
+            answers = await asyncio.gather(*running)
+            after = await pool.generate(PROMPT, GREEDY)
+        with pytest.raises(WeightUpdateError) as refused:
+            await publisher.publish("", 2)
+        await publisher.close()
+        return answers, after, str(refused.value)
+
+    answers, after, message = asyncio.run(scenario())
+    assert calls == [(1, True, True, True), (2, True, True, True)]  # always sent while both were paused
+    assert all(x["meta_info"]["finish_reason"]["type"] == "abort" for x in answers)
+    assert after["output_ids"] == greedy["b"] and after["meta_info"]["output_token_versions"] == [1] * 12
+    assert message.startswith("weight version 2 by broadcast: ") and "model.layers.0.mlp.nope.weight" in message
+    assert "gen_server0 refused it" in message and "gen_server1 refused it" in message
+    for server in (a, b):
+        assert server.engine.version == 1 and not server.engine.paused
+
+
+def test_by_broadcast_a_down_server_fails_the_update_before_any_server_is_paused(start, model_dirs):
+    a, b = start(), start()
+    b.stop()
+    calls = []
+
+    async def transfer(version: int, abort_all_requests: bool) -> None:
+        calls.append(version)
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            await pool.generate(PROMPT, GREEDY)  # tries b first or second: either way b is marked down
+            await pool.generate(PROMPT, GREEDY)
+            with pytest.raises(WeightUpdateError) as caught:
+                await pool.update_weights(None, 1, transfer=transfer)
+            return str(caught.value)
+
+    message = asyncio.run(scenario())
+    assert message.startswith("weight version 1 cannot be broadcast: every generation server of the weights group "
+                              "takes part in each broadcast, and gen_server1 (")
+    assert calls == [] and a.engine.version == 0 and not a.engine.paused
+
+
 def test_a_down_server_is_left_out_of_an_update_and_reported(start, model_dirs):
     a, b = start(), start()
     b.stop()
