@@ -67,7 +67,7 @@ def _machine(cfg: RunConfig) -> list[str]:
         # Accepting it would start every process on the CPU and look like a GPU run.
         problems.append("cluster.device_type='cuda': the training and generation engines of this version run on "
                         "the CPU only; use cluster.device_type=cpu (or dry_run=true to see a GPU placement)")
-    local = cfg.launcher.type == "local"  # processes on this host (ray and slurm start them on their nodes)
+    local = cfg.launcher.type not in ("ray", "slurm")  # processes on this host (ray and slurm: on their nodes)
     if cfg.cluster.n_nodes > 1 and local and not cfg.dry_run:
         problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type=local starts processes on this host "
                         "only; use launcher.type=ray or slurm, or dry_run=true to see the placement on several nodes")

@@ -19,7 +19,7 @@ from areal_flow.launch import CONF_DIR
 from areal_flow.graph import graph_from_config, place
 from areal_flow.graph.allocation import apply_allocation, parse_allocation
 from areal_flow.launchers import slurm_job
-from areal_flow.launchers.slurm import fixed_ports, sbatch_script, steps
+from areal_flow.launchers.slurm import fixed_ports, sbatch_script
 from areal_flow.runtime.security import Security
 from areal_flow.runtime.spec import RunSpec, read_run, typed, write_run
 
