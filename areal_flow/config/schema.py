@@ -35,7 +35,7 @@ class ClusterConfig:
                            "work on GPUs", choices=("cpu", "cuda"))
     n_devices: int = doc(2, "devices on each node that meshes may use; node k holds devices k·n_devices .. "
                          "(k+1)·n_devices-1", ge=1)
-    n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 only with dry_run=true in this version", ge=1)
+    n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 with launcher.type=ray or slurm (or dry_run=true)", ge=1)
 
 
 @dataclass
