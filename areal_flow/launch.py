@@ -29,6 +29,7 @@ from areal_flow.graph.allocation import AllocationError, allocation_problems, ap
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
+from areal_flow.launchers.slurm import SlurmError
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import read_metrics
 from areal_flow.rewards.code import CodeReward
@@ -138,7 +139,9 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
     """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
     lc = cfg.launcher
     if lc.type == "ray":
-        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
+        from areal_flow.launchers.ray_cluster import (
+            RayLauncher,  # ray is an optional extra
+        )
 
         return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
                            start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
@@ -189,6 +192,12 @@ def run(raw: DictConfig, console: Console) -> int:
         console.print(graph.describe(), highlight=False, markup=False)
         console.print(placement.describe(cfg.cluster.device_type), highlight=False, markup=False)
         console.print(describe_servers(cfg, placement), highlight=False, markup=False)
+        if cfg.launcher.type == "slurm":
+            from areal_flow.launchers.slurm import sbatch_script
+
+            run_dir = os.path.abspath(cfg.output_dir)
+            console.print(f"sbatch script (RUN_DIR/job.sbatch, not submitted: dry_run=true):\n"
+                          f"{sbatch_script(cfg, placement, run_dir)}", highlight=False, markup=False)
         return 0
     if cfg.generation.backend == "sglang" and (problem := sglang_missing()):
         raise ConfigError([problem])
@@ -202,6 +211,9 @@ def run(raw: DictConfig, console: Console) -> int:
     # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
     weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
         if cfg.rollout.weight_update_mode == "shm" else ""
+    if cfg.launcher.type == "slurm":
+        return submit_slurm(raw, cfg, placement, console, run_dir=run_dir, model_path=model_path,
+                            train_path=train_path, eval_path=eval_path)
     # A secured run listens on this host's address, with a secret made here (docs/security.md).
     security = Security.new() if security_needed(cfg) else None
     host = host_address() if security is not None else LOOPBACK
@@ -250,12 +262,42 @@ def run(raw: DictConfig, console: Console) -> int:
     return 0
 
 
+def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, console: Console, *, run_dir: str,
+                 model_path: str, train_path: str, eval_path: str) -> int:
+    """launcher.type=slurm: write the run directory (config, spec with the run's secret and ports;
+    the job adds the hosts) and the job script, submit it, and leave: the job runs on its own."""
+    from areal_flow.launchers.slurm import fixed_ports, sbatch_script, submit
+
+    if any(c.isspace() for c in run_dir):
+        # #SBATCH lines are not read by a shell: a path with spaces cannot be quoted there.
+        raise ConfigError([f"output_dir={run_dir!r}: launcher.type=slurm needs a run directory without spaces"])
+    ports = fixed_ports(placement, cfg.launcher.slurm_base_port)
+    n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
+    spec = RunSpec(
+        run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
+        gen_ports=[ports[f"gen_server{i}"] for i in range(n_gen)], rollout_ports=[ports[f"rollout{i}"] for i in range(n_roll)],
+        trainer_ports=[ports[f"trainer{i}"] for i in range(n_train)], controller_port=ports["controller"],
+        dist_port=ports["dist"], n_trainers=n_train, n_rollout=n_roll,
+        security=Security.new(),  # a Slurm run spans hosts: always secured (security_needed)
+    )
+    write_run(run_dir, raw, spec)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    script = os.path.join(run_dir, "job.sbatch")
+    with open(script, "w") as f:
+        f.write(sbatch_script(cfg, placement, run_dir))
+    job_id = submit(script)
+    console.print(f"run directory: {run_dir}\nsubmitted Slurm job {job_id} ({script})\n"
+                  f"  follow it:  squeue -j {job_id}; tail -f {run_dir}/logs/job-{job_id}.log {run_dir}/logs/controller.log\n"
+                  f"  stop it:    scancel {job_id}", highlight=False, markup=False)
+    return 0
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, ConfigError, DatasetError, AllocationError) as e:
+    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError) as e:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2

@@ -35,7 +35,7 @@ class ClusterConfig:
                            "work on GPUs", choices=("cpu", "cuda"))
     n_devices: int = doc(2, "devices on each node that meshes may use; node k holds devices k·n_devices .. "
                          "(k+1)·n_devices-1", ge=1)
-    n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 only with dry_run=true in this version", ge=1)
+    n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 with launcher.type=ray or slurm (or dry_run=true)", ge=1)
 
 
 @dataclass
@@ -225,9 +225,21 @@ class LauncherConfig:
     """How processes are started and watched."""
 
     type: str = doc("local", "'local': one OS process per role on this machine; 'ray': each process on its node of a "
-                    "Ray cluster, placed by placement groups (pip install -e '.[ray]')", choices=("local", "ray"))
+                    "Ray cluster, placed by placement groups (pip install -e '.[ray]'); 'slurm': an sbatch job of "
+                    "cluster.n_nodes nodes, one srun step per process (docs/clusters.md)",
+                    choices=("local", "ray", "slurm"))
     ray_address: str = doc("auto", "launcher.type=ray: the cluster to join (`ray start --head` prints it); 'auto' "
                            "finds the one this host belongs to")
+    slurm_partition: Optional[str] = doc(None, "launcher.type=slurm: the partition to submit to (#SBATCH "
+                                         "--partition); none: the cluster's default")
+    slurm_account: Optional[str] = doc(None, "launcher.type=slurm: the account charged (#SBATCH --account); none: "
+                                       "your default account")
+    slurm_time: Optional[str] = doc(None, "launcher.type=slurm: the job's time limit, as sbatch takes it "
+                                    "('4:00:00', '2-00:00:00'); none: the partition's default")
+    slurm_extra: List[str] = doc(help="launcher.type=slurm: more #SBATCH lines, each without the prefix, e.g. "
+                                 "['--qos=high', '--constraint=h100']", factory=list)
+    slurm_base_port: int = doc(29600, "launcher.type=slurm: the first of the fixed TCP ports the run's servers "
+                               "listen on (one per listening process, counted up from here)", ge=1024, le=65000)
     pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
     start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails", gt=0)
     stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children", ge=0)

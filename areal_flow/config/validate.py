@@ -16,8 +16,8 @@ from typing import Any
 from areal_flow.config.schema import RunConfig
 from areal_flow.generation.sglang_backend import generation_problems
 from areal_flow.graph.dag import Graph
+from areal_flow.launchers.slurm import sbatch_missing
 from areal_flow.training.layout import layout_problems
-
 
 SHARED_MEMORY = "/dev/shm"
 """Where rollout.weight_update_mode=shm puts the published weights."""
@@ -67,15 +67,22 @@ def _machine(cfg: RunConfig) -> list[str]:
         # Accepting it would start every process on the CPU and look like a GPU run.
         problems.append("cluster.device_type='cuda': the training and generation engines of this version run on "
                         "the CPU only; use cluster.device_type=cpu (or dry_run=true to see a GPU placement)")
-    local = cfg.launcher.type != "ray"  # processes on this host
+    local = cfg.launcher.type not in ("ray", "slurm")  # processes on this host (ray and slurm: on their nodes)
     if cfg.cluster.n_nodes > 1 and local and not cfg.dry_run:
         problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type=local starts processes on this host "
-                        "only; use launcher.type=ray, or dry_run=true to see the placement on several nodes")
+                        "only; use launcher.type=ray or slurm, or dry_run=true to see the placement on several nodes")
     elif kind == "cpu" and local and not cfg.dry_run and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
         problems.append(f"cluster.n_devices={n} but this process may use {len(os.sched_getaffinity(0))} cores "
                         "(lower cluster.n_devices, or set launcher.pin_cpus=false)")
     if cfg.launcher.type == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("launcher.type=ray needs Ray, an optional extra: pip install -e '.[ray]'")
+    if cfg.launcher.type == "slurm" and not cfg.dry_run and (problem := sbatch_missing()):
+        problems.append(problem)  # found before anything is prepared or written
+    if cfg.launcher.type == "slurm" and cfg.rollout.weight_update_mode == "shm":
+        # /dev/shm is one host's RAM: the job's nodes could not read what trainer 0 publishes there, and
+        # the launcher, which would remove it at the end, has left before the job runs.
+        problems.append("rollout.weight_update_mode='shm' publishes weights in one host's RAM, which a Slurm job's "
+                        "other nodes cannot read: use rollout.weight_update_mode=disk with launcher.type=slurm")
     if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
         problems.append(f"rollout.weight_update_mode='shm' needs a writable {SHARED_MEMORY} (a RAM file system), which "
                         "this machine does not have; use rollout.weight_update_mode=disk")
@@ -120,7 +127,9 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
         return
-    from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
+    from transformers import (
+        AutoConfig,  # here: importing it takes seconds, and most runs need none
+    )
 
     model = AutoConfig.from_pretrained(model_path)
     problems = []

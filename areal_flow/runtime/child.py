@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 
@@ -22,8 +23,28 @@ ROLES = {
 }
 
 
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun gives each process it starts; all of them present means this process is one of its workers."""
+
+
+def torchrun_rank() -> int | None:
+    """The global rank torchrun gave this process, or None when it was not started by torchrun
+    (the local and Ray launchers give the rank on the command line instead)."""
+    return int(os.environ["RANK"]) if all(k in os.environ for k in TORCHRUN_ENV) else None
+
+
 def main(argv: list[str]) -> None:
     role, name, rank, run_dir = argv[0], argv[1], int(argv[2]), argv[3]
+    if role == "trainer" and (env_rank := torchrun_rank()) is not None:
+        # One torchrun starts a node's trainer ranks (launcher.type=slurm) with one command line: the
+        # rank, and so the name, is the one torchrun assigned. Its ranks share the step's output, so
+        # each writes its own log, as every process does under the other launchers.
+        rank, name = env_rank, f"trainer{env_rank}"
+        os.environ["AREAL_FLOW_PROC"] = name
+        log_fd = os.open(os.path.join(run_dir, "logs", f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(log_fd, 1), os.dup2(log_fd, 2)
+        os.close(log_fd)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",

@@ -90,6 +90,10 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
 def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
+    write_spec(run_dir, spec)
+
+
+def write_spec(run_dir: str, spec: RunSpec) -> None:
     # Owner only, from the first byte: the spec may hold the run's secret.
     fd = os.open(os.path.join(run_dir, "spec.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:

@@ -28,6 +28,7 @@ from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.runtime.child import torchrun_rank
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import LOSS_MASK_KEY, Engine, OptimSpec, accumulate_stats
@@ -257,6 +258,22 @@ def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[l
     return one_pass * epochs
 
 
+def process_group_init(spec: RunSpec, rank: int) -> dict[str, object]:
+    """How this rank joins the trainers' process group: torchrun's rendezvous when torchrun started
+    it (launcher.type=slurm), else the store on trainer 0's node at the spec's dist_port."""
+    if (env_rank := torchrun_rank()) is not None:
+        world = int(os.environ["WORLD_SIZE"])
+        # torchrun numbers ranks node by node; the placement must agree, or groups would go to the
+        # wrong ranks' inboxes.
+        if world != spec.n_trainers or env_rank != rank:
+            raise RuntimeError(f"torchrun started rank {env_rank} of {world}, but the run spec has {spec.n_trainers} "
+                               f"trainer ranks and this process is trainer{rank}")
+        return {"init_method": "env://", "rank": env_rank, "world_size": world}
+    # Rank 0's node: its store listens there (on loopback when the run is on one host).
+    return {"init_method": f"tcp://{spec.hosts.get('trainer0', LOOPBACK)}:{spec.dist_port}", "rank": rank,
+            "world_size": spec.n_trainers}
+
+
 def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict[str, Engine]:
     """One engine per model role on this trainer rank, as the graph's batch nodes name them."""
     nodes = {n.role: n for n in graph.batch_nodes}
@@ -264,14 +281,14 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
     megatron = any(n.engine == "megatron" for n in nodes.values())
     # megatron's parallel state needs a process group even for one rank.
     if spec.n_trainers > 1 or megatron:
-        # Rank 0's node: its store listens there (on loopback when the run is on one host).
-        dist.init_process_group("gloo", init_method=f"tcp://{spec.hosts.get('trainer0', LOOPBACK)}:{spec.dist_port}",
-                                rank=rank, world_size=spec.n_trainers)
+        dist.init_process_group("gloo", **process_group_init(spec, rank))
     engines: dict[str, Engine] = {}
     for role, node in nodes.items():
         optim = optim_spec(cfg) if role == graph.train.role else None
         if node.engine == "megatron":
-            from areal_flow.training.megatron.engine import MegatronEngine  # imports megatron-core (seconds)
+            from areal_flow.training.megatron.engine import (
+                MegatronEngine,  # imports megatron-core (seconds)
+            )
 
             engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
                                            tp=layout.tp, pp=layout.pp)
