@@ -14,6 +14,12 @@ SMALL = [
 ]
 
 
+# The SMALL bootstrap answers nothing right, so every group's advantages would be 0: a model that
+# answers some problems (150 bootstrap steps, cached once per session) and groups of 8 make the
+# steps carry gradients.
+ANSWERS_SOME = ("model.bootstrap_steps=150", "algorithm.group_size=8", "algorithm.batch_size=3")
+
+
 def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)
@@ -54,6 +60,8 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     trained_steps = {g: e["step"] for e in ledger if e["event"] == "train" for g in e["groups"]}
     finished = {e["group"] for e in ledger if e["event"] == "finish"}
     dropped = {e["group"] for e in ledger if e["event"] == "drop"}
+    filtered = {e["group"] for e in ledger if e["event"] == "filter"}
+    assert not filtered & (finished | dropped)
     uids = [u for f in sorted(run_dir.glob("trained-rank*.jsonl")) for r in jsonl(f) for u in r["uids"]]
     assert len(uids) == len(set(uids)), "a sample was trained twice"
     groups_from_trainer = Counter(int(u.split("-")[0][1:]) for u in uids)
@@ -64,7 +72,8 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     assert summary["admitted_groups"] == len(admitted) and summary["trained_groups"] == len(trained_steps)
     assert summary["buffered_groups_at_end"] == len(finished - set(trained_steps))
     assert summary["dropped_groups"] == len(dropped) == 0
-    running = set(admitted) - finished - dropped
+    assert summary.get("filtered_groups", 0) == len(filtered)
+    running = set(admitted) - finished - dropped - filtered
     assert summary["running_groups_at_end"] == len(running)
     for g, step in trained_steps.items():
         assert step - admitted[g] <= eta, f"group {g} admitted at v{admitted[g]} trained at step {step}"

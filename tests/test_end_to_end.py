@@ -78,12 +78,35 @@ def test_a_process_that_dies_stops_the_run_with_its_name_and_traceback(tmp_path,
     assert not leftover_processes(run_dir)
 
 
-def test_two_trainer_ranks_share_each_batch_and_train_it_once(tmp_path, run_cache):
-    """Data parallel over gloo: each rank trains its share of whole groups, none twice."""
+def check_secured(run_dir, r) -> None:
+    import msgspec
+
+    from areal_flow.runtime.security import host_address
+    from areal_flow.runtime.spec import RunSpec
+
+    assert (run_dir / "spec.json").stat().st_mode & 0o777 == 0o600
+    spec = msgspec.json.decode((run_dir / "spec.json").read_bytes(), type=RunSpec)
+    assert spec.security is not None and spec.host == host_address()
+    # The generation server bound the host's address (loopback here only if the host has no other).
+    server_log = (run_dir / "logs" / "gen_server0.log").read_text()
+    assert f"at http://{spec.host}:{spec.gen_ports[0]} (requests need the API key)" in server_log
+    secrets = (spec.security.api_key, spec.security.client_secret, spec.security.server_secret)
+    for text in [r.stdout, r.stderr, (run_dir / "config.yaml").read_text(),
+                 *(p.read_text(errors="replace") for p in (run_dir / "logs").iterdir())]:
+        assert not any(s in text for s in secrets), "a secret of the run was written outside spec.json"
+    assert "secured: servers listen on" in r.stdout
+
+
+def test_two_trainer_ranks_share_each_batch_and_train_it_once_in_a_secured_run(tmp_path, run_cache):
+    """Data parallel over gloo: each rank trains its share of whole groups, none twice. The run is
+    secured: every socket between the processes, the ranks' peer sockets among them, is CURVE, the
+    servers listen on the host's address and take the API key, and no secret leaves spec.json."""
     run_dir = tmp_path / "dp"
     r = launch(run_dir, run_cache, "rollout.max_staleness=1", "eval_at_start=false", "cluster.n_devices=3",
-               "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2", "graph.actor_train.mesh=1-2")
+               "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2", "graph.actor_train.mesh=1-2",
+               "launcher.secure=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_secured(run_dir, r)
     per_rank = [jsonl(run_dir / f"trained-rank{k}.jsonl") for k in (0, 1)]
     for step in range(4):
         uids = [set(rows[step]["uids"]) for rows in per_rank]
@@ -120,27 +143,3 @@ def test_a_frozen_generation_server_fails_the_run_naming_it_instead_of_hanging(t
     assert "gen_server0 does not answer /health" in out and "process 'controller'" in out
     assert time.time() - frozen_at < 60
     assert not leftover_processes(run_dir)
-
-
-def test_a_secured_run_trains_on_the_hosts_address_and_keeps_its_secret_to_its_owner(tmp_path, run_cache):
-    import msgspec
-
-    from areal_flow.runtime.security import host_address
-    from areal_flow.runtime.spec import RunSpec
-
-    run_dir = tmp_path / "secure"
-    r = launch(run_dir, run_cache, "launcher.secure=true", "eval_at_start=false", "eval_at_end=false")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [m["step"] for m in steps_of(run_dir)] == [1, 2, 3, 4]
-    check_accounting(run_dir, eta=4)
-    assert (run_dir / "spec.json").stat().st_mode & 0o777 == 0o600
-    spec = msgspec.json.decode((run_dir / "spec.json").read_bytes(), type=RunSpec)
-    assert spec.security is not None and spec.host == host_address()
-    # The generation server bound the host's address (loopback here only if the host has no other).
-    server_log = (run_dir / "logs" / "gen_server0.log").read_text()
-    assert f"at http://{spec.host}:{spec.gen_ports[0]} (requests need the API key)" in server_log
-    secrets = (spec.security.api_key, spec.security.client_secret, spec.security.server_secret)
-    for text in [r.stdout, r.stderr, (run_dir / "config.yaml").read_text(),
-                 *(p.read_text(errors="replace") for p in (run_dir / "logs").iterdir())]:
-        assert not any(s in text for s in secrets), "a secret of the run was written outside spec.json"
-    assert "secured: servers listen on" in r.stdout

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from run_helpers import check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -18,10 +18,7 @@ def _trained(run_dir, rank):
     return [u for row in jsonl(run_dir / f"trained-rank{rank}.jsonl") for u in row["uids"]]
 
 
-# The SMALL bootstrap answers nothing right, so every group's advantages would be 0 and nothing
-# would train: a model that answers some problems, and groups of 8, make the steps carry gradients.
-TRAINING = ("model.bootstrap_steps=150", "algorithm.group_size=8", "algorithm.batch_size=3",
-            "rollout.max_staleness=1", "eval_at_start=false", "eval_at_end=false")
+TRAINING = (*ANSWERS_SOME, "rollout.max_staleness=1", "eval_at_start=false", "eval_at_end=false")
 
 
 def _check_run(run_dir):

@@ -129,6 +129,10 @@ class AlgorithmConfig:
                                             ge=1)
     adv_scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (GRPO); false = Dr.GRPO")
     kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)", ge=0)
+    success_rate_range: Optional[List[float]] = doc(None, "[low, high]: train only prompt groups whose share of "
+                                                    "correct answers (reward ≥ 1) lies within, e.g. [0.05, 0.95] "
+                                                    "(dynamic filtering); the rest are dropped, counted, and "
+                                                    "replaced by new groups; null = train every group")
     mask_truncated: bool = doc(False, "answers cut at max_new_tokens get no loss (AReaL's mask_no_eos_with_zero); false trains them")
     n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)", ge=1)
     ppo_epochs: int = doc(1, "passes over each train batch; every pass makes n_minibatches optimizer steps", ge=1)

@@ -103,6 +103,9 @@ def _rollout(cfg: RunConfig) -> list[str]:
 
 def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     problems = []
+    bounds = cfg.algorithm.success_rate_range
+    if bounds is not None and (len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] <= 1):
+        problems.append(f"algorithm.success_rate_range={list(bounds)} must be [low, high] with 0 ≤ low ≤ high ≤ 1")
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     dp = layout.dp if layout is not None else len(graph.trainer_mesh)  # TP/PP ranks share their data
     most = math.ceil(cfg.algorithm.batch_size / max(dp, 1))

@@ -29,6 +29,20 @@ def group_problem(meta: GroupMeta, group_size: int, token_keys: list[str], outpu
     return None
 
 
+def success_rate(meta: GroupMeta, reward_key: str) -> float:
+    """The share of a group's answers that are correct: reward ≥ 1, as the `accuracy` metric counts."""
+    return sum(s.scalars[reward_key] >= 1 for s in meta.samples) / len(meta.samples)
+
+
+def outside_range(meta: GroupMeta, reward_key: str, bounds: list[float] | None) -> str | None:
+    """Why dynamic filtering drops a scored group (its success rate is outside `bounds`), or None."""
+    if bounds is None:
+        return None
+    rate = success_rate(meta, reward_key)
+    low, high = bounds
+    return None if low <= rate <= high else f"success rate {rate:.2f} outside [{low:g}, {high:g}]"
+
+
 @dataclass
 class Intake:
     group_size: int

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller.evaluation import held_out_accuracy
-from areal_flow.controller.intake import Intake
+from areal_flow.controller.intake import Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher
@@ -39,6 +39,7 @@ from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
+    DROP,
     AdmitRequest,
     Admitted,
     GroupMeta,
@@ -94,6 +95,7 @@ class Controller:
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks
         self.slots = RolloutSlots()  # rollout workers' free generation slots
+        self.filtered = self.filtered_logged = 0  # groups dropped by dynamic filtering: in all, at the last step
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.closing = False
         self.waiting_for = "start-up"  # what the step loop waits for now, for a stalled run's error
@@ -139,7 +141,16 @@ class Controller:
             await send_to(self.socket, ident, Route(meta.group_id, -1))
             return
         rank, problem = self.intake.accept(meta)
-        if problem:
+        if problem is None and (why := outside_range(meta, self.intake.reward_key, self.cfg.algorithm.success_rate_range)):
+            # Trainable, but it would teach little (all right or all wrong gives no advantage): it
+            # leaves the intake and the running set, so admission opens for a group in its place.
+            self.intake.take([meta.group_id])
+            self.staleness.abandon(meta.group_id)
+            self.filtered += 1
+            self.ledger.write("filter", group=meta.group_id, reason=why)
+            self.generated_tokens += sum(s.lengths[self.intake.output_keys[0]] for s in meta.samples)
+            rank = DROP
+        elif problem:
             # Unusable, but accounted for: it leaves the running set (else the staleness rule would
             # wait for it forever) and the ledger and summary say it was dropped.
             log.error("controller: group %d dropped: %s", meta.group_id, problem)
@@ -259,8 +270,9 @@ class Controller:
             generator_idle=None if gen_busy is None else 1 - gen_busy / seconds,
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
+            filtered_groups=self.filtered - self.filtered_logged,
         )
-        self.generated_tokens = 0
+        self.generated_tokens, self.filtered_logged = 0, self.filtered
         self.ledger.flush()
 
     async def evaluate(self, when: str, step: int) -> float:
@@ -337,7 +349,8 @@ class Controller:
         acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end else None
         checkpoint = await self.save_checkpoint()
         inbox.cancel()
-        trained = self.next_group - len(self.staleness.running) - len(self.intake) - self.intake.dropped
+        trained = (self.next_group - len(self.staleness.running) - len(self.intake) - self.intake.dropped
+                   - self.filtered)
         summary = {
             "steps": steps,
             "accuracy_start": acc_start,
@@ -351,6 +364,7 @@ class Controller:
             "running_groups_at_end": len(self.staleness.running),
             "buffered_groups_at_end": len(self.intake),
             "dropped_groups": self.intake.dropped,
+            "filtered_groups": self.filtered,
             "checkpoint": checkpoint,
         }
         self.metrics.log("summary", **summary)

@@ -106,7 +106,8 @@ class RewardWorker:
                 continue
             group = self.held.pop(msg.group_id)
             if msg.rank == DROP:
-                log.warning("%s: the controller dropped group %d (its ledger says why)", self.name, msg.group_id)
+                # Dynamic filtering drops groups by design; a real fault is logged by the controller.
+                log.info("%s: the controller dropped group %d (its ledger says why)", self.name, msg.group_id)
             else:
                 await send(self.ranks[msg.rank], group)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from areal_flow.controller.intake import Intake, group_problem
+from areal_flow.controller.intake import Intake, group_problem, outside_range, success_rate
 from areal_flow.transport.messages import DROP, Finish, GroupMeta, SampleMeta
 
 TOKEN_KEYS = ["prompt_ids", "output_ids", "behav_logprobs", "versions"]
@@ -140,3 +140,29 @@ def test_load_counts_only_untrained_groups_per_rank():
     assert it.load() == [20, 20]
     it.take([1])
     assert it.load() == [20, 10]
+
+
+# ---- dynamic filtering -------------------------------------------------------------------------
+
+def group_with(rewards: list[float]) -> GroupMeta:
+    return GroupMeta(7, "reward0", [sample(7, i, reward=r) for i, r in enumerate(rewards)])
+
+
+def test_success_rate_counts_answers_with_reward_at_least_one_shaped_or_not():
+    assert success_rate(group_with([5.0, -5.0, -5.0, 5.0]), "rewards") == 0.5  # AReaL's ±5 shaping
+    assert success_rate(group_with([1.0, 0.0, 0.0, 0.0]), "rewards") == 0.25
+    assert success_rate(group_with([0.99, 0.5, 0.0, 0.0]), "rewards") == 0.0  # partial credit is not success
+
+
+@pytest.mark.parametrize("rewards, kept", [
+    ([0.0] * 8, False),  # all wrong: no advantage, no gradient
+    ([1.0] * 8, False),  # all right: likewise
+    ([1.0] + [0.0] * 7, True),  # 0.125 is inside [0.05, 0.95]
+    ([1.0] * 7 + [0.0], True),
+])
+def test_groups_outside_the_success_rate_range_are_named_with_their_rate(rewards, kept):
+    why = outside_range(group_with(rewards), "rewards", [0.05, 0.95])
+    assert (why is None) == kept
+    if not kept:
+        assert why == f"success rate {success_rate(group_with(rewards), 'rewards'):.2f} outside [0.05, 0.95]"
+    assert outside_range(group_with(rewards), "rewards", None) is None  # no range: every group trains

@@ -2,7 +2,9 @@
 
 Each layout runs in spawned processes (megatron's parallel state is per process): TP=2 splits every
 layer, PP=2 splits the layers into stages (with tied embeddings, whose gradients then cross
-stages), DP=2 gives the ranks different sequences and different numbers of micro-batches.
+stages), DP=2 gives the ranks different sequences and different numbers of micro-batches. Checks
+that need megatron in a process of one of these layouts (weight decay under TP, refusing another
+layout's training state) run in the same processes, since each start imports megatron anew.
 """
 
 import os
@@ -71,7 +73,7 @@ def _resume_shard(engine):
     return seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn
 
 
-def _resume_rank(rank, tp, pp, out_dir):
+def _resume_rank(rank, tp, pp, out_dir, model_dir, also):
     from areal_flow.training.megatron.engine import MegatronEngine
 
     ckpt = os.path.join(out_dir, "ckpt")
@@ -80,22 +82,57 @@ def _resume_rank(rank, tp, pp, out_dir):
     assert resumed.version == 5
     resumed.train_step(*_resume_shard(resumed))
     torch.save(full_weights(resumed), os.path.join(out_dir, f"resumed{rank}.pt"))
+    if also is not None:  # another check of this layout, in processes that already run megatron
+        also(rank, model_dir, out_dir)
 
 
-LAYOUTS = {  # name: (tp, pp, world, tied embeddings)
-    "single": (1, 1, 1, False),
-    "tp2": (2, 1, 2, False),
-    "pp2_tied": (1, 2, 2, True),
-    "dp2": (1, 1, 2, False),
+def _refuses_another_layouts_state(rank, model_dir, out_dir):
+    """Training state saved by another layout is refused naming both, and changes nothing."""
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, micro_batch_tokens=MBT, **EXACT)
+    engine.train_step(*(lambda s: (s, make_token_data(s, 0), ppo_loss_fn))(make_seqs(0, 4)))
+    ckpt = os.path.join(out_dir, "ckpt_mismatched")
+    engine.save(ckpt)
+    state = torch.load(os.path.join(ckpt, TRAIN_STATE), weights_only=True)
+    state["layout"] = str(Layout(tp=2))  # as if a TP=2 run had saved it
+    torch.save(state, os.path.join(ckpt, TRAIN_STATE))
+    before = full_weights(engine)
+    with pytest.raises(CheckpointError, match=r"saved by layout d1p1t2, this run is d1p1t1"):
+        engine.load(ckpt)
+    assert_same_weights(full_weights(engine), before, atol=0)  # nothing was changed
+    open(os.path.join(out_dir, f"refused{rank}.ok"), "w").close()
+
+
+def _decays_matrices_only(rank, model_dir, out_dir):
+    """Weight decay follows the torch engine's rule under TP: weight matrices only."""
+    from areal_flow.training.engine import OptimSpec
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, optim=OptimSpec(lr=0.1, weight_decay=0.5), tp=2)
+    before = full_weights(engine)
+    engine.train_step(make_seqs(0, 4), {}, zero_loss)
+    assert_decayed_matrices_only(before, full_weights(engine), lr=0.1, weight_decay=0.5)
+    open(os.path.join(out_dir, f"decayed{rank}.ok"), "w").close()
+
+
+LAYOUTS = {  # name: (tp, pp, world, tied embeddings, another check run in the resume processes)
+    "single": (1, 1, 1, False, _refuses_another_layouts_state),
+    "tp2": (2, 1, 2, False, _decays_matrices_only),
+    "pp2_tied": (1, 2, 2, True, None),
+    "dp2": (1, 1, 2, False, None),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
-    tp, pp, world, tied = LAYOUTS[name]
+    tp, pp, world, tied, also = LAYOUTS[name]
     model_dir = save_tiny_qwen2(tmp_path / "model", tie_word_embeddings=tied)
     run_ranks(_layout_rank, world, model_dir, tp, pp, str(tmp_path), timeout=240)
-    run_ranks(_resume_rank, world, tp, pp, str(tmp_path), timeout=240)
+    run_ranks(_resume_rank, world, tp, pp, str(tmp_path), model_dir, also, timeout=240)
+    if also is not None:  # it ran, on every rank (a failed assertion there fails run_ranks)
+        marker = {_refuses_another_layouts_state: "refused", _decays_matrices_only: "decayed"}[also]
+        assert all((tmp_path / f"{marker}{r}.ok").exists() for r in range(world))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) | {"resumed": torch.load(tmp_path / f"resumed{r}.pt")}
              for r in range(world)]
     dp = world // (tp * pp)
@@ -129,39 +166,6 @@ def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
     for result in ranks:
         lo, hi = _shards(dp, len(seqs))[result["dp_rank"]]
         assert_all_close(result["ckpt_logprobs"], reference_logprobs(saved, seqs[lo:hi]), atol=1e-5)
-
-
-def _mismatched_layout_rank(rank, model_dir, ckpt):
-    from areal_flow.training.megatron.engine import MegatronEngine
-
-    engine = MegatronEngine(model_dir, micro_batch_tokens=MBT, **EXACT)
-    engine.train_step(*(lambda s: (s, make_token_data(s, 0), ppo_loss_fn))(make_seqs(0, 4)))
-    engine.save(ckpt)
-    state = torch.load(os.path.join(ckpt, TRAIN_STATE), weights_only=True)
-    state["layout"] = str(Layout(tp=2))  # as if a TP=2 run had saved it
-    torch.save(state, os.path.join(ckpt, TRAIN_STATE))
-    before = full_weights(engine)
-    with pytest.raises(CheckpointError, match=r"saved by layout d1p1t2, this run is d1p1t1"):
-        engine.load(ckpt)
-    assert_same_weights(full_weights(engine), before, atol=0)  # nothing was changed
-
-
-def test_training_state_of_another_layout_is_refused_naming_both(tmp_path):
-    run_ranks(_mismatched_layout_rank, 1, save_tiny_qwen2(tmp_path / "model"), str(tmp_path / "ckpt"))
-
-
-def _weight_decay_rank(rank, model_dir):
-    from areal_flow.training.engine import OptimSpec
-    from areal_flow.training.megatron.engine import MegatronEngine
-
-    engine = MegatronEngine(model_dir, optim=OptimSpec(lr=0.1, weight_decay=0.5), tp=2)
-    before = full_weights(engine)
-    engine.train_step(make_seqs(0, 4), {}, zero_loss)
-    assert_decayed_matrices_only(before, full_weights(engine), lr=0.1, weight_decay=0.5)
-
-
-def test_weight_decay_follows_the_same_rule_as_the_torch_engine(tmp_path):
-    run_ranks(_weight_decay_rank, 2, save_tiny_qwen2(tmp_path / "model"))
 
 
 # ---------------------------------------------------------------- conversion
