@@ -15,10 +15,10 @@ def test_groups_outside_the_success_rate_range_are_dropped_counted_and_replaced(
     # The 150-step model answers about a quarter of the problems: most groups of 8 have fewer than
     # 3 right (filtered), some have more (trained).
     r = launch(run_dir, run_cache, *ANSWERS_SOME, "algorithm.success_rate_range=[0.3,1.0]", "rollout.max_staleness=1",
-               "eval_at_start=false", "eval_at_end=false")
+               "eval_at_start=false", "eval_at_end=false", "total_steps=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = check_accounting(run_dir, eta=1, group_size=8)  # filtered groups are accounted for too
-    assert summary["steps"] == 4 and summary["trained_groups"] == 12
+    assert summary["steps"] == 2 and summary["trained_groups"] == 6
     filtered = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "filter"]
     assert filtered and summary["filtered_groups"] == len(filtered)
     for e in filtered:
