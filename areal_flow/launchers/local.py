@@ -56,7 +56,37 @@ def last_traceback(log_path: str, max_lines: int = 60) -> str:
     return "\n".join(chunk[-max_lines:]) or "(empty log)"
 
 
-class LocalLauncher:
+class Watching:
+    """What every launcher does once the processes run: wait for `finished` (the controller) to exit
+    0, and fail the run naming the first other process that exits. A launcher gives `exited()`
+    (name -> exit code of the processes that have exited) and `log_path(name)`."""
+
+    def exited(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def log_path(self, name: str) -> str:
+        raise NotImplementedError
+
+    def check(self, finished: str) -> bool:
+        """True once `finished` exited 0; raises ChildFailed if any other process has exited."""
+        exited = self.exited()
+        if exited.get(finished) == 0:
+            return True
+        if exited:
+            # When several died since the last look, blame one that is not the `finished` process
+            # (the controller): its failure is usually the consequence of another's death.
+            name = next((n for n in exited if n != finished), finished)
+            raise ChildFailed(name, exited[name], last_traceback(self.log_path(name)), self.log_path(name))
+        return False
+
+    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+        while not self.check(finished):
+            on_tick()
+            time.sleep(interval)
+        on_tick()
+
+
+class LocalLauncher(Watching):
     def __init__(self, run_dir: str, *, device_type: str = "cpu", pin_cpus: bool = True, stop_timeout: float = 10.0):
         self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
         self.children: dict[str, Child] = {}
@@ -85,25 +115,12 @@ class LocalLauncher:
                                      env=env, preexec_fn=lambda: _in_child(cores))
         self.children[proc.name] = Child(proc, popen, log_path)
 
-    def check(self, finished: str) -> bool:
-        """True once `finished` exited 0; raises ChildFailed if any other child has exited."""
+    def exited(self) -> dict[str, int]:
         codes = {name: c.popen.poll() for name, c in self.children.items()}
-        exited = {name: code for name, code in codes.items() if code is not None}
-        if exited.get(finished) == 0:
-            return True
-        if exited:
-            # When several died since the last look, blame one that is not the `finished` process
-            # (the controller): its failure is usually the consequence of another's death.
-            name = next((n for n in exited if n != finished), finished)
-            child = self.children[name]
-            raise ChildFailed(name, exited[name], last_traceback(child.log_path), child.log_path)
-        return False
+        return {name: code for name, code in codes.items() if code is not None}
 
-    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
-        while not self.check(finished):
-            on_tick()
-            time.sleep(interval)
-        on_tick()
+    def log_path(self, name: str) -> str:
+        return self.children[name].log_path
 
     def stop_all(self) -> None:
         """SIGTERM everyone still alive, then SIGKILL whoever ignores it for stop_timeout seconds."""

@@ -22,8 +22,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
-from typing import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -31,7 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.local import ChildFailed, _in_child, last_traceback
+from areal_flow.launchers.local import ChildFailed, Watching, _in_child
 from areal_flow.runtime.spec import free_ports
 
 
@@ -77,7 +75,7 @@ def _bundle(proc: Proc, device_type: str) -> dict[str, float]:
     return {"GPU": float(n), "CPU": 1.0} if device_type == "cuda" else {"CPU": float(n)}
 
 
-class RayLauncher:
+class RayLauncher(Watching):
     """The local launcher's interface (`reserve`, `start`, `check`, `wait`, `stop_all`) on Ray."""
 
     def __init__(self, run_dir: str, placement: Placement, *, address: str, device_type: str,
@@ -153,8 +151,8 @@ class RayLauncher:
         with open(os.path.join(self.run_dir, "ray_placement.json"), "w") as f:
             json.dump(self.started, f, indent=1)
 
-    def check(self, finished: str) -> bool:
-        """True once `finished` exited 0; raises ChildFailed if any other process exited or its actor died."""
+    def exited(self) -> dict[str, int]:
+        """Exit codes of the processes that exited; ChildFailed at once for one whose actor is gone."""
         names = list(self.log_paths)
         refs = [self.actors[n].poll.remote() for n in names]
         codes: dict[str, int] = {}
@@ -165,18 +163,10 @@ class RayLauncher:
                 raise ChildFailed(name, -signal.SIGKILL, f"its Ray actor is gone: {e}", self.log_paths[name]) from None
             if code is not None:
                 codes[name] = code
-        if codes.get(finished) == 0:
-            return True
-        if codes:
-            name = next((n for n in codes if n != finished), finished)
-            raise ChildFailed(name, codes[name], last_traceback(self.log_paths[name]), self.log_paths[name])
-        return False
+        return codes
 
-    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
-        while not self.check(finished):
-            on_tick()
-            time.sleep(interval)
-        on_tick()
+    def log_path(self, name: str) -> str:
+        return self.log_paths[name]
 
     def stop_all(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after stop_timeout), kill the actors, release the groups."""
