@@ -139,9 +139,7 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
     """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
     lc = cfg.launcher
     if lc.type == "ray":
-        from areal_flow.launchers.ray_cluster import (
-            RayLauncher,  # ray is an optional extra
-        )
+        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
 
         return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
                            start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
@@ -207,7 +205,6 @@ def run(raw: DictConfig, console: Console) -> int:
     model_path = prepare_model(cfg)
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
-    n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
     # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
     weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
         if cfg.rollout.weight_update_mode == "shm" else ""
@@ -225,16 +222,12 @@ def run(raw: DictConfig, console: Console) -> int:
     listeners = [p.name for r in ("gen_server", "rollout", "trainer") for p in placement.of_role(r)]
     names = [*listeners, "controller", "trainer0"]
     reserved = launcher.reserve(names, wildcard=security is not None)
-    ports = iter(port for _, port in reserved)
+    ports = dict(zip([*listeners, "controller", "dist"], (port for _, port in reserved)))
     # Processes a launcher put on other nodes (Ray) listen on, and are reached at, their node's address.
     hosts = {name: addr for name, (addr, _) in zip(names, reserved) if not is_loopback(addr)}
-    spec = RunSpec(
-        run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
-        gen_ports=[next(ports) for _ in range(n_gen)], rollout_ports=[next(ports) for _ in range(n_roll)],
-        trainer_ports=[next(ports) for _ in range(n_train)], controller_port=next(ports), dist_port=next(ports),
-        n_trainers=n_train, n_rollout=n_roll, gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir,
-        host=host, hosts=hosts, security=security,
-    )
+    spec = spec_with_ports(placement, ports, run_dir=run_dir, model_path=model_path, train_path=train_path,
+                           eval_path=eval_path, gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir,
+                           host=host, hosts=hosts, security=security)
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
     if security is not None:
@@ -262,6 +255,15 @@ def run(raw: DictConfig, console: Console) -> int:
     return 0
 
 
+def spec_with_ports(placement: Placement, ports: dict[str, int], **fields) -> RunSpec:
+    """The run spec with the port of each listening process (`ports`: process name -> port, and
+    'dist' for the trainers' torch.distributed rendezvous) and `fields`."""
+    names = {r: [p.name for p in placement.of_role(r)] for r in ("gen_server", "rollout", "trainer")}
+    return RunSpec(gen_ports=[ports[n] for n in names["gen_server"]], rollout_ports=[ports[n] for n in names["rollout"]],
+                   trainer_ports=[ports[n] for n in names["trainer"]], controller_port=ports["controller"],
+                   dist_port=ports["dist"], n_trainers=len(names["trainer"]), n_rollout=len(names["rollout"]), **fields)
+
+
 def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, console: Console, *, run_dir: str,
                  model_path: str, train_path: str, eval_path: str) -> int:
     """launcher.type=slurm: write the run directory (config, spec with the run's secret and ports;
@@ -271,15 +273,9 @@ def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, console:
     if any(c.isspace() for c in run_dir):
         # #SBATCH lines are not read by a shell: a path with spaces cannot be quoted there.
         raise ConfigError([f"output_dir={run_dir!r}: launcher.type=slurm needs a run directory without spaces"])
-    ports = fixed_ports(placement, cfg.launcher.slurm_base_port)
-    n_gen, n_roll, n_train = (len(placement.of_role(r)) for r in ("gen_server", "rollout", "trainer"))
-    spec = RunSpec(
-        run_dir=run_dir, model_path=model_path, train_path=train_path, eval_path=eval_path,
-        gen_ports=[ports[f"gen_server{i}"] for i in range(n_gen)], rollout_ports=[ports[f"rollout{i}"] for i in range(n_roll)],
-        trainer_ports=[ports[f"trainer{i}"] for i in range(n_train)], controller_port=ports["controller"],
-        dist_port=ports["dist"], n_trainers=n_train, n_rollout=n_roll,
-        security=Security.new(),  # a Slurm run spans hosts: always secured (security_needed)
-    )
+    spec = spec_with_ports(placement, fixed_ports(placement, cfg.launcher.slurm_base_port), run_dir=run_dir,
+                           model_path=model_path, train_path=train_path, eval_path=eval_path,
+                           security=Security.new())  # a Slurm run spans hosts: always secured (security_needed)
     write_run(run_dir, raw, spec)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     script = os.path.join(run_dir, "job.sbatch")

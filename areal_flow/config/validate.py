@@ -130,9 +130,7 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
         return
-    from transformers import (
-        AutoConfig,  # here: importing it takes seconds, and most runs need none
-    )
+    from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
 
     model = AutoConfig.from_pretrained(model_path)
     problems = []
