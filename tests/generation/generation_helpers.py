@@ -9,6 +9,13 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +27,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.engine import GenerationEngine
 from areal_flow.generation.server import GenerationServer, serve
 
@@ -131,6 +139,37 @@ def running_server(model_dir: str, *, step_delay: float = 0.0, **engine_kw: Any)
         server.stop()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+@contextlib.contextmanager
+def server_process(model_dir: str, *args: str) -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
+    """The embedded server's CLI as a real subprocess on `model_dir` with `args`: yields (process,
+    its URL once /health answers, its stderr lines so far); stopped (SIGTERM, then SIGKILL) after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_dir, "--port", "0", *args],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+    # Drain stderr on a thread so the child never blocks on a full pipe.
+    threading.Thread(target=lambda: [(lines.put(line), log.append(line)) for line in proc.stderr], daemon=True).start()
+    try:
+        url, deadline = None, time.monotonic() + 60
+        while url is None:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if match := re.search(r"serving .* at (http://\S+)", line):
+                url = match.group(1)
+        wait_healthy(url, timeout=30)  # /health needs no API key
+        yield proc, url, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

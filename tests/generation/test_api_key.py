@@ -5,25 +5,15 @@ areal_flow's clients carrying the key."""
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import re
 import secrets
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
-from generation_helpers import ModelDirs, http_call
+from generation_helpers import ModelDirs, http_call, server_process
 
-from areal_flow.generation.client import GenerationClient, GenerationError, wait_healthy
+from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.router import ServerPool
 from areal_flow.runtime.security import host_address
 
-REPO = Path(__file__).resolve().parents[2]
 GENERATE = {"input_ids": [2, 3, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 
 
@@ -31,31 +21,9 @@ GENERATE = {"input_ids": [2, 3, 4], "sampling_params": {"max_new_tokens": 2, "ig
 def guarded(model_dirs: ModelDirs):
     """(url, key, the server's log so far) of a server with an API key, on this host's address."""
     key = secrets.token_urlsafe(32)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_dirs.a, "--host", host_address(),
-         "--port", "0", "--max-batch-size", "8", "--num-threads", "1", "--api-key", key],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-    # Drain stderr on a thread so the child never blocks on a full pipe.
-    threading.Thread(target=lambda: [(lines.put(line), log.append(line)) for line in proc.stderr], daemon=True).start()
-    try:
-        url, deadline = None, time.monotonic() + 60
-        while url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            if match := re.search(r"serving .* at (http://\S+)", line):
-                url = match.group(1)
-        wait_healthy(url, timeout=30)  # /health needs no key
+    with server_process(model_dirs.a, "--host", host_address(), "--max-batch-size", "8", "--num-threads", "1",
+                        "--api-key", key) as (_, url, log):
         yield url, key, log
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("path", ["/generate", "/update_weights_from_disk"])

@@ -4,43 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import os
-import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-from generation_helpers import ModelDirs, http_call, wait_until
+from generation_helpers import ModelDirs, http_call, server_process, wait_until
 
 from areal_flow.generation.client import GenerationClient, wait_healthy
 from areal_flow.generation.engine import EngineShutdownError
 from areal_flow.generation.server import serve
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cli_serves_and_exits_cleanly_on_sigterm(model_dirs: ModelDirs):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_dirs.a,
-         "--host", "127.0.0.1", "--port", "0", "--max-batch-size", "8", "--num-threads", "1",
-         "--weight-version", "4"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    # Drain stderr on a thread so the child never blocks on a full pipe.
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
-    try:
-        url, deadline = None, time.monotonic() + 60
-        while url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            if match := re.search(r"serving .* at (http://\S+)", line):
-                url = match.group(1)
-        wait_healthy(url, timeout=30)
+    with server_process(model_dirs.a, "--host", "127.0.0.1", "--max-batch-size", "8", "--num-threads", "1",
+                        "--weight-version", "4") as (proc, url, _):
 
         async def ask() -> dict:
             async with GenerationClient(url) as client:
@@ -52,10 +30,6 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(model_dirs: ModelDirs):
         assert answer["meta_info"]["weight_version"] == "4" and answer["meta_info"]["output_token_versions"] == [4] * 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_stop_answers_unfinished_requests_closes_connections_and_ends_threads(model_dirs: ModelDirs):
