@@ -1,10 +1,76 @@
-"""The decoupled PPO objective (AReaL, arXiv 2505.24298, eq. 5; docs/architecture.md, "Staleness")."""
+"""The policy-loss family around decoupled PPO (AReaL, arXiv 2505.24298, eq. 5; docs/architecture.md, "Staleness").
+
+One entry point, `decoupled_ppo_loss`, covers clipped PPO (with asymmetric and dual clipping), CISPO
+(MiniMax-M1) and GSPO's sequence-level ratio, always with AReaL's behaviour weight π_prox/π_behav.
+`aggregation_weight` gives the per-token weights and denominator shares of veRL's loss aggregations.
+"""
 
 from __future__ import annotations
 
 import torch
 
 Stats = dict[str, torch.Tensor]
+
+LOSS_KINDS = ("ppo", "cispo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+WEIGHT_ACTIONS = ("mask", "clamp")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, allowed))}")
+
+
+def aggregation_weight(mode: str, n_valid_in_seq: int, norm_length: int | None = None) -> tuple[float, float]:
+    """(token_weight, denominator_share) for each valid token of one sequence with `n_valid_in_seq` valid tokens.
+
+    The global loss is  sum_t token_weight_t * loss_t / sum_t denominator_share_t,  both sums over the valid
+    tokens of the whole minibatch (all micro-batches and ranks). Pass the token weights to
+    `decoupled_ppo_loss(token_weights=...)` and the global sum of shares as its `n_valid_tokens`; since the
+    weights are per sequence and the denominator is global, micro-batch losses add up to the full loss.
+    With n = n_valid_in_seq and S the number of sequences that have a valid token:
+
+        "token-mean"               (1, 1)                 sum of losses / number of valid tokens
+        "seq-mean-token-mean"      (1/n, 1/n)             mean over sequences of each sequence's token mean
+        "seq-mean-token-sum"       (1, 1/n)               mean over sequences of each sequence's token sum
+        "seq-mean-token-sum-norm"  (1/norm_length, 1/n)   Dr. GRPO: token sum / norm_length, mean over sequences
+
+    "seq-mean-token-sum-norm" divides by a constant `norm_length` (the generation budget) instead of each
+    sequence's length, so long answers are not down-weighted per token. A sequence without valid tokens
+    gets (0, 0): it adds nothing to either sum.
+    """
+    _check_choice("aggregation", mode, AGGREGATIONS)
+    if mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError(f"aggregation {mode!r} needs a positive norm_length, got {norm_length!r}")
+    if n_valid_in_seq < 0:
+        raise ValueError(f"n_valid_in_seq must be >= 0, got {n_valid_in_seq}")
+    if n_valid_in_seq == 0:
+        return 0.0, 0.0
+    n = float(n_valid_in_seq)
+    if mode == "token-mean":
+        return 1.0, 1.0
+    if mode == "seq-mean-token-mean":
+        return 1.0 / n, 1.0 / n
+    if mode == "seq-mean-token-sum":
+        return 1.0, 1.0 / n
+    return 1.0 / float(norm_length), 1.0 / n
+
+
+def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, log s_i = the mean of `log_ratio` over the valid tokens of the token's sequence (detached).
+
+    A sequence is a maximal run of equal ids in row-major order. `log_ratio` must already be 0 at masked
+    positions; a sequence with no valid token gets 0 (s = 1), which is harmless since none of its tokens count.
+    """
+    runs, inverse = torch.unique_consecutive(seq_ids.reshape(-1), return_inverse=True)
+    n_seqs = runs.numel()
+    flat = log_ratio.detach().reshape(-1)
+    sums = torch.zeros(n_seqs, dtype=flat.dtype, device=flat.device).index_add_(0, inverse, flat)
+    counts = torch.zeros(n_seqs, dtype=flat.dtype, device=flat.device).index_add_(
+        0, inverse, mask.reshape(-1).to(flat.dtype)
+    )
+    return (sums / counts.clamp(min=1))[inverse].reshape(log_ratio.shape)
 
 
 def decoupled_ppo_loss(
@@ -16,36 +82,84 @@ def decoupled_ppo_loss(
     *,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    c_clip: float | None = None,
+    kind: str = "ppo",
+    importance_level: str = "token",
+    seq_ids: torch.Tensor | None = None,
     behav_weight_cap: float | None = None,
+    behav_weight_floor: float | None = None,
+    behav_weight_action: str = "mask",
+    token_weights: torch.Tensor | None = None,
     n_valid_tokens: float | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """Token-level decoupled PPO loss, summed over valid tokens and divided by `n_valid_tokens`.
+    """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
 
     All tensors have one shape: packed [T] or padded [B, T]. `logprobs` (π_θ) carries the gradient;
     `prox_logprobs` (π_prox, the actor before this update), `behav_logprobs` (π_behav, the policy that
-    sampled the token) and `advantages` are treated as constants. `mask` (bool) marks valid tokens.
+    sampled the token), `advantages` and `token_weights` are treated as constants. `mask` (bool) marks
+    valid tokens. With the anchor d = prox if given else behav and sg() the stop-gradient:
 
-        r_t    = exp(logp_t - prox_t)
-        w_t    = exp(prox_t - behav_t)                       (stop-gradient, always applied)
-        loss_t = -w_t * min(r_t * A_t, clip(r_t, 1 - eps_clip, 1 + eps_clip_high) * A_t)
-        loss   = sum_{mask} loss_t / n_valid_tokens
+        r_t    = exp(logp_t - d_t)                                             importance_level="token"
+        r_t    = exp(logp_t - sg(logp_t) + sg(log s_i)),
+                 log s_i = mean_{valid t in seq i} (logp_t - d_t)              importance_level="sequence" (GSPO)
+        c(r)   = clip(r, 1 - eps_clip, 1 + eps_clip_high)
+        pg_t   = max(-A_t * r_t, -A_t * c(r_t))                                kind="ppo"
+        pg_t   = min(pg_t, c_clip * |A_t|)                                     with c_clip (dual clip)
+        pg_t   = -sg(c(r_t)) * A_t * logp_t                                    kind="cispo"
+        w_t    = exp(prox_t - behav_t)                                         (stop-gradient; 1 without prox)
+        loss   = sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens
 
-    `eps_clip_high` defaults to `eps_clip`. With `behav_weight_cap`, tokens whose w_t exceeds the cap
-    get w_t = 0 but still count in the denominator, so dropping them never inflates the others.
-    `n_valid_tokens` is the valid-token count of the GLOBAL minibatch (all ranks and micro-batches),
-    so that the micro-batch losses add up to the global token mean; it defaults to mask.sum() (>= 1).
-    `prox_logprobs=None` is plain PPO against π_behav: r_t = exp(logp_t - behav_t), w_t = 1, no cap.
+    PPO: the gradient flows through exactly one branch; a clipped token has none. Dual clip (Ye et al.
+    2020) bounds the loss of a token with A < 0 whose ratio exceeds c_clip > 1; such a token has no
+    gradient either (A > 0 is never affected, since there pg_t < 0 < c_clip * A_t).
+
+    CISPO (MiniMax-M1, arXiv 2506.13585): the clipped ratio is a constant importance weight, so every
+    valid token keeps the gradient -c(r_t) * A_t * w_t * ∇logp_t, even where PPO would clip it. Its loss
+    value is not PPO's and only its gradient is meaningful. MiniMax sets eps_clip large, which in effect
+    turns the lower bound off and keeps only the upper one. `c_clip` is refused with CISPO.
+
+    GSPO (arXiv 2507.18071, in the "GSPO-token" form that veRL and AReaL use): every token of sequence i
+    has the value r_t = s_i, the geometric mean of its token ratios over its valid tokens, and the
+    gradient s_i * ∇logp_t; clipping is per token but sees the sequence's ratio. `seq_ids` (int, the same
+    shape) says which sequence each token belongs to: a sequence is a maximal run of equal ids in
+    row-major order. Masked tokens do not enter the mean.
+
+    The behaviour weight w_t corrects for the tokens having been sampled by π_behav, not π_prox. It is
+    ALWAYS applied when prox is given; AReaL HEAD silently drops it unless rejection sampling is on, which
+    makes the decoupled objective biased. `behav_weight_cap` / `behav_weight_floor` bound it:
+    `behav_weight_action="mask"` sets w_t = 0 outside [floor, cap] while the token keeps its place in the
+    denominator (dropping it never inflates the others); "clamp" sets w_t = clamp(w_t, floor or 0, cap)
+    and the token keeps its gradient. Without prox (plain PPO against π_behav) w_t = 1 and neither applies.
+
+    `token_weights` (default 1) are per-token aggregation weights, see `aggregation_weight`.
+    `n_valid_tokens` is the denominator of the GLOBAL minibatch (all ranks and micro-batches), so that the
+    micro-batch losses add up to the global loss; it defaults to sum_{mask} token_weights (>= 1), which is
+    right for "token-mean" and "seq-mean-token-mean" on a whole minibatch.
 
     Masked positions contribute nothing, to the loss or the gradient, even if their inputs are inf/NaN.
 
     Returns (loss, stats). Stats are detached 0-d sums (or a max), so that callers add them over
-    micro-batches and ranks: n_tokens, clipped_tokens (the clipped branch was taken, no gradient),
-    capped_tokens, ratio_sum (of r_t), behav_weight_sum and behav_weight_max (of w_t before the cap).
+    micro-batches and ranks: n_tokens, clipped_tokens (PPO: the clipped branch was taken, no gradient;
+    CISPO: the weight c(r_t) differs from r_t, the gradient stays), dual_clipped_tokens, capped_tokens
+    (w_t outside [floor, cap], masked or clamped), ratio_sum (of r_t), behav_weight_sum and
+    behav_weight_max (of w_t before the cap and floor).
     """
+    _check_choice("kind", kind, LOSS_KINDS)
+    _check_choice("importance_level", importance_level, IMPORTANCE_LEVELS)
+    _check_choice("behav_weight_action", behav_weight_action, WEIGHT_ACTIONS)
+    if c_clip is not None:
+        if kind == "cispo":
+            raise ValueError("c_clip (dual clip) is not defined for kind='cispo'; leave it None")
+        if c_clip <= 1:
+            raise ValueError(f"c_clip must be > 1, got {c_clip}")
+    if importance_level == "sequence" and seq_ids is None:
+        raise ValueError("importance_level='sequence' needs seq_ids")
+    if behav_weight_floor is not None and behav_weight_cap is not None and behav_weight_floor > behav_weight_cap:
+        raise ValueError(f"behav_weight_floor ({behav_weight_floor}) > behav_weight_cap ({behav_weight_cap})")
     shape = logprobs.shape
     others = {"behav_logprobs": behav_logprobs, "advantages": advantages, "mask": mask}
-    if prox_logprobs is not None:
-        others["prox_logprobs"] = prox_logprobs
+    optional = {"prox_logprobs": prox_logprobs, "seq_ids": seq_ids, "token_weights": token_weights}
+    others.update({name: t for name, t in optional.items() if t is not None})
     for name, t in others.items():
         if t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}")
@@ -59,6 +173,10 @@ def decoupled_ppo_loss(
     logp = torch.where(mask, logprobs, zero)
     behav = torch.where(mask, behav_logprobs.detach().to(logp.dtype), zero)
     adv = torch.where(mask, advantages.detach().to(logp.dtype), zero)
+    if token_weights is None:
+        tok_w = mask.to(logp.dtype)
+    else:
+        tok_w = torch.where(mask, token_weights.detach().to(logp.dtype), zero)
     if prox_logprobs is None:
         anchor = behav
         weight = torch.ones_like(logp)
@@ -66,31 +184,60 @@ def decoupled_ppo_loss(
         anchor = torch.where(mask, prox_logprobs.detach().to(logp.dtype), zero)
         weight = torch.exp(anchor - behav)
 
-    ratio = torch.exp(logp - anchor)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
-    # The pessimistic (larger) of the two losses; selecting with `where` instead of `maximum`
-    # makes the gradient flow through exactly one branch.
-    took_clip = mask & (clipped > unclipped)
-    pg = torch.where(took_clip, clipped, unclipped)
-
-    if prox_logprobs is not None and behav_weight_cap is not None:
-        capped = mask & (weight > behav_weight_cap)
+    if importance_level == "token":
+        log_ratio = logp - anchor
     else:
+        # logp - sg(logp) is 0 in value and 1 in gradient: the value is s_i, the gradient s_i * ∇logp_t.
+        log_ratio = logp - logp.detach() + _sequence_log_ratio(logp - anchor, mask, seq_ids)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+
+    dual = torch.zeros_like(mask)
+    if kind == "ppo":
+        unclipped = -adv * ratio
+        clipped = -adv * clipped_ratio
+        # The pessimistic (larger) of the two losses; selecting with `where` instead of `maximum`
+        # makes the gradient flow through exactly one branch.
+        took_clip = mask & (clipped > unclipped)
+        pg = torch.where(took_clip, clipped, unclipped)
+        if c_clip is not None:
+            # Only A < 0 and r > c_clip can exceed the bound; the bound is a constant, so no gradient.
+            bound = c_clip * adv.abs()
+            dual = mask & (pg > bound)
+            pg = torch.where(dual, bound, pg)
+    else:
+        # The clipped ratio is a constant weight on the REINFORCE term, so clipping never kills a gradient.
+        took_clip = mask & (clipped_ratio != ratio)
+        pg = -clipped_ratio.detach() * adv * logp
+
+    if prox_logprobs is None:
         capped = torch.zeros_like(mask)
-    applied_weight = torch.where(capped, zero, weight)
-
-    per_token = torch.where(mask, pg * applied_weight, zero)
-    if n_valid_tokens is None:
-        denom = mask.sum().clamp(min=1).to(logp.dtype)
+        applied_weight = weight
     else:
-        denom = torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=logp.dtype)
+        outside = torch.zeros_like(mask)
+        if behav_weight_cap is not None:
+            outside = outside | (weight > behav_weight_cap)
+        if behav_weight_floor is not None:
+            outside = outside | (weight < behav_weight_floor)
+        capped = mask & outside
+        if behav_weight_action == "mask":
+            applied_weight = torch.where(capped, zero, weight)
+        else:
+            floor = 0.0 if behav_weight_floor is None else behav_weight_floor
+            applied_weight = torch.clamp(weight, min=floor, max=behav_weight_cap)
+
+    per_token = torch.where(mask, tok_w * applied_weight * pg, zero)
+    if n_valid_tokens is None:
+        denom = tok_w.sum().detach().clamp(min=1)
+    else:
+        denom = torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=logp.dtype, device=logp.device)
     loss = per_token.sum() / denom
 
     masked_weight = torch.where(mask, weight, zero).detach()
     stats: Stats = {
         "n_tokens": mask.sum().detach().to(logp.dtype),
         "clipped_tokens": took_clip.sum().detach().to(logp.dtype),
+        "dual_clipped_tokens": dual.sum().detach().to(logp.dtype),
         "capped_tokens": capped.sum().detach().to(logp.dtype),
         "ratio_sum": torch.where(mask, ratio, zero).sum().detach(),
         "behav_weight_sum": masked_weight.sum(),
