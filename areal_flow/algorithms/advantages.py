@@ -1,8 +1,131 @@
-"""Group-relative advantages (GRPO and Dr.GRPO)."""
+"""Advantages: reward/advantage normalisation (GRPO, Dr.GRPO, RLOO, batch levels), GAE, token rewards."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+LEVELS = ("group", "batch", "none")
+
+
+def normalize(
+    x: torch.Tensor,
+    *,
+    group_size: int,
+    mean_level: str = "group",
+    std_level: str = "group",
+    leave_one_out: bool = False,
+    std_unbiased: bool = True,
+    eps: float = 1e-6,
+    mask: torch.Tensor | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Centre and scale `x` at a chosen level (AReaL's NormConfig).
+
+    x: [N] (one value per sequence) or [N, T] (padded token values); `mask` (bool, x's shape, default all
+    valid) marks the valid entries. Groups are contiguous blocks of `group_size` rows (N % group_size == 0).
+
+        out = (x - μ) / (σ + eps)   at valid entries,   0 at masked ones
+
+    μ by `mean_level`: "group" = mean of the group's valid entries, "batch" = mean of all valid entries,
+    "none" = 0. With `leave_one_out` (RLOO, group level only) μ for row i is the mean of the valid entries
+    of the OTHER rows of its group; when they have none (e.g. group_size 1), μ = x, so the output is 0.
+    σ by `std_level`: the standard deviation of x over the same entries, around that level's own mean
+    (unbiased: divide by n - 1, else by n); σ = 1 when that count is <= 1 or σ is 0. "none" means no scaling at
+    all: out = x - μ, without eps, so none/none is the identity at valid positions. (AReaL instead takes
+    σ around the μ in use; the two agree whenever mean_level == std_level and there is no leave-one-out.)
+
+    `all_reduce` (data parallel: each rank holds whole groups of one batch) takes a float64 tensor and
+    returns its sum over ranks. Batch-level statistics are computed from (count, Σx, Σx²) passed
+    through it once, so every rank gets the same μ and σ; every rank must then call `normalize` with the
+    same levels (it is a collective). Group statistics never need it.
+
+    A group whose valid values are all equal gets exactly 0 at group level: its mean is computed
+    relative to one of its own values, so x - μ is exactly 0 whatever the float rounding.
+    Statistics are accumulated in float64; the result has x's float dtype (the default one for ints).
+    """
+    for name, level in (("mean_level", mean_level), ("std_level", std_level)):
+        if level not in LEVELS:
+            raise ValueError(f"{name} must be one of {LEVELS}, got {level!r}")
+    if leave_one_out and mean_level != "group":
+        raise ValueError(f"leave_one_out needs mean_level='group', got {mean_level!r}")
+    if x.ndim not in (1, 2):
+        raise ValueError(f"x must be [N] or [N, T], got shape {tuple(x.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    n_rows = x.shape[0]
+    if n_rows % group_size != 0:
+        raise ValueError(f"the number of rows ({n_rows}) is not divisible by group_size ({group_size})")
+    if mask is None:
+        mask = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    elif mask.shape != x.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, x has {tuple(x.shape)}")
+    mask = mask.bool()
+    out_dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+
+    # Zero the masked entries first, so that inf/NaN padding cannot reach any sum.
+    v = torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
+    m = mask.to(torch.float64)
+    # [G, group_size, T'] with T' = 1 for per-sequence values; every statistic below broadcasts against it.
+    shape3 = (n_rows // group_size, group_size, 1 if x.ndim == 1 else x.shape[1])
+    v3, m3 = v.reshape(shape3), m.reshape(shape3)
+
+    group_mean = group_std = batch_mean = batch_std = None
+    if "group" in (mean_level, std_level):
+        n_g = m3.sum(dim=(1, 2), keepdim=True)
+        # Shift by the group's first valid value: the deviations of an all-equal group are exactly 0,
+        # and shifted sums lose less precision than raw ones.
+        flat = (shape3[0], shape3[1] * shape3[2])  # not -1: that is ambiguous for an empty batch
+        flat_v, flat_m = v3.reshape(flat), m3.reshape(flat)
+        first = flat_m.argmax(dim=1, keepdim=True)  # index of the first valid entry (0 when none)
+        ref = flat_v.gather(1, first).reshape(-1, 1, 1)  # masked entries are 0, so an empty group gets 0
+        dev = (v3 - ref) * m3
+        s_g = dev.sum(dim=(1, 2), keepdim=True)
+        group_mean = ref + s_g / n_g.clamp(min=1)
+        if leave_one_out:
+            n_other = n_g - m3.sum(dim=2, keepdim=True)
+            s_other = s_g - dev.sum(dim=2, keepdim=True)
+            loo = ref + s_other / n_other.clamp(min=1)
+            # Nobody else to compare with: μ = x gives exactly 0.
+            group_mean_for_centre = torch.where(n_other > 0, loo, v3)
+        else:
+            group_mean_for_centre = group_mean
+        sq = (((v3 - group_mean) * m3) ** 2).sum(dim=(1, 2), keepdim=True)
+        group_std = _std_from(sq, n_g, std_unbiased)
+    if "batch" in (mean_level, std_level):
+        sums = torch.stack([m.sum(), v.sum(), (v * v).sum()])
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        n_b, s1, s2 = sums[0], sums[1], sums[2]
+        batch_mean = s1 / n_b.clamp(min=1)
+        # Σ(x - μ)² = Σx² - μ·Σx; rounding can make it slightly negative when all values are equal.
+        batch_std = _std_from((s2 - batch_mean * s1).clamp(min=0), n_b, std_unbiased)
+
+    if mean_level == "group":
+        centred = v3 - group_mean_for_centre
+    elif mean_level == "batch":
+        centred = v3 - batch_mean
+    else:
+        centred = v3
+    if std_level == "group":
+        scaled = centred / (group_std + eps)
+    elif std_level == "batch":
+        scaled = centred / (batch_std + eps)
+    else:
+        scaled = centred
+    out = torch.where(mask, scaled.reshape(x.shape), torch.zeros((), dtype=torch.float64, device=x.device))
+    return out.to(out_dtype)
+
+
+def _std_from(sum_sq: torch.Tensor, count: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    """sqrt(Σ(x - μ)² / (n - 1)) (or / n); 1 where n <= 1 or the spread is exactly 0.
+
+    There is nothing to scale then (the deviations are 0 too), and 1 keeps eps = 0 from giving 0/0.
+    """
+    denom = (count - 1) if unbiased else count
+    std = (sum_sq / denom.clamp(min=1)).sqrt()
+    return torch.where((count > 1) & (std > 0), std, torch.ones_like(std))
 
 
 def group_normalized_advantages(
@@ -16,21 +139,89 @@ def group_normalized_advantages(
     A group whose rewards are all equal carries no signal and gets zeros (the numerator is exactly 0),
     and so does group_size 1, where there is nothing to compare with. `scale_by_std=False` gives
     A = r - mean_group (Dr.GRPO), which does not up-weight groups that are nearly all right or wrong.
+    This is `normalize` with group mean and group (or no) std.
     """
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"the number of rewards ({rewards.numel()}) is not divisible by group_size ({group_size})"
-        )
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
-    groups = rewards.reshape(-1, group_size)
-    centered = groups - groups.mean(dim=1, keepdim=True)
-    if not scale_by_std or group_size == 1:
-        # With one sample per group `centered` is already 0; the unbiased std would be NaN.
-        return centered.reshape(-1)
-    std = groups.std(dim=1, unbiased=True, keepdim=True)
-    return (centered / (std + eps)).reshape(-1)
+    return normalize(
+        rewards, group_size=group_size, mean_level="group", std_level="group" if scale_by_std else "none", eps=eps
+    )
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over padded token rows (Schulman et al. 2016).
+
+    rewards, values, mask: [N, T]; values[t] = V(s_t), the critic's value of the state before token t.
+    Walking each row backwards over its valid tokens:
+
+        δ_t = r_t + γ·V_next − V_t
+        A_t = δ_t + γλ·A_next
+        returns_t = A_t + V_t
+
+    where V_next / A_next belong to the next VALID token, and are 0 after the last one: a row that
+    stopped at the length limit is treated as terminal too. Masked tokens inside a row (e.g. tool
+    output) are skipped: V_next and A_next carry over them unchanged, as in AReaL, so the discount
+    chain runs as if they were absent. Both outputs are 0 at masked positions and carry no gradient
+    (they are targets). A reverse loop over T, vectorised over N.
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [N, T], got shape {tuple(rewards.shape)}")
+    for name, t in (("values", values), ("mask", mask)):
+        if t.shape != rewards.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, rewards has {tuple(rewards.shape)}")
+    mask = mask.bool()
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    # Zero the padding first so that garbage there cannot leak through the carried values.
+    r = torch.where(mask, rewards.detach().to(dtype), zero)
+    v = torch.where(mask, values.detach().to(dtype), zero)
+    n, t_len = r.shape
+    next_value = torch.zeros(n, dtype=dtype, device=r.device)
+    next_adv = torch.zeros(n, dtype=dtype, device=r.device)
+    columns = []
+    for t in reversed(range(t_len)):
+        valid = mask[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_adv
+        # Masked tokens leave the chain untouched: what follows them is what precedes them.
+        next_adv = torch.where(valid, a, next_adv)
+        next_value = torch.where(valid, v[:, t], next_value)
+        columns.append(torch.where(valid, a, zero))
+    if columns:
+        adv = torch.stack(columns[::-1], dim=1)
+    else:
+        adv = torch.zeros_like(r)
+    returns = torch.where(mask, adv + v, zero)
+    return adv, returns
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token rewards for GAE: each row's score at its last valid token, plus an optional penalty.
+
+    scores: [N]; mask: [N, T] bool; kl_penalty: [N, T], already signed (e.g. −β·kl).
+
+        r[i, t] = scores[i]·[t = last valid token of row i] + kl_penalty[i, t]   (valid t),   0 elsewhere
+
+    A row with no valid token gets nothing (its score has nowhere to go).
+    """
+    if mask.ndim != 2 or scores.shape != mask.shape[:1]:
+        raise ValueError(f"scores must be [N] and mask [N, T], got {tuple(scores.shape)} and {tuple(mask.shape)}")
+    if kl_penalty is not None and kl_penalty.shape != mask.shape:
+        raise ValueError(f"kl_penalty has shape {tuple(kl_penalty.shape)}, mask has {tuple(mask.shape)}")
+    mask = mask.bool()
+    dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    # The last valid index is the largest valid position; -1 for an empty row, which matches nothing.
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
+    at_last = positions[None, :] == last[:, None]
+    out = torch.where(at_last, scores.to(dtype)[:, None], zero)
+    if kl_penalty is not None:
+        out = out + torch.where(mask, kl_penalty.to(dtype), zero)
+    return out
