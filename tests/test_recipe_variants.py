@@ -49,13 +49,21 @@ def test_a_ref_node_adds_a_reference_model_and_the_kl_term(tmp_path, run_cache):
     graph["actor_ref"] = {"type": "inference", "role": "ref", "inputs": ["prompt_ids", "output_ids"],
                           "outputs": ["ref_logprobs"], "mesh": "1", "micro_batch_tokens": 256}
     graph["actor_train"]["inputs"].append("ref_logprobs")
-    run_dir = run_variant(tmp_path, run_cache, "with_ref", graph, "algorithm.kl_coef=0.05")
-    assert [sorted(n) for n in nodes_run(run_dir)] == [["actor_prox", "actor_ref", "actor_train"]] * 3
-    assert all(n[-1] == "actor_train" for n in nodes_run(run_dir))
-    kl = [m["train/kl_sum"] for m in steps_of(run_dir)]
+    run_dir = run_variant(tmp_path, run_cache, "with_ref", graph, "algorithm.kl_coef=0.05",
+                          "algorithm.kl_target=1.0", "algorithm.kl_horizon=8")
+    # One optimizer step per update: π_prox is the trained logprobs themselves, so the prox node
+    # does not run; the ref node does, before the train node.
+    assert nodes_run(run_dir) == [["actor_ref", "actor_train"]] * 3
+    steps = steps_of(run_dir)
+    kl = [m["train/kl_sum"] for m in steps]
     # The loss carried the KL term at every step (the default recipe's has none). Step 1 trains
     # the start weights, which the ref model also holds, so its KL is 0 exactly; k3 is never < 0.
     assert len(kl) == 3 and kl[0] == pytest.approx(0.0, abs=1e-6) and min(kl) >= 0
+    # Adaptive β: the KL stays far below the target, so β falls by the most a step allows,
+    # 20 % × 8 samples (2 groups of 4) / horizon 8.
+    coefs = [m["train/kl_coef"] for m in steps]
+    assert all(m["train/kl_mean"] < 0.8 for m in steps)
+    assert coefs == pytest.approx([0.05, 0.04, 0.032])
 
 
 def test_two_reward_nodes_combine_by_their_declared_weights(tmp_path, run_cache):
@@ -64,10 +72,15 @@ def test_two_reward_nodes_combine_by_their_declared_weights(tmp_path, run_cache)
     graph["format"] = {"type": "reward", "fn": "arith_format", "inputs": ["output_ids", "answer"], "outputs": ["formatted"]}
     graph["total"] = {"type": "combine", "inputs": ["correct", "formatted"], "outputs": ["rewards"],
                       "weights": {"correct": 1.0, "formatted": 0.25}}
-    run_dir = run_variant(tmp_path, run_cache, "two_rewards", graph)
+    # Also another algorithm: RLOO advantages with two optimizer steps per update and π_prox
+    # interpolated by version (no prox forward pass).
+    run_dir = run_variant(tmp_path, run_cache, "two_rewards", graph, "algorithm=rloo", "algorithm.n_minibatches=2",
+                          "algorithm.prox_logp=loglinear")
     for m in steps_of(run_dir):
         assert m["reward"] == pytest.approx(m["reward/correct"] + 0.25 * m["reward/formatted"])
         assert m["reward/formatted"] >= m["reward/correct"]  # a right answer is always well formed
+        assert m["train/prox_seconds"] == 0.0
+    assert nodes_run(run_dir) == [["actor_train"]] * 3
 
 
 def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache):
@@ -78,11 +91,13 @@ def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache
     graph["reward"] |= {"inputs": ["a_ids", "answer"], "outputs": ["score"]}
     graph["actor_prox"] |= {"inputs": ["q_ids", "a_ids"], "outputs": ["old_logp"], "keys": {"prox_logprobs": "old_logp"}}
     graph["actor_train"]["inputs"] = ["q_ids", "a_ids", "a_logp", "a_ver", "old_logp", "score"]
-    run_dir = run_variant(tmp_path, run_cache, "renamed", graph)
+    # Without the shortcut the prox node runs every step, even for one optimizer step.
+    run_dir = run_variant(tmp_path, run_cache, "renamed", graph, "algorithm.prox_shortcut=false")
     steps = steps_of(run_dir)
     assert all(m["response_length"] > 0 and sum(m["staleness_hist"]) > 0 for m in steps)
-    # π_prox came from the renamed key: behaviour weights differ from 1 once weights move on.
+    # π_prox came from the renamed key, through a forward pass that took time.
     assert nodes_run(run_dir) == [["actor_prox", "actor_train"]] * 3
+    assert all(m["train/prox_seconds"] > 0 for m in steps)
 
 
 def test_weights_through_shared_memory_with_retracting_updates(tmp_path, run_cache):

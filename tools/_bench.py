@@ -31,3 +31,15 @@ def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
     subprocess.run(cmd, check=True)
     with open(os.path.join(run_dir, "summary.json")) as f:
         return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def timed_steps(metrics: list[dict]) -> tuple[list[dict], float]:
+    """A run's step rows without the first (it includes start-up), and the wall seconds they span."""
+    steps = [m for m in metrics if m["event"] == "step"][1:]
+    return steps, steps[-1]["time"] - steps[0]["time"] + steps[0]["step_seconds"]
+
+
+def save_plot(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")

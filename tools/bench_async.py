@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _bench import machine, run_recipe  # noqa: E402
+from _bench import machine, run_recipe, save_plot, timed_steps  # noqa: E402
 
 
 def main() -> None:
@@ -32,8 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for eta in args.etas:
             _, metrics = run_recipe(f"{tmp}/eta{eta}", [*base, f"rollout.max_staleness={eta}"])
-            steps = [m for m in metrics if m["event"] == "step"][1:]  # the first step includes start-up
-            wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_seconds"]
+            steps, wall = timed_steps(metrics)
             gen_idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]
             rows.append({
                 "eta": eta,
@@ -58,9 +57,7 @@ def main() -> None:
     ax.bar([f"η={r['eta']}" for r in rows], [r["samples_per_s"] for r in rows])
     ax.set_ylabel("trained samples / s")
     ax.set_title("async vs sync, tiny_arith, 2 cores")
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
-    print(f"plot: {args.plot}")
+    save_plot(fig, args.plot)
 
 
 if __name__ == "__main__":

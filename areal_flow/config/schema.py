@@ -105,9 +105,30 @@ class DatasetConfig:
     seed: int = doc(0, "seed of the generated data and of the prompt order")
 
 
+LEVELS = ("group", "batch", "none")
+
+
+@dataclass
+class NormConfig:
+    """Centring and scaling of rewards or advantages (AReaL's NormConfig; docs/algorithms.md)."""
+
+    mean_level: str = doc("group", "subtract the mean over the group (answers to one prompt), the batch, or none",
+                          choices=LEVELS)
+    std_level: str = doc("group", "divide by the std over the group, the batch, or none", choices=LEVELS)
+    leave_one_out: bool = doc(False, "the mean of the OTHER answers of the group (RLOO's baseline); needs "
+                              "mean_level=group")
+    std_unbiased: bool = doc(True, "unbiased std (n − 1); false = biased (n)")
+    eps: float = doc(1e-6, "added to the std", ge=0)
+
+
+def _no_norm() -> NormConfig:
+    return NormConfig(mean_level="none", std_level="none")
+
+
 @dataclass
 class AlgorithmConfig:
-    """GRPO-style advantages with the decoupled PPO objective (docs/architecture.md, "Staleness")."""
+    """Advantages, the policy loss and KL (docs/algorithms.md); the default is GRPO with the
+    decoupled PPO objective, and conf/algorithm/ has the named presets."""
 
     group_size: int = doc(8, "samples per prompt; advantages are normalised within a group (≥ 2: one sample has advantage 0)",
                           ge=2)
@@ -125,10 +146,57 @@ class AlgorithmConfig:
     max_nan_steps: int = doc(3, "train steps in a row with a non-finite loss (each skipped, counted) before the run stops", ge=1)
     eps_clip: float = doc(0.2, "PPO clip ε (lower side, and upper side unless eps_clip_high is set)", gt=0)
     eps_clip_high: Optional[float] = doc(None, "upper PPO clip ε_high (DAPO clip-higher); null = eps_clip", gt=0)
-    behav_weight_cap: Optional[float] = doc(5.0, "tokens whose π_prox/π_behav exceeds this are masked (kept in the denominator); null = no cap",
-                                            ge=1)
-    adv_scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (GRPO); false = Dr.GRPO")
-    kl_coef: float = doc(0.0, "coefficient of the k3 KL penalty to the ref model (needs a ref inference node)", ge=0)
+    c_clip: Optional[float] = doc(None, "dual clip: a token's loss is at most c_clip·|A| (acts where A < 0); null = "
+                                  "off", gt=1)
+    policy_loss: str = doc("ppo", "ppo (clip; GSPO with importance_level=sequence) | cispo (REINFORCE weighted by the "
+                           "clipped, stop-gradient ratio) | 'module:function' of your own (docs/algorithms.md)")
+    importance_level: str = doc("token", "the ratio π_θ/π_prox per token, or per sequence as the geometric mean over "
+                                "its tokens (GSPO)", choices=("token", "sequence"))
+    loss_agg: str = doc("token-mean", "how token losses add up: token-mean (over the global batch's valid tokens) | "
+                        "seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO: a sequence's "
+                        "token sum over a constant length)",
+                        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
+    loss_agg_norm_length: Optional[int] = doc(None, "seq-mean-token-sum-norm's constant length; null = max_new_tokens",
+                                              ge=1)
+    behav_weight_cap: Optional[float] = doc(5.0, "upper bound on the behaviour weight π_prox/π_behav of the decoupled "
+                                            "objective (which is always applied); null = none", ge=1)
+    behav_weight_floor: Optional[float] = doc(None, "lower bound on the behaviour weight; null = none", ge=0)
+    behav_weight_action: str = doc("mask", "a weight outside [floor, cap]: mask (the token gets no loss but stays in "
+                                   "the denominator, AReaL) | clamp (the weight is clamped, the token keeps its "
+                                   "gradient)", choices=("mask", "clamp"))
+    decoupled: bool = doc(True, "the decoupled objective when the train node reads prox_logprobs; false = naive PPO "
+                          "against π_behav (the prox node does not run), as the staleness study compares")
+    prox_logp: str = doc("recompute", "how π_prox is had when the train node reads prox_logprobs: recompute (the prox "
+                         "inference node's forward pass) | loglinear (interpolated between π_behav and π_θ by each "
+                         "token's version, AReaL's approximation: no forward pass)",
+                         choices=("recompute", "loglinear"))
+    prox_shortcut: bool = doc(True, "skip the prox forward pass when it is exact without it: the update is one "
+                              "optimizer step (π_prox = π_θ before it), or every token was sampled by the current "
+                              "weights (π_prox = π_behav)")
+    reward_norm: NormConfig = doc(help="normalisation of the rewards, per answer (GRPO: group mean and std)",
+                                  factory=NormConfig)
+    adv_estimator: str = doc("gae", "gae (GAE(γ, λ) on the critic's values, or on 0 without a critic: returns) | "
+                             "returns (γ-discounted returns-to-go) | 'module:function' of your own")
+    gamma: float = doc(1.0, "discount γ of the token rewards", ge=0, le=1)
+    gae_lambda: float = doc(1.0, "GAE's λ", ge=0, le=1)
+    adv_norm: NormConfig = doc(help="normalisation of the advantages, over valid tokens (REINFORCE++, PPO: batch)",
+                               factory=_no_norm)
+    reward_shapers: List[str] = doc(help="more reward shapers, by name or 'module:function', applied in order after "
+                                    "the overlong penalty", factory=list)
+    overlong_tokens: Optional[int] = doc(None, "DAPO's soft overlong penalty: over the last this many tokens before "
+                                         "max_new_tokens the reward falls linearly by up to overlong_penalty_factor; "
+                                         "null = off", ge=1)
+    overlong_penalty_factor: float = doc(1.0, "the overlong penalty at max_new_tokens", ge=0)
+    kl_coef: float = doc(0.0, "KL coefficient β toward the ref model (needs a ref inference node); the initial value "
+                         "when kl_target is set", ge=0)
+    kl_estimator: str = doc("k3", "KL estimator per token, d = log π − log π_ref: k1 = d, k2 = d²/2, k3 = e^−d − 1 + d",
+                            choices=("k1", "k2", "k3"))
+    kl_clamp: Optional[float] = doc(10.0, "clamp each token's KL estimate to ±this; null = no clamp", gt=0)
+    kl_in: str = doc("loss", "loss: β·KL of π_θ is a loss term | reward: −β·KL of π_behav is a per-token reward "
+                     "(PPO, REINFORCE++)", choices=("loss", "reward"))
+    kl_target: Optional[float] = doc(None, "adaptive β (Ziegler et al.): steer the batch's mean KL toward this; null = "
+                                     "fixed β", gt=0)
+    kl_horizon: int = doc(10000, "adaptive β: samples over which a 20% KL error changes β by 20%", ge=1)
     success_rate_range: Optional[List[float]] = doc(None, "[low, high]: train only prompt groups whose share of "
                                                     "correct answers (reward ≥ 1) lies within, e.g. [0.05, 0.95] "
                                                     "(dynamic filtering); the rest are dropped, counted, and "

@@ -120,6 +120,41 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     if cfg.algorithm.kl_coef > 0 and graph.input(graph.train, "ref_logprobs") is None:
         problems.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs the train node '{graph.train.name}' to read "
                         "ref_logprobs from an inference node with role ref")
+    if cfg.algorithm.prox_logp == "loglinear":
+        for meaning in ("prox_logprobs", "versions"):
+            if graph.input(graph.train, meaning) is None:
+                problems.append(f"algorithm.prox_logp=loglinear needs the train node '{graph.train.name}' to read "
+                                f"{meaning} (without prox_logprobs the loss is naive PPO, with no π_prox to approximate)")
+    return problems + algorithm_problems(cfg)
+
+
+def algorithm_problems(cfg: RunConfig) -> list[str]:
+    """Rules between the algorithm's fields, and the names of losses, estimators and shapers."""
+    from areal_flow.algorithms.registry import name_problem
+
+    algo, problems = cfg.algorithm, []
+    for key in ("reward_norm", "adv_norm"):
+        norm = getattr(algo, key)
+        if norm.leave_one_out and norm.mean_level != "group":
+            problems.append(f"algorithm.{key}.leave_one_out=true needs algorithm.{key}.mean_level=group, "
+                            f"not {norm.mean_level}")
+    if algo.c_clip is not None and algo.policy_loss == "cispo":
+        problems.append(f"algorithm.c_clip={algo.c_clip}: the dual clip is PPO's; cispo has no clipped branch to bound")
+    floor, cap = algo.behav_weight_floor, algo.behav_weight_cap
+    if floor is not None and cap is not None and floor > cap:
+        problems.append(f"algorithm.behav_weight_floor={floor} exceeds algorithm.behav_weight_cap={cap}")
+    if algo.kl_target is not None and algo.kl_coef == 0:
+        problems.append(f"algorithm.kl_target={algo.kl_target} adapts algorithm.kl_coef, which is 0: set its "
+                        "initial value")
+    if algo.overlong_tokens is not None and algo.overlong_tokens > algo.max_new_tokens:
+        problems.append(f"algorithm.overlong_tokens={algo.overlong_tokens} exceeds algorithm.max_new_tokens="
+                        f"{algo.max_new_tokens}")
+    for kind, key in (("policy_loss", "policy_loss"), ("adv_estimator", "adv_estimator")):
+        if (why := name_problem(kind, getattr(algo, key), f"algorithm.{key}")) is not None:
+            problems.append(why)
+    for i, name in enumerate(algo.reward_shapers):
+        if (why := name_problem("reward_shaper", name, f"algorithm.reward_shapers[{i}]")) is not None:
+            problems.append(why)
     return problems
 
 

@@ -17,7 +17,6 @@ or an exception scoring 0 and counted.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pebble
 
+from areal_flow.config.import_path import import_callable
 from areal_flow.config.schema import SandboxConfig
 
 log = logging.getLogger("areal_flow.reward")
@@ -53,18 +53,13 @@ def resolve(fn: str, sandbox: SandboxConfig) -> RewardFn:
         return CodeReward(sandbox)
     if fn in REWARD_FNS:
         return REWARD_FNS[fn]
-    module_name, sep, attr = fn.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in fn:
         raise ValueError(f"unknown reward function {fn!r}: expected one of {', '.join(builtin_names())}, "
                          "or 'module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {fn!r}: cannot import {module_name!r} ({e})") from None
-    obj = getattr(module, attr, None)
-    if not callable(obj):
-        raise ValueError(f"reward function {fn!r}: {module_name!r} has no callable {attr!r}")
-    return obj
+        return import_callable(fn)
+    except ValueError as e:
+        raise ValueError(f"reward function {fn!r}: {e}") from None
 
 
 @dataclass(frozen=True)

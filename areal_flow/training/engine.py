@@ -40,6 +40,11 @@ LossFn = Callable[
 LOSS_MASK_KEY = "loss_mask"
 """token_data key that, when present, is the per-output-token loss mask (default: all True)."""
 
+LOSS_SHARE_KEY = "loss_share"
+"""token_data key that, when present, is each token's share of the loss denominator: the loss
+function gets the global sum of the valid tokens' shares instead of their count (a sequence mean
+gives each of a sequence's n valid tokens 1/n, so the denominator counts sequences)."""
+
 TRAIN_STATE = "train_state.pt"
 """The file beside a checkpoint's Hugging Face files that holds what an exact resume needs."""
 
@@ -74,6 +79,8 @@ class Engine(Protocol):
 
     version: int  # the policy version of the current weights (set by the caller, saved and restored)
     data_leader: bool  # whether this rank speaks for the ranks that train the same data (logs it)
+    data_parallel_group: dist.ProcessGroup | None  # the ranks that share the batch (None: this rank alone)
+    extra_state: dict  # the caller's training state, saved and restored with the engine's own
 
     def data_parallel_batch(self, items: list) -> list:
         """What this rank trains, from what it was given: the union over the ranks that hold one
@@ -241,12 +248,17 @@ def loss_masks(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]]) -> 
     return [np.ones(len(output), dtype=bool) for _, output in seqs]
 
 
-def global_counts(masks: list[np.ndarray], lengths: list[int], group: dist.ProcessGroup | None) -> tuple[float, int]:
-    """(valid tokens, prompt+output tokens) summed over all ranks."""
-    counts = torch.tensor([sum(int(m.sum()) for m in masks), sum(lengths)], dtype=torch.int64)
+def global_counts(masks: list[np.ndarray], lengths: list[int], group: dist.ProcessGroup | None,
+                  token_data: dict[str, list[np.ndarray]] | None = None) -> tuple[float, int, float]:
+    """(valid tokens, prompt+output tokens, the loss denominator) summed over all ranks. The
+    denominator is the valid-token count, or the sum of their LOSS_SHARE_KEY shares."""
+    shares = (token_data or {}).get(LOSS_SHARE_KEY)
+    denom = (sum(float(np.asarray(s, dtype=np.float64)[m].sum()) for s, m in zip(shares, masks)) if shares is not None
+             else float(sum(int(m.sum()) for m in masks)))
+    counts = torch.tensor([sum(int(m.sum()) for m in masks), sum(lengths), denom], dtype=torch.float64)
     if group is not None:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    return float(counts[0]), int(counts[1])
+    return float(counts[0]), int(counts[1]), float(counts[2])
 
 
 # ---- statistics ---------------------------------------------------------------------------------

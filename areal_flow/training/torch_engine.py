@@ -124,6 +124,7 @@ class TorchEngine:
             _shard(model, self._group, self.device.type, bf16)
         self._model = model
         self._nan_in_a_row = 0
+        self.extra_state: dict = {}  # the caller's training state (e.g. an adaptive KL coefficient), saved with it
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if optim is not None:
@@ -145,6 +146,11 @@ class TorchEngine:
         return 0 if self._group is None else dist.get_rank(self._group)
 
     data_leader = True  # every rank trains its own data
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share the batch between them (None: this rank alone)."""
+        return self._group
 
     def data_parallel_batch(self, items: list) -> list:
         return items
@@ -239,8 +245,9 @@ class TorchEngine:
         broadcast per token, ...), passed on with its dtype; the optional key "loss_mask" is the
         valid-token mask. Each micro-batch calls
         loss_fn(logprobs [T_mb], batch {key: [T_mb]}, mask [T_mb], n_valid_tokens)
-        on its output tokens packed in one dimension, where n_valid_tokens counts the valid tokens
-        of ALL ranks and micro-batches (at least 1); gradients accumulate over the micro-batches.
+        on its output tokens packed in one dimension, where n_valid_tokens is the loss denominator:
+        the valid tokens of ALL ranks and micro-batches (at least 1), or the sum of their shares
+        under "loss_share" (engine.LOSS_SHARE_KEY); gradients accumulate over the micro-batches.
 
         A step whose gradient norm is not finite (a NaN or inf loss) changes nothing: it is skipped
         and counted (`skipped_steps`); `optim.max_nan_steps` of them in a row raise NonFiniteLoss.
@@ -255,7 +262,7 @@ class TorchEngine:
         start = time.perf_counter()
         masks = loss_masks(seqs, token_data)
         lengths = seq_lengths(seqs)
-        n_valid_global, n_tokens_global = global_counts(masks, lengths, self._group)
+        n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._group, token_data)
         groups = agreed_micro_batches(lengths, self.micro_batch_tokens, self._group)
 
         self._optimizer.zero_grad(set_to_none=True)
@@ -267,7 +274,7 @@ class TorchEngine:
             logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
             batch, mask = micro_batch_data(group, token_data, masks, self.device)
             # Clamped so that a step without valid tokens gives loss 0, not 0/0.
-            loss, stats = loss_fn(logp, batch, mask, max(n_valid_global, 1.0))
+            loss, stats = loss_fn(logp, batch, mask, max(denominator, 1.0))
             loss.backward()
             accumulate_stats(sums, {"loss": loss.detach(), **stats})
 
@@ -356,7 +363,7 @@ class TorchEngine:
         options = FULL if self._group is not None else StateDictOptions(full_state_dict=True)
         optimizer = get_optimizer_state_dict(self._model, self._optimizer, options=options)
         return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), "version": self.version,
-                "nan_in_a_row": self._nan_in_a_row, "rng": rngs}
+                "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state), "rng": rngs}
 
     # ------------------------------------------------------------------ weights in
 
@@ -378,6 +385,7 @@ class TorchEngine:
             self._scheduler.load_state_dict(train_state["scheduler"])
             self.version = train_state["version"]
             self._nan_in_a_row = train_state["nan_in_a_row"]
+            self.extra_state = dict(train_state.get("extra", {}))
             rngs = train_state["rng"]
             if len(rngs) == (1 if self._group is None else dist.get_world_size(self._group)):
                 torch.set_rng_state(rngs[self.rank]["cpu"])

@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from areal_flow.algorithms.advantages import group_normalized_advantages
-from areal_flow.algorithms.kl import kl_k3
-from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.algorithms import library
+from areal_flow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from areal_flow.algorithms.library import AllReduce
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.child import torchrun_rank
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import LOSS_MASK_KEY, Engine, OptimSpec, accumulate_stats
+from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
 from areal_flow.transport import weight_group
@@ -53,43 +53,61 @@ from areal_flow.transport.messages import (
 log = logging.getLogger("areal_flow.trainer")
 
 
-def ppo_loss(logprobs, batch, mask, n_valid_tokens, *, algo: AlgorithmConfig):
-    """The actor's objective on one micro-batch: decoupled PPO (+ k3 KL when the train node reads
-    ref_logprobs). Without prox_logprobs it is plain PPO against the behaviour policy."""
-    loss, stats = decoupled_ppo_loss(
-        logprobs, batch.get("prox_logprobs"), batch["behav_logprobs"], batch["advantages"], mask,
-        eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, behav_weight_cap=algo.behav_weight_cap,
-        n_valid_tokens=n_valid_tokens,
-    )
-    if "ref_logprobs" in batch and algo.kl_coef:
-        kl = kl_k3(logprobs, batch["ref_logprobs"], mask, n_valid_tokens)
-        loss = loss + algo.kl_coef * kl
-        stats["kl_sum"] = kl.detach() * n_valid_tokens
-    return loss, stats
-
-
-def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig
+def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig, *, prox_source: str | None = "data",
+               kl_coef: float = 0.0, all_reduce: AllReduce | None = None
                ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, list[np.ndarray]]]:
     """The train node's sequences and per-answer-token data, from samples sorted by (group, index).
 
     Every input is found by its declared meaning (graph/keys.py), whatever the recipe named it.
-    Advantages are normalised within each group and broadcast to every token of the answer; with
-    `mask_truncated`, answers cut at the length limit get a zero loss mask.
+    Advantages come from the configured pipeline (algorithms/library.py: shaping, normalisation,
+    KL as a reward, the estimator); with `mask_truncated`, answers cut at the length limit get a
+    zero loss mask. prox_logprobs is passed on only when the step uses the prox node's output.
     """
     key = partial(graph.input, node)
-    rewards = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
-    adv = group_normalized_advantages(rewards, algo.group_size, scale_by_std=algo.adv_scale_by_std) if samples else rewards
+    scores = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
     seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
-    token_data = {
-        "behav_logprobs": [s.array(key("behav_logprobs")) for s in samples],
-        "advantages": [np.full(len(out), float(a), dtype=np.float32) for (_, out), a in zip(seqs, adv)],
-    }
-    for meaning in ("prox_logprobs", "ref_logprobs"):
+    truncated = [s.finish != Finish.STOP for s in samples]
+    masks = [np.full(len(out), not (algo.mask_truncated and cut)) for (_, out), cut in zip(seqs, truncated)]
+    token_data: dict[str, list[np.ndarray]] = {"behav_logprobs": [s.array(key("behav_logprobs")) for s in samples]}
+    meanings = ["ref_logprobs", "versions"] + (["prox_logprobs"] if prox_source == "data" else [])
+    for meaning in meanings:
         if key(meaning) is not None:
             token_data[meaning] = [s.array(key(meaning)) for s in samples]
+    kl = None
+    if algo.kl_in == "reward" and kl_coef and "ref_logprobs" in token_data:
+        kl = [kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
+                          algo.kl_estimator, algo.kl_clamp).numpy()
+              for b, r in zip(token_data["behav_logprobs"], token_data["ref_logprobs"])]
+    # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
+    token_data["advantages"] = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
+                                                  all_reduce=all_reduce)
+    token_data["seq_ids"] = [np.full(len(out), i, dtype=np.int64) for i, (_, out) in enumerate(seqs)]
+    if algo.loss_agg != "token-mean":
+        token_data["token_weights"], token_data[LOSS_SHARE_KEY] = library.aggregation(masks, algo)
     if algo.mask_truncated:
-        token_data[LOSS_MASK_KEY] = [np.full(len(out), s.finish == Finish.STOP) for s, (_, out) in zip(samples, seqs)]
+        token_data[LOSS_MASK_KEY] = masks
     return seqs, token_data
+
+
+def prox_source(graph: Graph, node: Node, algo: AlgorithmConfig, versions: list[np.ndarray] | None,
+                prox_version: int) -> str | None:
+    """Where this step's π_prox comes from (library.PROX_SOURCES); None: the train node reads no
+    prox_logprobs (or algorithm.decoupled is false), and the loss is naive PPO against π_behav. The shortcuts are exact: an update of
+    one optimizer step runs its every forward with the weights from before it, which are π_prox;
+    tokens all sampled by those weights have π_behav = π_prox."""
+    if graph.input(node, "prox_logprobs") is None or not algo.decoupled:
+        return None
+    if algo.prox_shortcut and algo.n_minibatches * algo.ppo_epochs == 1:
+        return "current"
+    if algo.prox_shortcut and versions and all(np.all(v == prox_version) for v in versions):
+        return "behav"
+    return "loglinear" if algo.prox_logp == "loglinear" else "data"
+
+
+def kl_controller(algo: AlgorithmConfig) -> AdaptiveKLController | FixedKLController:
+    if algo.kl_target is None:
+        return FixedKLController(algo.kl_coef)
+    return AdaptiveKLController(coef=algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
 
 
 class ModelWorker:
@@ -111,6 +129,10 @@ class ModelWorker:
         self.poller.register(self.inbox, zmq.POLLIN)
         self.by_broadcast = cfg.rollout.weight_update_mode == "distributed"
         self.sender: WeightSender | None = None  # rank 0's end of the weights group, made at the first publish
+        self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
+        trained = self.engines[self.graph.train.role]
+        if "kl" in trained.extra_state:  # resumed from a checkpoint: go on with its β
+            self.kl.load_state_dict(trained.extra_state["kl"])
 
     def run(self) -> None:
         send_blocking(self.control, Hello(self.rank))
@@ -164,12 +186,28 @@ class ModelWorker:
         # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
         # union of what the controller gave each of them; one of them logs it.
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
+        train = self.graph.train
+        versions = self.graph.input(train, "versions")
+        source = prox_source(self.graph, train, self.cfg.algorithm,
+                             [s.array(versions) for s in samples] if versions else None, trained.version)
+        prox_key = self.graph.input(train, "prox_logprobs")
         stats: dict[str, float] = {}
+        prox_seconds = 0.0
+        ran = []
         for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs, then train
-            if node.type == "inference":
+            if node.type == "train":
+                stats = self.train(node, samples, source, trained.version)
+            elif node.outputs[0] != prox_key:
                 self.infer(node, samples)
+            elif source == "data":  # else π_prox needs no forward pass this step
+                t0 = time.perf_counter()
+                self.infer(node, samples)
+                prox_seconds = time.perf_counter() - t0
             else:
-                stats = self.train(node, samples)
+                continue
+            ran.append(node.name)
+        if prox_key is not None:
+            stats["prox_seconds"] = prox_seconds
         version = plan.step + 1
         trained.version = version
         weights = ""  # by broadcast, the controller asks for the weights once the servers are paused
@@ -180,7 +218,7 @@ class ModelWorker:
                 _prune_weights(self.spec.weights(), keep=version)
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
-                                               "nodes": [n.name for n in self.graph.batch_nodes]}) + "\n")
+                                               "nodes": ran}) + "\n")
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
 
     def publish(self, msg: PublishWeights) -> WeightsPublished:
@@ -225,20 +263,58 @@ class ModelWorker:
         for s, lp in zip(samples, lps):
             s.arrays[node.outputs[0]] = Array.of(lp)
 
-    def train(self, node: Node, samples: list[Sample]) -> dict[str, float]:
+    def train(self, node: Node, samples: list[Sample], source: str | None, prox_version: int) -> dict[str, float]:
         algo = self.cfg.algorithm
-        seqs, token_data = ppo_inputs(samples, self.graph, node, algo)
-        loss_fn = partial(ppo_loss, algo=algo)
         engine = self.engine(node)
+        reduce = all_reduce_over(engine.data_parallel_group)
+        kl_coef = self.kl.coef
+        seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
+                                      all_reduce=reduce)
+        loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
         stats: dict[str, float] = {}
         for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
             accumulate_stats(stats, engine.train_step(
                 [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
+        if "ref_logprobs" in token_data and algo.kl_coef:
+            kl = behaviour_kl(token_data, algo, reduce)
+            stats.update(kl_mean=kl, kl_coef=kl_coef)
+            group = engine.data_parallel_group
+            self.kl.update(kl, len(samples) * (dist.get_world_size(group) if group is not None else 1))
+            engine.extra_state["kl"] = self.kl.state_dict()
         return stats
 
     def save_checkpoint(self, path: str) -> None:
         """The trained role's Hugging Face directory, with its training state beside it."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+
+
+def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
+    """A sum of a small tensor over `group` (every rank calls it at the same point), for the
+    batch-level statistics of advantages; None when the batch is on this rank alone."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    return reduce
+
+
+def behaviour_kl(token_data: dict[str, list[np.ndarray]], algo: AlgorithmConfig, reduce: AllReduce | None) -> float:
+    """The batch's mean KL estimate of π_behav to π_ref over its valid tokens (over all ranks):
+    what an adaptive β steers."""
+    masks = token_data.get(LOSS_MASK_KEY) or [np.ones(len(b), dtype=bool) for b in token_data["behav_logprobs"]]
+    total = torch.zeros(2, dtype=torch.float64)
+    for b, r, m in zip(token_data["behav_logprobs"], token_data["ref_logprobs"], masks):
+        mask = torch.from_numpy(np.asarray(m, dtype=bool))
+        total[0] += kl_estimate(torch.tensor(b), torch.tensor(r), mask, algo.kl_estimator,
+                                algo.kl_clamp).double().sum()
+        total[1] += float(mask.sum())
+    if reduce is not None:
+        total = reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def group_servers(cfg: RunConfig, urls: list[str]) -> list[Server]:

@@ -9,8 +9,11 @@ from engine_helpers import (EXACT, assert_all_close, assert_same_weights, full_w
                             neg_mean_logprob, ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2,
                             tiny_tokenizer)
 
+from areal_flow.algorithms.library import aggregation
 from areal_flow.algorithms.packing import ffd_allocate
-from areal_flow.training.engine import OptimSpec
+from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.config.schema import AlgorithmConfig
+from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec
 from areal_flow.training.torch_engine import TorchEngine
 
 
@@ -241,3 +244,27 @@ def test_a_failed_save_leaves_no_partial_directory_and_keeps_the_old_one(model_d
     engine.save_weights(str(path))  # overwriting works, and publishes the new weights
     assert (path / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert os.listdir(tmp_path) == ["weights"]
+
+
+def test_a_sequence_mean_counts_sequences_in_the_denominator_and_survives_micro_batching(model_dir):
+    """Token weights 1/len and shares 1/len (loss_agg seq-mean-token-mean): the loss function gets
+    the number of sequences as its denominator, and splitting into micro-batches changes nothing."""
+    seqs = make_seqs(4, 10)
+    data = make_token_data(seqs, 4)
+    data["token_weights"], data[LOSS_SHARE_KEY] = aggregation(
+        [np.ones(len(o), dtype=bool) for _, o in seqs], AlgorithmConfig(loss_agg="seq-mean-token-mean"))
+    seen = []
+
+    def seq_mean_loss(logprobs, batch, mask, denominator):
+        seen.append(denominator)
+        return decoupled_ppo_loss(logprobs, batch["prox_logprobs"].float(), batch["behav_logprobs"].float(),
+                                  batch["advantages"].float(), mask, eps_clip=0.2,
+                                  token_weights=batch["token_weights"], n_valid_tokens=denominator)
+
+    few = TorchEngine(model_dir, micro_batch_tokens=10_000, **EXACT)
+    many = TorchEngine(model_dir, micro_batch_tokens=20, **EXACT)
+    s_few, s_many = few.train_step(seqs, data, seq_mean_loss), many.train_step(seqs, data, seq_mean_loss)
+    assert s_many["n_micro_batches"] > 3
+    assert seen and all(d == pytest.approx(10.0) for d in seen)  # ten sequences, not their tokens
+    assert s_many["loss"] == pytest.approx(s_few["loss"], rel=1e-5)
+    assert_same_weights(full_weights(few), full_weights(many))

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from areal_flow.config.schema import AlgorithmConfig, RunConfig
+from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
 from areal_flow.graph import build_graph
-from areal_flow.training.engine import LOSS_MASK_KEY
-from areal_flow.training.worker import group_servers, minibatches, optim_spec, ppo_inputs
+from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY
+from areal_flow.training.worker import group_servers, minibatches, optim_spec, ppo_inputs, prox_source
 from areal_flow.transport.messages import Array, Finish, Sample
 
 NODES = {
@@ -97,3 +97,93 @@ def test_the_weights_group_gives_a_real_sglang_server_one_rank_per_tp_rank():
                                                                 ("gen_server1", urls[1], ranks)]
         sender = WeightSender(servers)
         assert (sender.rank_offsets, sender.world_size) == (offsets, world)
+
+
+def with_versions(s: Sample, version: int) -> Sample:
+    s.arrays["a_ver"] = Array.of(np.full(len(s.array("output_ids")), version, dtype=np.int32))
+    return s
+
+
+VERSIONED = {**NODES, "generate": {**NODES["generate"], "outputs": ["prompt_ids", "output_ids", "behav_logprobs", "a_ver"],
+                                   "keys": {"versions": "a_ver"}},
+             "train": {**NODES["train"], "inputs": NODES["train"]["inputs"] + ["a_ver"]}}
+
+
+def test_prox_comes_without_a_forward_pass_only_where_that_is_exact():
+    graph = build_graph(VERSIONED, ["prompt", "answer"], 2, ["arith"])
+    train = graph.nodes["train"]
+    current, stale = [np.array([4, 4]), np.array([4])], [np.array([3, 4]), np.array([4])]
+    # One optimizer step: the trained logprobs are π_prox, whatever the tokens' versions.
+    assert prox_source(graph, train, algo(), stale, prox_version=4) == "current"
+    two_steps = algo(n_minibatches=2)
+    assert prox_source(graph, train, two_steps, current, prox_version=4) == "behav"  # all sampled by π_prox
+    assert prox_source(graph, train, two_steps, stale, prox_version=4) == "data"  # needs the prox node
+    assert prox_source(graph, train, algo(ppo_epochs=2, prox_logp="loglinear"), stale, 4) == "loglinear"
+    assert prox_source(graph, train, algo(prox_shortcut=False), current, 4) == "data"
+    assert prox_source(graph, train, algo(decoupled=False), stale, 4) is None  # naive PPO
+
+
+def test_the_prox_node_output_is_passed_on_only_when_the_step_uses_it():
+    graph = build_graph(VERSIONED, ["prompt", "answer"], 2, ["arith"])
+    samples = [with_versions(sample(0, 0, 3, 1.0), 2), with_versions(sample(0, 1, 2, 0.0), 2)]
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], algo(), prox_source="current")
+    assert "prox_logprobs" not in data and [v.tolist() for v in data["versions"]] == [[2, 2, 2], [2, 2]]
+    assert [s.tolist() for s in data["seq_ids"]] == [[0, 0, 0], [1, 1]]
+
+
+def test_rloo_advantages_and_a_sequence_mean_reach_the_token_data():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    rloo = algo(group_size=4, loss_agg="seq-mean-token-mean",
+                reward_norm=NormConfig(mean_level="group", std_level="none", leave_one_out=True))
+    samples = [sample(0, i, n, r) for i, (n, r) in enumerate([(1, 1.0), (2, 0.0), (3, 0.0), (4, 1.0)])]
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], rloo)
+    # r_i − mean of the other three answers: 1 − 1/3 and 0 − 2/3, on every token.
+    assert [a.tolist() for a in data["advantages"]] == [pytest.approx([2 / 3] * 1), pytest.approx([-2 / 3] * 2),
+                                                        pytest.approx([-2 / 3] * 3), pytest.approx([2 / 3] * 4)]
+    assert [w.tolist() for w in data["token_weights"]] == [pytest.approx([1 / n] * n) for n in (1, 2, 3, 4)]
+    assert sum(float(s.sum()) for s in data[LOSS_SHARE_KEY]) == pytest.approx(4.0)  # the denominator counts answers
+
+
+def test_the_overlong_penalty_and_kl_as_a_reward_change_the_advantages():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    plain = algo(reward_norm=NormConfig(mean_level="none", std_level="none"), max_new_tokens=8)
+    samples = [sample(0, 0, 4, 1.0), sample(0, 1, 8, 1.0)]
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], plain)
+    assert data["advantages"][1].tolist() == pytest.approx([1.0] * 8)
+    # The last 4 tokens before the limit of 8: the 8-token answer loses the whole factor 0.5.
+    shaped = algo(reward_norm=NormConfig(mean_level="none", std_level="none"), max_new_tokens=8, overlong_tokens=4,
+                  overlong_penalty_factor=0.5)
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], shaped)
+    assert data["advantages"][0].tolist() == pytest.approx([1.0] * 4)
+    assert data["advantages"][1].tolist() == pytest.approx([0.5] * 8)
+    # KL as a reward: behav − ref = 0.2 per token (k1), so each token's return loses β·0.2 per token after it.
+    kl = algo(reward_norm=NormConfig(mean_level="none", std_level="none"), kl_in="reward", kl_estimator="k1")
+    _, data = ppo_inputs(samples, graph, graph.nodes["train"], kl, kl_coef=0.5)
+    assert data["advantages"][0].tolist() == pytest.approx([1 - 0.1 * k for k in (4, 3, 2, 1)])
+
+
+def test_batch_normalised_advantages_agree_across_ranks():
+    """Two ranks with half the batch each, their statistics summed as the process group would,
+    normalise exactly like one rank with the whole batch."""
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    batch = algo(reward_norm=NormConfig(mean_level="none", std_level="none"),
+                 adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    samples = [sample(0, 0, 3, 1.0), sample(0, 1, 5, 0.0), sample(1, 0, 2, 1.0), sample(1, 1, 4, 0.5)]
+    _, whole = ppo_inputs(samples, graph, graph.nodes["train"], batch)
+    halves = [samples[:2], samples[2:]]
+    sums = []  # what each rank passes to the all-reduce
+
+    def record(t):
+        sums.append(t)
+        return t
+
+    for half in halves:
+        ppo_inputs(half, graph, graph.nodes["train"], batch, all_reduce=record)
+    total = sums[0] + sums[1]
+    parts = [ppo_inputs(half, graph, graph.nodes["train"], batch, all_reduce=lambda t: total)[1] for half in halves]
+    got = [a.tolist() for p in parts for a in p["advantages"]]
+    assert got == [pytest.approx(a.tolist(), abs=1e-6) for a in whole["advantages"]]
+    # A rank without samples still joins the all-reduce (or the others would wait for it forever).
+    joined = []
+    _, empty = ppo_inputs([], graph, graph.nodes["train"], batch, all_reduce=lambda t: joined.append(t) or t)
+    assert joined and empty["advantages"] == []

@@ -129,6 +129,7 @@ class MegatronEngine:
                                    head_dim(self.hf_config))
         self._step = 0
         self._nan_in_a_row = 0
+        self.extra_state: dict = {}  # the caller's training state (e.g. an adaptive KL coefficient), saved with it
         with self._compat():
             self.layout = init_parallel(tp, pp)
             self._dp_group = ps.get_data_parallel_group()
@@ -168,6 +169,11 @@ class MegatronEngine:
     def dp_rank(self) -> int:
         """This rank's data-parallel index: ranks with the same index must be given the same data."""
         return self._dp_rank
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share the batch between them (one per model-parallel group)."""
+        return self._dp_group
 
     @property
     def data_leader(self) -> bool:
@@ -301,11 +307,11 @@ class MegatronEngine:
         with self._compat():
             masks = loss_masks(seqs, token_data)
             lengths = seq_lengths(seqs)
-            n_valid_global, n_tokens_global = global_counts(masks, lengths, self._dp_group)
+            n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._dp_group, token_data)
             micro = self._micro_batches(seqs, token_data, masks)
             self._model.zero_grad_buffer()
             self._optimizer.zero_grad()
-            results = self._run(micro, forward_only=False, loss_fn=loss_fn, n_valid=max(n_valid_global, 1.0))
+            results = self._run(micro, forward_only=False, loss_fn=loss_fn, n_valid=max(denominator, 1.0))
             finalize_model_grads([self._model])  # DP all-reduce (SUM) and tied-embedding grads across stages
             sums: dict[str, float] = {}
             if self._last and ps.get_tensor_model_parallel_rank() == 0:
@@ -402,7 +408,7 @@ class MegatronEngine:
         ranks: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         return {"layout": str(self.layout), "ranks": ranks, "step": self._step, "version": self.version,
-                "nan_in_a_row": self._nan_in_a_row}
+                "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state)}
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by `save` (or any Hugging Face directory of this model's
@@ -424,3 +430,4 @@ class MegatronEngine:
                 self._step = train_state["step"]
                 self.version = train_state["version"]
                 self._nan_in_a_row = train_state["nan_in_a_row"]
+                self.extra_state = dict(train_state.get("extra", {}))

@@ -1,0 +1,184 @@
+"""The algorithm library as a recipe selects it: built-in losses, estimators and shapers by name,
+and the two steps a train node runs with them (docs/algorithms.md).
+
+1. `advantages`, once per train batch: reward shapers → reward normalisation → token rewards (the
+   score at each answer's last token, minus the KL penalty when KL is a reward) → the advantage
+   estimator → advantage normalisation.
+2. `objective`, per micro-batch: π_prox as the step provides it, the policy loss, plus KL as a loss
+   term when it is one.
+
+The math lives in the pure functions of `ppo.py`, `advantages.py`, `kl.py`, `shaping.py` and
+`prox.py`; this module only reads the config and calls them. Each registered function takes the
+whole `AlgorithmConfig` so that a user's own function may read any field it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from areal_flow.algorithms.advantages import gae, normalize, token_rewards
+from areal_flow.algorithms.kl import kl_estimate
+from areal_flow.algorithms.ppo import aggregation_weight, decoupled_ppo_loss
+from areal_flow.algorithms.prox import loglinear_prox
+from areal_flow.algorithms.registry import register, resolve
+from areal_flow.algorithms.shaping import overlong_penalty
+
+Stats = dict[str, torch.Tensor]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+PROX_SOURCES = ("data", "current", "behav", "loglinear")
+"""Where a step's π_prox comes from: the prox node's output ('data'); the trained logprobs
+themselves, exact when the whole update is one optimizer step ('current'); the behaviour logprobs,
+exact when every token was sampled by the current weights ('behav'); or AReaL's log-linear
+interpolation by per-token version ('loglinear')."""
+
+
+# ---- built-in policy losses: fn(logprobs, prox, batch, mask, denominator, algo) -> (loss, stats) ----
+
+
+@register("policy_loss", "ppo")
+def ppo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor, Stats]:
+    """PPO clip (asymmetric with eps_clip_high, dual with c_clip; GSPO with importance_level=sequence)
+    with the behaviour weight π_prox/π_behav of the decoupled objective when there is a π_prox."""
+    return _policy(logprobs, prox, batch, mask, denominator, algo, kind="ppo")
+
+
+@register("policy_loss", "cispo")
+def cispo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor, Stats]:
+    """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, stop-gradient importance ratio, so
+    that every token keeps a gradient."""
+    return _policy(logprobs, prox, batch, mask, denominator, algo, kind="cispo")
+
+
+def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[torch.Tensor, Stats]:
+    return decoupled_ppo_loss(
+        logprobs, prox, batch["behav_logprobs"], batch["advantages"], mask, kind=kind,
+        eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, c_clip=algo.c_clip,
+        importance_level=algo.importance_level, seq_ids=batch.get("seq_ids"),
+        behav_weight_cap=algo.behav_weight_cap, behav_weight_floor=algo.behav_weight_floor,
+        behav_weight_action=algo.behav_weight_action, token_weights=batch.get("token_weights"),
+        n_valid_tokens=denominator)
+
+
+# ---- built-in advantage estimators: fn(token_rewards [N,T], values [N,T] | None, mask, algo) -> [N,T] ----
+
+
+@register("adv_estimator", "gae")
+def gae_estimator(rewards, values, mask, algo) -> torch.Tensor:
+    """GAE(γ, λ) against the critic's values; without a critic the values are 0, and with γ = λ = 1
+    every token's advantage is its return-to-go (REINFORCE; GRPO once the rewards are normalised)."""
+    if values is None:
+        values = torch.zeros_like(rewards)
+    return gae(rewards, values, mask, algo.gamma, algo.gae_lambda)[0]
+
+
+@register("adv_estimator", "returns")
+def returns_estimator(rewards, values, mask, algo) -> torch.Tensor:
+    """γ-discounted returns-to-go, ignoring any critic (REINFORCE, REINFORCE++)."""
+    return gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, 1.0)[0]
+
+
+# ---- built-in reward shapers: fn(scores [N], lengths [N], truncated [N] bool, algo) -> [N] ----
+
+
+@register("reward_shaper", "overlong")
+def overlong(scores, lengths, truncated, algo) -> torch.Tensor:
+    """DAPO's soft overlong penalty over the last `overlong_tokens` before max_new_tokens."""
+    if algo.overlong_tokens is None:
+        raise ValueError("reward shaper 'overlong' needs algorithm.overlong_tokens")
+    return scores + overlong_penalty(lengths, max_new_tokens=algo.max_new_tokens,
+                                     overlong_tokens=algo.overlong_tokens, factor=algo.overlong_penalty_factor)
+
+
+def shapers(algo) -> list[tuple[str, Callable]]:
+    """The reward shapers a config applies, in order: 'overlong' first when overlong_tokens is set."""
+    chosen = (["overlong"] if algo.overlong_tokens is not None else []) + list(algo.reward_shapers)
+    return [(name, resolve("reward_shaper", name, "algorithm.reward_shapers")) for name in chosen]
+
+
+# ---- step 1: advantages ------------------------------------------------------------------------
+
+
+def padded(rows: Sequence[np.ndarray], dtype=torch.float32) -> torch.Tensor:
+    """[N, max_len] from ragged rows, 0 beyond each row's end."""
+    out = torch.zeros(len(rows), max((len(r) for r in rows), default=0), dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(np.asarray(r), dtype=dtype)
+    return out
+
+
+def advantages(scores: torch.Tensor, masks: Sequence[np.ndarray], truncated: Sequence[bool], algo, *,
+               kl: Sequence[np.ndarray] | None = None, kl_coef: float = 0.0,
+               values: Sequence[np.ndarray] | None = None,
+               all_reduce: AllReduce | None = None) -> list[np.ndarray]:
+    """Per-answer-token advantages of one train batch (N answers, whole groups in order).
+
+    scores: [N] rewards; masks: each answer's loss mask; `kl` (per token, against the reference)
+    enters as a reward penalty −kl_coef·kl when given; `values` are the critic's. `all_reduce` sums
+    batch-level statistics over the data-parallel ranks."""
+    lengths = torch.tensor([len(m) for m in masks], dtype=torch.float32)
+    for _, shape in shapers(algo):
+        scores = shape(scores, lengths, torch.tensor(list(truncated), dtype=torch.bool), algo)
+    scores = normalize(scores, group_size=algo.group_size, all_reduce=all_reduce, **norm_kwargs(algo.reward_norm))
+    mask = padded(masks, torch.bool)
+    penalty = -kl_coef * padded(kl) if kl is not None and kl_coef else None
+    rewards = token_rewards(scores, mask, penalty)
+    estimator = resolve("adv_estimator", algo.adv_estimator, "algorithm.adv_estimator")
+    adv = estimator(rewards, padded(values) if values is not None else None, mask, algo)
+    adv = normalize(adv, group_size=algo.group_size, mask=mask, all_reduce=all_reduce, **norm_kwargs(algo.adv_norm))
+    return [adv[i, :len(m)].numpy().astype(np.float32) for i, m in enumerate(masks)]
+
+
+def norm_kwargs(norm) -> dict:
+    return {"mean_level": norm.mean_level, "std_level": norm.std_level, "leave_one_out": norm.leave_one_out,
+            "std_unbiased": norm.std_unbiased, "eps": norm.eps}
+
+
+def aggregation(masks: Sequence[np.ndarray], algo) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per token: the weight of its loss and its share of the global denominator, so that
+    Σ weight·loss / Σ share is the configured aggregation over the whole global batch."""
+    norm_length = algo.loss_agg_norm_length or algo.max_new_tokens
+    weights, shares = [], []
+    for m in masks:
+        w, s = aggregation_weight(algo.loss_agg, int(np.asarray(m).sum()), norm_length)
+        weights.append(np.full(len(m), w, dtype=np.float32))
+        shares.append(np.full(len(m), s, dtype=np.float32))
+    return weights, shares
+
+
+# ---- step 2: the objective of one micro-batch ----------------------------------------------------
+
+
+def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, denominator: float, *,
+              algo, prox_source: str | None, prox_version: int, kl_coef: float) -> tuple[torch.Tensor, Stats]:
+    """The loss the train node minimises on one micro-batch: the policy loss, plus kl_coef·KL to the
+    reference when KL is a loss term (kl_in=loss). `prox_source` None is naive PPO against π_behav."""
+    prox = prox_logprobs(logprobs, batch, prox_source, prox_version)
+    policy_loss = resolve("policy_loss", algo.policy_loss, "algorithm.policy_loss")
+    loss, stats = policy_loss(logprobs, prox, batch, mask, denominator, algo)
+    if algo.kl_in == "loss" and kl_coef and "ref_logprobs" in batch:
+        kl = kl_estimate(logprobs, batch["ref_logprobs"], mask, algo.kl_estimator, algo.kl_clamp)
+        weights = batch.get("token_weights")
+        weighted = kl * weights if weights is not None else kl
+        kl_loss = weighted.sum() / max(float(denominator), 1.0)
+        loss = loss + kl_coef * kl_loss
+        stats["kl_sum"] = torch.where(mask, kl, torch.zeros_like(kl)).sum().detach()
+    return loss, stats
+
+
+def prox_logprobs(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], source: str | None,
+                  prox_version: int) -> torch.Tensor | None:
+    if source is None:
+        return None
+    if source == "data":
+        return batch["prox_logprobs"]
+    if source == "current":
+        return logprobs.detach()
+    if source == "behav":
+        return batch["behav_logprobs"]
+    if source == "loglinear":
+        return loglinear_prox(logprobs, batch["behav_logprobs"], batch["versions"], prox_version)
+    raise ValueError(f"unknown prox source {source!r}; known: {', '.join(PROX_SOURCES)}")

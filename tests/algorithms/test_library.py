@@ -1,0 +1,119 @@
+"""The algorithm library as a recipe selects it: π_prox sources, KL as a loss term, and losses,
+estimators and shapers named by registry name or import path."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from areal_flow.algorithms import registry
+from areal_flow.algorithms.library import objective
+from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
+from areal_flow.config.validate import algorithm_problems
+
+
+def batch(seed=0, n=12):
+    g = torch.Generator().manual_seed(seed)
+    behav = -torch.rand(n, generator=g, dtype=torch.float64) * 2
+    logp = (behav + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
+    data = {"behav_logprobs": behav, "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+            "ref_logprobs": behav - 0.1, "versions": torch.tensor([3] * (n // 2) + [1] * (n - n // 2)),
+            "seq_ids": torch.arange(n) // 3}
+    return logp, data, torch.ones(n, dtype=torch.bool)
+
+
+def test_the_current_prox_source_is_the_trained_logprobs_detached():
+    logp, data, mask = batch()
+    algo = AlgorithmConfig(behav_weight_cap=None)
+    loss, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
+    want, _ = decoupled_ppo_loss(logp, logp.detach().clone(), data["behav_logprobs"], data["advantages"], mask,
+                                 eps_clip=0.2, n_valid_tokens=12.0)
+    assert loss.item() == pytest.approx(want.item())
+    assert stats["ratio_sum"].item() == pytest.approx(12.0)  # r = 1 on every token: nothing clipped
+    (grad,) = torch.autograd.grad(loss, logp)
+    w = torch.exp(logp.detach() - data["behav_logprobs"])
+    assert torch.allclose(grad, -w * data["advantages"] / 12.0)
+
+
+def test_behav_and_loglinear_prox_sources():
+    logp, data, mask = batch(1)
+    algo = AlgorithmConfig(behav_weight_cap=None)
+    behav, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="behav", prox_version=3, kl_coef=0.0)
+    naive, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source=None, prox_version=3, kl_coef=0.0)
+    assert behav.item() == pytest.approx(naive.item())  # π_prox = π_behav: w = 1, r = π_θ/π_behav
+    loglinear, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source="loglinear", prox_version=3,
+                                 kl_coef=0.0)
+    # Tokens of version 3 (= π_prox's) get w = 1 exactly; the version-1 tokens do not.
+    assert stats["behav_weight_sum"].item() != pytest.approx(12.0)
+    prox = data["behav_logprobs"] + torch.cat([torch.zeros(6), torch.full((6,), 2 / 3)]).double() * (
+        logp.detach() - data["behav_logprobs"])
+    want, _ = decoupled_ppo_loss(logp, prox, data["behav_logprobs"], data["advantages"], mask, eps_clip=0.2,
+                                 n_valid_tokens=12.0)
+    assert loglinear.item() == pytest.approx(want.item())
+
+
+def test_kl_as_a_loss_term_adds_beta_times_the_estimate():
+    logp, data, mask = batch(2)
+    algo = AlgorithmConfig(kl_estimator="k2", kl_in="loss")
+    base, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source=None, prox_version=0, kl_coef=0.0)
+    with_kl, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source=None, prox_version=0, kl_coef=0.3)
+    k2 = ((logp.detach() - data["ref_logprobs"]) ** 2 / 2).sum()
+    assert with_kl.item() == pytest.approx(base.item() + 0.3 * k2.item() / 12.0)
+    assert stats["kl_sum"].item() == pytest.approx(k2.item())
+    # As a reward it is not in the loss.
+    reward, _ = objective(logp, data, mask, 12.0, algo=AlgorithmConfig(kl_in="reward"), prox_source=None,
+                          prox_version=0, kl_coef=0.3)
+    assert reward.item() == pytest.approx(base.item())
+
+
+def test_builtin_names_are_the_registered_ones():
+    for kind in registry.KINDS:
+        assert registry.names(kind) == sorted(registry.BUILTINS[kind])
+
+
+def test_a_function_of_your_own_is_named_by_its_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_algos.py").write_text(textwrap.dedent("""
+        import torch
+
+        def half_pg(logprobs, prox, batch, mask, denominator, algo):
+            loss = -(batch["advantages"] * logprobs * mask).sum() / denominator / 2
+            return loss, {"n_tokens": mask.sum().detach().double()}
+
+        def bonus(scores, lengths, truncated, algo):
+            return scores + 1.0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logp, data, mask = batch(3)
+    algo = AlgorithmConfig(policy_loss="my_algos:half_pg")
+    loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source=None, prox_version=0, kl_coef=0.0)
+    assert loss.item() == pytest.approx(-(data["advantages"] * logp.detach()).sum().item() / 24.0)
+    assert algorithm_problems(RunConfig(algorithm=AlgorithmConfig(policy_loss="my_algos:half_pg",
+                                                                  reward_shapers=["my_algos:bonus"]))) == []
+    sys.modules.pop("my_algos", None)
+
+
+def test_a_registered_name_cannot_be_taken_twice():
+    def mine(*args):
+        return None
+
+    with pytest.raises(ValueError, match="policy_loss 'ppo' is already registered"):
+        registry.register("policy_loss", "ppo")(mine)
+    with pytest.raises(ValueError, match="unknown registry 'losses'"):
+        registry.register("losses", "x")
+
+
+def test_bad_algorithm_settings_are_named_by_their_keys():
+    algo = AlgorithmConfig(
+        policy_loss="cispo", c_clip=3.0, adv_estimator="vtrace", reward_shapers=["no_such_module_xyz:f"],
+        reward_norm=NormConfig(mean_level="batch", leave_one_out=True), behav_weight_floor=6.0,
+        kl_target=0.1, overlong_tokens=500, max_new_tokens=96)
+    problems = "\n".join(algorithm_problems(RunConfig(algorithm=algo)))
+    assert "algorithm.reward_norm.leave_one_out=true needs algorithm.reward_norm.mean_level=group" in problems
+    assert "algorithm.c_clip=3.0: the dual clip is PPO's" in problems
+    assert "algorithm.behav_weight_floor=6.0 exceeds algorithm.behav_weight_cap=5.0" in problems
+    assert "algorithm.kl_target=0.1 adapts algorithm.kl_coef, which is 0" in problems
+    assert "algorithm.overlong_tokens=500 exceeds algorithm.max_new_tokens=96" in problems
+    assert "algorithm.adv_estimator='vtrace': no adv_estimator of that name; built-in: gae, returns" in problems
+    assert "algorithm.reward_shapers[0]='no_such_module_xyz:f': cannot import 'no_such_module_xyz'" in problems

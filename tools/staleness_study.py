@@ -1,0 +1,145 @@
+"""The staleness study (AReaL's Table 2 on tiny_arith): η × {decoupled objective, naive PPO} × seeds,
+one Hydra multirun, then a table and a plot.
+
+    python tools/staleness_study.py run [--etas 0 1 2 4 8] [--seeds 1 2] [--steps 40] [--dir DIR] [-- overrides]
+    python tools/staleness_study.py collect DIR
+
+`run` launches `python -m areal_flow.launch -m` over rollout.max_staleness × algorithm.decoupled ×
+seed with the study's settings (STUDY: every run trains the same number of samples), then collects.
+`collect` reads every run of a sweep directory (its .hydra/overrides.yaml, summary.json and
+metrics.jsonl) and prints, per η and objective, the final held-out accuracy (mean ± std over
+seeds), wall time, trained samples/s and realised staleness; it writes the table to
+docs/staleness_study.md and the plot to docs/staleness_study.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+import yaml
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from _bench import machine, save_plot  # noqa: E402
+
+from areal_flow.metrics.writer import read_metrics  # noqa: E402
+
+STUDY = [
+    # Staleness must bite within a short run: a higher learning rate than the recipe's 1e-4 and
+    # four optimizer steps per update (the later minibatches train further from π_behav).
+    "algorithm.lr=5e-4", "algorithm.n_minibatches=4",
+    # Interruption on: an update mid-answer leaves tokens of several versions in one answer.
+    "rollout.interrupt=true", "rollout.max_concurrent=64",
+    "max_wall_seconds=0", "eval_every=0", "metrics.plot=false",
+]
+
+
+def run(args: argparse.Namespace) -> None:
+    sweep = Path(args.dir or "multirun/staleness_study").resolve()
+    cmd = [sys.executable, "-m", "areal_flow.launch", "-m",
+           "rollout.max_staleness=" + ",".join(map(str, args.etas)), "algorithm.decoupled=true,false",
+           "seed=" + ",".join(map(str, args.seeds)), f"total_steps={args.steps}", *STUDY, *args.overrides,
+           f"hydra.sweep.dir={sweep}"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    collect(sweep, args.out, args.plot, " ".join(sys.argv[1:]))
+
+
+def read_run(run_dir: Path) -> dict:
+    overrides = dict(o.split("=", 1) for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [m for m in read_metrics(str(run_dir / "metrics.jsonl")) if m["event"] == "step"]
+    counts = [sum(m["staleness_hist"]) for m in steps]
+    return {
+        "eta": int(overrides["rollout.max_staleness"]),
+        "decoupled": overrides["algorithm.decoupled"].lower() == "true",
+        "seed": int(overrides["seed"]),
+        "acc_start": summary["accuracy_start"],
+        "acc_end": summary["accuracy_end"],
+        "wall": summary["train_wall_seconds"],
+        "samples_per_s": summary["samples_per_second"],
+        "trained": summary["trained_samples"],
+        "staleness_mean": sum(m["staleness_mean"] * c for m, c in zip(steps, counts)) / max(sum(counts), 1),
+        "staleness_max": max(m["staleness_max"] for m in steps),
+    }
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def collect(sweep: Path, out: str, plot: str, command: str) -> None:
+    runs = [read_run(p) for p in sorted(sweep.iterdir()) if (p / "summary.json").exists()]
+    if not runs:
+        raise SystemExit(f"{sweep}: no finished run (no */summary.json)")
+    cells: dict[tuple[int, bool], list[dict]] = defaultdict(list)
+    for r in runs:
+        cells[(r["eta"], r["decoupled"])].append(r)
+    starts = sorted({round(r["acc_start"], 4) for r in runs if r["acc_start"] is not None})
+    lines = [f"machine: {machine()}", f"command: python tools/staleness_study.py {command}", "",
+             f"held-out accuracy at the start (every run): {', '.join(f'{100 * a:.1f}%' for a in starts)}", "",
+             "| η | objective | seeds | final accuracy | wall s | trained samples/s | staleness mean / max | samples |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for (eta, decoupled), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+        acc, acc_sd = mean_std([r["acc_end"] for r in rs])
+        wall, _ = mean_std([r["wall"] for r in rs])
+        rate, rate_sd = mean_std([r["samples_per_s"] for r in rs])
+        rows.append({"eta": eta, "decoupled": decoupled, "acc": acc, "acc_sd": acc_sd, "rate": rate})
+        lines.append(f"| {eta} | {'decoupled' if decoupled else 'naive PPO'} | {len(rs)} | "
+                     f"{100 * acc:.1f} ± {100 * acc_sd:.1f}% | {wall:.0f} | {rate:.1f} ± {rate_sd:.1f} | "
+                     f"{statistics.fmean(r['staleness_mean'] for r in rs):.2f} / {max(r['staleness_max'] for r in rs)} | "
+                     f"{rs[0]['trained']} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    Path(out).write_text("# Staleness study: the table\n\nWritten by `tools/staleness_study.py`; "
+                         "docs/benchmarks.md discusses it.\n\n" + text + "\n")
+    fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for decoupled, style in ((True, "o-"), (False, "s--")):
+        mine = [r for r in rows if r["decoupled"] == decoupled]
+        label = "decoupled" if decoupled else "naive PPO"
+        ax_acc.errorbar([r["eta"] for r in mine], [100 * r["acc"] for r in mine],
+                        yerr=[100 * r["acc_sd"] for r in mine], fmt=style, capsize=3, label=label)
+        ax_rate.plot([r["eta"] for r in mine], [r["rate"] for r in mine], style, label=label)
+    ax_acc.set(xlabel="η (max staleness)", ylabel="final held-out accuracy (%)", title="accuracy")
+    ax_rate.set(xlabel="η (max staleness)", ylabel="trained samples / s", title="throughput")
+    for ax in (ax_acc, ax_rate):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    save_plot(fig, plot)
+    print(f"table: {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the sweep, then collect it")
+    r.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    r.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--dir", help="the sweep directory (default multirun/staleness_study)")
+    r.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
+    c = sub.add_parser("collect", help="collect a finished (or partial) sweep")
+    c.add_argument("dir")
+    for p in (r, c):
+        p.add_argument("--out", default="docs/staleness_study.md")
+        p.add_argument("--plot", default="docs/staleness_study.png")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args)
+    else:
+        collect(Path(args.dir), args.out, args.plot, " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
