@@ -5,12 +5,13 @@ recipes/tiny_arith.yaml, run end to end on the real processes for a few steps.
 """
 
 import copy
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -131,3 +132,23 @@ def test_weights_by_broadcast_from_trainer_rank_0_over_gloo(tmp_path, run_cache)
     assert all(f"weight version {v} sent to 1 server(s)" in trainer for v in (1, 2, 3))
     assert not (run_dir / "weights").exists()
     assert all(m["update_seconds"] > 0 for m in steps_of(run_dir))
+
+
+def test_a_critic_trains_beside_the_actor_and_is_saved_with_it(tmp_path, run_cache):
+    """recipe=tiny_arith_ppo: a value head on the actor's architecture gives its values to GAE and
+    learns from the targets; the checkpoint holds it in critic/."""
+    run_dir = tmp_path / "ppo"
+    # A model that answers some problems: all-zero rewards would give the critic nothing to learn.
+    r = launch(run_dir, run_cache, "recipe=tiny_arith_ppo", *ANSWERS_SOME, "eval_at_start=false", "eval_at_end=false",
+               "total_steps=3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_accounting(run_dir, eta=1, group_size=8)
+    runs = nodes_run(run_dir)
+    assert all(n[0] == "critic_values" and sorted(n[1:]) == ["actor_train", "critic_train"] for n in runs), runs
+    steps = steps_of(run_dir)
+    # The head starts at 0 (a fresh critic values every state 0), then learns.
+    assert steps[0]["train/critic/value_sum"] == 0.0 and steps[-1]["train/critic/value_sum"] != 0.0
+    assert all(m["train/critic/n_valid_tokens"] == m["train/n_valid_tokens"] > 0 for m in steps)
+    assert sum(m["reward"] for m in steps) > 0
+    config = json.loads((run_dir / "checkpoint" / "critic" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1  # one value

@@ -36,7 +36,7 @@ from areal_flow.metrics.writer import read_metrics  # noqa: E402
 STUDY = [
     # Staleness must bite within a short run: a higher learning rate than the recipe's 1e-4 and
     # four optimizer steps per update (the later minibatches train further from π_behav).
-    "algorithm.lr=5e-4", "algorithm.n_minibatches=4",
+    "algorithm.lr=1e-4", "algorithm.n_minibatches=4",
     # Interruption on: an update mid-answer leaves tokens of several versions in one answer.
     "rollout.interrupt=true", "rollout.max_concurrent=64",
     "max_wall_seconds=0", "eval_every=0", "metrics.plot=false",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from areal_flow.algorithms.advantages import gae, normalize, token_rewards
+from areal_flow.algorithms.critic import value_loss
 from areal_flow.algorithms.kl import kl_estimate
 from areal_flow.algorithms.ppo import aggregation_weight, decoupled_ppo_loss
 from areal_flow.algorithms.prox import loglinear_prox
@@ -63,22 +64,25 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         n_valid_tokens=denominator)
 
 
-# ---- built-in advantage estimators: fn(token_rewards [N,T], values [N,T] | None, mask, algo) -> [N,T] ----
+# ---- built-in advantage estimators:
+# fn(token_rewards [N,T], values [N,T] | None, mask, algo) -> (advantages [N,T], critic targets [N,T]) ----
 
 
 @register("adv_estimator", "gae")
-def gae_estimator(rewards, values, mask, algo) -> torch.Tensor:
-    """GAE(γ, λ) against the critic's values; without a critic the values are 0, and with γ = λ = 1
-    every token's advantage is its return-to-go (REINFORCE; GRPO once the rewards are normalised)."""
+def gae_estimator(rewards, values, mask, algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(γ, λ) against the critic's values, whose targets are A + V; without a critic the values
+    are 0, and with γ = λ = 1 every token's advantage is its return-to-go (REINFORCE; GRPO once the
+    rewards are normalised)."""
     if values is None:
         values = torch.zeros_like(rewards)
-    return gae(rewards, values, mask, algo.gamma, algo.gae_lambda)[0]
+    return gae(rewards, values, mask, algo.gamma, algo.gae_lambda)
 
 
 @register("adv_estimator", "returns")
-def returns_estimator(rewards, values, mask, algo) -> torch.Tensor:
+def returns_estimator(rewards, values, mask, algo) -> tuple[torch.Tensor, torch.Tensor]:
     """γ-discounted returns-to-go, ignoring any critic (REINFORCE, REINFORCE++)."""
-    return gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, 1.0)[0]
+    returns = gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, 1.0)[0]
+    return returns, returns
 
 
 # ---- built-in reward shapers: fn(scores [N], lengths [N], truncated [N] bool, algo) -> [N] ----
@@ -113,12 +117,14 @@ def padded(rows: Sequence[np.ndarray], dtype=torch.float32) -> torch.Tensor:
 def advantages(scores: torch.Tensor, masks: Sequence[np.ndarray], truncated: Sequence[bool], algo, *,
                kl: Sequence[np.ndarray] | None = None, kl_coef: float = 0.0,
                values: Sequence[np.ndarray] | None = None,
-               all_reduce: AllReduce | None = None) -> list[np.ndarray]:
-    """Per-answer-token advantages of one train batch (N answers, whole groups in order).
+               all_reduce: AllReduce | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-answer-token (advantages, critic targets) of one train batch (N answers, whole groups
+    in order).
 
     scores: [N] rewards; masks: each answer's loss mask; `kl` (per token, against the reference)
     enters as a reward penalty −kl_coef·kl when given; `values` are the critic's. `all_reduce` sums
-    batch-level statistics over the data-parallel ranks."""
+    batch-level statistics over the data-parallel ranks. The targets are the estimator's, before
+    advantage normalisation."""
     lengths = torch.tensor([len(m) for m in masks], dtype=torch.float32)
     for _, shape in shapers(algo):
         scores = shape(scores, lengths, torch.tensor(list(truncated), dtype=torch.bool), algo)
@@ -127,9 +133,13 @@ def advantages(scores: torch.Tensor, masks: Sequence[np.ndarray], truncated: Seq
     penalty = -kl_coef * padded(kl) if kl is not None and kl_coef else None
     rewards = token_rewards(scores, mask, penalty)
     estimator = resolve("adv_estimator", algo.adv_estimator, "algorithm.adv_estimator")
-    adv = estimator(rewards, padded(values) if values is not None else None, mask, algo)
+    adv, targets = estimator(rewards, padded(values) if values is not None else None, mask, algo)
     adv = normalize(adv, group_size=algo.group_size, mask=mask, all_reduce=all_reduce, **norm_kwargs(algo.adv_norm))
-    return [adv[i, :len(m)].numpy().astype(np.float32) for i, m in enumerate(masks)]
+    return unpadded(adv, masks), unpadded(targets, masks)
+
+
+def unpadded(x: torch.Tensor, masks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [x[i, :len(m)].detach().numpy().astype(np.float32) for i, m in enumerate(masks)]
 
 
 def norm_kwargs(norm) -> dict:
@@ -167,6 +177,13 @@ def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torc
         loss = loss + kl_coef * kl_loss
         stats["kl_sum"] = torch.where(mask, kl, torch.zeros_like(kl)).sum().detach()
     return loss, stats
+
+
+def critic_objective(values: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, denominator: float, *,
+                     algo) -> tuple[torch.Tensor, Stats]:
+    """The critic's clipped value loss on one micro-batch, toward the estimator's targets."""
+    return value_loss(values, batch["values"], batch["returns"], mask, value_clip=algo.value_clip,
+                      kind=algo.value_loss, huber_delta=algo.huber_delta, n_valid_tokens=denominator)
 
 
 def prox_logprobs(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], source: str | None,

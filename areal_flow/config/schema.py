@@ -43,7 +43,8 @@ class NodeConfig:
     """One model function call (MFC) of the graph. Edges come from the keys it reads and writes."""
 
     type: str = doc("", "generate | reward | combine | inference | train")
-    role: Optional[str] = doc(None, "model role: actor | ref (critic is not implemented yet); none for reward/combine")
+    role: Optional[str] = doc(None, "model role: actor | ref | critic (a value head on the actor's architecture); "
+                              "none for reward/combine")
     inputs: List[str] = doc(help="keys this node reads (from the dataset or from another node)", factory=list)
     outputs: List[str] = doc(help="keys this node writes", factory=list)
     keys: Dict[str, str] = doc(help="well-known key -> the name this node writes it under, e.g. {prox_logprobs: old_logp}",
@@ -181,6 +182,11 @@ class AlgorithmConfig:
     gae_lambda: float = doc(1.0, "GAE's λ", ge=0, le=1)
     adv_norm: NormConfig = doc(help="normalisation of the advantages, over valid tokens (REINFORCE++, PPO: batch)",
                                factory=_no_norm)
+    critic_lr: Optional[float] = doc(None, "the critic's learning rate (a critic train node); null = lr", gt=0)
+    value_loss: str = doc("mse", "the critic's loss: mse (½(V − R)²) | huber", choices=("mse", "huber"))
+    value_clip: Optional[float] = doc(0.2, "clip each value's move from the critic's old value to ±this (PPO's "
+                                      "value clipping); null = none", gt=0)
+    huber_delta: float = doc(10.0, "value_loss=huber: where the loss turns linear", gt=0)
     reward_shapers: List[str] = doc(help="more reward shapers, by name or 'module:function', applied in order after "
                                     "the overlong penalty", factory=list)
     overlong_tokens: Optional[int] = doc(None, "DAPO's soft overlong penalty: over the last this many tokens before "

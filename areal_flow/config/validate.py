@@ -101,7 +101,7 @@ def _rollout(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
+def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
     problems = []
     bounds = cfg.algorithm.success_rate_range
     if bounds is not None and (len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] <= 1):
@@ -120,6 +120,14 @@ def _graph(cfg: RunConfig, graph: Graph) -> list[str]:
     if cfg.algorithm.kl_coef > 0 and graph.input(graph.train, "ref_logprobs") is None:
         problems.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs the train node '{graph.train.name}' to read "
                         "ref_logprobs from an inference node with role ref")
+    critic = graph.critic_train
+    if critic is not None and graph.input(critic, "values") is None:
+        problems.append(f"the critic's train node '{critic.name}' must read values, from an inference node with role "
+                        "critic (its values before the update, for the clipped value loss)")
+    for node in graph.batch_nodes:
+        if node.role == "critic" and node.engine != "torch":
+            problems.append(f"node '{node.name}': the critic runs on engine torch only in this version "
+                            f"(graph.{node.name}.engine={node.engine})")
     if cfg.algorithm.prox_logp == "loglinear":
         for meaning in ("prox_logprobs", "versions"):
             if graph.input(graph.train, meaning) is None:
@@ -181,7 +189,7 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
 
 def check_run(cfg: RunConfig, graph: Graph) -> None:
     """Raise ConfigError listing every problem of a composed config whose graph is valid."""
-    problems = check_ranges(cfg) + _machine(cfg) + _rollout(cfg) + _graph(cfg, graph)
+    problems = check_ranges(cfg) + _machine(cfg) + _rollout(cfg) + graph_problems(cfg, graph)
     problems += generation_problems(cfg.generation, len(graph.generate.mesh or ()))
     if problems:
         raise ConfigError(problems)

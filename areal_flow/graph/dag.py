@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from areal_flow.graph.keys import NODE_KINDS, NOT_IMPLEMENTED_ROLES, ROLES, TEXT, WRITER_ROLE
+from areal_flow.graph.keys import NODE_KINDS, ROLES, TEXT, WRITER_ROLE
 from areal_flow.training.layout import Layout, layout_problems, parse_layout
 
 NODE_TYPES = tuple(NODE_KINDS)
@@ -72,7 +72,13 @@ class Graph:
 
     @property
     def train(self) -> Node:
-        return next(n for n in self.nodes.values() if n.type == "train")
+        """The actor's train node: the policy the run trains and publishes."""
+        return next(n for n in self.nodes.values() if n.type == "train" and n.role == "actor")
+
+    @property
+    def critic_train(self) -> Node | None:
+        """The critic's train node, when the graph trains one."""
+        return next((n for n in self.nodes.values() if n.type == "train" and n.role == "critic"), None)
 
     @property
     def scorers(self) -> list[Node]:
@@ -190,9 +196,6 @@ def build_graph(
             problems.append(f"node '{name}': unknown type {ntype!r} ({key}.type); expected one of {', '.join(NODE_TYPES)}")
         elif kind.roles and role not in ROLES:
             problems.append(f"node '{name}': unknown model role {role!r} ({key}.role); expected one of {', '.join(ROLES)}")
-        elif kind.roles and role in NOT_IMPLEMENTED_ROLES:
-            problems.append(f"node '{name}': role {role!r} ({key}.role) is not implemented in this version: "
-                            f"{NOT_IMPLEMENTED_ROLES[role]}")
         elif kind.roles and role not in kind.roles:
             problems.append(f"node '{name}': a {ntype} node runs on role {' or '.join(kind.roles)}, not {role!r} ({key}.role)")
         elif not kind.roles and role is not None:
@@ -377,8 +380,12 @@ def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
         problems.append(f"the graph needs exactly one generate node, found {len(by_type['generate'])}")
     if not by_type["reward"]:
         problems.append("the graph needs a reward node (type: reward) to write the rewards the train node reads")
-    if len(by_type["train"]) != 1:
-        problems.append(f"the graph needs exactly one train node with role actor, found {len(by_type['train'])}")
+    trains = {role: [n.name for n in by_type["train"] if n.role == role] for role in ("actor", "critic")}
+    if len(trains["actor"]) != 1:
+        problems.append(f"the graph needs exactly one train node with role actor, found {len(trains['actor'])}")
+    if len(trains["critic"]) > 1:
+        problems.append(f"the graph has {len(trains['critic'])} train nodes with role critic "
+                        f"({', '.join(trains['critic'])}): at most one")
 
 
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:

@@ -32,6 +32,7 @@ KEYS: dict[str, KeySpec] = {
     "versions": KeySpec("<i4", "output", "policy version that generated each answer token"),
     "prox_logprobs": KeySpec("<f4", "output", "log π_prox: the trained role's logprobs before this update"),
     "ref_logprobs": KeySpec("<f4", "output", "logprobs under the reference model (KL)"),
+    "values": KeySpec("<f4", "output", "the critic's value of the state before each answer token, before this update"),
     "rewards": KeySpec("<f4", "sample", "one reward per sample"),
 }
 
@@ -57,13 +58,13 @@ NODE_KINDS: dict[str, NodeKind] = {
                        dataset_fields=1, n_outputs=1),
     "combine": NodeKind(streaming=True, may_read=("rewards",), writes=("rewards",), must_write=("rewards",), n_outputs=1),
     "inference": NodeKind(streaming=False, reads=("prompt_ids", "output_ids"),
-                          writes=("prox_logprobs", "ref_logprobs"), n_outputs=1, roles=("actor", "ref")),
+                          writes=("prox_logprobs", "ref_logprobs", "values"), n_outputs=1,
+                          roles=("actor", "ref", "critic")),
     "train": NodeKind(streaming=False, reads=("prompt_ids", "output_ids", "behav_logprobs", "rewards"),
-                      may_read=("prox_logprobs", "ref_logprobs", "versions"), roles=("actor",)),
+                      may_read=("prox_logprobs", "ref_logprobs", "versions", "values"), roles=("actor", "critic")),
 }
 
-WRITER_ROLE = {"prox_logprobs": "actor", "ref_logprobs": "ref"}
-"""The model role whose inference node may write a logprob key: π_prox is the trained actor's."""
+WRITER_ROLE = {"prox_logprobs": "actor", "ref_logprobs": "ref", "values": "critic"}
+"""The model role whose inference node may write a key: π_prox is the trained actor's, values the critic's."""
 
 ROLES = ("actor", "ref", "critic")
-NOT_IMPLEMENTED_ROLES = {"critic": "a critic (values, GAE) comes with the algorithm library"}

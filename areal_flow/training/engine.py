@@ -297,10 +297,12 @@ def require_config(path: str) -> None:
         raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
 
 
-def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> None:
+def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = ()) -> set[str]:
     """Fail with the file or tensor at fault when `path` does not hold exactly the tensors
     `expected` (Hugging Face name -> shape). `from_pretrained` alone would initialise a missing
-    tensor at random with only a warning, and a wrong shape fails deep inside it."""
+    tensor at random with only a warning, and a wrong shape fails deep inside it. Names starting
+    with one of `optional` may be absent (a value head the caller initialises). Returns the names
+    the checkpoint holds."""
     from safetensors import safe_open
 
     require_config(path)
@@ -315,13 +317,14 @@ def check_hf_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> None
                     found[key] = (tuple(f.get_slice(key).get_shape()), name)
         except Exception as exc:  # safetensors raises its own error types for a truncated file
             raise CheckpointError(f"{path}/{name}: unreadable safetensors file: {exc}") from exc
-    missing = sorted(set(expected) - set(found))
+    missing = sorted(k for k in set(expected) - set(found) if not k.startswith(optional))
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]} is missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for key, shape in expected.items():
-        if found[key][0] != tuple(shape):
+        if key in found and found[key][0] != tuple(shape):
             raise CheckpointError(f"{path}/{found[key][1]}: tensor {key} has shape {list(found[key][0])}, "
                                   f"the model's config wants {list(shape)}")
+    return set(found)
 
 
 def atomic_write_dir(path: str, write: Callable[[str], None]) -> None:

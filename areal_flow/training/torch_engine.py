@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.training.engine import (
@@ -63,18 +63,40 @@ from areal_flow.training.schedule import lr_factor
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def expected_tensors(model_path: str) -> dict[str, tuple[int, ...]]:
+HEADS = ("lm", "value")
+VALUE_HEAD = "score."
+"""The prefix of the value head's tensors (transformers' token-classification head, one label)."""
+VALUE_CONFIG = {"num_labels": 1, "classifier_dropout": 0.0}
+"""One value per token, and no dropout even when activation checkpointing runs the model in train mode."""
+
+
+def model_class(head: str):
+    """The transformers class of a head: the causal LM, or the same backbone with a scalar per token."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+    return AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
+
+
+def model_config(model_path: str, head: str):
+    config = AutoConfig.from_pretrained(model_path)
+    if head == "value":
+        for key, value in VALUE_CONFIG.items():
+            setattr(config, key, value)
+    return config
+
+
+def expected_tensors(model_path: str, head: str = "lm") -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of every tensor a checkpoint of this config must hold (tied
     weights once), from a model built on the meta device: no memory, no initialisation."""
     require_config(model_path)
-    config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(head).from_config(model_config(model_path, head))
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 class TorchEngine:
-    """One data-parallel rank of a Hugging Face causal LM: logprobs, packed train steps, save/load."""
+    """One data-parallel rank of a Hugging Face causal LM (or, with head="value", of the same
+    backbone with a value head: a critic): per-token outputs, packed train steps, save/load."""
 
     def __init__(
         self,
@@ -89,6 +111,7 @@ class TorchEngine:
         bf16: bool = False,
         activation_checkpointing: bool = False,
         attention: str = "sdpa",
+        head: str = "lm",
     ) -> None:
         """`optim` None makes a frozen role (ref): logprobs only. `row_tokens` splits each
         micro-batch into rows of at most that many tokens, run as one [rows, length] call (None: one
@@ -100,8 +123,16 @@ class TorchEngine:
         (faster on GPU, docs/benchmarks.md; not yet tested for agreement, it failed to compile for
         rows under 128 tokens)."""
         check_engine_args(micro_batch_tokens, temperature)
-        check_hf_checkpoint(model_path, expected_tensors(model_path))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
+        # A critic may start from the actor's checkpoint, which has no value head: it starts at 0.
+        held = check_hf_checkpoint(model_path, expected_tensors(model_path, head),
+                                   optional=(VALUE_HEAD,) if head == "value" else ())
+        model = model_class(head).from_pretrained(model_path, config=model_config(model_path, head), dtype=torch.float32,
+                                                  attn_implementation=attention)
+        if head == "value" and not any(k.startswith(VALUE_HEAD) for k in held):
+            with torch.no_grad():
+                for p in model.score.parameters():
+                    p.zero_()
+        self.head = head
         model.to(device)
         # Always eval mode: dropout would make the trained logprobs differ from the ones that
         # `logprobs` reports and that generation samples from.
@@ -164,7 +195,8 @@ class TorchEngine:
 
     def logprobs(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
         """Per sequence, float32 logprobs [len(output_ids)] of each output token under
-        log_softmax(logits / temperature); no grad, micro-batched under `micro_batch_tokens`."""
+        log_softmax(logits / temperature) (the value head: the value of the state before each);
+        no grad, micro-batched under `micro_batch_tokens`."""
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
         with torch.no_grad():
             for group in agreed_micro_batches(seq_lengths(seqs), self.micro_batch_tokens, self._group):
@@ -205,21 +237,28 @@ class TorchEngine:
         columns = np.unique(keep_cols)
         logits = self._forward(ids, positions, columns)
         logits = logits[torch.from_numpy(keep_rows), torch.from_numpy(np.searchsorted(columns, keep_cols))]
-        logits = logits.float() / self.temperature
-        target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
-        # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
-        lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        if self.head == "value":  # the value of the state before each output token
+            lp = logits[:, 0].float()
+        else:
+            logits = logits.float() / self.temperature
+            target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
+            # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
+            lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         by_seq = dict(zip((i for row in rows for i in row), torch.split(lp, [n for r in packed for n in r.n_out])))
         return [by_seq[i] for i in range(len(seqs))]
 
     def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> torch.Tensor:
-        """Logits [rows, len(keep), vocab] of packed rows [rows, length] (all columns when keep is None)."""
+        """Logits [rows, len(keep), vocab] of packed rows [rows, length] (all columns when keep is None);
+        the value head's [rows, len(keep), 1]."""
         as_tensor = functools.partial(torch.as_tensor, device=self.device)
         # Activation checkpointing in transformers works in train mode only (no dropout here).
         self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
         # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
         autocast = self.bf16 and self._group is None
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            if self.head == "value":  # one scalar per position: no need to pick the columns first
+                out = self._model(input_ids=as_tensor(ids), position_ids=as_tensor(positions), use_cache=False).logits
+                return out if keep is None else out[:, as_tensor(keep)]
             return self._model(
                 input_ids=as_tensor(ids),
                 position_ids=as_tensor(positions),

@@ -52,6 +52,9 @@ from areal_flow.transport.messages import (
 
 log = logging.getLogger("areal_flow.trainer")
 
+CRITIC_DIR = "critic"
+"""A checkpoint's sub-directory holding the critic (a Hugging Face token-classification model)."""
+
 
 def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig, *, prox_source: str | None = "data",
                kl_coef: float = 0.0, all_reduce: AllReduce | None = None
@@ -69,7 +72,7 @@ def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmC
     truncated = [s.finish != Finish.STOP for s in samples]
     masks = [np.full(len(out), not (algo.mask_truncated and cut)) for (_, out), cut in zip(seqs, truncated)]
     token_data: dict[str, list[np.ndarray]] = {"behav_logprobs": [s.array(key("behav_logprobs")) for s in samples]}
-    meanings = ["ref_logprobs", "versions"] + (["prox_logprobs"] if prox_source == "data" else [])
+    meanings = ["ref_logprobs", "versions", "values"] + (["prox_logprobs"] if prox_source == "data" else [])
     for meaning in meanings:
         if key(meaning) is not None:
             token_data[meaning] = [s.array(key(meaning)) for s in samples]
@@ -79,8 +82,10 @@ def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmC
                           algo.kl_estimator, algo.kl_clamp).numpy()
               for b, r in zip(token_data["behav_logprobs"], token_data["ref_logprobs"])]
     # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
-    token_data["advantages"] = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
-                                                  all_reduce=all_reduce)
+    token_data["advantages"], returns = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
+                                                           values=token_data.get("values"), all_reduce=all_reduce)
+    if "values" in token_data:
+        token_data["returns"] = returns  # the critic's targets
     token_data["seq_ids"] = [np.full(len(out), i, dtype=np.int64) for i, (_, out) in enumerate(seqs)]
     if algo.loss_agg != "token-mean":
         token_data["token_weights"], token_data[LOSS_SHARE_KEY] = library.aggregation(masks, algo)
@@ -194,9 +199,12 @@ class ModelWorker:
         stats: dict[str, float] = {}
         prox_seconds = 0.0
         ran = []
-        for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs, then train
-            if node.type == "train":
-                stats = self.train(node, samples, source, trained.version)
+        kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
+        for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs and values, then train
+            if node.type == "train" and node.role == "critic":
+                stats.update({f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()})
+            elif node.type == "train":
+                stats.update(self.train(node, samples, source, trained.version, kl_coef))
             elif node.outputs[0] != prox_key:
                 self.infer(node, samples)
             elif source == "data":  # else π_prox needs no forward pass this step
@@ -263,18 +271,15 @@ class ModelWorker:
         for s, lp in zip(samples, lps):
             s.arrays[node.outputs[0]] = Array.of(lp)
 
-    def train(self, node: Node, samples: list[Sample], source: str | None, prox_version: int) -> dict[str, float]:
+    def train(self, node: Node, samples: list[Sample], source: str | None, prox_version: int,
+              kl_coef: float) -> dict[str, float]:
         algo = self.cfg.algorithm
         engine = self.engine(node)
         reduce = all_reduce_over(engine.data_parallel_group)
-        kl_coef = self.kl.coef
         seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
                                       all_reduce=reduce)
         loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
-        stats: dict[str, float] = {}
-        for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
-            accumulate_stats(stats, engine.train_step(
-                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
+        stats = self.update(engine, samples, seqs, token_data, loss_fn)
         if "ref_logprobs" in token_data and algo.kl_coef:
             kl = behaviour_kl(token_data, algo, reduce)
             stats.update(kl_mean=kl, kl_coef=kl_coef)
@@ -283,9 +288,32 @@ class ModelWorker:
             engine.extra_state["kl"] = self.kl.state_dict()
         return stats
 
+    def train_critic(self, node: Node, samples: list[Sample], kl_coef: float) -> dict[str, float]:
+        """The clipped value loss toward the estimator's targets (GAE: A + V), token mean."""
+        algo = self.cfg.algorithm
+        engine = self.engine(node)
+        seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=None, kl_coef=kl_coef,
+                                      all_reduce=all_reduce_over(engine.data_parallel_group))
+        for key in ("token_weights", LOSS_SHARE_KEY):  # the policy's aggregation is not the critic's
+            token_data.pop(key, None)
+        return self.update(engine, samples, seqs, token_data, partial(library.critic_objective, algo=algo))
+
+    def update(self, engine: Engine, samples: list[Sample], seqs, token_data: dict[str, list[np.ndarray]],
+               loss_fn) -> dict[str, float]:
+        """n_minibatches optimizer steps per epoch over the batch, their stats added up."""
+        algo = self.cfg.algorithm
+        stats: dict[str, float] = {}
+        for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
+            accumulate_stats(stats, engine.train_step(
+                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
+        return stats
+
     def save_checkpoint(self, path: str) -> None:
-        """The trained role's Hugging Face directory, with its training state beside it."""
+        """The trained role's Hugging Face directory, with its training state beside it, and a
+        trained critic's in its `critic/` folder (a run started from the checkpoint resumes it)."""
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
+        if self.graph.critic_train is not None:
+            self.engines["critic"].save(os.path.join(path, CRITIC_DIR))
 
 
 def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
@@ -359,8 +387,9 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
     if spec.n_trainers > 1 or megatron:
         dist.init_process_group("gloo", **process_group_init(spec, rank))
     engines: dict[str, Engine] = {}
+    trained = {n.role for n in graph.batch_nodes if n.type == "train"}
     for role, node in nodes.items():
-        optim = optim_spec(cfg) if role == graph.train.role else None
+        optim = optim_spec(cfg, role) if role in trained else None
         if node.engine == "megatron":
             from areal_flow.training.megatron.engine import (
                 MegatronEngine,  # imports megatron-core (seconds)
@@ -369,16 +398,21 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
             engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
                                            tp=layout.tp, pp=layout.pp)
         else:
-            engines[role] = TorchEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
-                                        process_group=dist.group.WORLD if spec.n_trainers > 1 else None)
+            # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
+            critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
+            path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
+            engines[role] = TorchEngine(path, optim=optim, temperature=cfg.algorithm.temperature,
+                                        process_group=dist.group.WORLD if spec.n_trainers > 1 else None,
+                                        head="value" if role == "critic" else "lm")
     return engines
 
 
-def optim_spec(cfg: RunConfig) -> OptimSpec:
-    """The trained role's optimizer settings; the LR schedule counts optimizer steps."""
+def optim_spec(cfg: RunConfig, role: str = "actor") -> OptimSpec:
+    """A trained role's optimizer settings (the critic's own LR); the LR schedule counts optimizer steps."""
     algo = cfg.algorithm
     decay = algo.lr_decay_steps if algo.lr_decay_steps is not None else cfg.total_steps * algo.n_minibatches * algo.ppo_epochs
-    return OptimSpec(lr=algo.lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
+    lr = algo.critic_lr if role == "critic" and algo.critic_lr is not None else algo.lr
+    return OptimSpec(lr=lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
                      schedule=algo.lr_schedule, warmup_steps=algo.lr_warmup_steps, decay_steps=decay,
                      min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)
 

@@ -117,3 +117,23 @@ def test_bad_algorithm_settings_are_named_by_their_keys():
     assert "algorithm.overlong_tokens=500 exceeds algorithm.max_new_tokens=96" in problems
     assert "algorithm.adv_estimator='vtrace': no adv_estimator of that name; built-in: gae, returns" in problems
     assert "algorithm.reward_shapers[0]='no_such_module_xyz:f': cannot import 'no_such_module_xyz'" in problems
+
+
+def test_a_critic_reads_its_old_values_and_runs_on_the_torch_engine():
+    import yaml
+    from omegaconf import OmegaConf
+
+    from areal_flow.config.validate import graph_problems
+    from areal_flow.graph.dag import graph_from_config
+
+    recipe = yaml.safe_load(open("recipes/tiny_arith_ppo.yaml"))
+    graph = recipe["graph"]
+    graph["critic_train"]["inputs"].remove("values")
+    for name in ("actor_prox", "critic_values", "actor_train", "critic_train"):
+        graph[name]["engine"] = "megatron"
+        graph[name].pop("row_tokens")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {"graph": graph, "output_dir": "x",
+                                                                                  "cache_dir": "x"}))
+    problems = "\n".join(graph_problems(cfg, graph_from_config(cfg)))
+    assert "the critic's train node 'critic_train' must read values" in problems
+    assert "node 'critic_values': the critic runs on engine torch only in this version" in problems

@@ -131,12 +131,20 @@ def test_train_node_must_read_a_reward_and_reward_nodes_need_a_reference():
     assert "node 'reward': a reward node reads exactly one dataset field, the reference answer" in msg
 
 
-def test_the_critic_role_is_refused_until_it_exists_naming_the_node():
+def test_a_critic_has_one_train_node_and_only_it_writes_values():
     nodes = copy.deepcopy(NODES)
     nodes["critic_values"] = {"type": "inference", "role": "critic", "inputs": ["prompt_ids", "output_ids"],
                               "outputs": ["values"], "mesh": "1"}
-    msg = problems_of(nodes)
-    assert "node 'critic_values': role 'critic' (graph.critic_values.role) is not implemented in this version" in msg
+    critic_train = {"type": "train", "role": "critic", "mesh": "1",
+                    "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "values", "rewards"]}
+    nodes["critic_train"] = critic_train
+    g = build_graph(nodes, ["prompt", "answer"], 2, ["arith"])
+    assert g.train.name == "actor_train" and g.critic_train.name == "critic_train"
+    assert g.order.index("critic_values") < g.order.index("critic_train")
+    msg = problems_of({**nodes, "critic_train2": critic_train})
+    assert "the graph has 2 train nodes with role critic (critic_train, critic_train2): at most one" in msg
+    msg = problems_of({**nodes, "critic_values": {**nodes["critic_values"], "role": "actor"}})
+    assert "node 'critic_values': values come from an inference node with role critic, not 'actor'" in msg
 
 
 def test_what_an_output_means_is_declared_not_guessed_from_the_role():

@@ -268,3 +268,34 @@ def test_a_sequence_mean_counts_sequences_in_the_denominator_and_survives_micro_
     assert seen and all(d == pytest.approx(10.0) for d in seen)  # ten sequences, not their tokens
     assert s_many["loss"] == pytest.approx(s_few["loss"], rel=1e-5)
     assert_same_weights(full_weights(few), full_weights(many))
+
+
+def test_a_value_head_starts_at_zero_learns_its_returns_and_round_trips(model_dir, tmp_path):
+    """head="value": the actor's backbone with a fresh value head (0 everywhere at first). The value
+    of output token j is the head at the position before it, as a whole-sequence forward gives it;
+    the clipped value loss moves it toward the returns, and a saved critic loads with its head."""
+    from areal_flow.algorithms.critic import value_loss
+
+    seqs = make_seqs(5, 6)
+    critic = TorchEngine(model_dir, optim=OptimSpec(lr=1e-2), head="value", micro_batch_tokens=40)
+    assert all(np.array_equal(v, np.zeros(len(o), np.float32)) for v, (_, o) in zip(critic.logprobs(seqs), seqs))
+    returns = [np.ones(len(o), np.float32) for _, o in seqs]
+
+    def loss_fn(values, batch, mask, denominator):
+        return value_loss(values, batch["values"], batch["returns"], mask, value_clip=None, n_valid_tokens=denominator)
+
+    losses = []
+    for _ in range(3):
+        data = {"values": critic.logprobs(seqs), "returns": returns}
+        losses.append(critic.train_step(seqs, data, loss_fn)["loss"])
+    assert losses[0] == pytest.approx(0.5) and losses[2] < losses[1] < losses[0]
+    values = critic.logprobs(seqs)
+    prompt, output = seqs[0]
+    with torch.no_grad():
+        full = critic.model(input_ids=torch.tensor([np.concatenate([prompt, output])])).logits[0, :, 0]
+    assert np.allclose(values[0], full[len(prompt) - 1:len(prompt) - 1 + len(output)].numpy(), atol=1e-5)
+    critic.save(str(tmp_path / "critic"))
+    again = TorchEngine(str(tmp_path / "critic"), head="value")
+    assert_all_close(again.logprobs(seqs), values, atol=1e-6)
+    with pytest.raises(ValueError, match="head must be one of lm, value"):
+        TorchEngine(model_dir, head="policy")
