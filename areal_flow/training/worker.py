@@ -94,17 +94,18 @@ def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmC
     return seqs, token_data
 
 
-def prox_source(graph: Graph, node: Node, algo: AlgorithmConfig, versions: list[np.ndarray] | None,
-                prox_version: int) -> str | None:
+def prox_source(graph: Graph, node: Node, algo: AlgorithmConfig, all_current: bool) -> str | None:
     """Where this step's π_prox comes from (library.PROX_SOURCES); None: the train node reads no
-    prox_logprobs (or algorithm.decoupled is false), and the loss is naive PPO against π_behav. The shortcuts are exact: an update of
-    one optimizer step runs its every forward with the weights from before it, which are π_prox;
-    tokens all sampled by those weights have π_behav = π_prox."""
+    prox_logprobs (or algorithm.decoupled is false), and the loss is naive PPO against π_behav.
+
+    The shortcuts are exact: an update of one optimizer step runs its every forward with the
+    weights from before it, which are π_prox; tokens all sampled by those weights (`all_current`,
+    which every trainer rank must agree on: the prox forward is collective) have π_behav = π_prox."""
     if graph.input(node, "prox_logprobs") is None or not algo.decoupled:
         return None
     if algo.prox_shortcut and algo.n_minibatches * algo.ppo_epochs == 1:
         return "current"
-    if algo.prox_shortcut and versions and all(np.all(v == prox_version) for v in versions):
+    if algo.prox_shortcut and all_current:
         return "behav"
     return "loglinear" if algo.prox_logp == "loglinear" else "data"
 
@@ -192,9 +193,7 @@ class ModelWorker:
         # union of what the controller gave each of them; one of them logs it.
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
         train = self.graph.train
-        versions = self.graph.input(train, "versions")
-        source = prox_source(self.graph, train, self.cfg.algorithm,
-                             [s.array(versions) for s in samples] if versions else None, trained.version)
+        source = prox_source(self.graph, train, self.cfg.algorithm, self.all_current(samples, trained.version))
         prox_key = self.graph.input(train, "prox_logprobs")
         stats: dict[str, float] = {}
         prox_seconds = 0.0
@@ -228,6 +227,17 @@ class ModelWorker:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": ran}) + "\n")
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+
+    def all_current(self, samples: list[Sample], version: int) -> bool:
+        """Whether every answer token of the step, on every trainer rank, was sampled by the weights
+        at `version` (False when the train node reads no versions)."""
+        key = self.graph.input(self.graph.train, "versions")
+        mine = key is not None and all(np.all(s.array(key) == version) for s in samples)
+        if self.spec.n_trainers == 1 or not dist.is_initialized():
+            return mine
+        flag = torch.tensor([int(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank runs the same nodes
+        return bool(flag.item())
 
     def publish(self, msg: PublishWeights) -> WeightsPublished:
         """Send the trained role's weights to the paused servers over the weights group: every rank

@@ -112,15 +112,14 @@ VERSIONED = {**NODES, "generate": {**NODES["generate"], "outputs": ["prompt_ids"
 def test_prox_comes_without_a_forward_pass_only_where_that_is_exact():
     graph = build_graph(VERSIONED, ["prompt", "answer"], 2, ["arith"])
     train = graph.nodes["train"]
-    current, stale = [np.array([4, 4]), np.array([4])], [np.array([3, 4]), np.array([4])]
     # One optimizer step: the trained logprobs are π_prox, whatever the tokens' versions.
-    assert prox_source(graph, train, algo(), stale, prox_version=4) == "current"
+    assert prox_source(graph, train, algo(), all_current=False) == "current"
     two_steps = algo(n_minibatches=2)
-    assert prox_source(graph, train, two_steps, current, prox_version=4) == "behav"  # all sampled by π_prox
-    assert prox_source(graph, train, two_steps, stale, prox_version=4) == "data"  # needs the prox node
-    assert prox_source(graph, train, algo(ppo_epochs=2, prox_logp="loglinear"), stale, 4) == "loglinear"
-    assert prox_source(graph, train, algo(prox_shortcut=False), current, 4) == "data"
-    assert prox_source(graph, train, algo(decoupled=False), stale, 4) is None  # naive PPO
+    assert prox_source(graph, train, two_steps, all_current=True) == "behav"  # all sampled by π_prox
+    assert prox_source(graph, train, two_steps, all_current=False) == "data"  # needs the prox node
+    assert prox_source(graph, train, algo(ppo_epochs=2, prox_logp="loglinear"), False) == "loglinear"
+    assert prox_source(graph, train, algo(prox_shortcut=False), True) == "data"
+    assert prox_source(graph, train, algo(decoupled=False), False) is None  # naive PPO
 
 
 def test_the_prox_node_output_is_passed_on_only_when_the_step_uses_it():
