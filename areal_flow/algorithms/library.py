@@ -14,6 +14,7 @@ whole `AlgorithmConfig` so that a user's own function may read any field it need
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -97,10 +98,10 @@ def overlong(scores, lengths, truncated, algo) -> torch.Tensor:
                                      overlong_tokens=algo.overlong_tokens, factor=algo.overlong_penalty_factor)
 
 
-def shapers(algo) -> list[tuple[str, Callable]]:
+def shapers(algo) -> list[Callable]:
     """The reward shapers a config applies, in order: 'overlong' first when overlong_tokens is set."""
     chosen = (["overlong"] if algo.overlong_tokens is not None else []) + list(algo.reward_shapers)
-    return [(name, resolve("reward_shaper", name, "algorithm.reward_shapers")) for name in chosen]
+    return [resolve("reward_shaper", name, "algorithm.reward_shapers") for name in chosen]
 
 
 # ---- step 1: advantages ------------------------------------------------------------------------
@@ -126,25 +127,20 @@ def advantages(scores: torch.Tensor, masks: Sequence[np.ndarray], truncated: Seq
     batch-level statistics over the data-parallel ranks. The targets are the estimator's, before
     advantage normalisation."""
     lengths = torch.tensor([len(m) for m in masks], dtype=torch.float32)
-    for _, shape in shapers(algo):
+    for shape in shapers(algo):
         scores = shape(scores, lengths, torch.tensor(list(truncated), dtype=torch.bool), algo)
-    scores = normalize(scores, group_size=algo.group_size, all_reduce=all_reduce, **norm_kwargs(algo.reward_norm))
+    scores = normalize(scores, group_size=algo.group_size, all_reduce=all_reduce, **dataclasses.asdict(algo.reward_norm))
     mask = padded(masks, torch.bool)
     penalty = -kl_coef * padded(kl) if kl is not None and kl_coef else None
     rewards = token_rewards(scores, mask, penalty)
     estimator = resolve("adv_estimator", algo.adv_estimator, "algorithm.adv_estimator")
     adv, targets = estimator(rewards, padded(values) if values is not None else None, mask, algo)
-    adv = normalize(adv, group_size=algo.group_size, mask=mask, all_reduce=all_reduce, **norm_kwargs(algo.adv_norm))
+    adv = normalize(adv, group_size=algo.group_size, mask=mask, all_reduce=all_reduce, **dataclasses.asdict(algo.adv_norm))
     return unpadded(adv, masks), unpadded(targets, masks)
 
 
 def unpadded(x: torch.Tensor, masks: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [x[i, :len(m)].detach().numpy().astype(np.float32) for i, m in enumerate(masks)]
-
-
-def norm_kwargs(norm) -> dict:
-    return {"mean_level": norm.mean_level, "std_level": norm.std_level, "leave_one_out": norm.leave_one_out,
-            "std_unbiased": norm.std_unbiased, "eps": norm.eps}
 
 
 def aggregation(masks: Sequence[np.ndarray], algo) -> tuple[list[np.ndarray], list[np.ndarray]]:
