@@ -11,12 +11,14 @@ The final answer is the content of the completion's last `\\boxed{...}` (or `\\f
 answer, or a JSON list of answers (AReaL's `solutions` field, e.g. `["\\\\boxed{2}", "2"]`); the
 reward is 1.0 when any of them matches.
 
-Timeouts: math-verify bounds each parse and each comparison with `signal.alarm`, which works only in
-the main thread of a process, so the reward runs in the reward worker processes' main thread (and
-the controller's, for evaluation); called from another thread it raises RuntimeError. `timeout` is
-whole seconds (what `signal.alarm` takes). A parse or comparison that runs out scores as no match,
-and once a call has spent `timeout` seconds the references not yet tried are skipped, so one call
-takes at most about three timeouts however many references there are.
+Timeouts: one call gets `timeout` seconds in all (parsing the answer and every reference, and the
+comparisons); when they run out the answer scores 0. The deadline is a SIGALRM timer, which works
+only in the main thread of a process, so the reward runs in the reward worker processes' main thread
+(and the controller's, for evaluation); called from another thread it raises RuntimeError. The timer
+is this module's, not math-verify's own `signal.alarm`: a single alarm can be lost (raised while
+CPython runs a weakref callback, e.g. during garbage collection, the exception is reported as
+unraisable and the parse carries on for as long as it takes), so ours rings again every 0.1 s until
+the call gives up.
 
 Known gaps of math-verify 0.9.0, pinned in tests/rewards/test_math_reward.py: a boxed percent
 (`\\boxed{50\\%}`) does not parse, so it matches only the reference `50\\%` itself.
@@ -33,13 +35,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import re
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-DEFAULT_TIMEOUT = 3  # seconds; an ordinary answer verifies in milliseconds
+DEFAULT_TIMEOUT = 3.0  # seconds; an ordinary answer verifies in milliseconds
+_RING_AGAIN = 0.1  # seconds between alarms once the deadline has passed
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 # One final-answer marker per alternative; each captures the rest of its line.
@@ -160,45 +167,86 @@ def _config(text: str) -> list:
     return _configs(units=_TRAILING_VARIABLE.search(text) is None)
 
 
-def score(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> MathScore:
+class _OutOfTime(BaseException):
+    """The deadline passed. A BaseException, so math-verify's `except Exception` clauses let it through."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise _OutOfTime in the main thread once `seconds` have passed, and every 0.1 s after until the
+    block is left: an exception raised inside a weakref callback is dropped, so one alarm is not enough."""
+    def ring(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds, _RING_AGAIN)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _NoTimeoutWarning(logging.Filter):
+    """math-verify warns once that its own timeouts are off; here the deadline is ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _match(extracted: str, references: list[str]) -> str | None:
+    """The first reference math-verify finds equal to the extracted answer."""
+    from math_verify import parse, verify  # ~0.7 s import, once: only processes that score math pay
+
+    # Boxed again so that math-verify's own extraction takes the whole answer as one expression.
+    answer = parse(f"\\boxed{{{extracted}}}", extraction_config=_config(extracted), parsing_timeout=None)
+    for gold in references:
+        if not answer:
+            break
+        # math-verify extracts only from delimited math: a bare gold `1/2` or `x+1` needs `$`.
+        gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$",
+                            extraction_config=_config(gold), parsing_timeout=None)
+        if verify(gold_parsed, answer, timeout_seconds=None):
+            return gold
+    return None
+
+
+def score(completion: str, reference: str, timeout: float = DEFAULT_TIMEOUT) -> MathScore:
     """The reward with what led to it (what the debug command prints)."""
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("the math reward must run in a process's main thread: math-verify's timeouts use "
-                           "signal.alarm")
-    from math_verify import parse, verify  # ~0.7 s import, once: only processes that score math pay
+        raise RuntimeError("the math reward must run in a process's main thread: its deadline is a SIGALRM "
+                           "timer")
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
+            logger.addFilter(_NoTimeoutWarning())
 
     start = time.monotonic()
     references = parse_references(reference)
     extracted = extract_answer(completion)
     matched = None
     if extracted is not None:
-        # Boxed again so that math-verify's own extraction takes the whole answer as one expression.
-        answer = parse(f"\\boxed{{{extracted}}}", extraction_config=_config(extracted), parsing_timeout=timeout)
-        for gold in references:
-            if not answer or time.monotonic() - start > timeout:
-                break
-            # math-verify extracts only from delimited math: a bare gold `1/2` or `x+1` needs `$`.
-            gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$",
-                                extraction_config=_config(gold), parsing_timeout=timeout)
-            if verify(gold_parsed, answer, timeout_seconds=timeout):
-                matched = gold
-                break
+        try:
+            with _deadline(timeout):
+                matched = _match(extracted, references)
+        except _OutOfTime:
+            matched = None
     return MathScore(1.0 if matched is not None else 0.0, extracted, references, matched,
                      time.monotonic() - start)
 
 
-def math_reward(completion: str, reference: str, timeout: int = DEFAULT_TIMEOUT) -> float:
+def math_reward(completion: str, reference: str, timeout: float = DEFAULT_TIMEOUT) -> float:
     """1.0 when the completion's final answer equals any reference answer per math-verify, else 0.0."""
     return score(completion, reference, timeout).reward
 
 
-def _whole_seconds(text: str) -> int:
+def _seconds(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds >= 1 (signal.alarm's unit)")
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
     return value
 
 
@@ -210,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="An argument that starts with '-' (other than a number) goes after '--'.")
     ap.add_argument("answer_text", metavar="ANSWER_TEXT", help="the completion, e.g. 'so \\boxed{1/2}'")
     ap.add_argument("reference", metavar="REFERENCE", help="a reference answer, or a JSON list of them")
-    ap.add_argument("--timeout", type=_whole_seconds, metavar="SECONDS", default=DEFAULT_TIMEOUT,
-                    help=f"seconds for each math-verify parse and comparison (default {DEFAULT_TIMEOUT})")
+    ap.add_argument("--timeout", type=_seconds, metavar="SECONDS", default=DEFAULT_TIMEOUT,
+                    help=f"seconds for the whole check; past them the answer scores 0 (default {DEFAULT_TIMEOUT:g})")
     args = ap.parse_args(argv)
     try:
         parse_references(args.reference)
