@@ -31,6 +31,7 @@ from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.launchers.slurm import SlurmError
 from areal_flow.metrics.plot import plot_learning_curve
+from areal_flow.metrics.profile import plot_timeline, profile_table
 from areal_flow.metrics.writer import read_metrics
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
@@ -139,7 +140,9 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
     """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
     lc = cfg.launcher
     if lc.type == "ray":
-        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
+        from areal_flow.launchers.ray_cluster import (
+            RayLauncher,  # ray is an optional extra
+        )
 
         return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
                            start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
@@ -249,9 +252,15 @@ def run(raw: DictConfig, console: Console) -> int:
             shutil.rmtree(weights_dir, ignore_errors=True)
     metrics = read_metrics(spec.path("metrics.jsonl"))
     print_summary(console, run_dir, metrics)
+    with open(spec.path("profile.md"), "w") as f:
+        f.write(profile_table(metrics))
+    console.print(f"step profile: {spec.path('profile.md')}", highlight=False)
     if cfg.metrics.plot:
         png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg.rollout.max_staleness})")
         console.print(f"learning curve: {png}", highlight=False)
+        if any(m["event"] == "step" for m in metrics):
+            png = plot_timeline(metrics, spec.path("profile.png"), title=f"{cfg.recipe}: the last steps")
+            console.print(f"step timeline: {png}", highlight=False)
     return 0
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "rollout.max_staleness=1")
+    r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = check_accounting(run_dir, eta=1)
     assert summary["steps"] == 4 and summary["trained_samples"] == 4 * 2 * 4
@@ -31,8 +31,21 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     evals = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "eval"]
     assert [e["when"] for e in evals] == ["start", "end"] and all(0 <= e["accuracy"] <= 1 for e in evals)
     assert "held-out accuracy before" in r.stdout and "trained samples" in r.stdout
-    # The policy version advanced: the last published weights are v4, and generation used them.
-    assert (run_dir / "weights" / "v4").is_dir()
+    # The policy version advanced: the last published weights are v4, and generation used them;
+    # v2 is kept besides the last two (keep_weights_every=2), v1 is not.
+    assert sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v")) == ["v2", "v3", "v4"]
+    # The step profile: the trainer's timed phases fit inside the controller's view of its step.
+    for m in steps:
+        phases = [m[f"train/{p}_seconds"] for p in ("transport", "inputs", "packing", "forward", "backward",
+                                                     "optimizer", "publish")]
+        assert all(v > 0 for v in phases), m
+        assert sum(phases) + m.get("train/wait_seconds", 0.0) <= m["train_seconds"] + m["step_seconds"], m
+        assert sum(phases[2:6]) <= m["train/step_seconds"] + 1e-3  # the engine's own phases fit its step
+    profile = (run_dir / "profile.md").read_text()
+    for phase in ("| trainer | forward |", "| trainer | optimizer |", "| trainer | idle |", "| generator | generate |",
+                  "| generator | load weights |"):
+        assert phase in profile
+    assert (run_dir / "profile.png").stat().st_size > 1000
     # The checkpoint is a Hugging Face directory that transformers loads.
     from transformers import AutoModelForCausalLM
 

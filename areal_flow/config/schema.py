@@ -91,7 +91,8 @@ class DatasetConfig:
                     choices=("tiny_arith", "jsonl", "areal_math", "areal_code"))
     train_path: Optional[str] = doc(None, "training prompts: a .jsonl file, a .parquet file or a directory saved by "
                                     "datasets (all but tiny_arith; null with sample=true)")
-    eval_path: Optional[str] = doc(None, "held-out prompts, as train_path")
+    eval_path: Optional[str] = doc(None, "held-out prompts, as train_path; with tiny_arith, a file of {prompt, answer} "
+                                   "rows that replaces the generated held-out set (e.g. the problems a peer is scored on)")
     sample: bool = doc(False, "areal_math/areal_code: train and evaluate on the small sample set shipped in "
                        "areal_flow/data/samples/ (train_path/eval_path stay null)")
     train_split: str = doc("train", "split of train_path when it is a saved DatasetDict")
@@ -233,6 +234,9 @@ class RolloutConfig:
                                   "rank 0 broadcasts them in buckets over a gloo/NCCL group with every server, "
                                   "SGLang's update_weights_from_distributed; needs interrupt=true)",
                                   choices=("disk", "shm", "distributed"))
+    keep_weights_every: int = doc(0, "weight_update_mode=disk: also keep every N-th published version (weights/vN, "
+                                  "a Hugging Face directory without the tokenizer), e.g. to score a run's learning "
+                                  "curve offline; 0 = keep only the last two", ge=0)
     weight_bucket_mb: int = doc(512, "weight_update_mode=distributed: most MiB of weights per bucket (one request "
                                 "to each server, then one broadcast; a larger tensor travels alone); the trainer "
                                 "gathers one bucket at a time, and each server keeps one bucket's memory to "

@@ -98,6 +98,10 @@ def _rollout(cfg: RunConfig) -> list[str]:
         # requests between two buckets and decode them on a mix of old and new weights.
         problems.append("rollout.weight_update_mode='distributed' needs rollout.interrupt=true: the weights arrive "
                         "in several buckets, and only paused servers take no request between two of them")
+    if cfg.rollout.keep_weights_every and cfg.rollout.weight_update_mode != "disk":
+        problems.append(f"rollout.keep_weights_every={cfg.rollout.keep_weights_every} keeps published weights on disk, "
+                        f"which rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' does not write (or removes "
+                        "at the end): use rollout.weight_update_mode=disk")
     return problems
 
 

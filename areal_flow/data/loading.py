@@ -32,7 +32,12 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
     if ds.name == "tiny_arith":
         from areal_flow.data.arith import ensure_arith_data
 
+        if ds.train_path:
+            raise DatasetError("dataset.name=tiny_arith generates its training problems: leave dataset.train_path "
+                               "null (dataset.eval_path may name an external held-out file)")
         train, held_out = ensure_arith_data(os.path.join(cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
+        # An external held-out file (e.g. the problems a peer is scored on) replaces the generated one.
+        held_out = ds.eval_path or held_out
     elif ds.sample:
         if ds.name not in SAMPLES:
             raise DatasetError(f"dataset.sample=true needs dataset.name in {', '.join(SAMPLES)}, not {ds.name!r}")

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
     TRAIN_STATE,
     LossFn,
@@ -46,8 +47,8 @@ from areal_flow.training.engine import (
     atomic_write_dir,
     bucketed,
     check_engine_args,
-    decays,
     check_hf_checkpoint,
+    decays,
     global_counts,
     loss_masks,
     merge_stats,
@@ -149,6 +150,7 @@ class TorchEngine:
         self.bf16 = bf16
         self.activation_checkpointing = activation_checkpointing
         self.version = 0
+        self.phases = Phases()  # where train_step's time goes, reported with its stats
         self.optim = optim
         self._group = process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
         if self._group is not None:
@@ -219,31 +221,33 @@ class TorchEngine:
         call has a fixed cost, so several short rows per call beat one long row or many calls
         (docs/benchmarks.md). On GPU, flash-attention varlen makes one long row the fast path.
         """
-        lengths = seq_lengths(seqs)
-        rows = ffd_allocate(lengths, self.row_tokens) if self.row_tokens and sum(lengths) > self.row_tokens else \
-            [list(range(len(seqs)))]
-        packed = [pack_row([seqs[i] for i in row]) for row in rows]
-        width = max(len(r.ids) for r in packed)
-        ids = np.zeros((len(rows), width), np.int64)
-        positions = np.zeros((len(rows), width), np.int64)
-        for r, row in enumerate(packed):
-            n = len(row.ids)
-            ids[r, :n] = row.ids
-            positions[r, :n] = row.positions
-            positions[r, n:] = np.arange(width - n)  # the dummy sequence
-        # Logits only at the columns some row needs: transformers' logits_to_keep picks columns.
-        keep_rows = np.concatenate([np.full(len(r.keep), i) for i, r in enumerate(packed)])
-        keep_cols = np.concatenate([r.keep for r in packed])
-        columns = np.unique(keep_cols)
-        logits = self._forward(ids, positions, columns)
-        logits = logits[torch.from_numpy(keep_rows), torch.from_numpy(np.searchsorted(columns, keep_cols))]
-        if self.head == "value":  # the value of the state before each output token
-            lp = logits[:, 0].float()
-        else:
-            logits = logits.float() / self.temperature
-            target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
-            # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
-            lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        with self.phases("packing"):
+            lengths = seq_lengths(seqs)
+            rows = ffd_allocate(lengths, self.row_tokens) if self.row_tokens and sum(lengths) > self.row_tokens \
+                else [list(range(len(seqs)))]
+            packed = [pack_row([seqs[i] for i in row]) for row in rows]
+            width = max(len(r.ids) for r in packed)
+            ids = np.zeros((len(rows), width), np.int64)
+            positions = np.zeros((len(rows), width), np.int64)
+            for r, row in enumerate(packed):
+                n = len(row.ids)
+                ids[r, :n] = row.ids
+                positions[r, :n] = row.positions
+                positions[r, n:] = np.arange(width - n)  # the dummy sequence
+            # Logits only at the columns some row needs: transformers' logits_to_keep picks columns.
+            keep_rows = np.concatenate([np.full(len(r.keep), i) for i, r in enumerate(packed)])
+            keep_cols = np.concatenate([r.keep for r in packed])
+            columns = np.unique(keep_cols)
+        with self.phases("forward"):
+            logits = self._forward(ids, positions, columns)
+            logits = logits[torch.from_numpy(keep_rows), torch.from_numpy(np.searchsorted(columns, keep_cols))]
+            if self.head == "value":  # the value of the state before each output token
+                lp = logits[:, 0].float()
+            else:
+                logits = logits.float() / self.temperature
+                target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
+                # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
+                lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         by_seq = dict(zip((i for row in rows for i in row), torch.split(lp, [n for r in packed for n in r.n_out])))
         return [by_seq[i] for i in range(len(seqs))]
 
@@ -299,6 +303,7 @@ class TorchEngine:
         if self._optimizer is None:
             raise RuntimeError("train_step on an engine built without optim (a frozen role)")
         start = time.perf_counter()
+        self.phases.reset()  # logprobs() calls since the last step are not this step's
         masks = loss_masks(seqs, token_data)
         lengths = seq_lengths(seqs)
         n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._group, token_data)
@@ -311,18 +316,22 @@ class TorchEngine:
                 self._idle_pass(backward=True)
                 continue
             logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
-            batch, mask = micro_batch_data(group, token_data, masks, self.device)
-            # Clamped so that a step without valid tokens gives loss 0, not 0/0.
-            loss, stats = loss_fn(logp, batch, mask, max(denominator, 1.0))
-            loss.backward()
+            with self.phases("forward"):
+                batch, mask = micro_batch_data(group, token_data, masks, self.device)
+                # Clamped so that a step without valid tokens gives loss 0, not 0/0.
+                loss, stats = loss_fn(logp, batch, mask, max(denominator, 1.0))
+            with self.phases("backward"):
+                loss.backward()
             accumulate_stats(sums, {"loss": loss.detach(), **stats})
 
         lr = self.lr
-        grad_norm, skipped = self._clip_and_step()
+        with self.phases("optimizer"):
+            grad_norm, skipped = self._clip_and_step()
         sums = merge_stats(sums, self._group)
+        # This rank's own phase timings (not summed over ranks), as step_seconds.
         sums.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(skipped), n_micro_batches=float(len(groups)),
                     n_tokens=float(n_tokens_global), n_valid_tokens=float(n_valid_global),
-                    step_seconds=time.perf_counter() - start)
+                    step_seconds=time.perf_counter() - start, **self.phases.reset())
         return sums
 
     def _clip_and_step(self) -> tuple[float, bool]:

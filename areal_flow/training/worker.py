@@ -27,6 +27,7 @@ from areal_flow.algorithms.kl import AdaptiveKLController, FixedKLController, kl
 from areal_flow.algorithms.library import AllReduce
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.child import torchrun_rank
 from areal_flow.runtime.security import LOOPBACK
@@ -43,8 +44,8 @@ from areal_flow.transport.messages import (
     PublishWeights,
     RunStep,
     Sample,
-    Saved,
     SaveCheckpoint,
+    Saved,
     ScoredGroup,
     StepDone,
     WeightsPublished,
@@ -134,6 +135,7 @@ class ModelWorker:
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
         self.by_broadcast = cfg.rollout.weight_update_mode == "distributed"
+        self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.sender: WeightSender | None = None  # rank 0's end of the weights group, made at the first publish
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
         trained = self.engines[self.graph.train.role]
@@ -159,7 +161,8 @@ class ModelWorker:
                     log.error("%s: a %s is not for a trainer rank, dropped", self.name, type(msg).__name__)
 
     def receive(self) -> None:
-        msg = recv_blocking(self.inbox, f"{self.name} inbox")
+        with self.phases("transport"):  # counted in the next step's profile, wherever it arrives
+            msg = recv_blocking(self.inbox, f"{self.name} inbox")
         if not isinstance(msg, ScoredGroup):
             if msg is not None:
                 log.error("%s: a %s on the inbox is not a scored group, dropped", self.name, type(msg).__name__)
@@ -177,15 +180,18 @@ class ModelWorker:
             if left <= 0:
                 raise TimeoutError(f"{self.name}: step {step} waited {timeout:.0f} s (step_timeout) for groups "
                                    f"{missing}, which never arrived on its inbox")
-            if self.inbox.poll(min(left, 1.0) * 1000):
+            with self.phases("wait"):
+                ready = self.inbox.poll(min(left, 1.0) * 1000)
+            if ready:
                 self.receive()
 
     def step(self, plan: RunStep) -> StepDone:
         # A group routed here may still be on its way from the reward process when the plan moves
         # it on: receive it first.
         self.wait_for(list(plan.moves), plan.step)
-        for g, rank in plan.moves.items():
-            send_blocking(self.peers[rank], self.held.pop(g))
+        with self.phases("transport"):
+            for g, rank in plan.moves.items():
+                send_blocking(self.peers[rank], self.held.pop(g))
         self.wait_for(plan.groups, plan.step)
         samples = [s for g in plan.groups for s in self.held.pop(g).samples]
         trained = self.engines[self.graph.train.role]
@@ -220,9 +226,11 @@ class ModelWorker:
         weights = ""  # by broadcast, the controller asks for the weights once the servers are paused
         if not self.by_broadcast:
             weights = self.spec.weights(f"v{version}")
-            trained.save_weights(weights)  # every rank takes part; rank 0 writes
-            if self.rank == 0:
-                _prune_weights(self.spec.weights(), keep=version)
+            with self.phases("publish"):
+                trained.save_weights(weights)  # every rank takes part; rank 0 writes
+                if self.rank == 0:
+                    _prune_weights(self.spec.weights(), keep=version, every=self.cfg.rollout.keep_weights_every)
+        stats.update(self.phases.reset())
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": ran}) + "\n")
@@ -286,8 +294,9 @@ class ModelWorker:
         algo = self.cfg.algorithm
         engine = self.engine(node)
         reduce = all_reduce_over(engine.data_parallel_group)
-        seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
-                                      all_reduce=reduce)
+        with self.phases("inputs"):
+            seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
+                                          all_reduce=reduce)
         loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
         stats = self.update(engine, samples, seqs, token_data, loss_fn)
         if "ref_logprobs" in token_data and algo.kl_coef:
@@ -427,10 +436,13 @@ def optim_spec(cfg: RunConfig, role: str = "actor") -> OptimSpec:
                      min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)
 
 
-def _prune_weights(root: str, keep: int) -> None:
-    """Old published versions are no longer read once the next one is loaded; keep the last two."""
+def _prune_weights(root: str, keep: int, every: int = 0) -> None:
+    """Old published versions are no longer read once the next one is loaded: keep the last two, and
+    every `every`-th version when asked (rollout.keep_weights_every)."""
     for name in os.listdir(root):
         if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < keep - 1:
+            if every and int(name[1:]) % every == 0:
+                continue
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

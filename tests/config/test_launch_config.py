@@ -192,5 +192,9 @@ def test_weights_by_broadcast_need_interrupting_updates():
     cfg = RunConfig(rollout=RolloutConfig(weight_update_mode="distributed", interrupt=False))
     assert any(p.startswith("rollout.weight_update_mode='distributed' needs rollout.interrupt=true")
                for p in validate._rollout(cfg))
+    kept = RunConfig(rollout=RolloutConfig(weight_update_mode="shm", keep_weights_every=10))
+    assert validate._rollout(kept) == [
+        "rollout.keep_weights_every=10 keeps published weights on disk, which rollout.weight_update_mode='shm' does "
+        "not write (or removes at the end): use rollout.weight_update_mode=disk"]
     for mode, interrupt in (("distributed", True), ("disk", False)):
         assert validate._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []

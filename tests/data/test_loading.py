@@ -2,6 +2,7 @@
 dataset.name, and the one loader the controller uses."""
 
 import json
+import os
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -68,6 +69,8 @@ def test_sample_true_names_the_shipped_files(tmp_path, name):
     (["dataset.name=jsonl", "dataset.sample=true"], "dataset.sample=true needs dataset.name in areal_math, areal_code, not 'jsonl'"),
     (["dataset.name=areal_math", "dataset.sample=true", "dataset.train_path=x.jsonl"],
      "dataset.sample=true uses the shipped sample set: leave dataset.train_path and dataset.eval_path null"),
+    (["dataset.train_path=x.jsonl"], ("dataset.name=tiny_arith generates its training problems: leave "
+                                      "dataset.train_path null (dataset.eval_path may name an external held-out file)")),
     (["dataset.name=areal_code"], ("dataset.name=areal_code needs dataset.train_path and dataset.eval_path "
                                    "(or dataset.sample=true)")),
 ])
@@ -76,6 +79,17 @@ def test_a_config_naming_no_usable_files_is_refused(tmp_path, overrides, problem
     with pytest.raises(DatasetError) as e:
         dataset_paths(cfg.dataset, cfg.cache_dir)
     assert str(e.value) == problem
+
+
+def test_tiny_arith_scores_an_external_held_out_file(tmp_path):
+    rows = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "40+2=", "answer": "42"}]
+    held = tmp_path / "peer_heldout.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(tmp_path, "dataset.n_train=20", f"dataset.eval_path={held}")
+    train, held_out = dataset_paths(cfg.dataset, cfg.cache_dir)
+    assert held_out == str(held)
+    assert train.startswith(str(tmp_path)) and os.path.isfile(train)  # training problems still generated
+    assert [r["prompt"] for r in load_prompts(cfg.dataset, held_out, "test", "prompt")] == ["2+3=", "40+2="]
 
 
 # ---- launch.prepare_data ---------------------------------------------------------------------

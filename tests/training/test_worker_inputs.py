@@ -186,3 +186,15 @@ def test_batch_normalised_advantages_agree_across_ranks():
     joined = []
     _, empty = ppo_inputs([], graph, graph.nodes["train"], batch, all_reduce=lambda t: joined.append(t) or t)
     assert joined and empty["advantages"] == []
+
+
+def test_published_weights_are_pruned_to_the_last_two_and_every_kept_version(tmp_path):
+    from areal_flow.training.worker import _prune_weights
+
+    for v in range(1, 13):
+        (tmp_path / f"v{v}").mkdir()
+    (tmp_path / "notes").mkdir()  # not a version: left alone
+    _prune_weights(str(tmp_path), keep=12, every=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v10", "v11", "v12", "v5"]
+    _prune_weights(str(tmp_path), keep=12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v11", "v12"]

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
     TRAIN_STATE,
     CheckpointError,
@@ -54,8 +55,8 @@ from areal_flow.training.engine import (
     accumulate_stats,
     atomic_write_dir,
     bucketed,
-    check_engine_args,
     check_budget,
+    check_engine_args,
     check_hf_checkpoint,
     global_counts,
     loss_masks,
@@ -308,21 +309,26 @@ class MegatronEngine:
             masks = loss_masks(seqs, token_data)
             lengths = seq_lengths(seqs)
             n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._dp_group, token_data)
-            micro = self._micro_batches(seqs, token_data, masks)
+            phases = Phases()
+            with phases("packing"):
+                micro = self._micro_batches(seqs, token_data, masks)
             self._model.zero_grad_buffer()
             self._optimizer.zero_grad()
-            results = self._run(micro, forward_only=False, loss_fn=loss_fn, n_valid=max(denominator, 1.0))
-            finalize_model_grads([self._model])  # DP all-reduce (SUM) and tied-embedding grads across stages
+            # The pipeline schedule interleaves forward and backward passes: timed as one phase.
+            with phases("forward_backward"):
+                results = self._run(micro, forward_only=False, loss_fn=loss_fn, n_valid=max(denominator, 1.0))
+                finalize_model_grads([self._model])  # DP all-reduce (SUM) and tied-embedding grads across stages
             sums: dict[str, float] = {}
             if self._last and ps.get_tensor_model_parallel_rank() == 0:
                 for stats in results:
                     accumulate_stats(sums, stats)
             lr = self.lr
-            grad_norm, skipped = self._clip_and_step(lr)
+            with phases("optimizer"):
+                grad_norm, skipped = self._clip_and_step(lr)
             sums = merge_stats(sums, dist.group.WORLD)
         sums.update(grad_norm=grad_norm, lr=lr, skipped_steps=float(skipped), n_micro_batches=float(len(micro)),
                     n_tokens=float(n_tokens_global), n_valid_tokens=float(n_valid_global),
-                    step_seconds=time.perf_counter() - start)
+                    step_seconds=time.perf_counter() - start, **phases.reset())
         return sums
 
     def _clip_and_step(self, lr: float) -> tuple[float, bool]:

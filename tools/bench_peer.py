@@ -1,0 +1,276 @@
+"""areal_flow against TRL's `GRPOTrainer` on tiny_arith, side by side, as a new user would run each.
+
+Both start from the same supervised bootstrap (the recipe's own), train on the same problems for
+the same wall-time budget with the same batch (8 prompts x 8 answers, lr 1e-4 constant,
+temperature 1, no KL, one optimizer step per batch), and save checkpoints along the way; one
+greedy evaluator (`transformers` `generate`) then scores every checkpoint of both on the same
+held-out problems. Prints trained samples/s, accuracy over time, the time each needs to reach the
+peer's final accuracy and the ratios; plots both learning curves in one figure.
+
+    pip install -e '.[bench]'            # trl, accelerate (torch stays 2.13.0)
+    python tools/bench_peer.py [--budget 540] [--eval-n 1000] [-- extra areal_flow overrides]
+
+TRL runs in a child process with both cores (its generation and training alternate); areal_flow
+runs its recipe (generation on core 0, training on core 1). TRL's settings beyond the shared ones
+are its defaults, except gradient checkpointing, which is off: it only costs time at this size.
+The held-out problems are the first `--eval-n` of the task's held-out sequence; the training
+problems of both sides exclude all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from _bench import machine, run_recipe, save_plot
+
+GROUP, PROMPTS, LR, MAX_NEW = 8, 8, 1e-4, 96
+N_TRAIN, DATA_SEED, BOOTSTRAP_STEPS = 20000, 0, 250
+
+
+@dataclass
+class Curve:
+    """One side's run: checkpoints as (training seconds, directory), and its throughput."""
+
+    name: str
+    checkpoints: list[tuple[float, str]]
+    samples: int
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+
+def accuracy_at(points: list[tuple[float, float]], t: float) -> float:
+    """Accuracy of the last checkpoint saved at or before `t` seconds (`points` sorted by time)."""
+    before = [acc for when, acc in points if when <= t + 1e-9]
+    if not before:
+        raise ValueError(f"no checkpoint at or before {t:.0f} s")
+    return before[-1]
+
+
+def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
+    """Seconds until the first checkpoint scoring at least `target`; None if none does."""
+    return next((when for when, acc in points if acc >= target - 1e-12), None)
+
+
+# ---- TRL, in its own process ------------------------------------------------------------------
+
+def run_trl(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int) -> None:
+    """GRPOTrainer for `budget` seconds of training, a checkpoint every `save_every` seconds."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from areal_flow.data.arith import arith_reward
+    from areal_flow.models.tokenizer import load_tokenizer
+
+    torch.set_num_threads(2)
+    with open(train_file) as f:
+        rows = [json.loads(line) for line in f]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def arith(completions, answer, **_):
+        return [arith_reward(c, a) for c, a in zip(completions, answer)]
+
+    class Budget(TrainerCallback):
+        """Training seconds exclude the checkpoint saves; stop once the budget is spent."""
+
+        def __init__(self):
+            self.start, self.paused, self.next_save, self.saved = 0.0, 0.0, save_every, []
+
+        def elapsed(self) -> float:
+            return time.monotonic() - self.start - self.paused
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.start = time.monotonic()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            t = self.elapsed()
+            if t >= self.next_save or t >= budget:
+                t0 = time.monotonic()
+                path = os.path.join(out, f"step{state.global_step}")
+                model.save_pretrained(path)
+                self.saved.append((t, path, state.global_step))
+                self.next_save += save_every
+                self.paused += time.monotonic() - t0
+            if t >= budget:
+                control.should_training_stop = True
+
+    config = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=GROUP * PROMPTS, num_generations=GROUP,
+        max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
+        beta=0.0, gradient_checkpointing=False, use_cpu=True, bf16=False, save_strategy="no",
+        report_to="none", logging_steps=20, max_steps=10**6, seed=seed)
+    budget_cb = Budget()
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(base), reward_funcs=arith, args=config,
+                          train_dataset=dataset, processing_class=load_tokenizer(base), callbacks=[budget_cb])
+    trainer.train()
+    t, _, steps = budget_cb.saved[-1]
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"checkpoints": [[when, path] for when, path, _ in budget_cb.saved],
+                   "samples": steps * GROUP * PROMPTS, "seconds": t}, f)
+
+
+def trl_curve(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int) -> Curve:
+    cmd = [sys.executable, __file__, "_trl", out, base, train_file, str(budget), str(save_every), str(seed)]
+    print("$ tools/bench_peer.py _trl ...  (TRL GRPOTrainer)", flush=True)
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(out, "result.json")) as f:
+        r = json.load(f)
+    return Curve("TRL", [tuple(c) for c in r["checkpoints"]], r["samples"], r["seconds"])
+
+
+# ---- areal_flow --------------------------------------------------------------------------------
+
+def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float, keep_every: int, seed: int,
+                overrides: list[str]) -> tuple[Curve, float | None]:
+    """The recipe for `budget` seconds, keeping every `keep_every`-th published version; also
+    returns the run's own end-of-run accuracy on the same held-out file (its engine, greedy)."""
+    _, metrics = run_recipe(out, [
+        "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", f"seed={seed}",
+        f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false", "eval_every=0",
+        "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false", *overrides])
+    steps = {m["step"]: m for m in metrics if m["event"] == "step"}  # step N published version N
+    weights = os.path.join(out, "weights")
+    versions = (int(n[1:]) for n in os.listdir(weights) if n.startswith("v") and n[1:].isdigit())
+    checkpoints = sorted((steps[v]["elapsed"], os.path.join(weights, f"v{v}")) for v in versions if v in steps)
+    last = steps[max(steps)]
+    samples = len(steps) * GROUP * PROMPTS
+    own = [m["accuracy"] for m in metrics if m["event"] == "eval"]
+    return Curve("areal_flow", checkpoints, samples, last["elapsed"]), own[-1] if own else None
+
+
+# ---- one evaluator for both ----------------------------------------------------------------------
+
+def score(curves: list[Curve], base: str, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Greedy accuracy of the start and of every checkpoint, by side: [(seconds, accuracy)]."""
+    import torch
+    from rich.progress import Progress
+    from transformers import AutoModelForCausalLM
+
+    from areal_flow.data.arith import arith_reward
+    from areal_flow.models.supervised import greedy_completions
+    from areal_flow.models.tokenizer import load_tokenizer
+
+    torch.set_num_threads(2)
+    tokenizer = load_tokenizer(base)
+    cache: dict[str, float] = {}
+
+    def accuracy(path: str) -> float:
+        if path not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path)
+            texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], MAX_NEW)
+            cache[path] = sum(arith_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+        return cache[path]
+
+    out = {}
+    with Progress() as progress:
+        task = progress.add_task("scoring checkpoints", total=1 + sum(len(c.checkpoints) for c in curves))
+        start = accuracy(base)
+        progress.advance(task)
+        for c in curves:
+            out[c.name] = [(0.0, start)]
+            for t, path in c.checkpoints:
+                out[c.name].append((t, accuracy(path)))
+                progress.advance(task)
+    return out
+
+
+def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: float | None, args) -> str:
+    p, o = points[peer.name], points[ours.name]
+    target = p[-1][1]
+    reach = time_to_reach(o, target)
+    marks = [t for t in (budget / 4, budget / 2, budget) if t <= min(peer.seconds, ours.seconds) + 1e-9]
+    lines = [f"machine: {machine()}",
+             f"command: python tools/bench_peer.py --budget {args.budget:g} --eval-n {args.eval_n}"
+             + (f" -- {' '.join(args.overrides)}" if args.overrides else ""),
+             f"held-out: {args.eval_n} problems, greedy, one evaluator (transformers generate) for both", "",
+             f"| | {peer.name} 1.16 GRPOTrainer (sync) | {ours.name} | ratio |", "|---|---|---|---|",
+             f"| trained samples/s | {peer.samples_per_s:.1f} | {ours.samples_per_s:.1f} | "
+             f"{ours.samples_per_s / peer.samples_per_s:.2f}× |",
+             f"| trained samples | {peer.samples} in {peer.seconds:.0f} s | {ours.samples} in {ours.seconds:.0f} s | |",
+             f"| accuracy at start | {100 * p[0][1]:.1f}% | {100 * o[0][1]:.1f}% | |"]
+    for t in marks:
+        a, b = accuracy_at(p, t), accuracy_at(o, t)
+        lines.append(f"| accuracy at {t:.0f} s | {100 * a:.1f}% | {100 * b:.1f}% | {100 * (b - a):+.1f} points |")
+    when = f"{reach:.0f} s" if reach is not None else "not reached"
+    ratio = f"{reach / peer.seconds:.2f} of the peer's time" if reach is not None else ""
+    lines.append(f"| time to {100 * target:.1f}% (the peer's final) | {peer.seconds:.0f} s | {when} | {ratio} |")
+    if own_final is not None:
+        lines += ["", f"areal_flow's own end-of-run evaluation (its engine, greedy, same file): {100 * own_final:.1f}% "
+                  f"(the evaluator: {100 * o[-1][1]:.1f}%)"]
+    return "\n".join(lines)
+
+
+def plot(points: dict, path: str, budget: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in points.items():
+        ax.plot([t for t, _ in pts], [100 * a for _, a in pts], marker="o", label=name)
+    ax.set_xlim(0, budget * 1.02)
+    ax.set_xlabel("training seconds (2 cores)")
+    ax.set_ylabel("held-out greedy accuracy, %")
+    ax.set_title("tiny_arith: areal_flow vs TRL GRPOTrainer, same start")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_plot(fig, path)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_trl":
+        out, base, train, budget, every, seed = sys.argv[2:8]
+        run_trl(out, base, train, float(budget), float(every), int(seed))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=540.0, help="training seconds for each side")
+    ap.add_argument("--eval-n", type=int, default=1000, help="held-out problems both sides are scored on")
+    ap.add_argument("--points", type=int, default=12, help="checkpoints along each run")
+    ap.add_argument("--areal-steps-per-s", type=float, default=2.5,
+                    help="expected areal_flow steps/s, to space its kept versions like TRL's checkpoints")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cache-dir", default=os.environ.get("AREAL_FLOW_CACHE", os.path.expanduser("~/.cache/areal_flow")))
+    ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--plot", default="docs/bench_peer.png")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for the areal_flow run")
+    args = ap.parse_args()
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        sys.exit("bench_peer needs TRL, an optional extra: pip install -e '.[bench]'")
+
+    from areal_flow.data.arith import ensure_arith_data
+    from areal_flow.models.bootstrap import ensure_base_model
+
+    base = ensure_base_model(os.path.join(args.cache_dir, "models"), steps=BOOTSTRAP_STEPS)
+    train_file, eval_file = ensure_arith_data(os.path.join(args.cache_dir, "data"), N_TRAIN, args.eval_n, DATA_SEED)
+    with open(eval_file) as f:
+        rows = [json.loads(line) for line in f]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.out or tmp
+        os.makedirs(root, exist_ok=True)
+        peer = trl_curve(os.path.join(root, "trl"), base, train_file, args.budget, args.budget / args.points, args.seed)
+        keep = max(1, round(args.budget * args.areal_steps_per_s / args.points))
+        ours, own_final = areal_curve(os.path.join(root, "areal_flow"), base, eval_file, args.eval_n, args.budget,
+                                      keep, args.seed, args.overrides)
+        points = score([peer, ours], base, rows)
+    text = report(peer, ours, points, args.budget, own_final, args)
+    print("\n" + text)
+    print(json.dumps({k: [[round(t, 1), round(a, 4)] for t, a in v] for k, v in points.items()}))
+    plot(points, args.plot, args.budget)
+
+
+if __name__ == "__main__":
+    main()
