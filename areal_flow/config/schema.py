@@ -226,8 +226,10 @@ class RolloutConfig:
     interrupt: bool = doc(True, "a weight update interrupts the running requests, which resume under the new "
                           "weights; false: it waits until they finish")
     pause_mode: str = doc("abort", "how an interrupting update stops the running requests: 'abort' (AReaL: they "
-                          "return their tokens so far and the rollout worker resubmits them) or 'retract' (SGLang: "
-                          "the server requeues and recomputes them itself)", choices=("abort", "retract"))
+                          "return their tokens so far and the rollout worker resubmits them), 'retract' (SGLang: "
+                          "the server requeues and recomputes them itself) or 'in_place' (PipelineRL's in-flight "
+                          "update: they keep the old weights' KV cache and go on under the new weights, no "
+                          "recompute)", choices=("abort", "retract", "in_place"))
     weight_update_mode: str = doc("disk", "how each new version reaches the generation servers: 'disk' (a Hugging "
                                   "Face directory in the run directory), 'shm' (the same files in shared memory, "
                                   "/dev/shm: no disk, one host; removed when the run ends) or 'distributed' (trainer "

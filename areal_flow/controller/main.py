@@ -228,13 +228,13 @@ class Controller:
             self.traffic.report(f"trainer{d.rank}", d.sent_bytes)
         return merge_results(done)
 
-    async def send_weights(self, version: int, abort_all_requests: bool) -> None:
+    async def send_weights(self, version: int, abort_all_requests: bool, keep_cache: bool) -> None:
         """rollout.weight_update_mode=distributed, once the publisher has paused the servers: every
         trainer rank takes part in sending `version`, rank 0 broadcasts it to the servers. Raises
         WeightUpdateError with rank 0's account of what failed (server, bucket, tensor)."""
         self.waiting_for = f"the trainer ranks to send weight version {version}"
         for ident in self.ranks.values():
-            await send_to(self.socket, ident, PublishWeights(version, abort_all_requests))
+            await send_to(self.socket, ident, PublishWeights(version, abort_all_requests, keep_cache))
         done = await self.replies_from_ranks(WeightsPublished, f"sending weight version {version}")
         if errors := [d.error for d in done if d.error]:
             raise WeightUpdateError("; ".join(errors))

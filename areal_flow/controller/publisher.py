@@ -16,7 +16,7 @@ from areal_flow.generation.router import ServerPool
 class WeightPublisher:
     def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True, pause_mode: str = "abort",
                  config: RolloutConfig | None = None, api_key: str | None = None,
-                 transfer: Callable[[int, bool], Awaitable[None]] | None = None):
+                 transfer: Callable[[int, bool, bool], Awaitable[None]] | None = None):
         """`config`: the timeouts, retries and health interval of the servers' pool; `api_key`: the
         servers' (a secured run's). `transfer` (rollout.weight_update_mode=distributed): has the
         trainer broadcast a version to the paused servers (ServerPool.update_weights); without it

@@ -130,10 +130,13 @@ class GenerationClient:
         return answers
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: int | str | None = None, *, abort_all_requests: bool = False
+        self, model_path: str, weight_version: int | str | None = None, *, abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> dict:
-        """Load new weights from an HF directory; raises GenerationError (400) when that fails."""
-        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        """Load new weights from an HF directory; raises GenerationError (400) when that fails.
+        `flush_cache=False` while requests are held in place (SGLang refuses to flush then)."""
+        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests,
+                                   "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)  # SGLang declares it a string
         return await self._call("POST", "/update_weights_from_disk", payload)
@@ -141,7 +144,8 @@ class GenerationClient:
     async def pause_generation(self, mode: str = "abort") -> dict:
         """Hold new requests until continue_generation and stop the running ones: mode "abort"
         answers them with finish_reason abort and their tokens so far; "retract" (SGLang ≥ 0.5.10)
-        queues them again, to go on after continue_generation in the same answer. Returns once done."""
+        queues them again, to go on after continue_generation in the same answer; "in_place" (SGLang
+        ≥ 0.5.10) holds them with their KV cache, to go on where they stopped. Returns once done."""
         # An empty body for abort: SGLang before 0.5.10 takes no mode.
         return await self._call("POST", "/pause_generation", {} if mode == "abort" else {"mode": mode})
 

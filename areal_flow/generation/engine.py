@@ -16,10 +16,15 @@ Interruption, between two decode steps (SGLang's semantics, the ones AReaL's cli
   their tokens so far and drops their KV cache: after `continue_generation()` they are prefilled
   again (under the new weights, if an update came in between) and go on, and their clients see one
   uninterrupted answer (SGLang's retract mode).
+- `pause(mode="in_place")` stops stepping and keeps the running requests and their KV cache; an
+  update loaded meanwhile applies at once, and after `continue_generation()` the requests go on
+  under the new weights on top of the old weights' cache (PipelineRL's in-flight update). Each
+  token still carries the version that sampled it and its logprob is the one it was sampled with.
 - `update_weights_from_disk(..., abort_all_requests=True)` aborts the running requests and loads
-  the weights right away; without it, the update waits until the running batch has drained (new
-  requests are held back meanwhile). Either way the KV cache of old weights is never reused: an
-  aborted request's client resubmits prompt + tokens so far, which is prefilled under the new weights.
+  the weights right away; without it (and not paused), the update waits until the running batch has
+  drained (new requests are held back meanwhile). Except in place, the KV cache of old weights is
+  never reused: an aborted request's client resubmits prompt + tokens so far, which is prefilled
+  under the new weights.
 
 Memory: with `max_total_tokens` set, a request is admitted only while the running requests' prompt
 plus max_new_tokens, summed, stay within it (a reservation for the longest each may grow, so nothing
@@ -164,12 +169,12 @@ class _Abort:
     rid: str | None  # None: every request
     queued_too: bool  # also answer the matching requests that wait in the queue
     retract: bool = False  # requeue the running requests with their tokens instead of answering them
+    in_place: bool = False  # touch no request: only return once the thread is between two steps
     done: Future = field(default_factory=Future)
 
 
-PAUSE_MODES = ("abort", "retract")
-"""SGLang's pause modes that the engine implements (SGLang's third, in_place, would keep the old
-weights' KV cache across a weight update)."""
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""SGLang's pause modes, all implemented by the engine."""
 
 
 class GenerationEngine:
@@ -326,14 +331,17 @@ class GenerationEngine:
         self._hand_over(self._aborts, _Abort(rid, queued_too=True), wait=wait)
 
     def pause(self, mode: str = "abort") -> None:
-        """Admit no request until `continue_generation`; queued and new requests wait. The running
-        ones are aborted (mode "abort": answered with their tokens so far) or retracted (mode
-        "retract": queued again, first in line, with their tokens so far). Returns once done."""
+        """Step no request until `continue_generation`; queued and new requests wait. The running
+        ones are aborted (mode "abort": answered with their tokens so far), retracted (mode
+        "retract": queued again, first in line, with their tokens so far) or held where they are
+        (mode "in_place": they keep their KV cache and go on after `continue_generation`, under
+        the weights loaded meanwhile, on top of the cache of the old ones). Returns once done."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cond:
             self._paused = True
-        self._hand_over(self._aborts, _Abort(None, queued_too=False, retract=mode == "retract"))
+        self._hand_over(self._aborts, _Abort(None, queued_too=False, retract=mode == "retract",
+                                             in_place=mode == "in_place"))
 
     def continue_generation(self) -> None:
         with self._cond:
@@ -461,8 +469,9 @@ class GenerationEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
+                    # Paused, nothing steps: a batch held in place waits for continue_generation.
                     while not (self._stopping or (self._waiting and not self._paused) or self._updates
-                               or self._aborts or batch):
+                               or self._aborts or (batch and not self._paused)):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -476,8 +485,9 @@ class GenerationEngine:
                     update, admitted = None, []
                     if self._updates:
                         # Admit nothing while an update waits, so the running batch drains.
-                        # (An update with abort_all has just aborted every running row.)
-                        if batch is None or not batch.live():
+                        # (An update with abort_all has just aborted every running row; paused,
+                        # the update is applied at once, as SGLang does, also under a held batch.)
+                        if batch is None or not batch.live() or self._paused:
                             update = self._updates.popleft()
                     elif not self._paused:
                         admitted = self._admit(batch)
@@ -494,8 +504,8 @@ class GenerationEngine:
                     self._apply_update(update)
                     self._busy_seconds += time.perf_counter() - started
                     continue
-                if batch is None and not admitted:
-                    continue  # woken for an abort, or paused
+                if (batch is None and not admitted) or self._paused:
+                    continue  # woken for an abort, or paused (a batch held in place waits)
                 try:
                     if admitted:
                         new = self._prefill(admitted)
@@ -571,6 +581,8 @@ class GenerationEngine:
         hit = []
         running = [batch.rows[i] for i in batch.live()] if batch is not None else []
         for abort in aborts:
+            if abort.in_place:
+                continue
             for row in running:
                 if row.finish is None and abort.rid in (None, row.request.rid):
                     row.finish = ("abort", None)
@@ -589,6 +601,8 @@ class GenerationEngine:
         sequences are computed once and their cache rows copied."""
         sequences: dict[tuple[int, ...], int] = {}
         index = [sequences.setdefault(row.sequence, len(sequences)) for row in rows]
+        for row in rows:
+            row.logits_version = self._version
         width = max(map(len, sequences))
         ids = torch.zeros(len(sequences), width, dtype=torch.int64)  # pad id 0: masked out, never attended
         mask = torch.zeros(len(sequences), width, dtype=torch.int64)
@@ -639,11 +653,12 @@ class GenerationEngine:
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
                                               min_p=batch.min_p, row_generators=batch.generators)
         self._top_logprobs(batch)
-        version, alive = self._version, 0
+        alive = 0
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish is not None:
                 continue  # dead row: decodes along, unused, until the next compaction
-            row.append(token, logprob, version)
+            row.append(token, logprob, row.logits_version)
+            row.logits_version = self._version  # the forward below computes its next logits
             self._generated_tokens += 1  # before the answer: whoever reads it may read the stats next
             if row.finish is None:
                 alive += 1

@@ -98,6 +98,9 @@ class _Row:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: tuple[str, int | str | None] | None = None
     retractions: int = 0
+    # The weights that computed the logits this row samples from next: its next token's version.
+    # (Held in place across an update, the first token after it still comes from the old weights.)
+    logits_version: int = 0
     generator: torch.Generator | None = field(init=False)
 
     def __post_init__(self) -> None:

@@ -257,12 +257,12 @@ class ServerPool:
 
     async def update_weights(self, model_path: str | None, version: int, *, interrupt: bool = True,
                              pause_mode: str = "abort",
-                             transfer: Callable[[int, bool], Awaitable[None]] | None = None) -> list[str]:
+                             transfer: Callable[[int, bool, bool], Awaitable[None]] | None = None) -> list[str]:
         """Load `model_path` as `version` on every server that is up; returns the names of the
         servers left out because they are down (raises ServerPoolError when every one is).
 
         With `transfer` (rollout.weight_update_mode=distributed) the weights come by broadcast
-        instead: between pause and continue, `transfer(version, abort_all_requests)` has the
+        instead: between pause and continue, `transfer(version, abort_all_requests, keep_cache)` has the
         trainer send them to every server of its weights group, and raises WeightUpdateError
         naming the server and bucket that failed. Every server takes part in each broadcast, so
         none can be left out: one that is down fails the update before any is paused.
@@ -303,17 +303,21 @@ class ServerPool:
                     raise result
             return [s for s, r in zip(targets, results) if not isinstance(r, BaseException)]
 
+        in_place = interrupt and pause_mode == "in_place"
+
         def load(client: GenerationClient) -> Awaitable[dict]:
-            # Paused in mode retract, nothing runs: there is nothing to abort.
+            # Paused in mode retract, nothing runs: there is nothing to abort. Held in place, the
+            # requests keep their cache: SGLang must not flush it.
             return client.update_weights_from_disk(model_path, version,
-                                                   abort_all_requests=interrupt and pause_mode == "abort")
+                                                   abort_all_requests=interrupt and pause_mode == "abort",
+                                                   flush_cache=not in_place)
 
         async def broadcast(paused: list[Server]) -> None:
             if len(paused) < len(servers):  # a server that is not paused would decode during the buckets
                 refusals.append(f"the broadcast was not started: {len(servers) - len(paused)} server(s) not paused")
                 return
             try:
-                await transfer(version, interrupt and pause_mode == "abort")
+                await transfer(version, interrupt and pause_mode == "abort", in_place)
             except WeightUpdateError as exc:
                 refusals.append(str(exc))
 

@@ -145,6 +145,7 @@ async def route_update_weights(server: GenerationServer, call: Call) -> tuple[in
             raise ValueError("model_path is required: a directory with model.safetensors")
         version, label = _weight_version(body.get("weight_version"), engine.version)
         abort_all = as_bool(body.get("abort_all_requests"), "abort_all_requests", False)
+        as_bool(body.get("flush_cache"), "flush_cache", True)  # the engine keeps no prefix cache to flush
         # Without abort_all_requests the update waits for the running requests to finish: on a
         # worker thread, not the event loop.
         await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all_requests=abort_all,
@@ -419,7 +420,7 @@ async def route_pause(server: GenerationServer, call: Call) -> tuple[int, Payloa
     mode = _json_object(call.body).get("mode") or "abort"
     if mode not in PAUSE_MODES:
         raise bad_request(f"pause_generation mode {mode!r} is not supported by the embedded engine; it pauses "
-                          f"in mode {' or '.join(map(repr, PAUSE_MODES))}")
+                          f"in mode {', '.join(map(repr, PAUSE_MODES))}")
     await asyncio.to_thread(server.engine.pause, mode)  # returns once the running requests are aborted or retracted
     return 200, {"message": "Generation paused successfully.", "status": "ok"}
 

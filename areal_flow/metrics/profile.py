@@ -120,7 +120,10 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
     import matplotlib.pyplot as plt
 
     steps = _steps(metrics)[-last:]
-    colours = dict(zip((*TRAINER_PHASES, "other"), (*plt.get_cmap("tab10").colors, "lightgrey")))
+    # No green among them: green marks the generator's work.
+    colours = dict(zip((*TRAINER_PHASES, "other"), ("tab:grey", "tab:orange", "tab:cyan", "tab:purple", "gold",
+                                                    "tab:blue", "tab:red", "tab:pink", "tab:brown", "navy",
+                                                    "lightgrey")))
     fig, ax = plt.subplots(figsize=(10, 2.8))
     t0 = steps[0]["elapsed"] - steps[0]["step_seconds"] if steps else 0.0
     seen: set[str] = set()

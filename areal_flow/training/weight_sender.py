@@ -119,7 +119,7 @@ class WeightSender:
                  self.world_size, self.backend, self.master_address, port)
 
     def send(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int | str | None, *,
-             abort_all_requests: bool = False) -> TransferReport:
+             abort_all_requests: bool = False, flush_cache: bool = True) -> TransferReport:
         """Send every bucket to every server as weight version `version` (the servers' label: SGLang's
         weight_version; None keeps it). Every bucket is taken from `buckets` even after a failure:
         the engine's export is a collective under FSDP and megatron, which the other trainer ranks
@@ -137,7 +137,8 @@ class WeightSender:
             if error is not None:
                 continue
             try:
-                self.send_bucket(bucket, version, abort_all_requests=abort_all_requests, index=n_buckets)
+                self.send_bucket(bucket, version, abort_all_requests=abort_all_requests, flush_cache=flush_cache,
+                                 index=n_buckets)
             except WeightTransferError as exc:
                 error = exc
             n_buckets += 1
@@ -148,13 +149,13 @@ class WeightSender:
         return TransferReport(version, n_buckets, n_tensors, n_bytes, time.perf_counter() - t0)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], version: int | str | None, *,
-                    abort_all_requests: bool = False, index: int = 0) -> None:
+                    abort_all_requests: bool = False, flush_cache: bool = True, index: int = 0) -> None:
         """Announce one bucket to every server and broadcast its tensors; returns once every server
         has loaded it."""
         if self.group is None:
             raise WeightTransferError("the weights group is not made yet (connect)")
         body: dict[str, Any] = weight_group.bucket_request(bucket) | {
-            "group_name": self.group_name, "abort_all_requests": abort_all_requests, "flush_cache": True}
+            "group_name": self.group_name, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         if version is not None:
             body["weight_version"] = str(version)  # SGLang declares it a string
         requests = {server.name: partial(self._post, server, "/update_weights_from_distributed", body)

@@ -264,7 +264,8 @@ class ModelWorker:
                                        master_address=self.spec.hosts.get("trainer0", LOOPBACK),
                                        timeout=self.cfg.rollout.request_timeout, api_key=self.spec.api_key)
         try:
-            report = self.sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests)
+            report = self.sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests,
+                                      flush_cache=not msg.keep_cache)
         except WeightTransferError as exc:
             log.error("%s: weight version %d was not sent: %s", self.name, msg.version, exc)
             return WeightsPublished(self.rank, msg.version, error=str(exc))

@@ -207,6 +207,7 @@ class PublishWeights(msgspec.Struct, tag=True):
 
     version: int
     abort_all_requests: bool = False
+    keep_cache: bool = False  # requests held in place keep their KV cache: the servers must not flush it
 
 
 class WeightsPublished(msgspec.Struct, tag=True):

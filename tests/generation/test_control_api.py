@@ -144,7 +144,8 @@ def test_stop_strings_and_seeds_over_http(server, model_dirs):
     assert status == 400 and "sampling_params.stop must be a string or a list of strings" in answer["error"]["message"]
 
 
-@pytest.mark.parametrize("interrupt, pause_mode", [(True, "abort"), (True, "retract"), (False, "abort")])
+@pytest.mark.parametrize("interrupt, pause_mode", [(True, "abort"), (True, "retract"), (True, "in_place"),
+                                                   (False, "abort")])
 def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, model_dirs, interrupt, pause_mode):
     from areal_flow.controller.publisher import WeightPublisher
 
@@ -165,9 +166,10 @@ def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, mod
         assert reason == "length" and versions == [0] * 60
     elif pause_mode == "abort":  # aborted with its tokens so far, the update at once
         assert reason == "abort" and len(answer["output_ids"]) < 60 and seconds < 1.0
-    else:  # retracted: one whole answer, its tail on the new weights, the update at once
+    else:  # retracted or held in place: one whole answer, its tail on the new weights, the update at once
         k = versions.index(1)
         assert reason == "length" and versions == [0] * k + [1] * (60 - k) and k > 0 and seconds < 1.0
+        assert answer["meta_info"]["num_retractions"] == (1 if pause_mode == "retract" else 0)
 
 
 def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server, model_dirs):
@@ -189,8 +191,8 @@ def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server
     versions = meta["output_token_versions"]
     k = versions.index(1)
     assert k >= 10 and versions == [0] * k + [1] * (80 - k)
-    status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "in_place"})
-    assert status == 400 and "mode 'in_place' is not supported" in body["error"]["message"]
+    status, _, body = http_call(server.url, "POST", "/pause_generation", {"mode": "sideways"})
+    assert status == 400 and "mode 'sideways' is not supported" in body["error"]["message"]
     assert not server.engine.paused
 
 

@@ -145,6 +145,38 @@ def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_an
                                atol=1e-4, rtol=0)
 
 
+def test_an_in_place_pause_holds_the_requests_with_their_cache_and_they_go_on_under_the_new_weights(
+        engine, model_dirs):
+    future = long_request(engine, "r")
+    decoding(engine, 10)
+    engine.pause(mode="in_place")
+    held = engine.stats()
+    time.sleep(0.2)
+    stats = engine.stats()
+    assert not future.done() and stats["num_running_reqs"] == 1  # held, not answered or requeued
+    assert stats["generated_tokens"] == held["generated_tokens"]  # and not stepped while paused
+    engine.update_weights_from_disk(model_dirs.b, 1)  # paused: loads at once under the held batch
+    assert engine.version == 1 and not future.done()
+    engine.continue_generation()
+    result = future.result(timeout=60)
+    assert result.finish_reason == "length" and len(result.output_ids) == LONG and result.retractions == 0
+    k = result.output_versions.index(1)
+    assert k >= 10 and set(result.output_versions[:k]) == {0} and set(result.output_versions[k:]) == {1}
+    # The tail was sampled by weights b on top of the KV cache weights a made of the prefix
+    # (nothing recomputed): the logprobs say so, and differ from b's over the whole sequence.
+    a, b = load_reference(model_dirs.a), load_reference(model_dirs.b)
+    ids = PROMPT + result.output_ids
+    with torch.no_grad():
+        cache = a(input_ids=torch.tensor([ids[:len(PROMPT) + k - 1]]), use_cache=True).past_key_values
+        tail = b(input_ids=torch.tensor([ids[len(PROMPT) + k - 1:-1]]), past_key_values=cache).logits[0]
+    tail = torch.log_softmax(tail.float() / 0.8, -1).gather(1, torch.tensor(result.output_ids[k:])[:, None])[:, 0]
+    under_a = full_forward_logprobs(a, PROMPT, result.output_ids, 0.8)
+    expected = torch.cat([under_a[:k], tail])
+    torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+    under_b = full_forward_logprobs(b, PROMPT, result.output_ids, 0.8)
+    assert (torch.tensor(result.output_logprobs[k:]) - under_b[k:]).abs().max() > 1e-3
+
+
 def test_a_retracted_seeded_request_draws_the_tokens_it_would_have_drawn(engine):
     def seeded() -> Future[GenerationResult]:
         return engine.submit(PROMPT, max_new_tokens=60, temperature=1.0, ignore_eos=True, seed=7)
@@ -162,5 +194,5 @@ def test_a_retracted_seeded_request_draws_the_tokens_it_would_have_drawn(engine)
 
 def test_an_unknown_pause_mode_is_refused(engine):
     with pytest.raises(ValueError, match="pause mode must be one of"):
-        engine.pause(mode="in_place")
+        engine.pause(mode="sideways")
     assert not engine.paused

@@ -290,7 +290,7 @@ def test_by_broadcast_the_weights_go_between_pause_and_continue_and_a_refusal_st
     weights = {1: load_checkpoint(model_dirs.b), 2: {"model.layers.0.mlp.nope.weight": torch.ones(2)}}
     calls = []
 
-    async def transfer(version: int, abort_all_requests: bool) -> None:
+    async def transfer(version: int, abort_all_requests: bool, keep_cache: bool) -> None:
         calls.append((version, abort_all_requests, a.engine.paused, b.engine.paused))
         buckets = bucketed(iter(weights[version].items()), 1 << 14)
         try:
@@ -327,7 +327,7 @@ def test_by_broadcast_a_down_server_fails_the_update_before_any_server_is_paused
     b.stop()
     calls = []
 
-    async def transfer(version: int, abort_all_requests: bool) -> None:
+    async def transfer(version: int, abort_all_requests: bool, keep_cache: bool) -> None:
         calls.append(version)
 
     async def scenario():
