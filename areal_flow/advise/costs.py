@@ -1,0 +1,309 @@
+"""What the advisor simulates with: per-token costs, the answer-length distribution, the workload,
+and the cost file (YAML or JSON) they are read from. Every bad value is an `AdviseError` naming
+its key or file."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+import yaml
+
+
+class AdviseError(ValueError):
+    """Bad input to the advisor; the message names the flag, key or file to fix."""
+
+
+@dataclass(frozen=True)
+class GenCosts:
+    """One generation server: continuous batching, one token per running answer per decode step."""
+
+    step_fixed_s: float = 0.005
+    """a: seconds of one decode step whatever the batch (weights read, launch and scheduling overhead)."""
+    step_per_seq_s: float = 8e-5
+    """b: seconds each running answer adds to a decode step (its share of the matmuls, sampling; with
+    step_per_context_token_s = 0 also its KV cache read at a typical context length)."""
+    step_per_context_token_s: float = 0.0
+    """e: seconds each token of context (prompt + answer so far) of a running answer adds to a decode
+    step, its KV cache read; 0 = folded into b (what a run's metrics can fit)."""
+    prefill_per_token_s: float = 1e-5
+    """p: seconds per token prefilled: a new prompt (once per group), or prompt + tokens so far after an abort."""
+    max_running: int | None = None
+    """most answers a server decodes at once (its KV memory); the rest wait in its queue; null = no limit."""
+    devices_per_server: int = 1
+    """devices one server spans (tensor parallel size): a split's generation devices / this = servers."""
+
+
+@dataclass(frozen=True)
+class TrainCosts:
+    """One train step on a batch: step_fixed_s + per_token_s · tokens / (devices · dp_efficiency)."""
+
+    step_fixed_s: float = 1.0
+    """c: seconds of a step whatever its size (optimizer step, saving the weights for the servers)."""
+    per_token_s: float = 4e-5
+    """d: seconds per trained token (prompt + answer) on one device, forward and backward."""
+    prox_fraction: float = 0.0
+    """extra per-token time of the π_prox forward, as a fraction of d, on steps that train a stale token."""
+    dp_efficiency: float = 1.0
+    """data-parallel efficiency: the per-token time divides by devices · this."""
+
+
+@dataclass(frozen=True)
+class UpdateCosts:
+    """Publishing a new policy version to the generation servers."""
+
+    pause_s: float = 1.0
+    """w: seconds the servers are paused while they load the new weights."""
+    colocated_switch_s: float = 0.0
+    """colocated (synchronous) mode: extra seconds per step to swap generation and training state on the devices."""
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Answer lengths in tokens, clipped to [1, max_new_tokens]: an empirical list, or a lognormal
+    given by its mean after clipping and its log-space sigma."""
+
+    max_new_tokens: int
+    values: tuple[int, ...] = ()
+    """empirical lengths (drawn with replacement); empty: the lognormal below."""
+    mean: float = 0.0
+    """lognormal: the mean length after clipping at max_new_tokens."""
+    sigma: float = 0.0
+    """lognormal: the sigma of log(length), the tail; 0 = every answer has length `mean`."""
+
+    def __post_init__(self) -> None:
+        if not self.values and not 0 < self.mean <= self.max_new_tokens:
+            raise AdviseError(f"workload.lengths: mean {self.mean} must be in (0, max_new_tokens={self.max_new_tokens}]")
+
+    @property
+    def mu(self) -> float:
+        """The lognormal's log-space mean that gives `mean` after clipping (bisection: monotone in mu)."""
+        lo, hi = math.log(1.0) - 10 * self.sigma - 10, math.log(self.max_new_tokens) + 10 * self.sigma + 10
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _clipped_mean(mid, self.sigma, self.max_new_tokens) < self.mean else (lo, mid)
+        return (lo + hi) / 2
+
+    def sampler(self, rng: random.Random):
+        """A function of no arguments that draws one length."""
+        top = self.max_new_tokens
+        if self.values:
+            values = [min(top, max(1, v)) for v in self.values]
+            return lambda: rng.choice(values)
+        if self.sigma == 0:
+            return lambda: min(top, max(1, round(self.mean)))
+        mu, sigma = self.mu, self.sigma
+        return lambda: min(top, max(1, round(rng.lognormvariate(mu, sigma))))
+
+    def describe(self) -> str:
+        if self.values:
+            v = [min(self.max_new_tokens, max(1, x)) for x in self.values]
+            return (f"empirical, {len(v)} lengths, mean {sum(v) / len(v):.0f}, "
+                    f"{sum(x >= self.max_new_tokens for x in v) / len(v):.1%} at max {self.max_new_tokens}")
+        if self.sigma == 0:
+            return f"constant {self.mean:.0f}"
+        cut = 1 - NormalDist(self.mu, self.sigma).cdf(math.log(self.max_new_tokens))
+        return f"lognormal, mean {self.mean:.0f} after clipping, sigma {self.sigma:.3g}, {cut:.1%} at max {self.max_new_tokens}"
+
+
+def _clipped_mean(mu: float, sigma: float, top: float) -> float:
+    """E[min(X, top)] for log X ~ N(mu, sigma²)."""
+    if sigma == 0:
+        return min(math.exp(mu), top)
+    z = (math.log(top) - mu) / sigma
+    below = math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma)
+    return below + top * (1 - NormalDist().cdf(z))
+
+
+def lognormal_from_truncation(mean: float, truncated: float, top: int) -> Lengths | None:
+    """The lognormal with clipped mean `mean` and P(length ≥ top) = `truncated` (what a run's
+    response_length and truncated_fraction say), or None when that does not pin sigma down."""
+    if not 0 < truncated < 1 or not 0 < mean < top:
+        return None
+    z = NormalDist().inv_cdf(1 - truncated)
+
+    def gap(sigma: float) -> float:
+        return _clipped_mean(math.log(top) - z * sigma, sigma, top) - mean
+
+    lo, hi = 1e-4, 5.0
+    if gap(lo) * gap(hi) > 0:
+        return None
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(lo) * gap(mid) > 0 else (lo, mid)
+    return Lengths(top, mean=mean, sigma=(lo + hi) / 2)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step trains and how generation is admitted (recipe keys in comments)."""
+
+    batch_size: int = 8
+    """B: prompt groups per train step (algorithm.batch_size)."""
+    group_size: int = 8
+    """G: answers per prompt (algorithm.group_size)."""
+    prompt_tokens: int = 100
+    """tokens of one prompt."""
+    max_concurrent: int | None = None
+    """most groups generating at once (rollout.max_concurrent); null = only the staleness bound limits."""
+    interrupt: bool = True
+    """a weight update interrupts running answers (rollout.interrupt); false: each server drains first."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Everything the simulator needs besides the candidate."""
+
+    gen: GenCosts
+    train: TrainCosts
+    update: UpdateCosts
+    workload: Workload
+    lengths: Lengths
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Which allocations to simulate (each may be overridden by a flag of the same name)."""
+
+    splits: tuple[tuple[int, int], ...] = ((1, 1),)
+    """generation:training devices; with `devices`, ratios scaled to that many devices."""
+    etas: tuple[int, ...] = (0, 1, 2, 4, 8)
+    """values of η (rollout.max_staleness)."""
+    devices: int | None = None
+    """total devices: the splits are ratios of it."""
+    colocated: bool = False
+    """also simulate the synchronous colocated baseline (η = 0, every device generates then trains)."""
+
+
+_SECTIONS = {"generation": GenCosts, "training": TrainCosts, "weights": UpdateCosts, "workload": Workload}
+_POSITIVE = {"batch_size", "group_size", "devices_per_server", "max_running", "max_concurrent", "dp_efficiency"}
+
+
+def _number(where: str, value: Any, kind: type, *, positive: bool = False, nullable: bool = False) -> Any:
+    """`value` as `kind` (int, float or bool), checked ≥ 0, or > 0 when `positive`; None if `nullable`."""
+    if value is None and nullable:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise AdviseError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise AdviseError(f"{where}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and positive):
+        raise AdviseError(f"{where}: must be {'positive' if positive else 'a cost ≥ 0'}, got {value!r}")
+    return kind(value)
+
+
+def _section(cls: type, raw: Any, where: str) -> Any:
+    """One section of the cost file as `cls`, every key known and every value checked."""
+    if not isinstance(raw, dict):
+        raise AdviseError(f"{where}: expected a mapping of keys, got {type(raw).__name__}")
+    known = {f.name: str(f.type) for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise AdviseError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    values = {}
+    for key, value in raw.items():
+        kind = bool if "bool" in known[key] else int if "int" in known[key] else float
+        values[key] = _number(f"{where}.{key}", value, kind, positive=key in _POSITIVE, nullable="None" in known[key])
+    return cls(**values)
+
+
+def read_lengths_file(path: str | Path, where: str) -> tuple[int, ...]:
+    """Answer lengths from a file: a JSON list, or one integer per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise AdviseError(f"{where}: lengths file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else [float(x) for x in text.split()]
+    except ValueError as exc:
+        raise AdviseError(f"{where}: {str(path)!r} is not a JSON list or one length per line ({exc})") from None
+    if not values or any(not isinstance(v, (int, float)) or v < 1 for v in values):
+        raise AdviseError(f"{where}: {str(path)!r} must hold at least one length, each ≥ 1")
+    return tuple(int(v) for v in values)
+
+
+def _lengths(raw: Any, max_new_tokens: int, base: Path) -> Lengths:
+    where = "workload.lengths"
+    if isinstance(raw, list):
+        if not raw or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1 for v in raw):
+            raise AdviseError(f"{where}: a list must hold at least one length, each ≥ 1")
+        return Lengths(max_new_tokens, values=tuple(int(v) for v in raw))
+    if not isinstance(raw, dict) or len(raw) != 1:
+        raise AdviseError(f"{where}: expected a list of lengths, {{file: PATH}}, {{constant: N}} or "
+                          "{lognormal: {mean: M, sigma: S}}")
+    (kind, value), = raw.items()
+    if kind == "file":
+        return Lengths(max_new_tokens, values=read_lengths_file(base / str(value), f"{where}.file"))
+    if kind == "constant":
+        return Lengths(max_new_tokens, mean=_number(f"{where}.constant", value, float, positive=True))
+    if kind == "lognormal" and isinstance(value, dict) and set(value) == {"mean", "sigma"}:
+        return Lengths(max_new_tokens, mean=_number(f"{where}.lognormal.mean", value["mean"], float, positive=True),
+                       sigma=_number(f"{where}.lognormal.sigma", value["sigma"], float))
+    raise AdviseError(f"{where}: unknown form {kind!r}; use a list, file, constant or lognormal {{mean, sigma}}")
+
+
+def parse_split(text: str, where: str = "--splits") -> tuple[int, int]:
+    """'3:1' -> (3, 1)."""
+    gen, sep, train = str(text).partition(":")
+    try:
+        split = int(gen), int(train)
+    except ValueError:
+        split = None
+    if not sep or split is None or split[0] < 1 or split[1] < 1:
+        raise AdviseError(f"{where}: {text!r} is not GEN:TRAIN with two positive integers, e.g. 3:1")
+    return split
+
+
+def load_cost_file(path: str | Path) -> tuple[Costs, Candidates]:
+    """Read a cost file (YAML or JSON); sections generation, training, weights, workload, candidates."""
+    path = Path(path)
+    if not path.is_file():
+        raise AdviseError(f"--costs: cost file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise AdviseError(f"--costs: {str(path)!r} is not YAML or JSON: {exc}") from None
+    return parse_costs(raw, path.parent, str(path))
+
+
+def parse_costs(raw: Any, base: Path = Path("."), name: str = "cost file") -> tuple[Costs, Candidates]:
+    """Costs and candidates from the cost file's mapping; a missing section or key keeps its default."""
+    if not isinstance(raw, dict):
+        raise AdviseError(f"{name}: expected a mapping with sections generation, training, weights, workload, candidates")
+    unknown = sorted(set(raw) - {*_SECTIONS, "candidates"})
+    if unknown:
+        raise AdviseError(f"{name}: unknown section(s) {', '.join(map(repr, unknown))}; "
+                          f"known: {', '.join([*_SECTIONS, 'candidates'])}")
+    workload_raw = dict(raw.get("workload") or {})
+    lengths_raw = workload_raw.pop("lengths", None)
+    max_new = _number("workload.max_new_tokens", workload_raw.pop("max_new_tokens", 1024), int, positive=True)
+    parts = {k: _section(cls, raw.get(k) or {} if k != "workload" else workload_raw, k) for k, cls in _SECTIONS.items()}
+    lengths = _lengths(lengths_raw, max_new, base) if lengths_raw is not None else Lengths(max_new, mean=max_new / 2)
+    costs = Costs(parts["generation"], parts["training"], parts["weights"], parts["workload"], lengths)
+    return costs, _candidates(raw.get("candidates") or {})
+
+
+def _candidates(raw: Any) -> Candidates:
+    where = "candidates"
+    if not isinstance(raw, dict):
+        raise AdviseError(f"{where}: expected a mapping")
+    unknown = sorted(set(raw) - {f.name for f in fields(Candidates)})
+    if unknown:
+        raise AdviseError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: splits, etas, devices, colocated")
+    out = Candidates()
+    if "splits" in raw:
+        out = replace(out, splits=tuple(parse_split(s, f"{where}.splits") for s in raw["splits"]))
+    if "etas" in raw:
+        out = replace(out, etas=tuple(_number(f"{where}.etas", e, int) for e in raw["etas"]))
+    if raw.get("devices") is not None:
+        out = replace(out, devices=_number(f"{where}.devices", raw["devices"], int, positive=True))
+    if "colocated" in raw:
+        out = replace(out, colocated=_number(f"{where}.colocated", raw["colocated"], bool))
+    return out

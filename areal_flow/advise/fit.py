@@ -1,0 +1,260 @@
+"""Costs fitted from what runs already record: `metrics.jsonl` (one row per train step, written by
+controller/main.py and run_metrics.py) and the resolved `config.yaml` of each run directory.
+
+What a step row gives and what is fitted from it:
+
+| fitted | from |
+|---|---|
+| c, d (train step = c + d·tokens) | `train_seconds` − `train/prox_seconds` against `train/n_tokens`, least squares |
+| prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
+| w (update pause) | `update_seconds`: median with interrupt=true; the least with interrupt=false (it includes the drain) |
+| a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
+| p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
+| lengths | lognormal from the mean `response_length` and `truncated_fraction` |
+| prompt tokens | (`train/n_tokens` − answer tokens) / answers |
+
+The servers' load reports (/v1/loads) are not in metrics.jsonl, so n is the running count the
+controller logs at the end of each step. What cannot be fitted is taken from the cost file, and
+each such value is named in the notes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import yaml
+
+from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_truncation
+from areal_flow.graph.dag import parse_mesh
+from areal_flow.metrics.writer import read_metrics
+
+EMBEDDED_MAX_BATCH = 128
+"""The embedded engine's max_batch_size when generation.max_batch_size is null (generation/engine.py)."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """One run directory: its settings and its step rows (the first, which includes start-up, left out)."""
+
+    path: str
+    steps: list[dict]
+    batch_size: int
+    group_size: int
+    max_new_tokens: int
+    eta: int
+    interrupt: bool
+    max_concurrent: int | None
+    gen_devices: int
+    servers: int
+    train_devices: int
+    max_running: int | None
+    ppo_epochs: int
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The costs to simulate with, what each came from, and the run's own allocation."""
+
+    costs: Costs
+    notes: list[str]
+    split: tuple[int, int]
+    eta: int
+
+
+def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def read_run(path: str | Path) -> RunFacts:
+    """The settings (config.yaml, else the metrics' start row) and step rows of one run directory."""
+    path = Path(path)
+    metrics_file = path / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise AdviseError(f"--from-run: {str(path)!r} has no metrics.jsonl")
+    try:
+        rows = read_metrics(str(metrics_file))
+    except ValueError as exc:
+        raise AdviseError(f"--from-run: {str(metrics_file)!r} is not JSON lines: {exc}") from None
+    start = next((r for r in rows if r.get("event") == "start"), {})
+    steps = [r for r in rows if r.get("event") == "step"][1:]
+    if len(steps) < 2:
+        raise AdviseError(f"--from-run: {str(metrics_file)!r} has {len(steps) + 1 if steps else 0} step rows; "
+                          "at least 3 are needed (the first includes start-up)")
+    cfg: dict = {}
+    if (path / "config.yaml").is_file():
+        cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    nodes = _get(cfg, "graph", {}) or {}
+    gen_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "generate"), None)
+    train_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "train"), None)
+    gen_devices = len(parse_mesh(gen_mesh, "generate")[0] or (0,)) if gen_mesh is not None else 1
+    train_devices = len(parse_mesh(train_mesh, "train")[0] or (0,)) if train_mesh is not None else 1
+    tp = int(_get(cfg, "generation.tp_size", 1) or 1)
+    backend = _get(cfg, "generation.backend", "embedded")
+    max_batch = _get(cfg, "generation.max_batch_size")
+    return RunFacts(
+        path=str(path), steps=steps,
+        batch_size=int(_get(cfg, "algorithm.batch_size", start.get("batch_size", 0)) or 0),
+        group_size=int(_get(cfg, "algorithm.group_size", start.get("group_size", 0)) or 0),
+        max_new_tokens=int(_get(cfg, "algorithm.max_new_tokens", 0) or 0),
+        eta=int(_get(cfg, "rollout.max_staleness", start.get("max_staleness", 0)) or 0),
+        interrupt=bool(_get(cfg, "rollout.interrupt", True)),
+        max_concurrent=_get(cfg, "rollout.max_concurrent"),
+        gen_devices=gen_devices, servers=max(1, gen_devices // tp), train_devices=train_devices,
+        max_running=max_batch if max_batch is not None else (EMBEDDED_MAX_BATCH if backend == "embedded" else None),
+        ppo_epochs=int(_get(cfg, "algorithm.ppo_epochs", 1) or 1),
+    )
+
+
+def _line(xs: list[float], ys: list[float], ws: list[float] | None = None) -> tuple[float, float] | None:
+    """Weighted least squares y = intercept + slope·x; None when x does not vary (≤ 5% of its mean)."""
+    ws = ws or [1.0] * len(xs)
+    sw = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
+    var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)) / sw
+    if len(xs) < 2 or math.sqrt(var) <= 0.05 * abs(mx):
+        return None
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / (sw * var)
+    return my - slope * mx, slope
+
+
+def _train(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
+    rows = [(r, s) for r in runs for s in r.steps if s.get("train/n_tokens") and s.get("train_seconds") is not None]
+    if not rows:
+        notes.append(f"training: no step has train_seconds and train/n_tokens; c, d from the cost file "
+                     f"({base.train.step_fixed_s:g} s, {base.train.per_token_s:g} s/token)")
+        return base.train
+    # d is per device: a run on k data-parallel devices trains k times faster (at the cost file's efficiency).
+    scale = [r.train_devices * base.train.dp_efficiency for r, _ in rows]
+    tokens = [s["train/n_tokens"] / r.ppo_epochs for r, s in rows]
+    plain = [s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) for _, s in rows]
+    fit = _line([t / k for t, k in zip(tokens, scale)], plain)
+    if fit is not None and fit[0] >= 0 and fit[1] > 0:
+        c, d = fit
+        notes.append(f"training: c = {c:.3g} s, d = {d:.3g} s/token/device, fitted on {len(rows)} steps")
+    else:
+        c = min(base.train.step_fixed_s, 0.5 * sum(plain) / len(plain))
+        d = (sum(plain) - c * len(plain)) / sum(t / k for t, k in zip(tokens, scale))
+        notes.append(f"training: tokens per step vary too little to separate c from d; c = {c:.3g} s from the cost "
+                     f"file (at most half a step), d = {d:.3g} s/token/device from the mean step")
+    prox = [(s["train/prox_seconds"], d * t / k) for (_, s), t, k in zip(rows, tokens, scale) if s.get("train/prox_seconds")]
+    if prox:
+        fraction = sum(p for p, _ in prox) / sum(q for _, q in prox)
+        notes.append(f"training: prox_fraction = {fraction:.3g}, from the {len(prox)} steps that ran the prox forward")
+    else:
+        fraction = base.train.prox_fraction
+        notes.append(f"training: no step ran the prox forward; prox_fraction = {fraction:g} from the cost file")
+    return replace(base.train, step_fixed_s=c, per_token_s=d, prox_fraction=fraction)
+
+
+def _update(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
+    interrupting = [s["update_seconds"] for r in runs if r.interrupt for s in r.steps if s.get("update_seconds") is not None]
+    waiting = [s["update_seconds"] for r in runs if not r.interrupt for s in r.steps if s.get("update_seconds") is not None]
+    if interrupting:
+        w = median(interrupting)
+        notes.append(f"weights: pause w = {w:.3g} s, the median update_seconds of {len(interrupting)} interrupting steps")
+    elif waiting:
+        w = min(waiting)
+        notes.append(f"weights: pause w = {w:.3g} s, the least update_seconds of {len(waiting)} steps (without "
+                     "interruption an update also waits for the running answers)")
+    else:
+        w = base.update.pause_s
+        notes.append(f"weights: no update_seconds; w = {w:g} s from the cost file")
+    return replace(base.update, pause_s=w)
+
+
+def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: float, notes: list[str]) -> Any:
+    """a and b from runs that do not interrupt (an interrupting run's busy time includes re-prefills),
+    then p from the interrupting runs' busy time beyond them."""
+    def points(rs: list[RunFacts]) -> list[tuple[float, float, float, RunFacts, dict]]:
+        out = []
+        for r in rs:
+            for s in r.steps:
+                if s.get("generator_idle") is None or not s.get("gen_tokens_per_second") or not s.get("running"):
+                    continue
+                busy = (1 - s["generator_idle"]) * s["step_seconds"]
+                tokens = s["gen_tokens_per_second"] * s["step_seconds"] / r.servers
+                n = min(s["running"] * r.group_size / r.servers, r.max_running or math.inf)
+                out.append((busy, tokens, max(1.0, n), r, s))
+        return out
+
+    plain = points([r for r in runs if not r.interrupt]) or points(runs)
+    gen = base.gen
+    if not plain:
+        notes.append("generation: no step has generator_idle, gen_tokens_per_second and running; a, b, p from the cost file")
+        return gen
+    busy, tokens = sum(p[0] for p in plain), sum(p[1] for p in plain)
+    per_seq_steps = sum(p[1] / p[2] for p in plain)  # Σ tokens / n = decode steps
+    fit = _line([1 / p[2] for p in plain], [p[0] / p[1] for p in plain], [p[1] for p in plain])
+    if fit is not None and fit[0] >= 0 and fit[1] >= 0:
+        b, a = fit
+        notes.append(f"generation: a = {a:.3g} s, b = {b:.3g} s/answer per decode step, fitted on {len(plain)} steps "
+                     "(prompt prefill included)")
+    else:
+        a = gen.step_fixed_s
+        b = (busy - a * per_seq_steps) / tokens
+        if b < 0:
+            a, b = busy / per_seq_steps, 0.0
+        notes.append(f"generation: running answers per server vary too little to separate a from b; a = {a:.3g} s "
+                     f"{'from the cost file' if b > 0 else 'from the mean step'}, b = {b:.3g} s from the mean step")
+    if any(not r.interrupt for r in runs) and any(r.interrupt for r in runs):
+        hit = points([r for r in runs if r.interrupt])
+        excess = sum(p[0] - a * p[1] / p[2] - b * p[1] for p in hit)
+        # Each update re-prefills every running answer: prompt + about half its length so far.
+        refill = sum(p[2] * (prompt + mean_len / 2) for p in hit)
+        p_token = max(0.0, excess / refill) if refill else 0.0
+        notes.append(f"generation: p = {p_token:.3g} s/token, the interrupting runs' busy time beyond a, b over the "
+                     "tokens they re-prefill")
+    else:
+        p_token = gen.prefill_per_token_s
+        notes.append(f"generation: p = {p_token:g} s/token from the cost file (fitting it needs runs with and without "
+                     "rollout.interrupt; a fresh prompt's prefill is already inside a, b)")
+    if gen.step_per_context_token_s:
+        notes.append("generation: e (step_per_context_token_s) set to 0: the fitted b holds the KV cache read")
+    first = runs[0]
+    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=0.0, prefill_per_token_s=p_token,
+                   max_running=first.max_running, devices_per_server=max(1, first.gen_devices // first.servers))
+
+
+def fit_runs(paths: list[str], base: Costs) -> Fitted:
+    """Costs fitted from the run directories' metrics, the rest from `base` (the cost file)."""
+    runs = [read_run(p) for p in paths]
+    first = runs[0]
+    notes: list[str] = []
+    rows = [s for r in runs for s in r.steps]
+    answers = first.batch_size * first.group_size
+    mean_len = sum(s.get("response_length", 0.0) for s in rows) / len(rows)
+    top = first.max_new_tokens or base.lengths.max_new_tokens
+    prompt = float(base.workload.prompt_tokens)
+    with_tokens = [(r, s) for r in runs for s in r.steps if s.get("train/n_tokens") and "response_length" in s]
+    if with_tokens and answers:
+        prompt = max(0.0, sum(s["train/n_tokens"] / r.ppo_epochs / (r.batch_size * r.group_size) - s["response_length"]
+                              for r, s in with_tokens) / len(with_tokens))
+        notes.append(f"workload: prompt_tokens = {prompt:.0f}, from train/n_tokens less the answers")
+    truncated = sum(s.get("truncated_fraction", 0.0) for s in rows) / len(rows)
+    lengths = lognormal_from_truncation(mean_len, truncated, top) if mean_len > 0 else None
+    if lengths is not None:
+        notes.append(f"lengths: lognormal with mean {mean_len:.0f} and {truncated:.1%} at max {top} (sigma "
+                     f"{lengths.sigma:.2f}), from response_length and truncated_fraction")
+    elif mean_len > 0:
+        sigma = base.lengths.sigma if not base.lengths.values else 0.5
+        lengths = Lengths(top, mean=min(mean_len, top), sigma=sigma)
+        notes.append(f"lengths: mean {mean_len:.0f} from response_length; no answer was truncated, so the tail is "
+                     f"not in the metrics: sigma {sigma:g} from the cost file (give --lengths-file for the real one)")
+    else:
+        lengths = base.lengths
+        notes.append("lengths: no response_length in the metrics; taken from the cost file")
+    workload = replace(base.workload, batch_size=first.batch_size or base.workload.batch_size,
+                       group_size=first.group_size or base.workload.group_size, prompt_tokens=round(prompt),
+                       max_concurrent=first.max_concurrent, interrupt=first.interrupt)
+    costs = Costs(gen=_generation(runs, base, prompt, mean_len, notes), train=_train(runs, base, notes),
+                  update=_update(runs, base, notes), workload=workload, lengths=lengths)
+    return Fitted(costs, notes, (first.gen_devices, first.train_devices), first.eta)

@@ -1,0 +1,111 @@
+"""The advisor's answer: the recommended candidate, a rich table of every prediction, a plot."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from areal_flow.advise.costs import Costs
+from areal_flow.advise.simulate import Prediction
+
+
+def recommend(preds: list[Prediction], tolerance: float = 0.01) -> Prediction:
+    """The highest trained samples/s; among those within `tolerance` of it, the least stale
+    (mean realised staleness, then η)."""
+    best = max(p.samples_per_s for p in preds)
+    close = [p for p in preds if p.samples_per_s >= best * (1 - tolerance)]
+    return min(close, key=lambda p: (p.staleness_mean, p.candidate.eta, -p.samples_per_s))
+
+
+def sync_baseline(pred: Prediction, preds: list[Prediction]) -> Prediction | None:
+    """What `pred` is compared with: the colocated synchronous run on as many devices, else η = 0
+    on the same split."""
+    c = pred.candidate
+    total = c.gen_devices if c.colocated else c.gen_devices + c.train_devices
+    colocated = [p for p in preds if p.candidate.colocated and p.candidate.gen_devices == total]
+    if colocated:
+        return colocated[0]
+    same = [p for p in preds if not p.candidate.colocated and p.candidate.eta == 0
+            and (p.candidate.gen_devices, p.candidate.train_devices, p.candidate.interrupt)
+            == (c.gen_devices, c.train_devices, c.interrupt)]
+    return same[0] if same else None
+
+
+def costs_table(costs: Costs) -> Table:
+    """The costs the simulation used, with their symbols in docs/advise.md."""
+    g, t, u, w = costs.gen, costs.train, costs.update, costs.workload
+    table = Table(title="costs simulated", show_header=True, header_style="bold")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("a: decode step, fixed", f"{g.step_fixed_s:.3g} s"),
+        ("b: decode step, per running answer", f"{g.step_per_seq_s:.3g} s"),
+        ("e: decode step, per context token", f"{g.step_per_context_token_s:.3g} s"),
+        ("p: prefill, per token", f"{g.prefill_per_token_s:.3g} s"),
+        ("answers a server runs at most", "no limit" if g.max_running is None else str(g.max_running)),
+        ("devices per server", str(g.devices_per_server)),
+        ("c: train step, fixed", f"{t.step_fixed_s:.3g} s"),
+        ("d: train, per token on one device", f"{t.per_token_s:.3g} s"),
+        ("prox forward (stale steps), × d", f"{t.prox_fraction:.3g}"),
+        ("data-parallel efficiency", f"{t.dp_efficiency:.3g}"),
+        ("w: weight update pause", f"{u.pause_s:.3g} s"),
+        ("colocated switch per step", f"{u.colocated_switch_s:.3g} s"),
+        ("batch", f"{w.batch_size} prompts × {w.group_size} answers"),
+        ("prompt tokens", str(w.prompt_tokens)),
+        ("max concurrent groups", "η only" if w.max_concurrent is None else str(w.max_concurrent)),
+        ("answer lengths", costs.lengths.describe()),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def predictions_table(preds: list[Prediction], best: Prediction) -> Table:
+    """One row per candidate; the recommended one in bold green."""
+    table = Table(title="predicted (simulated)", header_style="bold")
+    table.add_column("gen:train", no_wrap=True)
+    for name in ("η", "interrupt", "samples/s", "tokens/s", "× sync", "step s", "gen idle", "train idle",
+                 "stale mean", "stale max"):
+        table.add_column(name, justify="left" if name == "interrupt" else "right")
+    for p in preds:
+        base = sync_baseline(p, preds)
+        c = p.candidate
+        table.add_row(
+            c.label, str(c.eta), "—" if c.colocated else ("yes" if c.interrupt else "no"),
+            f"{p.samples_per_s:.4g}", f"{p.tokens_per_s:,.0f}",
+            f"{p.samples_per_s / base.samples_per_s:.2f}×" if base else "—",
+            f"{p.step_s:.3g}", f"{p.gen_idle:.0%}", f"{p.train_idle:.0%}",
+            f"{p.staleness_mean:.2f}", str(p.staleness_max),
+            style="bold green" if p is best else None,
+        )
+    return table
+
+
+def plot(preds: list[Prediction], path: str, title: str = "") -> None:
+    """Trained samples/s against η, one line per split (and interrupt setting); colocated sync dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lines: dict[tuple, list[Prediction]] = {}
+    for p in preds:
+        c = p.candidate
+        if not c.colocated:
+            lines.setdefault((c.gen_devices, c.train_devices, c.interrupt), []).append(p)
+    interrupts = {k[2] for k in lines}
+    for (gen, train, interrupt), ps in lines.items():
+        ps = sorted(ps, key=lambda p: p.candidate.eta)
+        label = f"{gen}:{train}" + ("" if len(interrupts) == 1 else (" interrupt" if interrupt else " drain"))
+        ax.plot([p.candidate.eta for p in ps], [p.samples_per_s for p in ps], marker="o", label=label)
+    for p in preds:
+        if p.candidate.colocated:
+            ax.axhline(p.samples_per_s, linestyle="--", color="grey", label=f"sync, {p.candidate.label}")
+    ax.set_xlabel("η (rollout.max_staleness)")
+    ax.set_ylabel("trained samples / s")
+    ax.set_title(title or "predicted throughput", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,401 @@
+"""A discrete-event simulation of the asynchronous pipeline (docs/advise.md, "The model").
+
+The controller's rules are the real ones: admission and batch choice are `StalenessManager`'s
+(controller/staleness.py), called in the order `controller/main.py` calls them. Each generation
+server decodes its running answers one token per step at `a + b·n (+ e·context)` seconds a step;
+a train step runs
+`c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
+answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
+drains its running answers, admitting none, then loads).
+
+Between two events a server's batch does not change, so it advances many decode steps at once
+(to its next finishing answer, or to the step boundary after something arrives): the cost of a
+simulation grows with the number of answers, not tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any, Callable
+
+from areal_flow.advise.costs import AdviseError, Costs
+from areal_flow.controller.staleness import StalenessManager
+
+UNBOUNDED = 1 << 40
+"""max_concurrent when none is given: only the staleness bound limits admission."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One allocation to simulate."""
+
+    gen_devices: int
+    train_devices: int
+    eta: int
+    interrupt: bool = True
+    colocated: bool = False
+    """η = 0 on every device in turn: gen_devices = train_devices = all of them."""
+
+    @property
+    def label(self) -> str:
+        if self.colocated:
+            return f"colocated ×{self.gen_devices}"
+        return f"{self.gen_devices}:{self.train_devices}"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulation predicts for a candidate, over its measured steps."""
+
+    candidate: Candidate
+    samples_per_s: float
+    """trained answers per second."""
+    tokens_per_s: float
+    """trained tokens (prompt + answer) per second."""
+    gen_idle: float
+    """fraction of the time the mean generation server neither decodes nor prefills."""
+    train_idle: float
+    """fraction of the time the trainer does not train (waiting for a batch or for the weight update)."""
+    staleness_mean: float
+    """mean over trained tokens of step − version of the token."""
+    staleness_max: int
+    """largest step − version of any trained token, over every simulated step."""
+    step_s: float
+    """mean wall seconds of a step."""
+    gen_tokens_per_busy_s: float
+    """tokens a generation device decodes per second of decoding or prefilling (what a server's own
+    throughput counter says while it is busy)."""
+    steps: int
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: int
+    left: int  # answers not finished yet
+    seqs: list[_Seq] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: _Group
+    length: int  # tokens it ends at
+    done: int = 0  # tokens generated before the current decode segment
+    start: int = 0  # its server's step counter when the current segment began
+    resumed: bool = False  # aborted by an update: prefilled again as prompt + tokens so far
+    versions: dict[int, int] = field(default_factory=dict)  # policy version -> tokens
+
+
+@dataclass(eq=False)
+class _Server:
+    index: int
+    version: int = 0
+    steps: int = 0  # decode steps done since the start
+    running: set[_Seq] = field(default_factory=set)
+    finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (step it finishes at, tiebreak, seq)
+    queue: deque[_Seq] = field(default_factory=deque)
+    op: str | None = None  # decode | prefill | load | None (idle)
+    op_start: float = 0.0
+    op_end: float = 0.0
+    op_steps: int = 0
+    step_cost: float = 0.0  # seconds of the op's first decode step
+    step_growth: float = 0.0  # seconds each further step adds (the context grows by one token per answer)
+    context: int = 0  # Σ over running answers of prompt + done − start: their context is this + n · steps
+    admitting: list[_Seq] = field(default_factory=list)  # the answers being prefilled
+    wake: int = 0  # the current op's token: an earlier wake-up event is stale
+    busy: float = 0.0  # seconds of finished decode and prefill ops
+    decoded: int = 0  # tokens of finished decode ops
+    pause_wanted: bool = False
+    paused: bool = False
+    draining: bool = False
+    load: int = 0  # answers on it not finished: what the router's least-load choice counts
+
+    def busy_until(self, now: float) -> float:
+        """Busy seconds up to `now`, the op in progress included."""
+        return self.busy + (now - self.op_start if self.op in ("decode", "prefill") else 0.0)
+
+
+class _Simulation:
+    def __init__(self, costs: Costs, cand: Candidate, steps: int, warmup: int, seed: int, trace: list | None):
+        self.costs, self.cand = costs, cand
+        self.gen, self.work = costs.gen, costs.workload
+        per_server = self.gen.devices_per_server
+        if cand.gen_devices % per_server:
+            raise AdviseError(f"--splits: {cand.gen_devices} generation devices are not a multiple of "
+                              f"generation.devices_per_server={per_server}")
+        self.servers = [_Server(i) for i in range(cand.gen_devices // per_server)]
+        self.B, self.G = self.work.batch_size, self.work.group_size
+        if cand.colocated and cand.eta:
+            raise AdviseError("--colocated: the colocated mode is synchronous, η must be 0")
+        self.manager = StalenessManager(self.B, cand.eta, self.work.max_concurrent or UNBOUNDED)
+        self.pause_s = costs.update.pause_s + (costs.update.colocated_switch_s if cand.colocated else 0.0)
+        self.draw = costs.lengths.sampler(random.Random(seed))
+        self.total, self.warmup = warmup + steps, warmup
+        self.trace = trace
+        self.heap: list[tuple[float, int, Callable, tuple]] = []
+        self.order = itertools.count()
+        self.now = 0.0
+        self.groups: dict[int, _Group] = {}
+        self.next_gid = 0
+        self.step = 0
+        self.trainer = "waiting"  # waiting | training | updating
+        self.waiting_for = 0  # servers the update still waits for
+        self.step_ends: list[float] = []
+        self.train_spans: list[tuple[float, float]] = []
+        self.step_tokens: list[int] = []
+        self.hist: list[dict[int, int]] = []  # per step: staleness -> trained tokens
+        self.busy_marks: list[tuple[float, int]] = []  # (mean server busy seconds, tokens decoded) at the window's ends
+
+    # ---- the event loop -------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.order), fn, args))
+
+    def run(self) -> None:
+        self.grant()
+        while len(self.step_ends) < self.total:
+            if not self.heap:
+                raise RuntimeError(f"the simulation stalled at step {self.step} ({self.cand.label}, η={self.cand.eta})")
+            self.now, _, fn, args = heapq.heappop(self.heap)
+            fn(*args)
+
+    # ---- the controller: admission, batch choice, the step loop ---------------------------------
+
+    def grant(self) -> None:
+        """Admit groups while StalenessManager allows; each goes whole to the least-loaded server."""
+        while self.manager.can_admit():
+            gid, self.next_gid = self.next_gid, self.next_gid + 1
+            self.manager.admit(gid)
+            group = _Group(gid, self.G)
+            group.seqs = [_Seq(group, self.draw()) for _ in range(self.G)]
+            self.groups[gid] = group
+            server = min(self.servers, key=attrgetter("load"))  # the first of the least loaded
+            server.queue.extend(group.seqs)
+            server.load += self.G
+            if self.trace is not None:
+                self.trace.append((self.now, self.manager.version, self.manager.accepted, len(self.manager.running),
+                                   sum(g.left > 0 for g in self.groups.values())))
+            self.arrived(server)
+
+    def group_finished(self, group: _Group) -> None:
+        self.manager.finish(group.gid)
+        self.grant()
+        if self.trainer == "waiting":
+            self.try_batch()
+
+    def try_batch(self) -> None:
+        ids = self.manager.pick_batch(self.step)
+        if ids is None:
+            return
+        self.manager.trained(ids)
+        seqs = [s for g in ids for s in self.groups.pop(g).seqs]
+        tokens = sum(self.work.prompt_tokens + s.length for s in seqs)
+        hist: dict[int, int] = {}
+        for s in seqs:
+            for version, n in s.versions.items():
+                hist[self.step - version] = hist.get(self.step - version, 0) + n
+        train = self.costs.train
+        stale = any(age > 0 and n for age, n in hist.items())  # the prox forward runs only then (training/worker.py)
+        seconds = train.step_fixed_s + train.per_token_s * tokens * (1 + train.prox_fraction * stale) / (
+            self.cand.train_devices * train.dp_efficiency)
+        self.hist.append(hist)
+        self.step_tokens.append(tokens)
+        self.train_spans.append((self.now, self.now + seconds))
+        self.trainer = "training"
+        self.at(self.now + seconds, self.trained)
+
+    def trained(self) -> None:
+        """Publish version step + 1: pause (interrupting) or drain (not) every server."""
+        self.trainer = "updating"
+        self.waiting_for = len(self.servers)
+        for s in self.servers:
+            if self.work.interrupt:
+                s.pause_wanted = True
+                if s.op is None:
+                    self.pause(s)
+                elif s.op == "decode":
+                    self.cut(s)  # aborted between two decode steps, as the engine does
+            else:
+                s.draining = True
+                self.next_op(s)
+
+    def published(self) -> None:
+        """Every server serves the new version: set it, admit, look for the next batch."""
+        self.step += 1
+        self.manager.set_version(self.step)
+        self.step_ends.append(self.now)
+        if len(self.step_ends) in (self.warmup, self.total):
+            self.busy_marks.append((sum(s.busy_until(self.now) for s in self.servers) / len(self.servers),
+                                    sum(s.decoded for s in self.servers)))
+        if len(self.step_ends) == self.total:
+            return
+        self.grant()
+        self.trainer = "waiting"
+        self.try_batch()
+
+    # ---- a generation server ---------------------------------------------------------------------
+
+    def arrived(self, s: _Server) -> None:
+        if s.op is None:
+            self.next_op(s)
+        elif s.op == "decode" and not s.draining and self.room(s) > 0:
+            self.cut(s)  # the new answers join at the next step boundary (continuous batching)
+
+    def room(self, s: _Server) -> int:
+        cap = self.gen.max_running
+        return UNBOUNDED if cap is None else cap - len(s.running)
+
+    def begin(self, s: _Server, op: str, seconds: float, steps: int = 0, step_cost: float = 0.0,
+              step_growth: float = 0.0) -> None:
+        s.op, s.op_start, s.op_end, s.op_steps = op, self.now, self.now + seconds, steps
+        s.step_cost, s.step_growth = step_cost, step_growth
+        s.wake += 1
+        self.at(s.op_end, self.woken, s, s.wake)
+
+    def cut(self, s: _Server) -> None:
+        """End the decode op at the first step boundary from now on."""
+        if self.now >= s.op_end:
+            return
+        elapsed, first, growth = self.now - s.op_start, s.step_cost, s.step_growth
+        if growth > 0:  # the smallest m with m·first + growth·m(m−1)/2 ≥ elapsed
+            half = first - growth / 2
+            m = (-half + math.sqrt(half * half + 2 * growth * elapsed)) / growth
+        else:
+            m = elapsed / first
+        steps = min(s.op_steps, math.ceil(m - 1e-9))
+        if steps < s.op_steps:
+            s.op_steps, s.op_end = steps, s.op_start + _decode_seconds(steps, first, growth)
+            s.wake += 1
+            self.at(s.op_end, self.woken, s, s.wake)
+
+    def next_op(self, s: _Server) -> None:
+        if s.op is not None or s.paused:
+            return
+        if s.draining and not s.running and not s.admitting:
+            self.begin(s, "load", self.pause_s)
+        elif not s.draining and s.queue and (room := self.room(s)) > 0:
+            s.admitting = [s.queue.popleft() for _ in range(min(room, len(s.queue)))]
+            # The G answers of a new prompt share its prefill (identical sequences are prefilled once).
+            fresh = {id(q.group) for q in s.admitting if not q.resumed}
+            resumed = sum(self.work.prompt_tokens + q.done for q in s.admitting if q.resumed)
+            self.begin(s, "prefill", self.gen.prefill_per_token_s * (len(fresh) * self.work.prompt_tokens + resumed))
+        elif s.running:
+            n, e = len(s.running), self.gen.step_per_context_token_s
+            steps = s.finishing[0][0] - s.steps
+            first = self.gen.step_fixed_s + self.gen.step_per_seq_s * n + e * (s.context + n * s.steps)
+            self.begin(s, "decode", _decode_seconds(steps, first, e * n), steps, first, e * n)
+
+    def woken(self, s: _Server, token: int) -> None:
+        if token != s.wake:
+            return  # the op was cut; a later wake-up ends it
+        op, s.op = s.op, None
+        if op in ("decode", "prefill"):
+            s.busy += s.op_end - s.op_start
+        done: list[_Group] = []
+        if op == "decode":
+            s.steps += s.op_steps
+            s.decoded += s.op_steps * len(s.running)
+            while s.finishing and s.finishing[0][0] <= s.steps:
+                _, _, q = heapq.heappop(s.finishing)
+                s.running.discard(q)
+                s.context -= self.work.prompt_tokens + q.done - q.start
+                q.versions[s.version] = q.versions.get(s.version, 0) + q.length - q.done
+                q.done = q.length
+                s.load -= 1
+                q.group.left -= 1
+                if not q.group.left:
+                    done.append(q.group)
+        elif op == "prefill":
+            for q in s.admitting:
+                q.start = s.steps
+                s.running.add(q)
+                s.context += self.work.prompt_tokens + q.done - q.start
+                heapq.heappush(s.finishing, (s.steps + q.length - q.done, next(self.order), q))
+            s.admitting = []
+        elif op == "load":  # not interrupting: this server has drained and loaded
+            s.version, s.draining = self.step + 1, False
+            self.waiting_for -= 1
+            if not self.waiting_for:  # the controller's update returns once every server has loaded
+                self.published()
+        if s.pause_wanted:
+            self.pause(s)
+        for group in done:
+            self.group_finished(group)
+        self.next_op(s)
+
+    def pause(self, s: _Server) -> None:
+        """Abort the running answers; they come back, after the update, as prompt + tokens so far."""
+        for q in s.running:
+            n = s.steps - q.start
+            q.versions[s.version] = q.versions.get(s.version, 0) + n
+            q.done += n
+            q.resumed = True
+        s.queue.extend(sorted(s.running, key=lambda q: (q.group.gid, id(q))))
+        s.running.clear()
+        s.finishing.clear()
+        s.context = 0
+        s.pause_wanted, s.paused = False, True
+        self.waiting_for -= 1
+        if not self.waiting_for:  # every server paused: they load at once
+            self.at(self.now + self.pause_s, self.loaded_all)
+
+    def loaded_all(self) -> None:
+        """Interrupting: every paused server has loaded the new version and continues."""
+        for s in self.servers:
+            s.version, s.paused = self.step + 1, False
+        self.published()
+        for s in self.servers:
+            self.next_op(s)
+
+    # ---- the result -------------------------------------------------------------------------------
+
+    def prediction(self) -> Prediction:
+        t0 = self.step_ends[self.warmup - 1] if self.warmup else 0.0
+        t1 = self.step_ends[-1]
+        wall = t1 - t0
+        measured = self.total - self.warmup
+        train_busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self.train_spans)
+        (busy0, decoded0), (busy1, decoded1) = self.busy_marks[0] if self.warmup else (0.0, 0), self.busy_marks[-1]
+        gen_busy = busy1 - busy0
+        gen_devices = len(self.servers) * self.gen.devices_per_server
+        tokens = sum(self.step_tokens[self.warmup:])
+        window: dict[int, int] = {}
+        for hist in self.hist[self.warmup:]:
+            for age, n in hist.items():
+                window[age] = window.get(age, 0) + n
+        trained = sum(window.values())
+        return Prediction(
+            candidate=self.cand,
+            samples_per_s=measured * self.B * self.G / wall if wall > 0 else math.inf,
+            tokens_per_s=tokens / wall if wall > 0 else math.inf,
+            gen_idle=1 - gen_busy / wall if wall > 0 else 0.0,
+            train_idle=1 - train_busy / wall if wall > 0 else 0.0,
+            staleness_mean=sum(a * n for a, n in window.items()) / trained if trained else 0.0,
+            staleness_max=max((a for h in self.hist for a, n in h.items() if n), default=0),
+            step_s=wall / measured,
+            gen_tokens_per_busy_s=(decoded1 - decoded0) / (gen_busy * gen_devices) if gen_busy > 0 else math.inf,
+            steps=measured,
+        )
+
+
+def _decode_seconds(steps: int, first: float, growth: float) -> float:
+    """Seconds of `steps` decode steps, the first costing `first` and each next `growth` more."""
+    return steps * first + growth * steps * (steps - 1) / 2
+
+
+def simulate(costs: Costs, cand: Candidate, *, steps: int = 20, warmup: int | None = None, seed: int = 0,
+             trace: list | None = None) -> Prediction:
+    """Simulate `warmup` + `steps` train steps of `cand` and predict over the last `steps`.
+
+    `warmup` defaults to η + 2 (the pipeline fills in about η steps). `trace`, if a list, gets one
+    (time, version, accepted, running groups, groups not finished) tuple per admission."""
+    if steps < 1:
+        raise AdviseError(f"--steps must be at least 1, got {steps}")
+    sim = _Simulation(costs, cand, steps, cand.eta + 2 if warmup is None else warmup, seed, trace)
+    sim.run()
+    return sim.prediction()

@@ -1,0 +1,282 @@
+"""The allocation advisor: the simulation against hand-computed cases, the staleness rule it
+follows, the fit from a run's metrics, and the CLI's answers to bad input."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_flow.advise.__main__ import main, presets
+from areal_flow.advise.costs import (
+    AdviseError,
+    Costs,
+    GenCosts,
+    Lengths,
+    TrainCosts,
+    UpdateCosts,
+    Workload,
+    load_cost_file,
+    lognormal_from_truncation,
+)
+from areal_flow.advise.fit import fit_runs
+from areal_flow.advise.report import recommend
+from areal_flow.advise.simulate import Candidate, Prediction, simulate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=0.0), train=TrainCosts(0.0, 0.0), update=UpdateCosts(0.0),
+         workload=Workload(batch_size=2, group_size=4, prompt_tokens=10), lengths=Lengths(100, mean=50)) -> Costs:
+    return Costs(gen, train, update, workload, lengths)
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """main(argv)'s exit status (argparse's own errors included), stdout and stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- the simulation against cases computed by hand ---------------------------------------------
+
+def test_with_free_training_and_a_large_eta_throughput_is_the_generation_rate():
+    a, b = 0.01, 0.002
+    # Two servers, two groups of 4 answers each (max_concurrent 4 groups), every answer 50 tokens:
+    # each server always decodes 8 answers that finish together, 50 steps of a + 8b.
+    costs = make(gen=GenCosts(a, b, prefill_per_token_s=0.0),
+                 workload=Workload(batch_size=2, group_size=4, prompt_tokens=10, max_concurrent=4))
+    p = simulate(costs, Candidate(2, 1, eta=16), steps=30)
+    assert p.samples_per_s == pytest.approx(2 * 8 / (50 * (a + 8 * b)), rel=1e-9)
+    assert p.gen_idle == pytest.approx(0.0, abs=1e-9)
+    assert p.train_idle == pytest.approx(1.0, abs=1e-9)
+
+
+def test_with_free_generation_throughput_is_the_training_rate():
+    c, d, w = 0.5, 0.001, 0.1
+    costs = make(gen=GenCosts(0.0, 0.0, prefill_per_token_s=0.0), train=TrainCosts(c, d), update=UpdateCosts(w))
+    p = simulate(costs, Candidate(1, 2, eta=2), steps=10)
+    tokens = 2 * 4 * (10 + 50)  # B·G answers of prompt + answer
+    step = c + d * tokens / 2 + w  # two data-parallel devices; the trainer waits for the update
+    assert p.samples_per_s == pytest.approx(8 / step, rel=1e-9)
+    assert p.train_idle == pytest.approx(w / step, rel=1e-6)
+
+
+def test_eta_0_is_the_synchronous_loop_computed_by_hand():
+    costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=1e-4), train=TrainCosts(1.0, 0.001),
+                 update=UpdateCosts(0.5, colocated_switch_s=0.3))
+    # One server: two prompts prefilled (10 tokens each), then 50 decode steps of 8 answers;
+    # train 8 answers of 60 tokens on one device; the update pause.
+    gen = 2 * 10 * 1e-4 + 50 * (0.01 + 0.001 * 8)
+    step = gen + (1.0 + 0.001 * 480) + 0.5
+    p = simulate(costs, Candidate(1, 1, eta=0), steps=5)
+    assert p.samples_per_s == pytest.approx(8 / step, rel=1e-9)
+    assert p.staleness_max == 0
+    # Colocated on 2 devices: a group per server, 4 answers a step; training on both; the switch.
+    gen2 = 10 * 1e-4 + 50 * (0.01 + 0.001 * 4)
+    step2 = gen2 + (1.0 + 0.001 * 480 / 2) + 0.5 + 0.3
+    p2 = simulate(costs, Candidate(2, 2, eta=0, colocated=True), steps=5)
+    assert p2.samples_per_s == pytest.approx(8 / step2, rel=1e-9)
+
+
+def test_the_context_term_adds_each_answers_growing_kv_read():
+    e = 1e-4
+    costs = make(gen=GenCosts(0.01, 0.001, step_per_context_token_s=e, prefill_per_token_s=0.0),
+                 workload=Workload(batch_size=1, group_size=4, prompt_tokens=10))
+    step = sum(0.01 + 0.001 * 4 + e * 4 * (10 + j) for j in range(50))  # the context grows a token per step
+    assert simulate(costs, Candidate(1, 1, eta=0), steps=3).step_s == pytest.approx(step, rel=1e-9)
+
+
+# ---- the staleness rule -------------------------------------------------------------------------
+
+LONG_TAIL = Lengths(400, mean=80, sigma=1.0)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_realised_staleness_never_exceeds_eta(eta, interrupt):
+    costs = make(gen=GenCosts(0.002, 0.0005, prefill_per_token_s=1e-5, max_running=12), train=TrainCosts(0.05, 2e-5),
+                 update=UpdateCosts(0.02), workload=Workload(batch_size=4, group_size=4, prompt_tokens=20,
+                                                             interrupt=interrupt), lengths=LONG_TAIL)
+    p = simulate(costs, Candidate(2, 1, eta=eta, interrupt=interrupt), steps=15)
+    assert p.staleness_max <= eta
+    if eta:
+        assert p.staleness_max >= 1  # generation runs ahead: the bound is what holds it
+
+
+@pytest.mark.parametrize("eta,max_concurrent", [(0, None), (2, None), (4, 6)])
+def test_the_admission_cap_holds_at_every_admission(eta, max_concurrent):
+    """Counts only grow at an admission (finishing moves a group from running to accepted, a new
+    version raises the limit), so checking there checks every instant."""
+    B = 4
+    costs = make(gen=GenCosts(0.002, 0.0005, prefill_per_token_s=1e-5), train=TrainCosts(0.05, 2e-5),
+                 update=UpdateCosts(0.02), workload=Workload(batch_size=B, group_size=3, prompt_tokens=20,
+                                                             max_concurrent=max_concurrent), lengths=LONG_TAIL)
+    trace: list = []
+    simulate(costs, Candidate(2, 1, eta=eta), steps=12, trace=trace)
+    assert len(trace) > 12 * B
+    versions = [v for _, v, _, _, _ in trace]
+    assert versions == sorted(versions) and versions[-1] >= 12
+    for _, version, accepted, running, unfinished in trace:
+        assert accepted + running <= (eta + version + 1) * B
+        assert running <= (max_concurrent or running)
+        assert unfinished == running  # the servers hold exactly the groups the manager counts as running
+
+
+def test_interrupting_beats_draining_when_a_long_answer_is_in_flight():
+    costs = make(gen=GenCosts(0.002, 0.0005, prefill_per_token_s=0.0), train=TrainCosts(0.05, 2e-5),
+                 update=UpdateCosts(0.02), workload=Workload(batch_size=4, group_size=4, prompt_tokens=20),
+                 lengths=LONG_TAIL)
+    drain = simulate(replace(costs, workload=replace(costs.workload, interrupt=False)), Candidate(2, 1, 2, False))
+    interrupt = simulate(costs, Candidate(2, 1, 2, True))
+    # Free re-prefills: interrupting only saves the wait for the longest running answer.
+    assert interrupt.samples_per_s > 1.1 * drain.samples_per_s
+    assert drain.train_idle > interrupt.train_idle
+
+
+def test_a_longer_tail_widens_the_async_over_sync_ratio():
+    def ratio(values: list[int]) -> float:
+        costs = make(gen=GenCosts(0.01, 0.0005, prefill_per_token_s=1e-5), train=TrainCosts(0.5, 1e-4),
+                     update=UpdateCosts(0.2, 0.2), workload=Workload(batch_size=8, group_size=4, prompt_tokens=20),
+                     lengths=Lengths(600, values=tuple(values)))
+        async_ = simulate(costs, Candidate(3, 1, eta=4), steps=12)
+        sync = simulate(costs, Candidate(4, 4, eta=0, colocated=True), steps=12)
+        return async_.samples_per_s / sync.samples_per_s
+
+    short, long = ratio([90, 110]), ratio([50] * 9 + [550])  # both average 100 tokens
+    assert long > 1.2 * short
+
+
+def test_ties_go_to_the_least_stale_candidate():
+    def pred(eta: int, rate: float, staleness: float) -> Prediction:
+        return Prediction(Candidate(1, 1, eta), rate, 0.0, 0.0, 0.0, staleness, eta, 1.0, 1.0, 1)
+
+    preds = [pred(8, 100.0, 7.5), pred(2, 99.5, 1.8), pred(1, 90.0, 0.9)]
+    assert recommend(preds, tolerance=0.01).candidate.eta == 2
+    assert recommend(preds, tolerance=0.0).candidate.eta == 8
+
+
+# ---- fitting from a run -------------------------------------------------------------------------
+
+A, B_SEQ, C, D = 0.002, 0.0005, 0.3, 0.0002
+
+
+def write_run(run: Path, interrupt: bool = False) -> None:
+    """A run directory as launch.py and the controller leave it: config.yaml and metrics.jsonl,
+    its step rows made from known costs."""
+    run.mkdir()
+    config = {
+        "algorithm": {"batch_size": 4, "group_size": 2, "max_new_tokens": 100, "ppo_epochs": 1},
+        "rollout": {"max_staleness": 1, "max_concurrent": 8, "interrupt": interrupt},
+        "generation": {"backend": "embedded", "tp_size": 1, "max_batch_size": None},
+        "graph": {"generate": {"type": "generate", "mesh": "0"}, "reward": {"type": "reward"},
+                  "actor_train": {"type": "train", "mesh": "1"}},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = [{"event": "start", "batch_size": 4, "group_size": 2, "max_staleness": 1}]
+    for i in range(13):
+        running = 2 + i % 6  # groups: n = 2·running answers on the one server
+        tokens, trained = 300 + 37 * i, 400 + 53 * (i % 5)
+        busy = A * tokens / (2 * running) + B_SEQ * tokens
+        seconds = busy + 0.5
+        rows.append({"event": "step", "step": i + 1, "step_seconds": seconds, "generator_idle": 1 - busy / seconds,
+                     "gen_tokens_per_second": tokens / seconds, "running": running,
+                     "train_seconds": C + D * trained, "train/n_tokens": trained, "train/prox_seconds": 0.0,
+                     "update_seconds": 0.04 + 0.01 * (i % 3), "response_length": 40.0 + i % 2,
+                     "truncated_fraction": 0.05})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_from_run_fits_the_costs_from_metrics(tmp_path, capsys):
+    write_run(tmp_path / "run")
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    gen, train = fitted.costs.gen, fitted.costs.train
+    assert gen.step_fixed_s == pytest.approx(A, rel=1e-6)
+    assert gen.step_per_seq_s == pytest.approx(B_SEQ, rel=1e-6)
+    assert gen.max_running == 128  # the embedded engine's default batch
+    assert (train.step_fixed_s, train.per_token_s) == pytest.approx((C, D), rel=1e-6)
+    assert fitted.costs.update.pause_s == pytest.approx(0.04)  # without interruption: the least update
+    assert fitted.split == (1, 1) and fitted.eta == 1
+    assert fitted.costs.workload.batch_size == 4 and fitted.costs.workload.interrupt is False
+    assert fitted.costs.lengths.sigma > 0 and fitted.costs.lengths.mean == pytest.approx(40.5)
+    # What the metrics cannot give is named, with where it came from.
+    assert any("p = 8e-06 s/token from the cost file" in n for n in fitted.notes)
+
+    code, out, _ = cli(["--costs", str(REPO / "conf" / "advise" / "example.yaml"), "--from-run",
+                        str(tmp_path / "run"), "--etas", "0", "1", "--steps", "3"], capsys)
+    assert code == 0
+    assert "fit:" in out and "1:1" in out and "recommended" in out
+
+
+def test_lognormal_from_truncation_recovers_mean_and_tail():
+    lengths = lognormal_from_truncation(3000.0, 0.08, 8192)
+    assert lengths is not None and lengths.sigma > 0
+    assert "8.0% at max 8192" in lengths.describe() and "mean 3000" in lengths.describe()
+    assert lognormal_from_truncation(3000.0, 0.0, 8192) is None
+
+
+# ---- the CLI --------------------------------------------------------------------------------------
+
+def test_the_cli_recommends_and_plots(tmp_path, capsys):
+    png = tmp_path / "advise.png"
+    code, out, _ = cli(["--preset", "example", "--splits", "1:1", "--devices", "4", "--etas", "0", "2",
+                        "--colocated", "--steps", "3", "--plot", str(png)], capsys)
+    assert code == 0 and png.stat().st_size > 0
+    assert "2:2" in out and "colocated ×4" in out and "recommended:" in out
+
+
+def test_every_preset_reads():
+    assert {"example", "areal_1.5b", "areal_7b", "areal_small"} <= set(presets())
+    for path in presets().values():
+        costs, cands = load_cost_file(path)
+        assert costs.workload.batch_size > 0 and cands.etas
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--preset", "example", "--splits", "3-1"], "--splits: '3-1'"),
+    (["--preset", "example", "--splits", "0:1"], "--splits: '0:1'"),
+    (["--preset", "example", "--devices", "10", "--splits", "3:1"], "--devices 10"),
+    (["--costs", "does/not/exist.yaml"], "'does/not/exist.yaml' does not exist"),
+    (["--preset", "example", "--lengths-file", "no_lengths.txt"], "--lengths-file: lengths file 'no_lengths.txt'"),
+    (["--from-run", "no_run_dir"], "--from-run: 'no_run_dir' has no metrics.jsonl"),
+    (["--preset", "nope"], "--preset: no preset 'nope'"),
+    (["--preset", "example", "--etas", "-1"], "--etas"),
+    (["--preset", "example", "--batch", "0"], "--batch"),
+    (["--preset", "example", "--costs", "x.yaml"], "--costs"),
+    ([], "--costs FILE, --preset NAME or --from-run RUN_DIR"),
+])
+def test_bad_flags_fail_with_status_2_naming_the_flag(argv, names, capsys):
+    code, _, err = cli(argv, capsys)
+    assert code == 2 and names in err
+
+
+@pytest.mark.parametrize("section,key,value,names", [
+    ("training", "per_token_s", -1e-5, "training.per_token_s: must be a cost ≥ 0, got -1e-05"),
+    ("generation", "step_fixed_s", "fast", "generation.step_fixed_s: expected a number"),
+    ("generation", "batch", 3, "generation: unknown key(s) 'batch'"),
+    ("workload", "batch_size", 0, "workload.batch_size: must be positive"),
+    ("workload", "lengths", {"lognormal": {"mean": 10}}, "workload.lengths"),
+])
+def test_a_bad_cost_file_fails_naming_the_key(tmp_path, capsys, section, key, value, names):
+    path = tmp_path / "costs.yaml"
+    path.write_text(yaml.safe_dump({section: {key: value}}))
+    code, _, err = cli(["--costs", str(path)], capsys)
+    assert code == 2 and names in err
+
+
+def test_the_module_exits_2_on_bad_input():
+    r = subprocess.run([sys.executable, "-m", "areal_flow.advise", "--preset", "example", "--splits", "three:one"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--splits" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_colocated_needs_eta_0():
+    with pytest.raises(AdviseError, match="--colocated"):
+        simulate(make(), Candidate(2, 2, eta=1, colocated=True))
