@@ -156,12 +156,14 @@ def score(curves: list[Curve], base: str, rows: list[dict]) -> dict[str, list[tu
     import torch
     from rich.progress import Progress
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from areal_flow.data.arith import arith_reward
     from areal_flow.models.supervised import greedy_completions
     from areal_flow.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
+    hf_logging.disable_progress_bar()  # one bar for all checkpoints, not one per load
     tokenizer = load_tokenizer(base)
     cache: dict[str, float] = {}
 
@@ -189,7 +191,7 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     p, o = points[peer.name], points[ours.name]
     target = p[-1][1]
     reach = time_to_reach(o, target)
-    marks = [t for t in (budget / 4, budget / 2, budget) if t <= min(peer.seconds, ours.seconds) + 1e-9]
+    marks = [t for t in (budget / 4, budget / 2) if t <= min(peer.seconds, ours.seconds) + 1e-9]
     lines = [f"machine: {machine()}",
              f"command: python tools/bench_peer.py --budget {args.budget:g} --eval-n {args.eval_n}"
              + (f" -- {' '.join(args.overrides)}" if args.overrides else ""),
@@ -202,6 +204,8 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     for t in marks:
         a, b = accuracy_at(p, t), accuracy_at(o, t)
         lines.append(f"| accuracy at {t:.0f} s | {100 * a:.1f}% | {100 * b:.1f}% | {100 * (b - a):+.1f} points |")
+    lines.append(f"| accuracy at the end ({peer.seconds:.0f} s, {ours.seconds:.0f} s) | {100 * target:.1f}% | "
+                 f"{100 * o[-1][1]:.1f}% | {100 * (o[-1][1] - target):+.1f} points |")
     when = f"{reach:.0f} s" if reach is not None else "not reached"
     ratio = f"{reach / peer.seconds:.2f} of the peer's time" if reach is not None else ""
     lines.append(f"| time to {100 * target:.1f}% (the peer's final) | {peer.seconds:.0f} s | {when} | {ratio} |")

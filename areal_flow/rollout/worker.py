@@ -28,18 +28,33 @@ from areal_flow.transport.messages import AdmitRequest, Admitted, Array, Finish,
 log = logging.getLogger("areal_flow.rollout")
 
 
-async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict, rid: str, key: str) -> dict:
-    """One sample. When the server aborts it for a weight update (finish_reason abort), resubmit
-    prompt + tokens so far with the remaining budget; each token keeps the version that made it.
-    Every request names `key` (its prompt group), so the pool keeps the sample, its resubmissions
-    and the rest of its group on one server while that server is up (ServerPool affinity)."""
+async def generate_group(pool: ServerPool, prompt_ids: list[int], params: dict, n: int, key: str) -> list[dict]:
+    """A group's n samples from one request (`sampling_params.n`, SGLang's parallel sampling): one
+    HTTP round trip and one prompt prefill for the group instead of n. An answer aborted by a
+    weight update goes on alone (generate_sample)."""
+    answers = await pool.generate(prompt_ids, {**params, "n": n}, rid=key, key=key)
+    answers = answers if isinstance(answers, list) else [answers]  # n = 1: one object, not an array
+    return await asyncio.gather(*[generate_sample(pool, prompt_ids, params, f"{key}-{i}", key, first=answer)
+                                  for i, answer in enumerate(answers)])
+
+
+async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict, rid: str, key: str,
+                          first: dict | None = None) -> dict:
+    """One sample (from `first`, its answer so far, when given). When the server aborts it for a
+    weight update (finish_reason abort), resubmit prompt + tokens so far with the remaining budget;
+    each token keeps the version that made it. Every request names `key` (its prompt group), so the
+    pool keeps the sample, its resubmissions and the rest of its group on one server while that
+    server is up (ServerPool affinity)."""
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     budget = params["max_new_tokens"]
     for attempt in itertools.count():
-        answer = await pool.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
-                                     rid=f"{rid}-{attempt}", key=key)
+        if attempt == 0 and first is not None:
+            answer = first
+        else:
+            answer = await pool.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
+                                         rid=f"{rid}-{attempt}", key=key)
         meta = answer["meta_info"]
         out_ids += answer["output_ids"]
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -127,12 +142,8 @@ class RolloutWorker:
 
     async def rollout(self, group: PromptGroup) -> None:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
-        # The group's samples share a key: they go together to the least-loaded server, which then
-        # holds the prompt in its cache.
-        outs = await asyncio.gather(*[
-            generate_sample(self.pool, prompt_ids, self.params, f"g{group.group_id}-{i}", f"g{group.group_id}")
-            for i in range(group.group_size)
-        ])
+        # One request for the group: it goes to the least-loaded server, which prefills the prompt once.
+        outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}")
         samples = [
             Sample(
                 uid=f"g{group.group_id}-{i}",

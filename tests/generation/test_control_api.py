@@ -21,7 +21,7 @@ from generation_helpers import (
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.router import ServerPool
 from areal_flow.generation.server import GenerationServer
-from areal_flow.rollout.worker import generate_sample
+from areal_flow.rollout.worker import generate_group, generate_sample
 
 PROMPT = [2, 7, 3, 9]
 LONG = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True}
@@ -84,33 +84,39 @@ def test_abort_request_by_rid_and_all(server):
     asyncio.run(scenario())
 
 
-def test_an_update_mid_generation_is_resubmitted_and_stitched_across_versions(server, model_dirs):
+@pytest.mark.parametrize("group", [1, 3], ids=["one sample", "a group of 3 in one request"])
+def test_an_update_mid_generation_is_resubmitted_and_stitched_across_versions(server, model_dirs, group):
     """The rollout worker's loop against a real update: tokens before it on version 0, after it on
-    version 1, and every logprob that of the weights that produced it."""
-    params = {"max_new_tokens": 120, "temperature": 0.8, "top_p": 1.0}
+    version 1, and every logprob that of the weights that produced it; a group's answers come from
+    one request (sampling_params.n) and each goes on alone."""
+    params = {"max_new_tokens": 120, "temperature": 0.8, "top_p": 1.0, "ignore_eos": True}
 
     async def scenario():
         async with ServerPool([server.url]) as pool, GenerationClient(server.url) as admin:
-            sample = asyncio.create_task(generate_sample(pool, PROMPT, params, "s0", "g0"))
-            await started(server, 10)
+            if group == 1:
+                samples = asyncio.ensure_future(asyncio.gather(generate_sample(pool, PROMPT, params, "s0", "g0")))
+            else:
+                samples = asyncio.create_task(generate_group(pool, PROMPT, params, group, "g0"))
+            await started(server, 10 * group)
             t0 = time.perf_counter()
             await admin.pause_generation()
             await admin.update_weights_from_disk(model_dirs.b, 1, abort_all_requests=True)
             await admin.continue_generation()
-            return await sample, time.perf_counter() - t0
+            return await samples, time.perf_counter() - t0
 
-    out, update_seconds = asyncio.run(scenario())
+    outs, update_seconds = asyncio.run(scenario())
     assert update_seconds < 2  # not the seconds the rest of the answer takes at 5 ms a token
-    versions, tokens = out["versions"], out["output_ids"]
-    k = versions.index(1)  # the first token of the new weights
-    assert 0 < k and versions == [0] * k + [1] * (len(tokens) - k)
-    assert len(tokens) == len(out["behav_logprobs"])
-    if out["finish"].value == "length":
-        assert len(tokens) == 120
-    under_a = full_forward_logprobs(load_reference(model_dirs.a), PROMPT, tokens, 0.8)
-    under_b = full_forward_logprobs(load_reference(model_dirs.b), PROMPT, tokens, 0.8)
-    torch.testing.assert_close(torch.tensor(out["behav_logprobs"]), torch.cat([under_a[:k], under_b[k:]]),
-                               atol=1e-4, rtol=0)
+    assert len(outs) == group and len({tuple(o["output_ids"]) for o in outs}) == group  # n different answers
+    a, b = load_reference(model_dirs.a), load_reference(model_dirs.b)
+    for out in outs:
+        versions, tokens = out["versions"], out["output_ids"]
+        k = versions.index(1)  # the first token of the new weights
+        assert 0 < k and versions == [0] * k + [1] * (len(tokens) - k)
+        assert len(tokens) == len(out["behav_logprobs"]) == 120 and out["finish"].value == "length"
+        under_a = full_forward_logprobs(a, PROMPT, tokens, 0.8)
+        under_b = full_forward_logprobs(b, PROMPT, tokens, 0.8)
+        torch.testing.assert_close(torch.tensor(out["behav_logprobs"]), torch.cat([under_a[:k], under_b[k:]]),
+                                   atol=1e-4, rtol=0)
 
 
 def test_stop_strings_and_seeds_over_http(server, model_dirs):
