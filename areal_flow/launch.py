@@ -30,8 +30,7 @@ from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.launchers.slurm import SlurmError
-from areal_flow.metrics.plot import plot_learning_curve
-from areal_flow.metrics.profile import plot_timeline, profile_table
+from areal_flow.metrics.profile import profile_table
 from areal_flow.metrics.writer import read_metrics
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
@@ -256,6 +255,9 @@ def run(raw: DictConfig, console: Console) -> int:
         f.write(profile_table(metrics))
     console.print(f"step profile: {spec.path('profile.md')}", highlight=False)
     if cfg.metrics.plot:
+        from areal_flow.metrics.plot import plot_learning_curve  # matplotlib: half a second of every start
+        from areal_flow.metrics.profile import plot_timeline
+
         png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg.rollout.max_staleness})")
         console.print(f"learning curve: {png}", highlight=False)
         if any(m["event"] == "step" for m in metrics):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2")
+    r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2", "metrics.plot=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = check_accounting(run_dir, eta=1)
     assert summary["steps"] == 4 and summary["trained_samples"] == 4 * 2 * 4

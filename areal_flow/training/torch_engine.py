@@ -19,20 +19,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
@@ -61,7 +54,6 @@ from areal_flow.training.engine import (
 )
 from areal_flow.training.schedule import lr_factor
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 HEADS = ("lm", "value")
@@ -360,7 +352,9 @@ class TorchEngine:
         rank 0 gets them (the others get {})."""
         if self._group is None:
             return {k: v.detach().cpu() for k, v in self._model.state_dict().items()}
-        return get_model_state_dict(self._model, options=FULL)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The full weights under Hugging Face names (tied weights once), in buckets of at most
@@ -408,7 +402,9 @@ class TorchEngine:
             rngs = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(rngs, rng, group=self._group)
         # cpu_offload gathers onto rank 0 only, which needs a process group.
-        options = FULL if self._group is not None else StateDictOptions(full_state_dict=True)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self._group is not None)
         optimizer = get_optimizer_state_dict(self._model, self._optimizer, options=options)
         return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), "version": self.version,
                 "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state), "rng": rngs}
@@ -426,6 +422,9 @@ class TorchEngine:
         for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
             weights.update(load_file(os.path.join(path, name)))
         train_state = read_train_state(path) if self._optimizer is not None else None
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
         set_model_state_dict(self._model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         if train_state is not None:
             set_optimizer_state_dict(self._model, self._optimizer, train_state["optimizer"],
@@ -442,8 +441,11 @@ class TorchEngine:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP-sharded DTensor (a collective), or `t` itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The full tensor of an FSDP-sharded DTensor (a collective), or `t` itself. torch.distributed
+    (checkpoint, tensor) is imported only where it is used: it costs a second of every trainer's
+    start, and without FSDP no tensor can be a DTensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _shard(model: torch.nn.Module, group: dist.ProcessGroup, device_type: str, bf16: bool) -> None:
