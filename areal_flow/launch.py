@@ -139,9 +139,7 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
     """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
     lc = cfg.launcher
     if lc.type == "ray":
-        from areal_flow.launchers.ray_cluster import (
-            RayLauncher,  # ray is an optional extra
-        )
+        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
 
         return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
                            start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)

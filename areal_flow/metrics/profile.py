@@ -35,6 +35,10 @@ PHASE_HELP = {
     "optimizer": "gradient clipping and the optimizer step",
     "publish": "writing the new weights for the servers (disk/shm modes)",
     "other": "messages and Python between the timed phases",
+    "idle": "waiting for work",
+    "generate": "decoding or prefilling requests",
+    "load weights": "paused, loading the new version (controller's view)",
+    "wall": "the step, from one weight version to the next",
 }
 
 
@@ -104,10 +108,7 @@ def profile_table(metrics: list[dict]) -> str:
     lines = [f"Mean over {len(_steps(metrics))} steps (the first, with start-up, left out).", "",
              "| role | phase | s/step | share of step | what |", "|---|---|---|---|---|"]
     for role, phase, sec, share in rows:
-        what = PHASE_HELP.get(phase, {"idle": "waiting for work", "generate": "decoding or prefilling requests",
-                                      "load weights": "paused, loading the new version (controller's view)",
-                                      "wall": "the step, from one weight version to the next"}.get(phase, ""))
-        lines.append(f"| {role} | {phase} | {sec:.4f} | {100 * share:.1f}% | {what} |")
+        lines.append(f"| {role} | {phase} | {sec:.4f} | {100 * share:.1f}% | {PHASE_HELP[phase]} |")
     return "\n".join(lines) + "\n"
 
 

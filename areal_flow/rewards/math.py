@@ -194,10 +194,18 @@ class _NoTimeoutWarning(logging.Filter):
         return not record.getMessage().startswith("Timeout is disabled")
 
 
+@functools.cache
+def _quiet_math_verify() -> None:
+    """Once per process: drop math-verify's warning that its own timeouts are off."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_NoTimeoutWarning())
+
+
 def _match(extracted: str, references: list[str]) -> str | None:
     """The first reference math-verify finds equal to the extracted answer."""
     from math_verify import parse, verify  # ~0.7 s import, once: only processes that score math pay
 
+    _quiet_math_verify()
     # Boxed again so that math-verify's own extraction takes the whole answer as one expression.
     answer = parse(f"\\boxed{{{extracted}}}", extraction_config=_config(extracted), parsing_timeout=None)
     for gold in references:
@@ -216,11 +224,6 @@ def score(completion: str, reference: str, timeout: float = DEFAULT_TIMEOUT) -> 
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("the math reward must run in a process's main thread: its deadline is a SIGALRM "
                            "timer")
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
-            logger.addFilter(_NoTimeoutWarning())
-
     start = time.monotonic()
     references = parse_references(reference)
     extracted = extract_answer(completion)
