@@ -77,4 +77,14 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     assert summary["running_groups_at_end"] == len(running)
     for g, step in trained_steps.items():
         assert step - admitted[g] <= eta, f"group {g} admitted at v{admitted[g]} trained at step {step}"
+    # Each step's weights are loaded once, in order, before the run ends; the trainer may train the
+    # next step meanwhile, never the one after it.
+    order = [(e["event"], e["step"] if e["event"] == "train" else e["version"]) for e in ledger
+             if e["event"] in ("train", "loaded")]
+    loaded = [v for event, v in order if event == "loaded"]
+    assert loaded == list(range(1, summary["steps"] + 1)), loaded
+    position = {o: i for i, o in enumerate(order)}
+    for v in loaded:
+        if ("train", v + 1) in position:
+            assert position[("loaded", v)] < position[("train", v + 1)], f"step {v + 1} began before v{v} was loaded"
     return summary

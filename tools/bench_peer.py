@@ -136,7 +136,8 @@ def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float,
     """The recipe for `budget` seconds, keeping every `keep_every`-th published version; also
     returns the run's own end-of-run accuracy on the same held-out file (its engine, greedy)."""
     _, metrics = run_recipe(out, [
-        "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", f"seed={seed}",
+        # The budget alone ends the run: the recipe's total_steps (1000) is reached first at 2 steps/s.
+        "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000", f"seed={seed}",
         f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false", "eval_every=0",
         "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false", *overrides])
     steps = {m["step"]: m for m in metrics if m["event"] == "step"}  # step N published version N

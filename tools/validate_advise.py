@@ -8,12 +8,13 @@ runs once and is predicted by the simulation with the fitted costs; the table gi
 predicted trained samples/s, idle fractions and staleness, with the relative error, and a plot
 is written.
 
-    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--etas 0 1 4] [--keep DIR] [-- overrides]
+    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--etas 0 1 4] [--keep DIR [--reuse]] [-- overrides]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from dataclasses import replace
@@ -31,6 +32,7 @@ from areal_flow.advise.costs import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
 from areal_flow.advise.report import costs_table  # noqa: E402
 from areal_flow.advise.simulate import Candidate, simulate  # noqa: E402
+from areal_flow.metrics.writer import read_metrics  # noqa: E402
 
 
 def measured(metrics: list[dict]) -> dict:
@@ -60,9 +62,22 @@ def main() -> None:
     ap.add_argument("--profile-concurrency", type=int, nargs=2, default=[4, 32], metavar=("LOW", "HIGH"),
                     help="rollout.max_concurrent of the two non-interrupting profiling runs")
     ap.add_argument("--keep", metavar="DIR", help="keep the run directories here (default: a temporary directory)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: read the runs an earlier call left there instead of running them again "
+                         "(to predict the same runs after a change to the advisor)")
     ap.add_argument("--plot", default="docs/validate_advise.png")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
+    if args.reuse and not args.keep:
+        ap.error("--reuse needs --keep DIR")
+
+    def run(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
+        if args.reuse and os.path.isfile(os.path.join(run_dir, "summary.json")):
+            print(f"reusing {run_dir}", flush=True)
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        return run_recipe(run_dir, overrides)
+
     base = ["eval_at_start=false", "eval_at_end=false", "eval_every=0", "max_wall_seconds=0", "metrics.plot=false",
             *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,14 +88,14 @@ def main() -> None:
             *((f"profile_c{c}", ["rollout.interrupt=false", f"rollout.max_concurrent={c}"]) for c in args.profile_concurrency),
             ("profile_interrupt", ["rollout.interrupt=true"]),
         ):
-            run_recipe(f"{root}/{name}", [*base, f"total_steps={args.profile_steps}", "rollout.max_staleness=4", *extra])
+            run(f"{root}/{name}", [*base, f"total_steps={args.profile_steps}", "rollout.max_staleness=4", *extra])
             profiles.append(f"{root}/{name}")
         fitted = fit_runs(profiles, parse_costs({})[0])
         rows = []
         for interrupt in args.interrupt:
             for eta in args.etas:
                 name = f"eta{eta}_interrupt_{interrupt}"
-                _, metrics = run_recipe(f"{root}/{name}", [*base, f"total_steps={args.steps}",
+                _, metrics = run(f"{root}/{name}", [*base, f"total_steps={args.steps}",
                                                            f"rollout.max_staleness={eta}", f"rollout.interrupt={interrupt}"])
                 start = next(m for m in metrics if m["event"] == "start")
                 costs = replace(fitted.costs, workload=replace(

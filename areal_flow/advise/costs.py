@@ -58,7 +58,12 @@ class UpdateCosts:
     """Publishing a new policy version to the generation servers."""
 
     pause_s: float = 1.0
-    """w: seconds the servers are paused while they load the new weights."""
+    """w: seconds the servers are paused while they load the new weights (not interrupting: after the drain)."""
+    interrupt_pause_s: float | None = None
+    """an interrupting update's pause (abort the running answers, load, continue); None: pause_s."""
+    trainer_waits: bool = False
+    """the trainer waits for each update before its next step (areal_flow's weights by broadcast);
+    false: it trains the next step while the servers load (disk and shm weights)."""
     colocated_switch_s: float = 0.0
     """colocated (synchronous) mode: extra seconds per step to swap generation and training state on the devices."""
 
@@ -118,6 +123,28 @@ def _clipped_mean(mu: float, sigma: float, top: float) -> float:
     z = (math.log(top) - mu) / sigma
     below = math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma)
     return below + top * (1 - NormalDist().cdf(z))
+
+
+def lognormal_from_max(mean: float, mean_max: float, n: int, top: int, batches: int = 200) -> Lengths | None:
+    """The lognormal with clipped mean `mean` whose longest of `n` answers is `mean_max` on average
+    (a run's response_length and response_length_max, n answers a step), or None when they do not
+    say. The tail is what a pipeline waits for (a synchronous step, a draining update), and the
+    largest of a step's answers pins it where the spread does not: lengths bounded by the task
+    have a lighter tail than the lognormal with the same spread."""
+    if not 0 < mean < mean_max <= top or n < 2:
+        return None
+
+    def longest(sigma: float) -> float:
+        draw = Lengths(top, mean=mean, sigma=sigma).sampler(random.Random(0))  # the same draws for every sigma
+        return sum(max(draw() for _ in range(n)) for _ in range(batches)) / batches
+
+    lo, hi = 1e-3, 3.0
+    if not longest(lo) <= mean_max <= longest(hi):
+        return None
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if longest(mid) < mean_max else (lo, mid)
+    return Lengths(top, mean=mean, sigma=(lo + hi) / 2)
 
 
 def lognormal_from_truncation(mean: float, truncated: float, top: int) -> Lengths | None:

@@ -5,12 +5,12 @@ What a step row gives and what is fitted from it:
 
 | fitted | from |
 |---|---|
-| c, d (train step = c + d·tokens) | `train_seconds` − `train/prox_seconds` against `train/n_tokens`, least squares |
+| c, d (train step = c + d·tokens) | the trainer's phase timers: d from packing, forward and backward over `train/n_tokens`, c the rest of `train_seconds` − `train/prox_seconds`; without timers, least squares of that against `train/n_tokens` |
 | prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
-| w (update pause) | `update_seconds`: median with interrupt=true; the least with interrupt=false (it includes the drain) |
+| w (update pause) | `generator_load` (the servers' own load time) with interrupt=false, else the least `update_seconds` there (the rest is the drain); the interrupting pause: the median `update_seconds` with interrupt=true |
 | a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
-| lengths | lognormal from the mean `response_length` and `truncated_fraction` |
+| lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
 | prompt tokens | (`train/n_tokens` − answer tokens) / answers |
 
 The servers' load reports (/v1/loads) are not in metrics.jsonl, so n is the running count the
@@ -28,9 +28,12 @@ from typing import Any
 
 import yaml
 
-from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_truncation
+from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_max, lognormal_from_truncation
 from areal_flow.graph.dag import parse_mesh
 from areal_flow.metrics.writer import read_metrics
+
+TOKEN_PHASES = ("packing", "forward", "backward", "forward_backward")
+"""The trainer's phases (metrics/profile.py) whose time scales with the tokens of a step."""
 
 EMBEDDED_MAX_BATCH = 128
 """The embedded engine's max_batch_size when generation.max_batch_size is null (generation/engine.py)."""
@@ -53,6 +56,7 @@ class RunFacts:
     train_devices: int
     max_running: int | None
     ppo_epochs: int
+    trainer_waits: bool  # weights by broadcast: the trainer sends them, so it waits for each update
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ def read_run(path: str | Path) -> RunFacts:
         gen_devices=gen_devices, servers=max(1, gen_devices // tp), train_devices=train_devices,
         max_running=max_batch if max_batch is not None else (EMBEDDED_MAX_BATCH if backend == "embedded" else None),
         ppo_epochs=int(_get(cfg, "algorithm.ppo_epochs", 1) or 1),
+        trainer_waits=_get(cfg, "rollout.weight_update_mode", "disk") == "distributed",
     )
 
 
@@ -136,13 +141,22 @@ def _train(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
     scale = [r.train_devices * base.train.dp_efficiency for r, _ in rows]
     tokens = [s["train/n_tokens"] / r.ppo_epochs for r, s in rows]
     plain = [s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) for _, s in rows]
-    fit = _line([t / k for t, k in zip(tokens, scale)], plain)
-    if fit is not None and fit[0] >= 0 and fit[1] > 0:
+    per_device = [t / k for t, k in zip(tokens, scale)]
+    timed = [sum(s.get(f"train/{p}_seconds") or 0.0 for p in TOKEN_PHASES) for _, s in rows]
+    if all(timed):
+        # The trainer's own phase timers split the step: the passes over the tokens scale with them,
+        # the rest (optimizer, inputs, publish, messages) is per step. Fitting c and d from totals
+        # needs tokens per step that vary, which a fixed batch shape hardly gives.
+        d = sum(timed) / sum(per_device)
+        c = max(0.0, sum(p - t for p, t in zip(plain, timed)) / len(rows))
+        notes.append(f"training: c = {c:.3g} s, d = {d:.3g} s/token/device, from the trainer's phase timers on "
+                     f"{len(rows)} steps ({' + '.join(TOKEN_PHASES)} scale with tokens)")
+    elif (fit := _line(per_device, plain)) is not None and fit[0] >= 0 and fit[1] > 0:
         c, d = fit
         notes.append(f"training: c = {c:.3g} s, d = {d:.3g} s/token/device, fitted on {len(rows)} steps")
     else:
         c = min(base.train.step_fixed_s, 0.5 * sum(plain) / len(plain))
-        d = (sum(plain) - c * len(plain)) / sum(t / k for t, k in zip(tokens, scale))
+        d = (sum(plain) - c * len(plain)) / sum(per_device)
         notes.append(f"training: tokens per step vary too little to separate c from d; c = {c:.3g} s from the cost "
                      f"file (at most half a step), d = {d:.3g} s/token/device from the mean step")
     prox = [(s["train/prox_seconds"], d * t / k) for (_, s), t, k in zip(rows, tokens, scale) if s.get("train/prox_seconds")]
@@ -156,19 +170,33 @@ def _train(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
 
 
 def _update(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
+    """w from the servers' own load time in runs that wait (else their least update: the load with
+    the shortest drain) and the interrupting pause from the runs that interrupt (the median); an
+    update of either kind costs differently (an abort answers every running request)."""
     interrupting = [s["update_seconds"] for r in runs if r.interrupt for s in r.steps if s.get("update_seconds") is not None]
     waiting = [s["update_seconds"] for r in runs if not r.interrupt for s in r.steps if s.get("update_seconds") is not None]
-    if interrupting:
-        w = median(interrupting)
-        notes.append(f"weights: pause w = {w:.3g} s, the median update_seconds of {len(interrupting)} interrupting steps")
+    w, w_interrupt = base.update.pause_s, base.update.interrupt_pause_s
+    # The servers' own count of their load time (areal_flow's engine); SGLang's does not report it.
+    loads = [s["generator_load"] * s["step_seconds"] for r in runs if not r.interrupt for s in r.steps
+             if s.get("generator_load") is not None]
+    if loads:
+        w = sum(loads) / len(loads)
+        notes.append(f"weights: pause w = {w:.3g} s, the servers' mean load time per step (generator_load) "
+                     f"over {len(loads)} steps")
     elif waiting:
         w = min(waiting)
         notes.append(f"weights: pause w = {w:.3g} s, the least update_seconds of {len(waiting)} steps (without "
                      "interruption an update also waits for the running answers)")
-    else:
-        w = base.update.pause_s
+    if interrupting:
+        w_interrupt = median(interrupting)
+        notes.append(f"weights: interrupting pause = {w_interrupt:.3g} s, the median update_seconds of "
+                     f"{len(interrupting)} interrupting steps")
+        if not waiting and not loads:
+            w = w_interrupt
+            notes.append("weights: no run waits for its answers; w = the interrupting pause")
+    if not waiting and not interrupting:
         notes.append(f"weights: no update_seconds; w = {w:g} s from the cost file")
-    return replace(base.update, pause_s=w)
+    return replace(base.update, pause_s=w, interrupt_pause_s=w_interrupt, trainer_waits=runs[0].trainer_waits)
 
 
 def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: float, notes: list[str]) -> Any:
@@ -224,6 +252,32 @@ def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: floa
                    max_running=first.max_running, devices_per_server=max(1, first.gen_devices // first.servers))
 
 
+def _lengths(rows: list[dict], mean_len: float, top: int, answers: int, base: Costs, notes: list[str]) -> Lengths:
+    """The answer-length distribution: a lognormal with the runs' mean length and, while almost no
+    answer is truncated, the mean longest answer of a step (response_length_max); else the
+    truncated share pins its tail."""
+    truncated = sum(s.get("truncated_fraction", 0.0) for s in rows) / len(rows)
+    longest = [s["response_length_max"] for s in rows if s.get("response_length_max") is not None]
+    if longest and truncated < 0.01:
+        mean_max = sum(longest) / len(longest)
+        if (lengths := lognormal_from_max(mean_len, mean_max, answers, top)) is not None:
+            notes.append(f"lengths: lognormal with mean {mean_len:.0f} and sigma {lengths.sigma:.2f}, whose longest "
+                         f"of {answers} answers is {mean_max:.0f} on average, as response_length_max says "
+                         f"(almost no answer reaches max {top})")
+            return lengths
+    if mean_len > 0 and (lengths := lognormal_from_truncation(mean_len, truncated, top)) is not None:
+        notes.append(f"lengths: lognormal with mean {mean_len:.0f} and {truncated:.1%} at max {top} (sigma "
+                     f"{lengths.sigma:.2f}), from response_length and truncated_fraction")
+        return lengths
+    if mean_len > 0:
+        sigma = base.lengths.sigma if not base.lengths.values else 0.5
+        notes.append(f"lengths: mean {mean_len:.0f} from response_length; no answer was truncated, so the tail is "
+                     f"not in the metrics: sigma {sigma:g} from the cost file (give --lengths-file for the real one)")
+        return Lengths(top, mean=min(mean_len, top), sigma=sigma)
+    notes.append("lengths: no response_length in the metrics; taken from the cost file")
+    return base.lengths
+
+
 def fit_runs(paths: list[str], base: Costs) -> Fitted:
     """Costs fitted from the run directories' metrics, the rest from `base` (the cost file)."""
     runs = [read_run(p) for p in paths]
@@ -239,19 +293,7 @@ def fit_runs(paths: list[str], base: Costs) -> Fitted:
         prompt = max(0.0, sum(s["train/n_tokens"] / r.ppo_epochs / (r.batch_size * r.group_size) - s["response_length"]
                               for r, s in with_tokens) / len(with_tokens))
         notes.append(f"workload: prompt_tokens = {prompt:.0f}, from train/n_tokens less the answers")
-    truncated = sum(s.get("truncated_fraction", 0.0) for s in rows) / len(rows)
-    lengths = lognormal_from_truncation(mean_len, truncated, top) if mean_len > 0 else None
-    if lengths is not None:
-        notes.append(f"lengths: lognormal with mean {mean_len:.0f} and {truncated:.1%} at max {top} (sigma "
-                     f"{lengths.sigma:.2f}), from response_length and truncated_fraction")
-    elif mean_len > 0:
-        sigma = base.lengths.sigma if not base.lengths.values else 0.5
-        lengths = Lengths(top, mean=min(mean_len, top), sigma=sigma)
-        notes.append(f"lengths: mean {mean_len:.0f} from response_length; no answer was truncated, so the tail is "
-                     f"not in the metrics: sigma {sigma:g} from the cost file (give --lengths-file for the real one)")
-    else:
-        lengths = base.lengths
-        notes.append("lengths: no response_length in the metrics; taken from the cost file")
+    lengths = _lengths(rows, mean_len, top, answers, base, notes)
     workload = replace(base.workload, batch_size=first.batch_size or base.workload.batch_size,
                        group_size=first.group_size or base.workload.group_size, prompt_tokens=round(prompt),
                        max_concurrent=first.max_concurrent, interrupt=first.interrupt)

@@ -48,6 +48,8 @@ def costs_table(costs: Costs) -> Table:
         ("prox forward (stale steps), × d", f"{t.prox_fraction:.3g}"),
         ("data-parallel efficiency", f"{t.dp_efficiency:.3g}"),
         ("w: weight update pause", f"{u.pause_s:.3g} s"),
+        ("interrupting update pause", "w" if u.interrupt_pause_s is None else f"{u.interrupt_pause_s:.3g} s"),
+        ("trainer during an update", "waits" if u.trainer_waits else "trains the next step"),
         ("colocated switch per step", f"{u.colocated_switch_s:.3g} s"),
         ("batch", f"{w.batch_size} prompts × {w.group_size} answers"),
         ("prompt tokens", str(w.prompt_tokens)),

@@ -6,7 +6,8 @@ server decodes its running answers one token per step at `a + b·n (+ e·context
 a train step runs
 `c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
-drains its running answers, admitting none, then loads).
+drains its running answers, admitting none, then loads), while the trainer may already train the
+next step (not the one after; `trainer_waits`: none).
 
 Between two events a server's batch does not change, so it advances many decode steps at once
 (to its next finishing answer, or to the step boundary after something arrives): the cost of a
@@ -133,7 +134,9 @@ class _Simulation:
         if cand.colocated and cand.eta:
             raise AdviseError("--colocated: the colocated mode is synchronous, η must be 0")
         self.manager = StalenessManager(self.B, cand.eta, self.work.max_concurrent or UNBOUNDED)
-        self.pause_s = costs.update.pause_s + (costs.update.colocated_switch_s if cand.colocated else 0.0)
+        update = costs.update
+        pause = update.interrupt_pause_s if self.work.interrupt and update.interrupt_pause_s is not None else update.pause_s
+        self.pause_s = pause + (update.colocated_switch_s if cand.colocated else 0.0)
         self.draw = costs.lengths.sampler(random.Random(seed))
         self.total, self.warmup = warmup + steps, warmup
         self.trace = trace
@@ -142,8 +145,14 @@ class _Simulation:
         self.now = 0.0
         self.groups: dict[int, _Group] = {}
         self.next_gid = 0
-        self.step = 0
-        self.trainer = "waiting"  # waiting | training | updating
+        self.step = 0  # the version the servers serve (steps whose update has ended)
+        self.begun = 0  # train steps begun
+        self.trainer = "waiting"  # waiting | training
+        self.updating = False  # a weight update is under way
+        self.update_due = False  # a trained step's update waits for the one under way
+        # The controller trains the next step while the servers load the last one's weights, never
+        # the one after (controller/main.py); with the trainer waiting for each update, none ahead.
+        self.ahead = 0 if costs.update.trainer_waits else 1
         self.waiting_for = 0  # servers the update still waits for
         self.step_ends: list[float] = []
         self.train_spans: list[tuple[float, float]] = []
@@ -189,16 +198,20 @@ class _Simulation:
             self.try_batch()
 
     def try_batch(self) -> None:
-        ids = self.manager.pick_batch(self.step)
+        if self.trainer != "waiting" or self.begun > self.step + self.ahead:
+            return
+        step = self.begun
+        ids = self.manager.pick_batch(step)
         if ids is None:
             return
+        self.begun += 1
         self.manager.trained(ids)
         seqs = [s for g in ids for s in self.groups.pop(g).seqs]
         tokens = sum(self.work.prompt_tokens + s.length for s in seqs)
         hist: dict[int, int] = {}
         for s in seqs:
             for version, n in s.versions.items():
-                hist[self.step - version] = hist.get(self.step - version, 0) + n
+                hist[step - version] = hist.get(step - version, 0) + n
         train = self.costs.train
         stale = any(age > 0 and n for age, n in hist.items())  # the prox forward runs only then (training/worker.py)
         seconds = train.step_fixed_s + train.per_token_s * tokens * (1 + train.prox_fraction * stale) / (
@@ -210,8 +223,17 @@ class _Simulation:
         self.at(self.now + seconds, self.trained)
 
     def trained(self) -> None:
+        """A train step ended: its update starts, or waits for the one under way to end."""
+        self.trainer = "waiting"
+        if self.updating:
+            self.update_due = True
+        else:
+            self.start_update()
+        self.try_batch()
+
+    def start_update(self) -> None:
         """Publish version step + 1: pause (interrupting) or drain (not) every server."""
-        self.trainer = "updating"
+        self.updating = True
         self.waiting_for = len(self.servers)
         for s in self.servers:
             if self.work.interrupt:
@@ -232,10 +254,13 @@ class _Simulation:
         if len(self.step_ends) in (self.warmup, self.total):
             self.busy_marks.append((sum(s.busy_until(self.now) for s in self.servers) / len(self.servers),
                                     sum(s.decoded for s in self.servers)))
+        self.updating = False
         if len(self.step_ends) == self.total:
             return
         self.grant()
-        self.trainer = "waiting"
+        if self.update_due:
+            self.update_due = False
+            self.start_update()
         self.try_batch()
 
     # ---- a generation server ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -59,6 +60,18 @@ log = logging.getLogger("areal_flow.controller")
 
 class StalledRun(RuntimeError):
     """No train step completed within `step_timeout`; the message says what the run waited for."""
+
+
+@dataclass
+class _Trained:
+    """A trained step, until its weights are loaded and its metrics row written."""
+
+    step: int
+    batch: dict[int, tuple[GroupMeta, int, int]]
+    stats: dict[str, float]
+    seconds: float  # the trainer's step, dispatch to the last rank's reply
+    at: float  # training-clock seconds when it ended
+    update: asyncio.Task | None = None  # loading its weights on the generation servers
 
 
 class Controller:
@@ -167,29 +180,62 @@ class Controller:
     # ---- the step loop -------------------------------------------------------------------------
 
     async def train(self) -> int:
+        """The step loop. A step's new weights go to the generation servers while the trainer already
+        trains the next step: a batch needs only finished groups, and the staleness rule counts
+        versions at admission, so nothing waits for the load but the admissions at the new version.
+        By broadcast (weight_update_mode=distributed) the trainer ranks send the weights themselves,
+        so there each update ends before the next step starts."""
         cfg = self.cfg
-        last, gen_busy, cpu = time.monotonic(), await self.publisher.busy_seconds(), time.process_time()
-        for step in range(cfg.total_steps):
-            if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
-                log.info("wall-time limit reached after %d steps", step)
-                return step
-            batch = await self.next_batch(step)
-            t0 = time.monotonic()
-            stats, weights = await self.run_step(step, batch)
-            train_seconds = time.monotonic() - t0
-            self.waiting_for = f"the generation servers to load the weights of version {step + 1}"
-            update_seconds = await self.publisher.publish(weights, step + 1)
-            self.staleness.set_version(step + 1)
-            await self.grant()
-            now, busy = time.monotonic(), await self.publisher.busy_seconds()
-            self.log_step(step, batch, stats, now - last, train_seconds, update_seconds,
-                          None if busy is None else busy - gen_busy, time.process_time() - cpu)
-            last, gen_busy, cpu = now, busy, time.process_time()
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                await self.evaluate(f"step {step + 1}", step + 1)  # not training time: rates restart after it
-                last, gen_busy, cpu = time.monotonic(), await self.publisher.busy_seconds(), time.process_time()
-            self.last_progress = time.monotonic()
-        return cfg.total_steps
+        overlap = cfg.rollout.weight_update_mode != "distributed"
+        self.mark = (time.monotonic(), await self.publisher.server_seconds(), time.process_time())
+        done: _Trained | None = None  # the last trained step, its weights maybe still loading
+        step = 0
+        try:
+            while step < cfg.total_steps:
+                if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
+                    log.info("wall-time limit reached after %d steps", step)
+                    break
+                batch = await self.next_batch(step, done.update if done else None)
+                t0 = time.monotonic()
+                stats, weights = await self.run_step(step, batch)
+                trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed())
+                if done is not None:
+                    await self.close_step(done)
+                trained.update = asyncio.create_task(self.update(weights, step + 1))
+                trained.update.add_done_callback(lambda _: self.changed.set())  # next_batch sees a failure
+                done = trained
+                if not overlap:
+                    await self.close_step(done)
+                    done = None
+                step += 1
+            if done is not None:
+                await self.close_step(done)
+                done = None
+        finally:
+            if done is not None and not done.update.done():
+                done.update.cancel()
+        return step
+
+    async def update(self, weights: str, version: int) -> float:
+        """Load `version` on the generation servers, then admit at it; the seconds the load took."""
+        seconds = await self.publisher.publish(weights, version)
+        self.ledger.write("loaded", version=version, seconds=round(seconds, 4))
+        self.staleness.set_version(version)
+        await self.grant()
+        return seconds
+
+    async def close_step(self, done: _Trained) -> None:
+        """Once a step's weights are loaded: its metrics row, and the held-out evaluation when due."""
+        self.waiting_for = f"the generation servers to load the weights of version {done.step + 1}"
+        update_seconds = await done.update
+        (last, before, cpu), now, servers = self.mark, time.monotonic(), await self.publisher.server_seconds()
+        busy, load = (None if a is None or b is None else a - b for a, b in zip(servers, before))
+        self.log_step(done, now - last, update_seconds, busy, load, time.process_time() - cpu)
+        self.mark = (now, servers, time.process_time())
+        if self.cfg.eval_every and (done.step + 1) % self.cfg.eval_every == 0:
+            await self.evaluate(f"step {done.step + 1}", done.step + 1)  # not training time: rates restart after it
+            self.mark = (time.monotonic(), await self.publisher.server_seconds(), time.process_time())
+        self.last_progress = time.monotonic()
 
     async def watchdog(self) -> None:
         """Fail the run when no step completes within step_timeout, naming what the loop waits for
@@ -204,11 +250,14 @@ class Controller:
                     f"{len(self.staleness.running)} generating"
                     + (f"; {', '.join(frozen)} does not answer /health" if frozen else ""))
 
-    async def next_batch(self, step: int) -> dict[int, tuple[GroupMeta, int, int]]:
+    async def next_batch(self, step: int, update: asyncio.Task | None = None) -> dict[int, tuple[GroupMeta, int, int]]:
         """The groups step `step` trains (staleness.py decides which), waiting for them if needed:
-        group id -> (metadata, rank holding it, tokens)."""
+        group id -> (metadata, rank holding it, tokens). `update`: the weight update in flight,
+        whose failure ends the wait (it sets `changed` when it ends)."""
         self.waiting_for = f"finished prompt groups to train step {step}"
         while (ids := self.staleness.pick_batch(step)) is None:
+            if update is not None and update.done():
+                update.result()  # raises a failed update's error
             self.changed.clear()
             await self.changed.wait()
         self.staleness.trained(ids)
@@ -253,8 +302,9 @@ class Controller:
                           type(msg).__name__, what)
         return [got[r] for r in sorted(got)]
 
-    def log_step(self, step: int, batch: dict[int, tuple[GroupMeta, int, int]], stats: dict[str, float], seconds: float,
-                 train_seconds: float, update_seconds: float, gen_busy: float | None, controller_cpu: float) -> None:
+    def log_step(self, done: _Trained, seconds: float, update_seconds: float, gen_busy: float | None,
+                 gen_load: float | None, controller_cpu: float) -> None:
+        step, batch, stats, train_seconds = done.step, done.batch, done.stats, done.seconds
         self.traffic.report("controller", sent_bytes())
         traffic = self.traffic.step()
         self.metrics.log(
@@ -263,11 +313,12 @@ class Controller:
             **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
             **{f"train/{k}": v for k, v in stats.items()},
             **{f"sent_bytes/{p}": n for p, n in traffic.items()},
-            step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds,
+            step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds, trained_at=done.at,
             samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.generated_tokens / seconds,
             train_tokens_per_second=stats.get("n_tokens", 0.0) / train_seconds,
             trainer_idle=1 - train_seconds / seconds,
             generator_idle=None if gen_busy is None else 1 - gen_busy / seconds,
+            generator_load=None if gen_load is None else gen_load / seconds,
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.filtered - self.filtered_logged,

@@ -41,17 +41,23 @@ class WeightPublisher:
                                        pause_mode=self.pause_mode, transfer=self.transfer)
         return time.perf_counter() - t0
 
-    async def busy_seconds(self) -> float | None:
-        """Mean seconds the servers have spent generating so far (None if a server does not say, or
-        cannot be reached: the run goes on without this metric while a server is down)."""
-        async def busy(c: GenerationClient) -> float | None:
+    async def server_seconds(self) -> tuple[float | None, float | None]:
+        """Mean seconds the servers have spent generating, and loading weights, so far; each None if
+        a server does not say (SGLang), or cannot be reached: the run goes on without the metric
+        while a server is down."""
+        async def info(c: GenerationClient) -> dict:
             try:
-                return (await c.get_server_info()).get("busy_seconds")
+                return await c.get_server_info()
             except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError):
-                return None
+                return {}
 
-        seconds = await asyncio.gather(*[busy(c) for c in self.clients])
-        return None if None in seconds else sum(seconds) / len(seconds)
+        infos = await asyncio.gather(*[info(c) for c in self.clients])
+
+        def mean(key: str) -> float | None:
+            values = [i.get(key) for i in infos]
+            return None if None in values else sum(values) / len(values)
+
+        return mean("busy_seconds"), mean("load_seconds")
 
     async def unresponsive(self, timeout: float = 5.0) -> list[str]:
         """Names of the servers that do not answer /health within `timeout` seconds."""

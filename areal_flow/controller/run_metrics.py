@@ -69,6 +69,7 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     # tests_passed): each is averaged over the samples that have it.
     keys = sorted({k for s in samples for k in s.scalars} - {reward_key})
     per_key = {k: float(np.mean([s.scalars[k] for s in samples if k in s.scalars])) for k in keys}
+    lengths = np.array([s.lengths[output_key] for s in samples], dtype=np.float64)
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
@@ -76,7 +77,9 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],
-        "response_length": float(np.mean([s.lengths[output_key] for s in samples])),
+        "response_length": float(lengths.mean()),
+        "response_length_std": float(lengths.std()),
+        "response_length_max": int(lengths.max()),
         "truncated_fraction": float(np.mean([s.finish != Finish.STOP for s in samples])),
     }
 

@@ -234,6 +234,7 @@ class GenerationEngine:
         self._running: list[_Row] = []  # the live rows after the last decode step
         self._generated_tokens = 0
         self._busy_seconds = 0.0
+        self._load_seconds = 0.0  # copying weight updates in (decoding stops meanwhile)
         self._finished_reqs = 0
         self._finished_prompt_tokens = 0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
@@ -381,6 +382,7 @@ class GenerationEngine:
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
             "busy_seconds": self._busy_seconds,
+            "load_seconds": self._load_seconds,
             "weight_version": self._version,
             "num_finished_reqs": self._finished_reqs,
             "finished_prompt_tokens": self._finished_prompt_tokens,
@@ -502,7 +504,7 @@ class GenerationEngine:
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
-                    self._busy_seconds += time.perf_counter() - started
+                    self._load_seconds += time.perf_counter() - started
                     continue
                 if (batch is None and not admitted) or self._paused:
                     continue  # woken for an abort, or paused (a batch held in place waits)

@@ -91,6 +91,8 @@ class LoadReport:
             "sglang:generation_tokens_total": ("Generated tokens.", stats["generated_tokens"]),
             "sglang:num_requests_total": ("Finished requests.", stats["num_finished_reqs"]),
             "areal_flow:busy_seconds_total": ("Seconds the engine spent computing.", stats["busy_seconds"]),
+            "areal_flow:load_seconds_total": ("Seconds the engine spent copying weight updates in.",
+                                              stats["load_seconds"]),
         }
         for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (documentation, value) in table.items():

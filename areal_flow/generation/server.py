@@ -400,6 +400,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
         "busy_seconds": engine.stats()["busy_seconds"],
+        "load_seconds": engine.stats()["load_seconds"],
         "internal_states": [engine.stats()],
     }
 

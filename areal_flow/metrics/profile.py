@@ -37,7 +37,7 @@ PHASE_HELP = {
     "other": "messages and Python between the timed phases",
     "idle": "waiting for work",
     "generate": "decoding or prefilling requests",
-    "load weights": "paused, loading the new version (controller's view)",
+    "load weights": "loading the new version (the servers' count; SGLang: the controller's view of the update)",
     "wall": "the step, from one weight version to the next",
 }
 
@@ -87,7 +87,10 @@ def profile_rows(metrics: list[dict]) -> list[tuple[str, str, float, float]]:
     train = sum(m["train_seconds"] for m in steps) / n
     rows.append(("trainer", "other", max(0.0, train - timed), max(0.0, train - timed) / step))
     rows.append(("trainer", "idle", step - train, (step - train) / step))
-    update = sum(m["update_seconds"] for m in steps) / n
+    # The servers' own count of the time they spent loading; without it (SGLang), the controller's
+    # view of each update, which also holds the drain of a non-interrupting update.
+    loads = [m["generator_load"] for m in steps if m.get("generator_load") is not None]
+    update = step * sum(loads) / len(loads) if loads else sum(m["update_seconds"] for m in steps) / n
     idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]
     if idle:
         busy = step * (1 - sum(idle) / len(idle))
@@ -131,8 +134,10 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
     for m in steps:
         end = m["elapsed"] - t0
         start = end - m["step_seconds"]
-        # The controller's order within a step: wait for a batch, train, load the new weights.
-        train_start = end - m["update_seconds"] - m["train_seconds"]
+        # The trainer's step ends at trained_at; the servers load its weights from then on, while the
+        # trainer may already train the next step (rows without trained_at: one after the other).
+        trained_at = m["trained_at"] - t0 if "trained_at" in m else end - m["update_seconds"]
+        train_start = trained_at - m["train_seconds"]
         x = train_start
         timed = 0.0
         for phase in (*TRAINER_PHASES, "other"):
@@ -146,10 +151,10 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
             seen.add(phase)
             x += sec
         busy = 1 - (m.get("generator_idle") or 0.0)
-        ax.barh(0, end - start - m["update_seconds"], left=start, color="tab:green", alpha=max(0.05, busy),
+        ax.barh(0, end - start, left=start, color="tab:green", alpha=max(0.05, busy),
                 label=None if "gen" in seen else "generating (shade = busy share)")
-        ax.barh(0, m["update_seconds"], left=end - m["update_seconds"], color="black",
-                label=None if "load" in seen else "load weights")
+        ax.barh(0, m["update_seconds"], left=trained_at, color="black",
+                label=None if "load" in seen else "weight update (to every server loaded)")
         seen |= {"gen", "load"}
         ax.axvline(end, color="grey", lw=0.5)
     ax.set_yticks([0, 1], ["generator", "trainer"])

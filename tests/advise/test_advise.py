@@ -2,6 +2,8 @@
 follows, the fit from a run's metrics, and the CLI's answers to bad input."""
 
 import json
+import random
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,6 +22,7 @@ from areal_flow.advise.costs import (
     UpdateCosts,
     Workload,
     load_cost_file,
+    lognormal_from_max,
     lognormal_from_truncation,
 )
 from areal_flow.advise.fit import fit_runs
@@ -61,11 +64,21 @@ def test_with_free_training_and_a_large_eta_throughput_is_the_generation_rate():
 def test_with_free_generation_throughput_is_the_training_rate():
     c, d, w = 0.5, 0.001, 0.1
     costs = make(gen=GenCosts(0.0, 0.0, prefill_per_token_s=0.0), train=TrainCosts(c, d), update=UpdateCosts(w))
-    p = simulate(costs, Candidate(1, 2, eta=2), steps=10)
     tokens = 2 * 4 * (10 + 50)  # B·G answers of prompt + answer
-    step = c + d * tokens / 2 + w  # two data-parallel devices; the trainer waits for the update
+    # The trainer trains the next step while the servers load the weights: never idle.
+    p = simulate(costs, Candidate(1, 2, eta=2), steps=10)
+    assert p.samples_per_s == pytest.approx(8 / (c + d * tokens / 2), rel=1e-9)  # two data-parallel devices
+    assert p.train_idle == pytest.approx(0.0, abs=1e-9)
+    # Waiting for each update (weights by broadcast), the pause adds to every step.
+    waits = replace(costs, update=UpdateCosts(w, trainer_waits=True))
+    p = simulate(waits, Candidate(1, 2, eta=2), steps=10)
+    step = c + d * tokens / 2 + w
     assert p.samples_per_s == pytest.approx(8 / step, rel=1e-9)
     assert p.train_idle == pytest.approx(w / step, rel=1e-6)
+    # An update longer than a train step: at most one step per update (one update at a time), yet
+    # more than one after the other.
+    slow = simulate(replace(costs, update=UpdateCosts(2.0)), Candidate(1, 2, eta=2), steps=12)
+    assert 8 / (c + d * tokens / 2 + 2.0) < slow.samples_per_s <= 8 / 2.0 + 1e-9
 
 
 def test_eta_0_is_the_synchronous_loop_computed_by_hand():
@@ -83,6 +96,16 @@ def test_eta_0_is_the_synchronous_loop_computed_by_hand():
     step2 = gen2 + (1.0 + 0.001 * 480 / 2) + 0.5 + 0.3
     p2 = simulate(costs, Candidate(2, 2, eta=0, colocated=True), steps=5)
     assert p2.samples_per_s == pytest.approx(8 / step2, rel=1e-9)
+
+
+def test_an_interrupting_update_pauses_for_its_own_cost_and_a_draining_one_for_w():
+    costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=1e-4), train=TrainCosts(1.0, 0.001),
+                 update=UpdateCosts(0.5, interrupt_pause_s=0.9))
+    gen = 2 * 10 * 1e-4 + 50 * (0.01 + 0.001 * 8)  # as in the synchronous loop above
+    for interrupt, pause in ((True, 0.9), (False, 0.5)):
+        work = replace(costs.workload, interrupt=interrupt)
+        p = simulate(replace(costs, workload=work), Candidate(1, 1, eta=0, interrupt=interrupt), steps=5)
+        assert p.samples_per_s == pytest.approx(8 / (gen + 1.0 + 0.001 * 480 + pause), rel=1e-9)
 
 
 def test_the_context_term_adds_each_answers_growing_kv_read():
@@ -213,6 +236,57 @@ def test_from_run_fits_the_costs_from_metrics(tmp_path, capsys):
                         str(tmp_path / "run"), "--etas", "0", "1", "--steps", "3"], capsys)
     assert code == 0
     assert "fit:" in out and "1:1" in out and "recommended" in out
+
+
+def test_the_train_cost_comes_from_the_phase_timers_when_tokens_hardly_vary(tmp_path):
+    """A fixed batch shape gives nearly the same tokens every step, so totals cannot separate c from
+    d; the trainer's phase timers can: forward and backward scale with tokens, the rest is per step."""
+    write_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows[1:]):
+        trained = 1000 + i % 2  # tokens per step all but constant
+        row.update({"train/n_tokens": trained, "train/forward_seconds": 0.4 * D * trained,
+                    "train/backward_seconds": 0.6 * D * trained, "train/optimizer_seconds": C / 2,
+                    "train/prox_seconds": 0.05, "train_seconds": C + D * trained + 0.05})
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    assert (fitted.costs.train.step_fixed_s, fitted.costs.train.per_token_s) == pytest.approx((C, D), rel=1e-6)
+    assert any("phase timers" in n for n in fitted.notes)
+    # Without the timers the same steps fall back to the cost file's c.
+    for row in rows[1:]:
+        del row["train/forward_seconds"], row["train/backward_seconds"]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert any("vary too little" in n for n in fit_runs([str(tmp_path / "run")], base).notes)
+
+
+def test_each_kind_of_update_is_fitted_from_the_runs_of_its_kind(tmp_path):
+    write_run(tmp_path / "drain")
+    write_run(tmp_path / "interrupt", interrupt=True)  # the same update_seconds: 0.04, 0.05, 0.06, ...
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    update = fit_runs([str(tmp_path / "drain"), str(tmp_path / "interrupt")], base).costs.update
+    assert update.pause_s == pytest.approx(0.04)  # the least: the load without the drain
+    assert update.interrupt_pause_s == pytest.approx(0.05)  # the median
+    only = fit_runs([str(tmp_path / "interrupt")], base).costs.update
+    assert only.pause_s == only.interrupt_pause_s == pytest.approx(0.05)
+
+
+def test_the_longest_answer_of_each_step_gives_sigma_when_no_answer_is_truncated(tmp_path):
+    write_run(tmp_path / "run")  # 4 prompts x 2 answers a step, max_new_tokens 100
+    true = Lengths(100, mean=40.0, sigma=0.3)
+    draw = true.sampler(random.Random(7))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    longest = [max(draw() for _ in range(8)) for _ in range(2000)]
+    for i, row in enumerate(rows[1:]):
+        row.update({"truncated_fraction": 0.0, "response_length": 40.0, "response_length_max": longest[i]})
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The run's 12 steps say little; the mean longest over many steps pins sigma closely.
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    lengths = fit_runs([str(tmp_path / "run")], base).costs.lengths
+    assert lengths.mean == 40.0 and 0.1 < lengths.sigma < 0.6
+    fitted = lognormal_from_max(40.0, statistics.mean(longest), 8, 100)
+    assert fitted.sigma == pytest.approx(0.3, rel=0.1)
+    assert lognormal_from_max(40.0, 39.0, 8, 100) is None  # a longest answer below the mean says nothing
 
 
 def test_lognormal_from_truncation_recovers_mean_and_tail():

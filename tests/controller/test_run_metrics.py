@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics
@@ -98,6 +99,8 @@ def test_reward_accuracy_and_other_scalar_keys_are_averaged_over_every_sample():
     assert m["reward/format"] == 0.5 and m["reward/correct"] == 0.5
     assert "reward/rewards" not in m  # the train reward is `reward`, not repeated
     assert m["response_length"] == 25.0
+    assert m["response_length_std"] == pytest.approx(np.std([10, 30, 20, 40]))  # over the batch, not per group
+    assert m["response_length_max"] == 40
 
 
 def test_truncated_fraction_counts_samples_that_did_not_stop():

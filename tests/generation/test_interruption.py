@@ -126,6 +126,16 @@ def test_an_update_without_abort_waits_for_the_running_requests(engine, model_di
     assert engine.version == 1
 
 
+def test_the_time_spent_loading_weights_is_counted_apart_from_generating(engine, model_dirs):
+    engine.submit(PROMPT, max_new_tokens=20, temperature=0.8, ignore_eos=True).result(timeout=60)
+    before = engine.stats()
+    assert before["busy_seconds"] > 0 and before["load_seconds"] == 0
+    engine.update_weights_from_disk(model_dirs.b, 1)
+    after = engine.stats()
+    assert after["load_seconds"] > 0
+    assert after["busy_seconds"] == before["busy_seconds"]  # a load is not generating
+
+
 def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_answer(engine, model_dirs):
     future = long_request(engine, "r")
     decoding(engine, 10)

@@ -6,7 +6,7 @@ It parses the flags areal_flow passes with SGLang's spellings (an unknown or mis
 as in SGLang), checks the environment SGLang's CPU engine reads, appends what it was given to the
 JSON-lines file $SGLANG_STANDIN_RECORD, and serves areal_flow's embedded engine, answering as real
 SGLang does where the two differ: no `meta_info.output_token_versions` (an areal_flow extension),
-the initial weight version labelled "default", no `busy_seconds` in /server_info, and with
+the initial weight version labelled "default", no `busy_seconds` or `load_seconds` in /server_info, and with
 --skip-tokenizer-init no tokenizer (answers carry no text). --api-key guards the routes as SGLang's.
 """
 
@@ -73,6 +73,7 @@ def fix_generate(answer: dict) -> None:
 
 def fix_server_info(answer: dict) -> None:
     answer.pop("busy_seconds", None)
+    answer.pop("load_seconds", None)
 
 
 def main(argv: list[str]) -> None:
