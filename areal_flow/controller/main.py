@@ -5,7 +5,7 @@ One ROUTER socket takes every other process's messages: rollout workers offer ge
 which the controller fills with prompt groups (admission, `staleness.py`, `slots.py`), reward workers report scored groups and are told which trainer rank
 to send them to (`intake.py`), trainer ranks report each step. The step loop picks a batch by id
 under the staleness rule, tells each rank which groups to train (`trainer_pool.py`), publishes the
-new weights (`publisher.py`) and logs the step (`run_metrics.py`).
+new weights (`publisher.py`) while the next step trains, and logs the step (`run_metrics.py`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ class Controller:
         self.next_group = 0
         self.trainer_seconds = 0.0
         self.generated_tokens = 0
+        # At the last metrics row: monotonic time, the servers' (busy, load) seconds, controller CPU.
+        self.mark: tuple[float, tuple[float | None, float | None], float] = (0.0, (None, None), 0.0)
 
     # ---- the control plane: every message from every other process ----------------------------
 
