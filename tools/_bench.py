@@ -29,6 +29,11 @@ def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, "-m", "areal_flow.launch", *overrides, f"hydra.run.dir={run_dir}"]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
+    return read_run_dir(run_dir)
+
+
+def read_run_dir(run_dir: str) -> tuple[dict, list[dict]]:
+    """A finished run's (summary, metrics)."""
     with open(os.path.join(run_dir, "summary.json")) as f:
         return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 

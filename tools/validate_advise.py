@@ -14,7 +14,6 @@ is written.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from dataclasses import replace
@@ -26,13 +25,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from _bench import machine, run_recipe, save_plot, timed_steps  # noqa: E402
+from _bench import machine, read_run_dir, run_recipe, save_plot, timed_steps  # noqa: E402
 
 from areal_flow.advise.costs import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
 from areal_flow.advise.report import costs_table  # noqa: E402
 from areal_flow.advise.simulate import Candidate, simulate  # noqa: E402
-from areal_flow.metrics.writer import read_metrics  # noqa: E402
 
 
 def measured(metrics: list[dict]) -> dict:
@@ -74,8 +72,7 @@ def main() -> None:
     def run(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
         if args.reuse and os.path.isfile(os.path.join(run_dir, "summary.json")):
             print(f"reusing {run_dir}", flush=True)
-            with open(os.path.join(run_dir, "summary.json")) as f:
-                return json.load(f), read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            return read_run_dir(run_dir)
         return run_recipe(run_dir, overrides)
 
     base = ["eval_at_start=false", "eval_at_end=false", "eval_every=0", "max_wall_seconds=0", "metrics.plot=false",
