@@ -384,6 +384,7 @@ async def route_model_info(server: GenerationServer, call: Call) -> tuple[int, P
 async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, Payload]:
     engine = server.engine
     host, port = server.server_address[:2]
+    stats = engine.stats()  # once: it takes the engine's lock and walks the running batch
     return 200, {
         "engine": "areal_flow-embedded",
         "model_path": engine.model_path,
@@ -399,9 +400,9 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "num_threads": engine.num_threads,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
-        "busy_seconds": engine.stats()["busy_seconds"],
-        "load_seconds": engine.stats()["load_seconds"],
-        "internal_states": [engine.stats()],
+        "busy_seconds": stats["busy_seconds"],
+        "load_seconds": stats["load_seconds"],
+        "internal_states": [stats],
     }
 
 
