@@ -47,6 +47,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.engine import PAUSE_MODES, EngineShutdownError, GenerationEngine, version_for_label
 from areal_flow.generation.generate_api import (
     AnswerStream,
@@ -402,6 +403,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
         "load_seconds": stats["load_seconds"],
+        **{key: stats[key] for key in COMPUTE_COUNTS},  # for the advisor's fit of the decode cost
         "internal_states": [stats],
     }
 
@@ -607,6 +609,11 @@ class GenerationServer:
         self._uvicorn = uvicorn.Server(config)
         # Bound here rather than by uvicorn, so that a port 0 is resolved before serve() returns.
         self._socket = socket.create_server(address, backlog=BACKLOG)
+        # Every answer goes out in two writes (headers, then body). asyncio turns Nagle off only for
+        # sockets whose proto is IPPROTO_TCP, and create_server's (so every accepted one's) is 0: the
+        # body then waited for the client's delayed ACK, 40 ms on each request of a kept-alive
+        # connection after the first. Set on the listening socket, Linux gives it to accepted ones.
+        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server_address: tuple[str, int] = self._socket.getsockname()[:2]
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
                                         name="generation-http", daemon=True)

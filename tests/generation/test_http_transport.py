@@ -67,6 +67,24 @@ def test_one_keep_alive_connection_serves_many_requests(server_a):
         connection.close()
 
 
+def test_answers_on_a_kept_alive_connection_are_not_held_back_by_nagle(server_a):
+    """An answer goes out as two writes (headers, body). With Nagle's algorithm on the server's
+    connection, the body waits for the client's delayed ACK of the headers: at least 40 ms on
+    Linux, on every request after the first of a kept-alive connection (every call of a client's
+    pool). The bound below is 10x what an answer takes here, and 2x under that floor."""
+    connection = http.client.HTTPConnection("127.0.0.1", server_a.server_address[1], timeout=30)
+    try:
+        seconds = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            connection.request("GET", "/get_weight_version")
+            assert json.loads(connection.getresponse().read())["weight_version"]
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        connection.close()
+    assert sorted(seconds[1:])[3] < 0.02, seconds  # the median of the kept-alive ones
+
+
 def test_a_chunked_body_is_read(server_a):
     def chunks():
         yield json.dumps(SHORT)[:10].encode()
