@@ -41,9 +41,16 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
         assert all(v > 0 for v in phases), m
         assert sum(phases) + m.get("train/wait_seconds", 0.0) <= m["train_seconds"] + m["step_seconds"], m
         assert sum(phases[2:6]) <= m["train/step_seconds"] + 1e-3  # the engine's own phases fit its step
+    # The servers' compute counts per step: decode steps and prefills make up their busy time.
+    for m in steps:
+        busy = (1 - m["generator_idle"]) * m["step_seconds"]
+        compute = m["gen/decode_seconds"] + m["gen/prefill_seconds"]
+        assert 0.9 * busy - 1e-3 <= compute <= busy + 1e-6, m
+        assert m["gen/decode_rows"] >= m["gen/decode_steps"] > 0, m
+    assert sum(m["gen/prefill_tokens"] for m in steps) > 0
     profile = (run_dir / "profile.md").read_text()
-    for phase in ("| trainer | forward |", "| trainer | optimizer |", "| trainer | idle |", "| generator | generate |",
-                  "| generator | load weights |"):
+    for phase in ("| trainer | forward |", "| trainer | optimizer |", "| trainer | idle |", "| generator | decode |",
+                  "| generator | prefill |", "| generator | load weights |"):
         assert phase in profile
     assert (run_dir / "profile.png").stat().st_size > 1000
     # The checkpoint is a Hugging Face directory that transformers loads.

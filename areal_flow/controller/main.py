@@ -31,6 +31,7 @@ from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
+from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.router import WeightUpdateError
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
@@ -116,8 +117,8 @@ class Controller:
         self.next_group = 0
         self.trainer_seconds = 0.0
         self.generated_tokens = 0
-        # At the last metrics row: monotonic time, the servers' (busy, load) seconds, controller CPU.
-        self.mark: tuple[float, tuple[float | None, float | None], float] = (0.0, (None, None), 0.0)
+        # At the last metrics row: monotonic time, the servers' counts (Publisher.server_counts), controller CPU.
+        self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
 
     # ---- the control plane: every message from every other process ----------------------------
 
@@ -189,7 +190,7 @@ class Controller:
         so there each update ends before the next step starts."""
         cfg = self.cfg
         overlap = cfg.rollout.weight_update_mode != "distributed"
-        self.mark = (time.monotonic(), await self.publisher.server_seconds(), time.process_time())
+        self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
         done: _Trained | None = None  # the last trained step, its weights maybe still loading
         step = 0
         try:
@@ -230,13 +231,13 @@ class Controller:
         """Once a step's weights are loaded: its metrics row, and the held-out evaluation when due."""
         self.waiting_for = f"the generation servers to load the weights of version {done.step + 1}"
         update_seconds = await done.update
-        (last, before, cpu), now, servers = self.mark, time.monotonic(), await self.publisher.server_seconds()
-        busy, load = (None if a is None or b is None else a - b for a, b in zip(servers, before))
-        self.log_step(done, now - last, update_seconds, busy, load, time.process_time() - cpu)
-        self.mark = (now, servers, time.process_time())
+        (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.publisher.server_counts()
+        servers = {key: value - before[key] for key, value in counts.items() if key in before}
+        self.log_step(done, now - last, update_seconds, servers, time.process_time() - cpu)
+        self.mark = (now, counts, time.process_time())
         if self.cfg.eval_every and (done.step + 1) % self.cfg.eval_every == 0:
             await self.evaluate(f"step {done.step + 1}", done.step + 1)  # not training time: rates restart after it
-            self.mark = (time.monotonic(), await self.publisher.server_seconds(), time.process_time())
+            self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
         self.last_progress = time.monotonic()
 
     async def watchdog(self) -> None:
@@ -304,8 +305,10 @@ class Controller:
                           type(msg).__name__, what)
         return [got[r] for r in sorted(got)]
 
-    def log_step(self, done: _Trained, seconds: float, update_seconds: float, gen_busy: float | None,
-                 gen_load: float | None, controller_cpu: float) -> None:
+    def log_step(self, done: _Trained, seconds: float, update_seconds: float, servers: dict[str, float],
+                 controller_cpu: float) -> None:
+        """The step's metrics row; `servers`: the generation servers' counts over the step (per
+        server, those every server reports: Publisher.server_counts)."""
         step, batch, stats, train_seconds = done.step, done.batch, done.stats, done.seconds
         self.traffic.report("controller", sent_bytes())
         traffic = self.traffic.step()
@@ -319,8 +322,9 @@ class Controller:
             samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.generated_tokens / seconds,
             train_tokens_per_second=stats.get("n_tokens", 0.0) / train_seconds,
             trainer_idle=1 - train_seconds / seconds,
-            generator_idle=None if gen_busy is None else 1 - gen_busy / seconds,
-            generator_load=None if gen_load is None else gen_load / seconds,
+            generator_idle=1 - servers["busy_seconds"] / seconds if "busy_seconds" in servers else None,
+            generator_load=servers["load_seconds"] / seconds if "load_seconds" in servers else None,
+            **{f"gen/{key}": servers[key] for key in COMPUTE_COUNTS if key in servers},
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.filtered - self.filtered_logged,

@@ -10,7 +10,11 @@ import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.generation.client import GenerationClient, GenerationError
+from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.router import ServerPool
+
+SERVER_COUNTS = ("busy_seconds", "load_seconds", *COMPUTE_COUNTS)
+"""The running counts in the embedded engine's /server_info that the controller logs per step."""
 
 
 class WeightPublisher:
@@ -41,9 +45,11 @@ class WeightPublisher:
                                        pause_mode=self.pause_mode, transfer=self.transfer)
         return time.perf_counter() - t0
 
-    async def server_seconds(self) -> tuple[float | None, float | None]:
-        """Mean seconds the servers have spent generating, and loading weights, so far; each None if
-        a server does not say (SGLang), or cannot be reached: the run goes on without the metric
+    async def server_counts(self) -> dict[str, float]:
+        """Per server, the mean so far of each running count that every server reports: the
+        seconds spent generating (`busy_seconds`) and loading weights (`load_seconds`), and the
+        engine's compute counts (generation/compute_counts.py). SGLang reports none of them, and a
+        server that cannot be reached leaves them all out: the run goes on without the metrics
         while a server is down."""
         async def info(c: GenerationClient) -> dict:
             try:
@@ -52,12 +58,8 @@ class WeightPublisher:
                 return {}
 
         infos = await asyncio.gather(*[info(c) for c in self.clients])
-
-        def mean(key: str) -> float | None:
-            values = [i.get(key) for i in infos]
-            return None if None in values else sum(values) / len(values)
-
-        return mean("busy_seconds"), mean("load_seconds")
+        return {key: sum(i[key] for i in infos) / len(infos) for key in SERVER_COUNTS
+                if all(isinstance(i.get(key), (int, float)) for i in infos)}
 
     async def unresponsive(self, timeout: float = 5.0) -> list[str]:
         """Names of the servers that do not answer /health within `timeout` seconds."""

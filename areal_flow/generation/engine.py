@@ -36,6 +36,7 @@ This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -56,6 +57,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
+from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.decode import DecodeStep, padding_bias
 from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
 from areal_flow.generation.sampling import (  # noqa: F401
@@ -235,6 +237,10 @@ class GenerationEngine:
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         self._load_seconds = 0.0  # copying weight updates in (decoding stops meanwhile)
+        self._counts = ComputeCounts()
+        # Rows a step finished, answered once the step's counts and busy time are in the stats:
+        # whoever reads an answer may read the stats next.
+        self._step_finished: list[_Row] = []
         self._finished_reqs = 0
         self._finished_prompt_tokens = 0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
@@ -383,6 +389,7 @@ class GenerationEngine:
             "generated_tokens": self._generated_tokens,
             "busy_seconds": self._busy_seconds,
             "load_seconds": self._load_seconds,
+            **dataclasses.asdict(self._counts),
             "weight_version": self._version,
             "num_finished_reqs": self._finished_reqs,
             "finished_prompt_tokens": self._finished_prompt_tokens,
@@ -513,15 +520,22 @@ class GenerationEngine:
                         new = self._prefill(admitted)
                         batch = new if batch is None else _Batch.combine(
                             [(batch, batch.live()), (new, list(range(len(admitted))))])
+                        self._counts.prefilled(sum(map(len, {row.sequence for row in admitted})),
+                                               time.perf_counter() - started)
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
                         batch = _Batch.combine([(batch, batch.live())])  # enough rows dead: compact
+                    # A compaction's copy counts with the decode step it comes before.
+                    decoding, rows = time.perf_counter() if admitted else started, len(batch.live())
                     batch = self._step(batch)
+                    self._counts.decoded(rows, time.perf_counter() - decoding)
                 except Exception as exc:
                     logger.exception("decode step failed; failing the requests in it")
+                    self._answer_step_finished()  # rows finished before the failure keep their answers
                     self._fail([*(batch.rows if batch else ()), *admitted], exc)
                     batch = None
                 # Time spent computing, for the generator's busy fraction in the run metrics.
                 self._busy_seconds += time.perf_counter() - started
+                self._answer_step_finished()
                 self._count_running(batch)
         self._count_running(None)
         with self._cond:
@@ -648,10 +662,10 @@ class GenerationEngine:
                 row.input_top_logprobs = head + [top_logprobs(lp, request.top_logprobs_num) for lp in logprobs]
             if request.params.max_new_tokens == 0:  # prefill-only scoring
                 row.finish = ("length", None)
-                self._finish(row)
+                self._step_finished.append(row)
 
     def _step(self, batch: _Batch) -> _Batch | None:
-        """Sample a token for every live row, answer the rows that finish, decode one step."""
+        """Sample a token for every live row, set aside the rows that finish, decode one step."""
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
                                               min_p=batch.min_p, row_generators=batch.generators)
         self._top_logprobs(batch)
@@ -661,13 +675,13 @@ class GenerationEngine:
                 continue  # dead row: decodes along, unused, until the next compaction
             row.append(token, logprob, row.logits_version)
             row.logits_version = self._version  # the forward below computes its next logits
-            self._generated_tokens += 1  # before the answer: whoever reads it may read the stats next
+            self._generated_tokens += 1
             if row.finish is None:
                 alive += 1
                 if row.request.on_token is not None:
                     self._report(row)
             else:
-                self._finish(row)
+                self._step_finished.append(row)
         if alive == 0:
             return None
         batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.int64)], dim=1)
@@ -733,6 +747,11 @@ class GenerationEngine:
         self._finished_reqs += 1
         self._finished_prompt_tokens += len(row.request.input_ids)
         row.future.set_result(self._result(row, row.finish))
+
+    def _answer_step_finished(self) -> None:
+        rows, self._step_finished = self._step_finished, []
+        for row in rows:
+            self._finish(row)
 
     def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:
         # Rows already answered are skipped: their rid may already belong to a new request.

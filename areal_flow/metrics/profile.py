@@ -37,6 +37,8 @@ PHASE_HELP = {
     "other": "messages and Python between the timed phases",
     "idle": "waiting for work",
     "generate": "decoding or prefilling requests",
+    "decode": "decode steps: one token for every running request",
+    "prefill": "prefilling admitted requests' prompts (and, after an abort, their tokens so far)",
     "load weights": "loading the new version (the servers' count; SGLang: the controller's view of the update)",
     "wall": "the step, from one weight version to the next",
 }
@@ -94,7 +96,12 @@ def profile_rows(metrics: list[dict]) -> list[tuple[str, str, float, float]]:
     idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]
     if idle:
         busy = step * (1 - sum(idle) / len(idle))
-        rows.append(("generator", "generate", busy, busy / step))
+        if all(m.get("gen/decode_seconds") is not None for m in steps):  # the engine's own split of its busy time
+            prefill = sum(m["gen/prefill_seconds"] for m in steps) / n
+            rows.append(("generator", "decode", busy - prefill, (busy - prefill) / step))
+            rows.append(("generator", "prefill", prefill, prefill / step))
+        else:
+            rows.append(("generator", "generate", busy, busy / step))
     rows.append(("generator", "load weights", update, update / step))
     if idle:
         rest = max(0.0, step - busy - update)

@@ -57,6 +57,25 @@ def test_requests_joining_a_running_batch_get_exact_logprobs(model_dirs: ModelDi
         engine.shutdown()
 
 
+def test_compute_counts_split_the_busy_time_into_one_prefill_and_a_decode_step_per_token(model_dirs: ModelDirs):
+    """Three answers to one prompt, admitted together: the prompt is prefilled once, then each
+    decode step samples for the three rows; prefill and decode seconds make up the busy time."""
+    engine = GenerationEngine(model_dirs.a, max_batch_size=8)
+    try:
+        engine.pause()  # queued while paused, the three join the batch together
+        futures = [engine.submit([2, 3, 4, 5], max_new_tokens=10, temperature=0.8, ignore_eos=True) for _ in range(3)]
+        engine.continue_generation()
+        assert all(len(f.result(timeout=60).output_ids) == 10 for f in futures)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert (stats["prefills"], stats["prefill_tokens"]) == (1, 4)
+    assert (stats["decode_steps"], stats["decode_rows"], stats["decode_rows_sq"]) == (10, 30, 90)
+    assert stats["decode_row_seconds"] == pytest.approx(3 * stats["decode_seconds"])
+    assert stats["prefill_seconds"] > 0 and stats["decode_seconds"] > 0
+    assert 0.95 * stats["busy_seconds"] <= stats["prefill_seconds"] + stats["decode_seconds"] <= stats["busy_seconds"]
+
+
 def test_shutdown_fails_unfinished_requests_and_stops_the_thread(model_dirs: ModelDirs):
     engine = GenerationEngine(model_dirs.a, max_batch_size=1)
     futures = [engine.submit([2, 3], max_new_tokens=250, ignore_eos=True) for _ in range(3)]

@@ -38,6 +38,14 @@ def test_rows_give_each_phase_its_share_and_the_rest_to_other_and_idle():
     assert ("trainer", "prox") not in rows  # a phase no step reported is not a row
 
 
+def test_the_servers_compute_counts_split_generating_into_decode_and_prefill():
+    metrics = [step(float(t), **{"gen/decode_seconds": 0.55, "gen/prefill_seconds": 0.1}) for t in range(1, 4)]
+    rows = {(role, phase): (sec, share) for role, phase, sec, share in profile_rows(metrics)}
+    assert rows[("generator", "prefill")] == pytest.approx((0.1, 0.1))
+    assert rows[("generator", "decode")] == pytest.approx((0.6, 0.6))  # the busy time less the prefills
+    assert ("generator", "generate") not in rows
+
+
 def test_the_table_and_the_timeline_are_written(tmp_path):
     metrics = [step(float(t)) for t in range(1, 6)]
     table = profile_table(metrics)

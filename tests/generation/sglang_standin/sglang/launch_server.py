@@ -6,8 +6,9 @@ It parses the flags areal_flow passes with SGLang's spellings (an unknown or mis
 as in SGLang), checks the environment SGLang's CPU engine reads, appends what it was given to the
 JSON-lines file $SGLANG_STANDIN_RECORD, and serves areal_flow's embedded engine, answering as real
 SGLang does where the two differ: no `meta_info.output_token_versions` (an areal_flow extension),
-the initial weight version labelled "default", no `busy_seconds` or `load_seconds` in /server_info, and with
---skip-tokenizer-init no tokenizer (answers carry no text). --api-key guards the routes as SGLang's.
+the initial weight version labelled "default", no `busy_seconds`, `load_seconds` or compute counts
+in /server_info, and with --skip-tokenizer-init no tokenizer (answers carry no text). --api-key
+guards the routes as SGLang's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import threading
 
 from areal_flow.generation import server as embedded
+from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.engine import GenerationEngine
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -72,8 +74,8 @@ def fix_generate(answer: dict) -> None:
 
 
 def fix_server_info(answer: dict) -> None:
-    answer.pop("busy_seconds", None)
-    answer.pop("load_seconds", None)
+    for key in ("busy_seconds", "load_seconds", *COMPUTE_COUNTS):
+        answer.pop(key, None)
 
 
 def main(argv: list[str]) -> None:
