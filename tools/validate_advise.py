@@ -1,9 +1,10 @@
 """The allocation advisor's predictions against measured runs of tiny_arith (docs/advise.md, "Validation").
 
 Generation on core 0 and training on core 1, by the recipe's meshes. First a short profiling set
-(η = 4 without interruption at two values of rollout.max_concurrent, so that the decode step's fixed
-and per-answer costs separate, and one interrupting run, so that the re-prefill cost is fitted);
-the advisor fits its costs from their metrics.jsonl. Then each measured configuration (η × interrupt)
+(η = 4 without interruption at two values of rollout.max_concurrent, one interrupting run, so that
+the interrupting update's pause is fitted, and one synchronous run, in which generation and training
+take turns, so that what each costs alone separates from what sharing the machine adds); the
+advisor fits its costs from their metrics.jsonl. Then each measured configuration (η × interrupt)
 runs once and is predicted by the simulation with the fitted costs; the table gives measured and
 predicted trained samples/s, idle fractions and staleness, with the relative error, and a plot
 is written.
@@ -82,10 +83,12 @@ def main() -> None:
         os.makedirs(root, exist_ok=True)
         profiles = []
         for name, extra in (
-            *((f"profile_c{c}", ["rollout.interrupt=false", f"rollout.max_concurrent={c}"]) for c in args.profile_concurrency),
-            ("profile_interrupt", ["rollout.interrupt=true"]),
+            *((f"profile_c{c}", ["rollout.interrupt=false", f"rollout.max_concurrent={c}", "rollout.max_staleness=4"])
+              for c in args.profile_concurrency),
+            ("profile_interrupt", ["rollout.interrupt=true", "rollout.max_staleness=4"]),
+            ("profile_sync", ["rollout.interrupt=false", "rollout.max_staleness=0"]),
         ):
-            run(f"{root}/{name}", [*base, f"total_steps={args.profile_steps}", "rollout.max_staleness=4", *extra])
+            run(f"{root}/{name}", [*base, f"total_steps={args.profile_steps}", *extra])
             profiles.append(f"{root}/{name}")
         fitted = fit_runs(profiles, parse_costs({})[0])
         rows = []

@@ -33,8 +33,13 @@ class GenCosts:
     step, its KV cache read; 0 = folded into b (what a run's metrics can fit)."""
     prefill_per_token_s: float = 1e-5
     """p: seconds per token prefilled: a new prompt (once per group), or prompt + tokens so far after an abort."""
+    prefill_fixed_s: float = 0.0
+    """p0: seconds of one prefill whatever its tokens (a forward's fixed overhead)."""
     max_running: int | None = None
     """most answers a server decodes at once (its KV memory); the rest wait in its queue; null = no limit."""
+    shared_slowdown: float = 0.0
+    """fraction a decode step or prefill costs more while the trainer trains: generation and training
+    on one machine share its caches and memory bandwidth (CPU cores); 0 on separate accelerators."""
     devices_per_server: int = 1
     """devices one server spans (tensor parallel size): a split's generation devices / this = servers."""
 
@@ -51,6 +56,8 @@ class TrainCosts:
     """extra per-token time of the π_prox forward, as a fraction of d, on steps that train a stale token."""
     dp_efficiency: float = 1.0
     """data-parallel efficiency: the per-token time divides by devices · this."""
+    shared_slowdown: float = 0.0
+    """fraction a train step costs more when it starts while generation runs (see GenCosts)."""
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,15 @@ What a step row gives and what is fitted from it:
 | c, d (train step = c + d·tokens) | the trainer's phase timers: d from packing, forward and backward over `train/n_tokens`, c the rest of `train_seconds` − `train/prox_seconds`; without timers, least squares of that against `train/n_tokens` |
 | prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
 | w (update pause) | `generator_load` (the servers' own load time) with interrupt=false, else the least `update_seconds` there (the rest is the drain); the interrupting pause: the median `update_seconds` with interrupt=true |
+| a, b, p0, p (decode step = a + b·n, prefill = p0 + p·tokens) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers; p0 = a, p from the prefill seconds beyond it per token. Without counts (SGLang), the rows below |
 | a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
 | lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
 | prompt tokens | (`train/n_tokens` − answer tokens) / answers |
 
-The servers' load reports (/v1/loads) are not in metrics.jsonl, so n is the running count the
-controller logs at the end of each step. What cannot be fitted is taken from the cost file, and
-each such value is named in the notes.
+Without the engine's compute counts (SGLang's servers), n is the running count the controller logs
+at the end of each step: the servers' load reports (/v1/loads) are not in metrics.jsonl. What
+cannot be fitted is taken from the cost file, and each such value is named in the notes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import yaml
 
 from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_max, lognormal_from_truncation
+from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.graph.dag import parse_mesh
 from areal_flow.metrics.writer import read_metrics
 
@@ -199,9 +201,43 @@ def _update(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
     return replace(base.update, pause_s=w, interrupt_pause_s=w_interrupt, trainer_waits=runs[0].trainer_waits)
 
 
+def _counted_generation(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any | None:
+    """a, b, p0 and p from the servers' own compute counts (`gen/*` in the step rows, the embedded
+    engine's): a decode step costs a + b·n by least squares over every decode step of every run
+    (decode and prefill are timed apart, so interrupting runs count too), and a prefill a, as a
+    forward's fixed cost, plus p per token. None when the runs have no counts (SGLang)."""
+    rows = [s for r in runs for s in r.steps if s.get("gen/decode_steps")]
+    if not rows:
+        return None
+    total = {key: sum(s.get(f"gen/{key}", 0.0) for s in rows) for key in COMPUTE_COUNTS}
+    steps, n, n2 = total["decode_steps"], total["decode_rows"], total["decode_rows_sq"]
+    t, nt = total["decode_seconds"], total["decode_row_seconds"]
+    spread = steps * n2 - n * n  # steps² · variance of n
+    b = (steps * nt - n * t) / spread if spread > (0.05 * n) ** 2 else -1.0
+    if b >= 0 and (a := (t - b * n) / steps) >= 0:
+        notes.append(f"generation: a = {a:.3g} s, b = {b:.3g} s/answer per decode step, least squares over the "
+                     f"servers' {steps:.0f} decode steps (their compute counts; n from {n / steps:.1f} on average)")
+    else:
+        a, b = t / steps, 0.0
+        notes.append(f"generation: decode steps of {n / steps:.1f} answers on average vary too little in size to "
+                     f"separate a from b; a = {a:.3g} s, the mean step, b = 0")
+    gen = base.gen
+    if total["prefill_tokens"]:
+        p = max(0.0, (total["prefill_seconds"] - a * total["prefills"]) / total["prefill_tokens"])
+        notes.append(f"generation: p0 = a, p = {p:.3g} s/token beyond it, from {total['prefills']:.0f} prefills of "
+                     f"{total['prefill_tokens'] / total['prefills']:.0f} tokens on average")
+        gen = replace(gen, prefill_fixed_s=a, prefill_per_token_s=p)
+    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=0.0)
+
+
 def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: float, notes: list[str]) -> Any:
-    """a and b from runs that do not interrupt (an interrupting run's busy time includes re-prefills),
-    then p from the interrupting runs' busy time beyond them."""
+    """From the servers' compute counts where the runs have them; else a and b from runs that do
+    not interrupt (an interrupting run's busy time includes re-prefills), then p from the
+    interrupting runs' busy time beyond them."""
+    first = runs[0]
+    placement = {"max_running": first.max_running, "devices_per_server": max(1, first.gen_devices // first.servers)}
+    if (counted := _counted_generation(runs, base, notes)) is not None:
+        return replace(counted, **placement)
     def points(rs: list[RunFacts]) -> list[tuple[float, float, float, RunFacts, dict]]:
         out = []
         for r in rs:
@@ -247,9 +283,8 @@ def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: floa
                      "rollout.interrupt; a fresh prompt's prefill is already inside a, b)")
     if gen.step_per_context_token_s:
         notes.append("generation: e (step_per_context_token_s) set to 0: the fitted b holds the KV cache read")
-    first = runs[0]
     return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=0.0, prefill_per_token_s=p_token,
-                   max_running=first.max_running, devices_per_server=max(1, first.gen_devices // first.servers))
+                   **placement)
 
 
 def _lengths(rows: list[dict], mean_len: float, top: int, answers: int, base: Costs, notes: list[str]) -> Lengths:
@@ -278,6 +313,51 @@ def _lengths(rows: list[dict], mean_len: float, top: int, answers: int, base: Co
     return base.lengths
 
 
+def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) -> Costs:
+    """With synchronous runs (η = 0: generation and training take turns) besides asynchronous
+    ones (they overlap): each side's costs alone from the synchronous runs, and how much more it
+    costs in the asynchronous ones (`shared_slowdown`). On one machine the two share caches and
+    memory bandwidth, and the light processes take turns with both; on separate accelerators the
+    slowdowns come out about 0."""
+    alone, shared = [r for r in runs if r.eta == 0], [r for r in runs if r.eta > 0]
+    quiet: list[str] = []
+    gen = _counted_generation(alone, base, quiet) if alone and shared else None
+    if gen is None:
+        notes.append("sharing: no synchronous run besides asynchronous ones (with the servers' compute counts); "
+                     "the costs hold what sharing the machine costs, and shared_slowdown is 0")
+        return costs
+    train = _train(alone, base, quiet)
+    decode = [s for r in shared for s in r.steps if s.get("gen/decode_steps")]
+    alone_seconds = sum(gen.step_fixed_s * s["gen/decode_steps"] + gen.step_per_seq_s * s["gen/decode_rows"]
+                        for s in decode)
+    gen_slowdown = max(0.0, sum(s["gen/decode_seconds"] for s in decode) / alone_seconds - 1) if alone_seconds else 0.0
+    # Prefill: p from every run, each shared run's prefill seconds taken back to what they cost alone.
+    prefills = [(s, 1 + gen_slowdown * (r.eta > 0)) for r in runs for s in r.steps if s.get("gen/prefills")]
+    tokens = sum(s["gen/prefill_tokens"] for s, _ in prefills)
+    p = gen.prefill_per_token_s
+    if tokens:
+        p = max(0.0, sum(s["gen/prefill_seconds"] / k - gen.step_fixed_s * s["gen/prefills"]
+                         for s, k in prefills) / tokens)
+    steps = [(r, s) for r in shared for s in r.steps if s.get("train/n_tokens") and s.get("train_seconds")]
+    alone_train = sum(train.step_fixed_s + train.per_token_s * s["train/n_tokens"] / r.ppo_epochs
+                      / (r.train_devices * train.dp_efficiency) for r, s in steps)
+    train_slowdown = 0.0
+    if alone_train:
+        spent = sum(s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) for _, s in steps)
+        train_slowdown = max(0.0, spent / alone_train - 1)
+    notes.append(f"sharing: alone (the {len(alone)} synchronous run(s)) a = {gen.step_fixed_s:.3g} s, "
+                 f"b = {gen.step_per_seq_s:.3g} s, p = {p:.3g} s/token, c = {train.step_fixed_s:.3g} s, "
+                 f"d = {train.per_token_s:.3g} s/token; overlapping (the {len(shared)} asynchronous run(s)) "
+                 f"a decode step costs {gen_slowdown:+.0%} and a train step {train_slowdown:+.0%}")
+    return replace(
+        costs,
+        gen=replace(costs.gen, step_fixed_s=gen.step_fixed_s, step_per_seq_s=gen.step_per_seq_s,
+                    prefill_fixed_s=gen.step_fixed_s, prefill_per_token_s=p, shared_slowdown=gen_slowdown),
+        train=replace(costs.train, step_fixed_s=train.step_fixed_s, per_token_s=train.per_token_s,
+                      shared_slowdown=train_slowdown),
+    )
+
+
 def fit_runs(paths: list[str], base: Costs) -> Fitted:
     """Costs fitted from the run directories' metrics, the rest from `base` (the cost file)."""
     runs = [read_run(p) for p in paths]
@@ -299,4 +379,5 @@ def fit_runs(paths: list[str], base: Costs) -> Fitted:
                        max_concurrent=first.max_concurrent, interrupt=first.interrupt)
     costs = Costs(gen=_generation(runs, base, prompt, mean_len, notes), train=_train(runs, base, notes),
                   update=_update(runs, base, notes), workload=workload, lengths=lengths)
+    costs = _sharing(runs, costs, base, notes)
     return Fitted(costs, notes, (first.gen_devices, first.train_devices), first.eta)

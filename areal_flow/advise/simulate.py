@@ -2,8 +2,8 @@
 
 The controller's rules are the real ones: admission and batch choice are `StalenessManager`'s
 (controller/staleness.py), called in the order `controller/main.py` calls them. Each generation
-server decodes its running answers one token per step at `a + b·n (+ e·context)` seconds a step;
-a train step runs
+server decodes its running answers one token per step at `a + b·n (+ e·context)` seconds a step
+and prefills at `p0 + p·tokens` (a new prompt once per group); a train step runs
 `c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
 drains its running answers, admitting none, then loads), while the trainer may already train the
@@ -85,6 +85,7 @@ class _Group:
 @dataclass(eq=False)
 class _Seq:
     group: _Group
+    index: int  # its place in the group: the order aborted answers go back in, the same in every run
     length: int  # tokens it ends at
     done: int = 0  # tokens generated before the current decode segment
     start: int = 0  # its server's step counter when the current segment began
@@ -181,7 +182,7 @@ class _Simulation:
             gid, self.next_gid = self.next_gid, self.next_gid + 1
             self.manager.admit(gid)
             group = _Group(gid, self.G)
-            group.seqs = [_Seq(group, self.draw()) for _ in range(self.G)]
+            group.seqs = [_Seq(group, i, self.draw()) for i in range(self.G)]
             self.groups[gid] = group
             server = min(self.servers, key=attrgetter("load"))  # the first of the least loaded
             server.queue.extend(group.seqs)
@@ -216,15 +217,19 @@ class _Simulation:
         stale = any(age > 0 and n for age, n in hist.items())  # the prox forward runs only then (training/worker.py)
         seconds = train.step_fixed_s + train.per_token_s * tokens * (1 + train.prox_fraction * stale) / (
             self.cand.train_devices * train.dp_efficiency)
+        if any(s.op in ("decode", "prefill") for s in self.servers):
+            seconds *= 1 + train.shared_slowdown
         self.hist.append(hist)
         self.step_tokens.append(tokens)
         self.train_spans.append((self.now, self.now + seconds))
         self.trainer = "training"
+        self.sharing_changed()
         self.at(self.now + seconds, self.trained)
 
     def trained(self) -> None:
         """A train step ended: its update starts, or waits for the one under way to end."""
         self.trainer = "waiting"
+        self.sharing_changed()
         if self.updating:
             self.update_due = True
         else:
@@ -262,6 +267,14 @@ class _Simulation:
             self.update_due = False
             self.start_update()
         self.try_batch()
+
+    def sharing_changed(self) -> None:
+        """The trainer started or stopped: decode ops end at their next step boundary and go on at
+        the cost that applies now (GenCosts.shared_slowdown)."""
+        if self.gen.shared_slowdown:
+            for s in self.servers:
+                if s.op == "decode":
+                    self.cut(s)
 
     # ---- a generation server ---------------------------------------------------------------------
 
@@ -308,12 +321,17 @@ class _Simulation:
             # The G answers of a new prompt share its prefill (identical sequences are prefilled once).
             fresh = {id(q.group) for q in s.admitting if not q.resumed}
             resumed = sum(self.work.prompt_tokens + q.done for q in s.admitting if q.resumed)
-            self.begin(s, "prefill", self.gen.prefill_per_token_s * (len(fresh) * self.work.prompt_tokens + resumed))
+            self.begin(s, "prefill", self.slowdown() * (
+                self.gen.prefill_fixed_s + self.gen.prefill_per_token_s * (len(fresh) * self.work.prompt_tokens + resumed)))
         elif s.running:
-            n, e = len(s.running), self.gen.step_per_context_token_s
+            n, e = len(s.running), self.gen.step_per_context_token_s * self.slowdown()
             steps = s.finishing[0][0] - s.steps
-            first = self.gen.step_fixed_s + self.gen.step_per_seq_s * n + e * (s.context + n * s.steps)
+            first = self.slowdown() * (self.gen.step_fixed_s + self.gen.step_per_seq_s * n) + e * (s.context + n * s.steps)
             self.begin(s, "decode", _decode_seconds(steps, first, e * n), steps, first, e * n)
+
+    def slowdown(self) -> float:
+        """What a generation op costs now, relative to the generator running alone."""
+        return 1 + self.gen.shared_slowdown if self.trainer == "training" else 1.0
 
     def woken(self, s: _Server, token: int) -> None:
         if token != s.wake:
@@ -360,7 +378,7 @@ class _Simulation:
             q.versions[s.version] = q.versions.get(s.version, 0) + n
             q.done += n
             q.resumed = True
-        s.queue.extend(sorted(s.running, key=lambda q: (q.group.gid, id(q))))
+        s.queue.extend(sorted(s.running, key=lambda q: (q.group.gid, q.index)))
         s.running.clear()
         s.finishing.clear()
         s.context = 0

@@ -190,19 +190,19 @@ def test_ties_go_to_the_least_stale_candidate():
 A, B_SEQ, C, D = 0.002, 0.0005, 0.3, 0.0002
 
 
-def write_run(run: Path, interrupt: bool = False) -> None:
+def write_run(run: Path, interrupt: bool = False, eta: int = 1) -> None:
     """A run directory as launch.py and the controller leave it: config.yaml and metrics.jsonl,
     its step rows made from known costs."""
     run.mkdir()
     config = {
         "algorithm": {"batch_size": 4, "group_size": 2, "max_new_tokens": 100, "ppo_epochs": 1},
-        "rollout": {"max_staleness": 1, "max_concurrent": 8, "interrupt": interrupt},
+        "rollout": {"max_staleness": eta, "max_concurrent": 8, "interrupt": interrupt},
         "generation": {"backend": "embedded", "tp_size": 1, "max_batch_size": None},
         "graph": {"generate": {"type": "generate", "mesh": "0"}, "reward": {"type": "reward"},
                   "actor_train": {"type": "train", "mesh": "1"}},
     }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
-    rows = [{"event": "start", "batch_size": 4, "group_size": 2, "max_staleness": 1}]
+    rows = [{"event": "start", "batch_size": 4, "group_size": 2, "max_staleness": eta}]
     for i in range(13):
         running = 2 + i % 6  # groups: n = 2·running answers on the one server
         tokens, trained = 300 + 37 * i, 400 + 53 * (i % 5)
@@ -258,6 +258,76 @@ def test_the_train_cost_comes_from_the_phase_timers_when_tokens_hardly_vary(tmp_
         del row["train/forward_seconds"], row["train/backward_seconds"]
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert any("vary too little" in n for n in fit_runs([str(tmp_path / "run")], base).notes)
+
+
+P_TOKEN = 3e-5
+
+
+def add_compute_counts(run: Path, slower: float = 1.0, train_slower: float = 1.0) -> list[dict]:
+    """The servers' compute counts (`gen/*`) in a written run's step rows, from A, B_SEQ and P_TOKEN
+    (every second `slower` times as long; train_seconds `train_slower` times); returns the rows."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows[1:]):
+        sizes = [1 + (i + j) % 9 for j in range(40)]  # 40 decode steps of 1 to 9 answers
+        prefills, tokens = 2 + i % 3, 50 + 13 * i
+        row.update({"gen/decode_steps": len(sizes), "gen/decode_rows": sum(sizes),
+                    "gen/decode_rows_sq": sum(n * n for n in sizes),
+                    "gen/decode_seconds": slower * sum(A + B_SEQ * n for n in sizes),
+                    "gen/decode_row_seconds": slower * sum(n * (A + B_SEQ * n) for n in sizes),
+                    "gen/prefills": prefills, "gen/prefill_tokens": tokens,
+                    "gen/prefill_seconds": slower * (A * prefills + P_TOKEN * tokens),
+                    "train_seconds": train_slower * row["train_seconds"]})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_the_servers_compute_counts_give_the_decode_and_prefill_costs(tmp_path):
+    """Where the servers count their own decode steps and prefills (the embedded engine), a and b
+    come from those, not from the step's busy share, and p from the prefills beyond a's fixed cost."""
+    write_run(tmp_path / "run", interrupt=True)  # interrupting: without counts, a and b could not come from it
+    rows = add_compute_counts(tmp_path / "run")
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    gen = fitted.costs.gen
+    assert (gen.step_fixed_s, gen.step_per_seq_s) == pytest.approx((A, B_SEQ), rel=1e-6)
+    assert (gen.prefill_fixed_s, gen.prefill_per_token_s) == pytest.approx((A, P_TOKEN), rel=1e-6)
+    assert gen.max_running == 128
+    assert any("compute counts" in n for n in fitted.notes)
+    # Steps all of one size cannot separate a from b: the mean step is a, and b is 0.
+    for row in rows[1:]:
+        row["gen/decode_rows_sq"] = row["gen/decode_rows"] ** 2 / row["gen/decode_steps"]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flat = fit_runs([str(tmp_path / "run")], base)
+    assert flat.costs.gen.step_per_seq_s == 0 and any("vary too little in size" in n for n in flat.notes)
+
+
+def test_a_synchronous_run_gives_the_costs_alone_and_the_asynchronous_ones_what_overlapping_adds(tmp_path):
+    """Sharing a machine, each side runs slower while the other works; at η = 0 they take turns."""
+    write_run(tmp_path / "sync", eta=0)
+    add_compute_counts(tmp_path / "sync")
+    write_run(tmp_path / "async", eta=4)
+    add_compute_counts(tmp_path / "async", slower=1.25, train_slower=1.1)
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    costs = fit_runs([str(tmp_path / "async"), str(tmp_path / "sync")], base).costs
+    assert (costs.gen.step_fixed_s, costs.gen.step_per_seq_s, costs.gen.prefill_per_token_s) == pytest.approx(
+        (A, B_SEQ, P_TOKEN), rel=1e-6)
+    assert (costs.train.step_fixed_s, costs.train.per_token_s) == pytest.approx((C, D), rel=1e-6)
+    assert (costs.gen.shared_slowdown, costs.train.shared_slowdown) == pytest.approx((0.25, 0.1), rel=1e-6)
+    # Asynchronous runs alone cannot tell: no slowdown, and the costs are what they measured.
+    alone = fit_runs([str(tmp_path / "async")], base)
+    assert alone.costs.gen.shared_slowdown == 0 and any("no synchronous run" in n for n in alone.notes)
+    assert alone.costs.gen.step_fixed_s == pytest.approx(1.25 * A, rel=1e-6)
+
+
+def test_sharing_slows_only_what_overlaps():
+    """At η = 0 generation and training never overlap, so the slowdowns change nothing; with η = 4
+    they overlap, and the pipeline is slower, yet no slower than with every op slowed."""
+    gen, train = GenCosts(0.01, 0.001, prefill_per_token_s=0.0), TrainCosts(0.2, 0.0005)
+    plain = make(gen=gen, train=train, lengths=Lengths(100, mean=50, sigma=0.4))
+    shared = replace(plain, gen=replace(gen, shared_slowdown=0.5), train=replace(train, shared_slowdown=0.3))
+    assert simulate(shared, Candidate(1, 1, eta=0), steps=8) == simulate(plain, Candidate(1, 1, eta=0), steps=8)
+    fast, slow = simulate(plain, Candidate(1, 1, eta=4), steps=20), simulate(shared, Candidate(1, 1, eta=4), steps=20)
+    assert fast.samples_per_s / 1.5 <= slow.samples_per_s < 0.95 * fast.samples_per_s
 
 
 def test_each_kind_of_update_is_fitted_from_the_runs_of_its_kind(tmp_path):
