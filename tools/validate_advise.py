@@ -1,15 +1,16 @@
 """The allocation advisor's predictions against measured runs of tiny_arith (docs/advise.md, "Validation").
 
-Generation on core 0 and training on core 1, by the recipe's meshes. First a short profiling set
-(η = 4 without interruption at two values of rollout.max_concurrent, one interrupting run, so that
-the interrupting update's pause is fitted, and one synchronous run, in which generation and training
-take turns, so that what each costs alone separates from what sharing the machine adds); the
-advisor fits its costs from their metrics.jsonl. Then each measured configuration (η × interrupt)
-runs once and is predicted by the simulation with the fitted costs; the table gives measured and
-predicted trained samples/s, idle fractions and staleness, with the relative error, and a plot
-is written.
+Generation on core 0 and training on core 1, by the recipe's meshes. First a short profiling set:
+the recipe's own setting (η = 1, draining updates), η = 4 draining and interrupting (so that the
+interrupting update's pause is fitted), and one synchronous run (η = 0), in which generation and
+training take turns, so that what each costs alone separates from what sharing the machine adds;
+the advisor fits its costs from their metrics.jsonl. Then each measured configuration (η ×
+interrupt) runs and is predicted by the simulation with the fitted costs; the table gives measured
+and predicted trained samples/s, idle fractions and staleness, with the relative error, and a plot
+is written. With --repeats N the profiling set and every configuration run N times, in rounds, and
+the table gives each configuration's mean.
 
-    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--etas 0 1 4] [--keep DIR [--reuse]] [-- overrides]
+    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--repeats 1] [--etas 0 1 4] [--keep DIR [--reuse]] [-- overrides]
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def measured(metrics: list[dict]) -> dict:
     }
 
 
+def mean_of(runs: list[dict]) -> dict:
+    """The repeats of one configuration: each figure's mean."""
+    return {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+
+
 def error(predicted: float, actual: float) -> str:
     return f"{(predicted - actual) / actual:+.0%}" if actual else "—"
 
@@ -58,8 +64,9 @@ def main() -> None:
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4], help="η of the measured runs")
     ap.add_argument("--interrupt", nargs="+", default=["false", "true"], choices=["false", "true"],
                     help="rollout.interrupt of the measured runs")
-    ap.add_argument("--profile-concurrency", type=int, nargs=2, default=[4, 32], metavar=("LOW", "HIGH"),
-                    help="rollout.max_concurrent of the two non-interrupting profiling runs")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the profiling set and each configuration this many times (runs of one commit differ "
+                         "by up to 10%%); the fit takes every profiling run, the table each configuration's mean")
     ap.add_argument("--keep", metavar="DIR", help="keep the run directories here (default: a temporary directory)")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: read the runs an earlier call left there instead of running them again "
@@ -78,36 +85,45 @@ def main() -> None:
 
     base = ["eval_at_start=false", "eval_at_end=false", "eval_every=0", "max_wall_seconds=0", "metrics.plot=false",
             *args.overrides]
+    profile_configs = [
+        ("profile_eta1", ["rollout.interrupt=false", "rollout.max_staleness=1"]),  # the recipe's own setting
+        ("profile_eta4", ["rollout.interrupt=false", "rollout.max_staleness=4"]),
+        ("profile_interrupt", ["rollout.interrupt=true", "rollout.max_staleness=4"]),
+        ("profile_sync", ["rollout.interrupt=false", "rollout.max_staleness=0"]),
+    ]
+    # Drain and interrupt alternate, and each repeat runs the whole set again, so that a drift of the
+    # machine's speed over the series spreads over every configuration instead of biasing the later ones.
+    configs = [(eta, interrupt) for eta in args.etas for interrupt in args.interrupt]
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         os.makedirs(root, exist_ok=True)
-        profiles = []
-        for name, extra in (
-            *((f"profile_c{c}", ["rollout.interrupt=false", f"rollout.max_concurrent={c}", "rollout.max_staleness=4"])
-              for c in args.profile_concurrency),
-            ("profile_interrupt", ["rollout.interrupt=true", "rollout.max_staleness=4"]),
-            ("profile_sync", ["rollout.interrupt=false", "rollout.max_staleness=0"]),
-        ):
-            run(f"{root}/{name}", [*base, f"total_steps={args.profile_steps}", *extra])
-            profiles.append(f"{root}/{name}")
+        profiles, runs = [], {config: [] for config in configs}
+        for rep in range(args.repeats):
+            suffix = f"_r{rep + 1}" if rep else ""
+            for name, extra in profile_configs:
+                run(f"{root}/{name}{suffix}", [*base, f"total_steps={args.profile_steps}", *extra])
+                profiles.append(f"{root}/{name}{suffix}")
+            for eta, interrupt in configs:
+                run_dir = f"{root}/eta{eta}_interrupt_{interrupt}{suffix}"
+                _, metrics = run(run_dir, [*base, f"total_steps={args.steps}", f"rollout.max_staleness={eta}",
+                                           f"rollout.interrupt={interrupt}"])
+                runs[eta, interrupt].append((run_dir, metrics))
         fitted = fit_runs(profiles, parse_costs({})[0])
         rows = []
-        for interrupt in args.interrupt:
-            for eta in args.etas:
-                name = f"eta{eta}_interrupt_{interrupt}"
-                _, metrics = run(f"{root}/{name}", [*base, f"total_steps={args.steps}",
-                                                           f"rollout.max_staleness={eta}", f"rollout.interrupt={interrupt}"])
-                start = next(m for m in metrics if m["event"] == "start")
-                costs = replace(fitted.costs, workload=replace(
-                    fitted.costs.workload, interrupt=interrupt == "true", batch_size=start["batch_size"],
-                    group_size=start["group_size"], max_concurrent=_max_concurrent(f"{root}/{name}")))
-                # The measured window starts after the first step, as timed_steps() does.
-                pred = simulate(costs, Candidate(*fitted.split, eta=eta, interrupt=interrupt == "true"),
-                                steps=args.steps - 1, warmup=1)
-                rows.append((eta, interrupt, measured(metrics), pred))
+        for (eta, interrupt), done in runs.items():
+            run_dir, metrics = done[0]
+            start = next(m for m in metrics if m["event"] == "start")
+            costs = replace(fitted.costs, workload=replace(
+                fitted.costs.workload, interrupt=interrupt == "true", batch_size=start["batch_size"],
+                group_size=start["group_size"], max_concurrent=_max_concurrent(run_dir)))
+            # The measured window starts after the first step, as timed_steps() does.
+            pred = simulate(costs, Candidate(*fitted.split, eta=eta, interrupt=interrupt == "true"),
+                            steps=args.steps - 1, warmup=1)
+            rows.append((eta, interrupt, [measured(m) for _, m in done], pred))
     console = Console(width=140)
     console.print(f"\nmachine: {machine()}", highlight=False)
     console.print(f"command: python tools/validate_advise.py --steps {args.steps} --profile-steps {args.profile_steps} "
+                  f"--repeats {args.repeats} "
                   f"--etas {' '.join(map(str, args.etas))} --interrupt {' '.join(args.interrupt)}", highlight=False)
     for note in fitted.notes:
         console.print(f"fit: {note}", highlight=False)
@@ -115,18 +131,22 @@ def main() -> None:
     print("\n| η | interrupt | samples/s measured | predicted | error | gen idle measured | predicted | "
           "train idle measured | predicted | staleness measured | predicted |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for eta, interrupt, m, p in rows:
-        print(f"| {eta} | {interrupt} | {m['samples_per_s']:.1f} | {p.samples_per_s:.1f} | "
+    rows = [(eta, interrupt, mean_of(ms), ms, p) for eta, interrupt, ms, p in rows]
+    for eta, interrupt, m, ms, p in rows:
+        each = " (" + ", ".join(f"{x['samples_per_s']:.1f}" for x in ms) + ")" if len(ms) > 1 else ""
+        print(f"| {eta} | {interrupt} | {m['samples_per_s']:.1f}{each} | {p.samples_per_s:.1f} | "
               f"{error(p.samples_per_s, m['samples_per_s'])} | {m['gen_idle']:.0%} | {p.gen_idle:.0%} | "
               f"{m['train_idle']:.0%} | {p.train_idle:.0%} | {m['staleness_mean']:.2f} | {p.staleness_mean:.2f} |")
-    errors = [abs(p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"] for _, _, m, p in rows]
+    errors = [abs(p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"] for _, _, m, _, p in rows]
     print(f"\nmean |error| of trained samples/s: {sum(errors) / len(errors):.0%}, largest {max(errors):.0%}")
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    labels = [f"η={eta}\n{'interrupt' if i == 'true' else 'drain'}" for eta, i, _, _ in rows]
+    labels = [f"η={eta}\n{'interrupt' if i == 'true' else 'drain'}" for eta, i, *_ in rows]
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [m["samples_per_s"] for _, _, m, _ in rows], width=0.4, label="measured")
-    ax.bar([x + 0.2 for x in xs], [p.samples_per_s for _, _, _, p in rows], width=0.4, label="predicted")
+    ax.bar([x - 0.2 for x in xs], [m["samples_per_s"] for _, _, m, _, _ in rows], width=0.4, label="measured (mean)")
+    for x, (*_, ms, _) in zip(xs, rows):  # each repeat's run
+        ax.plot([x - 0.2] * len(ms), [r["samples_per_s"] for r in ms], "k.", markersize=4)
+    ax.bar([x + 0.2 for x in xs], [p.samples_per_s for *_, p in rows], width=0.4, label="predicted")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("trained samples / s")
     ax.set_title("advisor: predicted vs measured, tiny_arith, 2 cores", fontsize=9)

@@ -42,6 +42,10 @@ class GenCosts:
     on one machine share its caches and memory bandwidth (CPU cores); 0 on separate accelerators."""
     devices_per_server: int = 1
     """devices one server spans (tensor parallel size): a split's generation devices / this = servers."""
+    padded: bool = False
+    """the server pads a batch to its longest sequence (the embedded engine): a prefill costs p per
+    position of its distinct sequences × the longest, a decode step e per running answer × the
+    longest context; false: p and e per real token (SGLang's paged KV cache)."""
 
 
 @dataclass(frozen=True)

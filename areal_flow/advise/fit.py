@@ -8,7 +8,7 @@ What a step row gives and what is fitted from it:
 | c, d (train step = c + d·tokens) | the trainer's phase timers: d from packing, forward and backward over `train/n_tokens`, c the rest of `train_seconds` − `train/prox_seconds`; without timers, least squares of that against `train/n_tokens` |
 | prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
 | w (update pause) | `generator_load` (the servers' own load time) with interrupt=false, else the least `update_seconds` there (the rest is the drain); the interrupting pause: the median `update_seconds` with interrupt=true |
-| a, b, p0, p (decode step = a + b·n, prefill = p0 + p·tokens) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers; p0 = a, p from the prefill seconds beyond it per token. Without counts (SGLang), the rows below |
+| a, b, e, p0, p (decode step = a + b·n + e·k, prefill = p0 + p·positions) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers n and the KV positions k they read (padding included); p0 = a, p from the prefill seconds beyond it per position computed (padding included). Without counts (SGLang), the rows below |
 | a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
 | lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
@@ -27,6 +27,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import numpy as np
 import yaml
 
 from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_max, lognormal_from_truncation
@@ -202,32 +203,95 @@ def _update(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
 
 
 def _counted_generation(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any | None:
-    """a, b, p0 and p from the servers' own compute counts (`gen/*` in the step rows, the embedded
-    engine's): a decode step costs a + b·n by least squares over every decode step of every run
-    (decode and prefill are timed apart, so interrupting runs count too), and a prefill a, as a
-    forward's fixed cost, plus p per token. None when the runs have no counts (SGLang)."""
+    """a, b, e, p0 and p from the servers' own compute counts (`gen/*` in the step rows, the
+    embedded engine's): a decode step costs a + b·n + e·k (k the KV positions its n answers read,
+    padding included) by least squares over every decode step of every run (decode and prefill are
+    timed apart, so interrupting runs count too), and a prefill a, as a forward's fixed cost, plus p
+    per position computed. None when the runs have no counts (SGLang)."""
     rows = [s for r in runs for s in r.steps if s.get("gen/decode_steps")]
     if not rows:
         return None
     total = {key: sum(s.get(f"gen/{key}", 0.0) for s in rows) for key in COMPUTE_COUNTS}
-    steps, n, n2 = total["decode_steps"], total["decode_rows"], total["decode_rows_sq"]
-    t, nt = total["decode_seconds"], total["decode_row_seconds"]
-    spread = steps * n2 - n * n  # steps² · variance of n
-    b = (steps * nt - n * t) / spread if spread > (0.05 * n) ** 2 else -1.0
-    if b >= 0 and (a := (t - b * n) / steps) >= 0:
+    steps, n, k = total["decode_steps"], total["decode_rows"], total["decode_kv"]
+    a, b, e = _decode_least_squares(total)
+    if e > 0:
+        notes.append(f"generation: a = {a:.3g} s, b = {b:.3g} s/answer, e = {e:.3g} s/KV position per decode step, "
+                     f"least squares over the servers' {steps:.0f} decode steps (their compute counts; "
+                     f"{n / steps:.1f} answers reading {k / steps:.0f} positions on average)")
+    elif b > 0:
         notes.append(f"generation: a = {a:.3g} s, b = {b:.3g} s/answer per decode step, least squares over the "
-                     f"servers' {steps:.0f} decode steps (their compute counts; n from {n / steps:.1f} on average)")
+                     f"servers' {steps:.0f} decode steps (their compute counts; n from {n / steps:.1f} on average; "
+                     "the KV positions read too close to n·const to separate: e = 0, b holds them)")
     else:
-        a, b = t / steps, 0.0
         notes.append(f"generation: decode steps of {n / steps:.1f} answers on average vary too little in size to "
                      f"separate a from b; a = {a:.3g} s, the mean step, b = 0")
     gen = base.gen
-    if total["prefill_tokens"]:
-        p = max(0.0, (total["prefill_seconds"] - a * total["prefills"]) / total["prefill_tokens"])
-        notes.append(f"generation: p0 = a, p = {p:.3g} s/token beyond it, from {total['prefills']:.0f} prefills of "
-                     f"{total['prefill_tokens'] / total['prefills']:.0f} tokens on average")
-        gen = replace(gen, prefill_fixed_s=a, prefill_per_token_s=p)
-    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=0.0)
+    # The padding a prefill computes, where counted (the embedded engine pads to the longest sequence).
+    padded = bool(total["prefill_positions"] or total["decode_kv"])
+    if total["prefills"]:
+        p0, p, how = _prefill_least_squares([(s, 1.0) for s in rows], a)
+        unit = "position" if padded else "token"
+        notes.append(f"generation: p0 = {p0:.3g} s, p = {p:.3g} s/{unit} per prefill, {how} over "
+                     f"{total['prefills']:.0f} prefills of {_prefill_size(total) / total['prefills']:.0f} {unit}s on average")
+        gen = replace(gen, prefill_fixed_s=p0, prefill_per_token_s=p)
+    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=e, padded=padded)
+
+
+def _prefill_size(total: dict) -> float:
+    """Σ m over the prefills: the positions computed (padding included) where counted, else the tokens."""
+    return total.get("prefill_positions") or total.get("prefill_tokens", 0.0)
+
+
+def _prefill_least_squares(rows: list[tuple[dict, float]], a: float) -> tuple[float, float, str]:
+    """(p0, p, how) minimising Σ (t − p0 − p·m)² over the counted prefills of the step rows, each
+    row's seconds divided by its factor (what they cost alone). Without Σ m² (older counts) or with
+    prefills all of about one size, p0 = a (a forward's fixed cost) and p the rest per position."""
+    total = {key: sum(s.get(f"gen/{key}", 0.0) / (f if "seconds" in key else 1.0) for s, f in rows)
+             for key in COMPUTE_COUNTS}
+    count, m, t = total["prefills"], _prefill_size(total), total["prefill_seconds"]
+    m2, mt = total["prefill_positions_sq"], total["prefill_position_seconds"]
+    spread = count * m2 - m * m  # count² · variance of m
+    if m2 and spread > (0.05 * m) ** 2:
+        p = (count * mt - m * t) / spread
+        if p >= 0 and (p0 := (t - p * m) / count) >= 0:
+            return p0, p, "least squares"
+    return a, max(0.0, (t - a * count) / m) if m else 0.0, "p0 = a (sizes too alike to separate), p the rest"
+
+
+def _decode_least_squares(total: dict[str, float]) -> tuple[float, float, float]:
+    """(a, b, e) minimising Σ (t − a − b·n − e·k)² over the counted decode steps; e = 0 where k
+    hardly varies apart from n (or no k was counted), b = 0 too where n hardly varies, and a term
+    whose coefficient comes out negative is dropped (that much noise, not a cost)."""
+    steps, n, n2, t, nt = (total[key] for key in ("decode_steps", "decode_rows", "decode_rows_sq",
+                                                  "decode_seconds", "decode_row_seconds"))
+    k, k2, nk, kt = (total[key] for key in ("decode_kv", "decode_kv_sq", "decode_rows_kv", "decode_kv_seconds"))
+    spread_n = steps * n2 - n * n  # steps² · variance of n
+    if k and spread_n > (0.05 * n) ** 2:
+        gram = np.array([[steps, n, k], [n, n2, nk], [k, nk, k2]], dtype=float)
+        # What of k's variance n does not explain (the Schur complement), against k's mean: a 5% spread.
+        left = k2 - np.array([k, nk]) @ np.linalg.solve(gram[:2, :2], np.array([k, nk]))
+        if left > steps * (0.05 * k / steps) ** 2:
+            scale = np.array([1.0, steps / n, steps / k])  # columns of one size: a well-conditioned solve
+            a, b, e = scale * np.linalg.solve(gram * np.outer(scale, scale), scale * np.array([t, nt, kt]))
+            if min(a, b, e) >= 0:
+                return float(a), float(b), float(e)
+    b = (steps * nt - n * t) / spread_n if spread_n > (0.05 * n) ** 2 else -1.0
+    if b >= 0 and (a := (t - b * n) / steps) >= 0:
+        return a, b, 0.0
+    return t / steps, 0.0, 0.0
+
+
+def _overlap(row: dict) -> float:
+    """The share of a step row's time the trainer trained."""
+    if not row.get("step_seconds") or row.get("train_seconds") is None:
+        return 1.0
+    return min(1.0, row["train_seconds"] / row["step_seconds"])
+
+
+def _decode_alone_seconds(gen: Any, row: dict) -> float:
+    """What a step row's counted decode steps cost at `gen`'s a, b, e."""
+    return (gen.step_fixed_s * row["gen/decode_steps"] + gen.step_per_seq_s * row["gen/decode_rows"]
+            + gen.step_per_context_token_s * row.get("gen/decode_kv", 0.0))
 
 
 def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: float, notes: list[str]) -> Any:
@@ -327,32 +391,34 @@ def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) 
                      "the costs hold what sharing the machine costs, and shared_slowdown is 0")
         return costs
     train = _train(alone, base, quiet)
-    decode = [s for r in shared for s in r.steps if s.get("gen/decode_steps")]
-    alone_seconds = sum(gen.step_fixed_s * s["gen/decode_steps"] + gen.step_per_seq_s * s["gen/decode_rows"]
-                        for s in decode)
-    gen_slowdown = max(0.0, sum(s["gen/decode_seconds"] for s in decode) / alone_seconds - 1) if alone_seconds else 0.0
-    # Prefill: p from every run, each shared run's prefill seconds taken back to what they cost alone.
-    prefills = [(s, 1 + gen_slowdown * (r.eta > 0)) for r in runs for s in r.steps if s.get("gen/prefills")]
-    tokens = sum(s["gen/prefill_tokens"] for s, _ in prefills)
-    p = gen.prefill_per_token_s
-    if tokens:
-        p = max(0.0, sum(s["gen/prefill_seconds"] / k - gen.step_fixed_s * s["gen/prefills"]
-                         for s, k in prefills) / tokens)
+    # Each side is slowed only while the other works, as the simulation applies it: a step row's
+    # excess over the costs alone is slowdown × the costs alone × the share of the step the other
+    # side was at work (the trainer's train_seconds, the servers' 1 − generator_idle).
+    decode = [(s, _overlap(s)) for r in shared for s in r.steps if s.get("gen/decode_steps")]
+    over = sum(_decode_alone_seconds(gen, s) * f for s, f in decode)
+    extra = sum(s["gen/decode_seconds"] - _decode_alone_seconds(gen, s) for s, _ in decode)
+    gen_slowdown = max(0.0, extra / over) if over else 0.0
+    # Prefill: p0, p from every run, each shared run's prefill seconds taken back to what they cost alone.
+    prefills = [(s, 1 + gen_slowdown * _overlap(s) * (r.eta > 0)) for r in runs for s in r.steps if s.get("gen/prefills")]
+    p0, p = gen.prefill_fixed_s, gen.prefill_per_token_s
+    if prefills:
+        p0, p, _ = _prefill_least_squares(prefills, gen.step_fixed_s)
     steps = [(r, s) for r in shared for s in r.steps if s.get("train/n_tokens") and s.get("train_seconds")]
-    alone_train = sum(train.step_fixed_s + train.per_token_s * s["train/n_tokens"] / r.ppo_epochs
-                      / (r.train_devices * train.dp_efficiency) for r, s in steps)
-    train_slowdown = 0.0
-    if alone_train:
-        spent = sum(s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) for _, s in steps)
-        train_slowdown = max(0.0, spent / alone_train - 1)
+    train_alone = [(train.step_fixed_s + train.per_token_s * s["train/n_tokens"] / r.ppo_epochs
+                    / (r.train_devices * train.dp_efficiency), s) for r, s in steps]
+    over = sum(t * (1 - s["generator_idle"] if s.get("generator_idle") is not None else 1.0) for t, s in train_alone)
+    extra = sum(s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) - t for t, s in train_alone)
+    train_slowdown = max(0.0, extra / over) if over else 0.0
     notes.append(f"sharing: alone (the {len(alone)} synchronous run(s)) a = {gen.step_fixed_s:.3g} s, "
-                 f"b = {gen.step_per_seq_s:.3g} s, p = {p:.3g} s/token, c = {train.step_fixed_s:.3g} s, "
+                 f"b = {gen.step_per_seq_s:.3g} s, e = {gen.step_per_context_token_s:.3g} s, "
+                 f"p0 = {p0:.3g} s, p = {p:.3g} s/{'position' if gen.padded else 'token'}, c = {train.step_fixed_s:.3g} s, "
                  f"d = {train.per_token_s:.3g} s/token; overlapping (the {len(shared)} asynchronous run(s)) "
                  f"a decode step costs {gen_slowdown:+.0%} and a train step {train_slowdown:+.0%}")
     return replace(
         costs,
         gen=replace(costs.gen, step_fixed_s=gen.step_fixed_s, step_per_seq_s=gen.step_per_seq_s,
-                    prefill_fixed_s=gen.step_fixed_s, prefill_per_token_s=p, shared_slowdown=gen_slowdown),
+                    step_per_context_token_s=gen.step_per_context_token_s, prefill_fixed_s=p0,
+                    prefill_per_token_s=p, shared_slowdown=gen_slowdown),
         train=replace(costs.train, step_fixed_s=train.step_fixed_s, per_token_s=train.per_token_s,
                       shared_slowdown=train_slowdown),
     )

@@ -3,7 +3,8 @@
 The controller's rules are the real ones: admission and batch choice are `StalenessManager`'s
 (controller/staleness.py), called in the order `controller/main.py` calls them. Each generation
 server decodes its running answers one token per step at `a + b·n (+ e·context)` seconds a step
-and prefills at `p0 + p·tokens` (a new prompt once per group); a train step runs
+and prefills at `p0 + p·tokens` (a new prompt once per group; `padded`: context and tokens count
+the padding to the longest answer or sequence, as the embedded engine computes); a train step runs
 `c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
 drains its running answers, admitting none, then loads), while the trainer may already train the
@@ -320,13 +321,18 @@ class _Simulation:
             s.admitting = [s.queue.popleft() for _ in range(min(room, len(s.queue)))]
             # The G answers of a new prompt share its prefill (identical sequences are prefilled once).
             fresh = {id(q.group) for q in s.admitting if not q.resumed}
-            resumed = sum(self.work.prompt_tokens + q.done for q in s.admitting if q.resumed)
-            self.begin(s, "prefill", self.slowdown() * (
-                self.gen.prefill_fixed_s + self.gen.prefill_per_token_s * (len(fresh) * self.work.prompt_tokens + resumed)))
+            prompt = self.work.prompt_tokens
+            lengths = [prompt] * len(fresh) + [prompt + q.done for q in s.admitting if q.resumed]
+            tokens = len(lengths) * max(lengths) if self.gen.padded else sum(lengths)
+            self.begin(s, "prefill", self.slowdown() * (self.gen.prefill_fixed_s + self.gen.prefill_per_token_s * tokens))
         elif s.running:
             n, e = len(s.running), self.gen.step_per_context_token_s * self.slowdown()
             steps = s.finishing[0][0] - s.steps
-            first = self.slowdown() * (self.gen.step_fixed_s + self.gen.step_per_seq_s * n) + e * (s.context + n * s.steps)
+            if self.gen.padded:  # every answer reads the longest context, padding included
+                context = n * (max(self.work.prompt_tokens + q.done - q.start for q in s.running) + s.steps)
+            else:
+                context = s.context + n * s.steps
+            first = self.slowdown() * (self.gen.step_fixed_s + self.gen.step_per_seq_s * n) + e * context
             self.begin(s, "decode", _decode_seconds(steps, first, e * n), steps, first, e * n)
 
     def slowdown(self) -> float:

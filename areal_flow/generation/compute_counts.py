@@ -11,31 +11,51 @@ from dataclasses import dataclass
 @dataclass
 class ComputeCounts:
     """Running sums over the engine's compute, from which a decode step's cost is fitted as
-    a + b·n (n the rows it decodes) by least squares, and a prefill's per token: the
-    allocation advisor's generation costs (advise/fit.py). Decode steps and prefills run one at a
-    time on the engine's thread, so their seconds add up to its busy time (with the cache copies
-    of joins and compactions counted in the prefill and decode that cause them)."""
+    a + b·n + e·k (n the rows it decodes, k the KV positions they read) and a prefill's as
+    p0 + p·m (m the positions it computes) by least squares: the allocation advisor's generation
+    costs (advise/fit.py). Decode steps and prefills run one at a time on the engine's thread, so
+    their seconds add up to its busy time (with the cache copies of joins and compactions counted
+    in the prefill and decode that cause them). The batch is left-padded to its longest row, so k
+    is n × the batch's width and m the distinct sequences × the longest of them: padding costs as
+    much as a token."""
 
     decode_steps: int = 0
     decode_rows: int = 0  # Σ n: the rows each step sampled for
     decode_rows_sq: int = 0  # Σ n²
     decode_seconds: float = 0.0  # Σ t
     decode_row_seconds: float = 0.0  # Σ n·t
+    decode_kv: int = 0  # Σ k: KV positions the rows attend over, padding included (n × width)
+    decode_kv_sq: int = 0  # Σ k²
+    decode_rows_kv: int = 0  # Σ n·k
+    decode_kv_seconds: float = 0.0  # Σ k·t
     prefills: int = 0  # prefill forwards (each admits one or more requests)
     prefill_tokens: int = 0  # distinct sequences' tokens computed (G answers of a prompt: once)
-    prefill_seconds: float = 0.0
+    prefill_positions: int = 0  # Σ m: distinct sequences × the longest, the tokens with their padding
+    prefill_positions_sq: int = 0  # Σ m²
+    prefill_seconds: float = 0.0  # Σ t
+    prefill_position_seconds: float = 0.0  # Σ m·t
 
-    def decoded(self, rows: int, seconds: float) -> None:
+    def decoded(self, rows: int, width: int, seconds: float) -> None:
+        kv = rows * width
         self.decode_steps += 1
         self.decode_rows += rows
         self.decode_rows_sq += rows * rows
         self.decode_seconds += seconds
         self.decode_row_seconds += rows * seconds
+        self.decode_kv += kv
+        self.decode_kv_sq += kv * kv
+        self.decode_rows_kv += rows * kv
+        self.decode_kv_seconds += kv * seconds
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
+    def prefilled(self, lengths: list[int], seconds: float) -> None:
+        """One prefill of distinct sequences of these lengths."""
+        positions = len(lengths) * max(lengths, default=0)
         self.prefills += 1
-        self.prefill_tokens += tokens
+        self.prefill_tokens += sum(lengths)
+        self.prefill_positions += positions
+        self.prefill_positions_sq += positions * positions
         self.prefill_seconds += seconds
+        self.prefill_position_seconds += positions * seconds
 
 
 COMPUTE_COUNTS = tuple(f.name for f in dataclasses.fields(ComputeCounts))

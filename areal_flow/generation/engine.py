@@ -520,14 +520,15 @@ class GenerationEngine:
                         new = self._prefill(admitted)
                         batch = new if batch is None else _Batch.combine(
                             [(batch, batch.live()), (new, list(range(len(admitted))))])
-                        self._counts.prefilled(sum(map(len, {row.sequence for row in admitted})),
+                        self._counts.prefilled([len(q) for q in {row.sequence for row in admitted}],
                                                time.perf_counter() - started)
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
                         batch = _Batch.combine([(batch, batch.live())])  # enough rows dead: compact
                     # A compaction's copy counts with the decode step it comes before.
-                    decoding, rows = time.perf_counter() if admitted else started, len(batch.live())
+                    decoding = time.perf_counter() if admitted else started
+                    rows, width = len(batch.live()), batch.mask.shape[1] + 1  # the step's forward adds a column
                     batch = self._step(batch)
-                    self._counts.decoded(rows, time.perf_counter() - decoding)
+                    self._counts.decoded(rows, width, time.perf_counter() - decoding)
                 except Exception as exc:
                     logger.exception("decode step failed; failing the requests in it")
                     self._answer_step_finished()  # rows finished before the failure keep their answers

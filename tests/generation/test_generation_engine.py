@@ -69,11 +69,34 @@ def test_compute_counts_split_the_busy_time_into_one_prefill_and_a_decode_step_p
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert (stats["prefills"], stats["prefill_tokens"]) == (1, 4)
+    assert (stats["prefills"], stats["prefill_tokens"], stats["prefill_positions"]) == (1, 4, 4)
     assert (stats["decode_steps"], stats["decode_rows"], stats["decode_rows_sq"]) == (10, 30, 90)
     assert stats["decode_row_seconds"] == pytest.approx(3 * stats["decode_seconds"])
+    # Step i (from 0) reads the prompt's 4 positions and i + 1 more for each of the 3 rows.
+    kvs = [3 * (4 + i + 1) for i in range(10)]
+    assert (stats["decode_kv"], stats["decode_kv_sq"], stats["decode_rows_kv"]) == (
+        sum(kvs), sum(k * k for k in kvs), sum(3 * k for k in kvs))
+    assert stats["decode_kv_seconds"] > 0
     assert stats["prefill_seconds"] > 0 and stats["decode_seconds"] > 0
     assert 0.95 * stats["busy_seconds"] <= stats["prefill_seconds"] + stats["decode_seconds"] <= stats["busy_seconds"]
+
+
+def test_a_prefill_counts_its_padding_and_a_decode_step_the_widest_rows_kv(model_dirs: ModelDirs):
+    """Prompts of 2 and 5 tokens prefilled together are left-padded to 5: 10 positions computed for
+    7 tokens; each decode step reads the padded width for both rows."""
+    engine = GenerationEngine(model_dirs.a, max_batch_size=8)
+    try:
+        engine.pause()
+        futures = [engine.submit(ids, max_new_tokens=3, ignore_eos=True) for ids in ([2, 3], [2, 3, 4, 5, 6])]
+        engine.continue_generation()
+        assert all(len(f.result(timeout=60).output_ids) == 3 for f in futures)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert (stats["prefills"], stats["prefill_tokens"], stats["prefill_positions"]) == (1, 7, 10)
+    assert stats["prefill_positions_sq"] == 100
+    assert stats["prefill_position_seconds"] == pytest.approx(10 * stats["prefill_seconds"])
+    assert stats["decode_kv"] == sum(2 * (5 + i + 1) for i in range(3))
 
 
 def test_shutdown_fails_unfinished_requests_and_stops_the_thread(model_dirs: ModelDirs):
