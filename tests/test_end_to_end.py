@@ -34,7 +34,9 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     # The policy version advanced: the last published weights are v4, and generation used them;
     # v2 is kept besides the last two (keep_weights_every=2), v1 is not.
     assert sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v")) == ["v2", "v3", "v4"]
-    # The step profile: the trainer's timed phases fit inside the controller's view of its step.
+    # The step profile: the trainer's timed phases fit inside the controller's view of its step,
+    # and each row's window holds its own step's training, the last row's too.
+    assert all(0 < m["train_seconds"] <= m["step_seconds"] for m in steps), steps
     for m in steps:
         phases = [m[f"train/{p}_seconds"] for p in ("transport", "inputs", "packing", "forward", "backward",
                                                      "optimizer", "publish")]
@@ -72,6 +74,10 @@ def test_eta_zero_trains_each_batch_on_the_current_policy(tmp_path, run_cache):
     check_accounting(run_dir, eta=0)
     steps = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "step"]
     assert all(m["staleness_max"] == 0 for m in steps)
+    # Each row's window is its own step: generating the batch, then training it; none is a sliver
+    # (the last row once covered only the final weight load).
+    for m in steps:
+        assert 0 < m["train_seconds"] <= m["step_seconds"] and m["generator_idle"] < 0.95, m
     ledger = jsonl(run_dir / "ledger.jsonl")
     admitted = {e["group"]: e["version"] for e in ledger if e["event"] == "admit"}
     # Synchronous: step s trains exactly the B groups admitted at version s.

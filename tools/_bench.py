@@ -39,9 +39,10 @@ def read_run_dir(run_dir: str) -> tuple[dict, list[dict]]:
 
 
 def timed_steps(metrics: list[dict]) -> tuple[list[dict], float]:
-    """A run's step rows without the first (it includes start-up), and the wall seconds they span."""
+    """A run's step rows without the first (it includes start-up), and the wall seconds they span:
+    each row's window runs from the end of the previous step's training to the end of its own."""
     steps = [m for m in metrics if m["event"] == "step"][1:]
-    return steps, steps[-1]["time"] - steps[0]["time"] + steps[0]["step_seconds"]
+    return steps, sum(m["step_seconds"] for m in steps)
 
 
 def save_plot(fig, path: str) -> None:

@@ -72,6 +72,9 @@ class _Trained:
     stats: dict[str, float]
     seconds: float  # the trainer's step, dispatch to the last rank's reply
     at: float  # training-clock seconds when it ended
+    # The step's window, from the end of the previous step to the end of this one: its seconds, the
+    # servers' counts over it (Publisher.server_counts) and the controller's CPU seconds in it.
+    window: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
     update: asyncio.Task | None = None  # loading its weights on the generation servers
 
 
@@ -117,7 +120,8 @@ class Controller:
         self.next_group = 0
         self.trainer_seconds = 0.0
         self.generated_tokens = 0
-        # At the last metrics row: monotonic time, the servers' counts (Publisher.server_counts), controller CPU.
+        # Where the next step's window starts: monotonic time, the servers' counts
+        # (Publisher.server_counts), controller CPU seconds.
         self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
 
     # ---- the control plane: every message from every other process ----------------------------
@@ -190,7 +194,7 @@ class Controller:
         so there each update ends before the next step starts."""
         cfg = self.cfg
         overlap = cfg.rollout.weight_update_mode != "distributed"
-        self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
+        await self.restart_window()
         done: _Trained | None = None  # the last trained step, its weights maybe still loading
         step = 0
         try:
@@ -201,7 +205,8 @@ class Controller:
                 batch = await self.next_batch(step, done.update if done else None)
                 t0 = time.monotonic()
                 stats, weights = await self.run_step(step, batch)
-                trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed())
+                trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed(),
+                                   await self.end_window())
                 if done is not None:
                     await self.close_step(done)
                 trained.update = asyncio.create_task(self.update(weights, step + 1))
@@ -227,17 +232,28 @@ class Controller:
         await self.grant()
         return seconds
 
+    async def restart_window(self) -> None:
+        """The next step's window starts now."""
+        self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
+
+    async def end_window(self) -> tuple[float, dict[str, float], float]:
+        """A step has trained: its window (seconds, the servers' counts over it, controller CPU) ends
+        now, and the next step's starts. A step's row then covers that step's own training and what
+        generation did meanwhile, the last step's too (its weights' load comes after)."""
+        (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.publisher.server_counts()
+        self.mark = (now, counts, time.process_time())
+        return now - last, {key: value - before[key] for key, value in counts.items() if key in before}, \
+            time.process_time() - cpu
+
     async def close_step(self, done: _Trained) -> None:
         """Once a step's weights are loaded: its metrics row, and the held-out evaluation when due."""
         self.waiting_for = f"the generation servers to load the weights of version {done.step + 1}"
         update_seconds = await done.update
-        (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.publisher.server_counts()
-        servers = {key: value - before[key] for key, value in counts.items() if key in before}
-        self.log_step(done, now - last, update_seconds, servers, time.process_time() - cpu)
-        self.mark = (now, counts, time.process_time())
+        seconds, servers, cpu = done.window
+        self.log_step(done, seconds, update_seconds, servers, cpu)
         if self.cfg.eval_every and (done.step + 1) % self.cfg.eval_every == 0:
-            await self.evaluate(f"step {done.step + 1}", done.step + 1)  # not training time: rates restart after it
-            self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
+            await self.evaluate(f"step {done.step + 1}", done.step + 1)
+            await self.restart_window()  # not training time: the rates restart after it
         self.last_progress = time.monotonic()
 
     async def watchdog(self) -> None:

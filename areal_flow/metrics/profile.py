@@ -40,7 +40,7 @@ PHASE_HELP = {
     "decode": "decode steps: one token for every running request",
     "prefill": "prefilling admitted requests' prompts (and, after an abort, their tokens so far)",
     "load weights": "loading the new version (the servers' count; SGLang: the controller's view of the update)",
-    "wall": "the step, from one weight version to the next",
+    "wall": "the step, from the end of the previous step's training to the end of its own",
 }
 
 
@@ -136,14 +136,18 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
                                                     "tab:blue", "tab:red", "tab:pink", "tab:brown", "navy",
                                                     "lightgrey")))
     fig, ax = plt.subplots(figsize=(10, 2.8))
-    t0 = steps[0]["elapsed"] - steps[0]["step_seconds"] if steps else 0.0
+    def window_end(m: dict) -> float:
+        # A step's window ends where its training ends (trained_at); the servers load its weights
+        # from then on, while the trainer may already train the next step. (Rows without trained_at:
+        # the window ended when the row was written, after the load.)
+        return m.get("trained_at", m["elapsed"])
+
+    t0 = window_end(steps[0]) - steps[0]["step_seconds"] if steps else 0.0
     seen: set[str] = set()
     for m in steps:
-        end = m["elapsed"] - t0
+        end = window_end(m) - t0
         start = end - m["step_seconds"]
-        # The trainer's step ends at trained_at; the servers load its weights from then on, while the
-        # trainer may already train the next step (rows without trained_at: one after the other).
-        trained_at = m["trained_at"] - t0 if "trained_at" in m else end - m["update_seconds"]
+        trained_at = end if "trained_at" in m else end - m["update_seconds"]
         train_start = trained_at - m["train_seconds"]
         x = train_start
         timed = 0.0
