@@ -511,7 +511,6 @@ class GenerationEngine:
                 started = time.perf_counter()
                 if update is not None:
                     self._apply_update(update)
-                    self._load_seconds += time.perf_counter() - started
                     continue
                 if (batch is None and not admitted) or self._paused:
                     continue  # woken for an abort, or paused (a batch held in place waits)
@@ -716,6 +715,8 @@ class GenerationEngine:
             logger.exception("on_token of request %s failed", row.request.rid)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
+        # The load's seconds are counted before the caller hears it is done: it may read the stats next.
+        started = time.perf_counter()
         try:
             params = self.model.state_dict()  # these tensors share storage with the model's
             for name, tensor in update.state.items():
@@ -726,9 +727,11 @@ class GenerationEngine:
                 self.model_path = update.path
         except Exception as exc:
             logger.exception("weight update from %s failed", update.source)
+            self._load_seconds += time.perf_counter() - started
             update.done.set_exception(exc)
         else:
             logger.info("weights from %s loaded, version %d", update.source, update.version)
+            self._load_seconds += time.perf_counter() - started
             update.done.set_result(None)
 
     def _result(self, row: _Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:
