@@ -8,7 +8,7 @@ What a step row gives and what is fitted from it:
 | c, d (train step = c + d·tokens) | the trainer's phase timers: d from packing, forward and backward over `train/n_tokens`, c the rest of `train_seconds` − `train/prox_seconds`; without timers, least squares of that against `train/n_tokens` |
 | prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
 | w (update pause) | `generator_load` (the servers' own load time) with interrupt=false, else the least `update_seconds` there (the rest is the drain); the interrupting pause: the median `update_seconds` with interrupt=true |
-| a, b, e, p0, p (decode step = a + b·n + e·k, prefill = p0 + p·positions) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers n and the KV positions k they read (padding included); p0 = a, p from the prefill seconds beyond it per position computed (padding included). Without counts (SGLang), the rows below |
+| a, b, e, p0, p (decode step = a + b·n + e·k, prefill = p0 + p·positions) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers n and the KV positions k they read (padding included), and of each prefill's seconds against the positions it computes (padding included; p0 = a where the prefills are all of one size). Without counts (SGLang), the rows below |
 | a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
 | lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
@@ -206,8 +206,8 @@ def _counted_generation(runs: list[RunFacts], base: Costs, notes: list[str]) -> 
     """a, b, e, p0 and p from the servers' own compute counts (`gen/*` in the step rows, the
     embedded engine's): a decode step costs a + b·n + e·k (k the KV positions its n answers read,
     padding included) by least squares over every decode step of every run (decode and prefill are
-    timed apart, so interrupting runs count too), and a prefill a, as a forward's fixed cost, plus p
-    per position computed. None when the runs have no counts (SGLang)."""
+    timed apart, so interrupting runs count too), and a prefill p0 + p per position computed, by
+    least squares over the prefills. None when the runs have no counts (SGLang)."""
     rows = [s for r in runs for s in r.steps if s.get("gen/decode_steps")]
     if not rows:
         return None
