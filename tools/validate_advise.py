@@ -65,8 +65,9 @@ def main() -> None:
     ap.add_argument("--interrupt", nargs="+", default=["false", "true"], choices=["false", "true"],
                     help="rollout.interrupt of the measured runs")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run the profiling set and each configuration this many times (runs of one commit differ "
-                         "by up to 10%%); the fit takes every profiling run, the table each configuration's mean")
+                    help="run the profiling set and each configuration this many times (runs of one configuration "
+                         "differ by up to a third on a shared machine); the fit takes every profiling run, "
+                         "the table each configuration's mean")
     ap.add_argument("--keep", metavar="DIR", help="keep the run directories here (default: a temporary directory)")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: read the runs an earlier call left there instead of running them again "

@@ -715,8 +715,7 @@ class GenerationEngine:
             logger.exception("on_token of request %s failed", row.request.rid)
 
     def _apply_update(self, update: _WeightUpdate) -> None:
-        # The load's seconds are counted before the caller hears it is done: it may read the stats next.
-        started = time.perf_counter()
+        started, error = time.perf_counter(), None
         try:
             params = self.model.state_dict()  # these tensors share storage with the model's
             for name, tensor in update.state.items():
@@ -727,11 +726,13 @@ class GenerationEngine:
                 self.model_path = update.path
         except Exception as exc:
             logger.exception("weight update from %s failed", update.source)
-            self._load_seconds += time.perf_counter() - started
-            update.done.set_exception(exc)
+            error = exc
+        # Counted before the caller hears it is done: it may read the stats next.
+        self._load_seconds += time.perf_counter() - started
+        if error is not None:
+            update.done.set_exception(error)
         else:
             logger.info("weights from %s loaded, version %d", update.source, update.version)
-            self._load_seconds += time.perf_counter() - started
             update.done.set_result(None)
 
     def _result(self, row: _Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:

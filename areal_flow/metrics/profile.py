@@ -122,6 +122,13 @@ def profile_table(metrics: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _window_end(m: dict) -> float:
+    """Where a step row's window ends: where its training ends (trained_at); the servers load its
+    weights from then on, while the trainer may already train the next step. (Rows without
+    trained_at: where the row was written, after the load.)"""
+    return m.get("trained_at", m["elapsed"])
+
+
 def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = "") -> str:
     """The last `last` steps on a time axis: the trainer's phases as consecutive segments within
     its step, the generator's busy share as the shade of each step and its weight load exactly."""
@@ -136,16 +143,10 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
                                                     "tab:blue", "tab:red", "tab:pink", "tab:brown", "navy",
                                                     "lightgrey")))
     fig, ax = plt.subplots(figsize=(10, 2.8))
-    def window_end(m: dict) -> float:
-        # A step's window ends where its training ends (trained_at); the servers load its weights
-        # from then on, while the trainer may already train the next step. (Rows without trained_at:
-        # the window ended when the row was written, after the load.)
-        return m.get("trained_at", m["elapsed"])
-
-    t0 = window_end(steps[0]) - steps[0]["step_seconds"] if steps else 0.0
+    t0 = _window_end(steps[0]) - steps[0]["step_seconds"] if steps else 0.0
     seen: set[str] = set()
     for m in steps:
-        end = window_end(m) - t0
+        end = _window_end(m) - t0
         start = end - m["step_seconds"]
         trained_at = end if "trained_at" in m else end - m["update_seconds"]
         train_start = trained_at - m["train_seconds"]
