@@ -30,8 +30,8 @@ def main() -> None:
             "metrics.plot=false", *args.overrides]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for eta in args.etas:
-            _, metrics = run_recipe(f"{tmp}/eta{eta}", [*base, f"rollout.max_staleness={eta}"])
+        for i, eta in enumerate(args.etas):  # an η may repeat (alternated runs)
+            _, metrics = run_recipe(f"{tmp}/run{i}-eta{eta}", [*base, f"rollout.max_staleness={eta}"])
             steps, wall = timed_steps(metrics)
             gen_idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]
             rows.append({

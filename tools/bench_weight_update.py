@@ -2,10 +2,11 @@
 
 Two parts, on one embedded generation server in this process (one thread, as a server on one core):
 
-1. Handing over the weights, with the server idle: the trainer writes a Hugging Face directory
-   (`save_pretrained`) and the server loads it (`/update_weights_from_disk`), once on the disk
-   (a directory under --work-dir) and once in shared memory (/dev/shm, a RAM file system: SGLang's
-   same endpoint, no disk). Median of --repeats.
+1. Handing over the weights, with the server idle: the trainer's engine writes a Hugging Face
+   directory (`TorchEngine.save_weights`, which writes through `save_pretrained` once and the same
+   files directly after that; `save_pretrained` alone is timed beside it) and the server loads it
+   (`/update_weights_from_disk`), once on the disk (a directory under --work-dir) and once in shared
+   memory (/dev/shm, a RAM file system: SGLang's same endpoint, no disk). Median of --repeats.
 2. Updating while --requests answers are being generated (the rollout worker's loop, which resubmits
    aborted answers): the three ways the publisher can do it:
    - drain:   `/update_weights_from_disk` alone: waits until the running answers finish;
@@ -40,6 +41,8 @@ from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.router import ServerPool
 from areal_flow.generation.server import GenerationServer, serve
 from areal_flow.rollout.worker import generate_sample
+from areal_flow.training.engine import OptimSpec
+from areal_flow.training.torch_engine import TorchEngine
 
 SHM = "/dev/shm"
 
@@ -53,26 +56,33 @@ def make_model(hidden: int, layers: int, vocab: int, seed: int) -> Qwen2ForCausa
     return Qwen2ForCausalLM(config).eval()
 
 
-def hand_over(server: GenerationServer, model: Qwen2ForCausalLM, root: str, repeats: int, version: int
-              ) -> tuple[float, float, int]:
-    """Median seconds to save the weights under `root` and to load them on the idle server."""
-    saves, loads = [], []
+def hand_over(server: GenerationServer, engine: TorchEngine, root: str, repeats: int, version: int
+              ) -> tuple[float, float, float, int]:
+    """Median seconds for the trainer's engine to save the weights under `root`, for
+    `save_pretrained` to save them, and for the idle server to load them."""
+    saves, pretrained, loads = [], [], []
 
     async def load(path: str, v: int) -> None:
         async with GenerationClient(server.url) as client:
             await client.update_weights_from_disk(path, v)
 
+    engine.save_weights(os.path.join(root, "first"))  # the one call that goes through save_pretrained
+    shutil.rmtree(os.path.join(root, "first"))
     for i in range(repeats):
         path = os.path.join(root, f"v{version + i}")
         t0 = time.perf_counter()
-        model.save_pretrained(path)
+        engine.model.save_pretrained(path)
+        pretrained.append(time.perf_counter() - t0)
+        shutil.rmtree(path)
+        t0 = time.perf_counter()
+        engine.save_weights(path)
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         asyncio.run(load(path, version + i))
         loads.append(time.perf_counter() - t0)
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         shutil.rmtree(path)
-    return statistics.median(saves), statistics.median(loads), size
+    return statistics.median(saves), statistics.median(pretrained), statistics.median(loads), size
 
 
 async def update_in_flight(server: GenerationServer, path: str, version: int, mode: str, requests: int,
@@ -132,13 +142,14 @@ def main() -> None:
                                                                                       args.vocab, 1)
             start.save_pretrained(os.path.join(disk, "start"))
             new.save_pretrained(os.path.join(shm, "new"))
+            trainer = TorchEngine(os.path.join(shm, "new"), optim=OptimSpec(lr=1e-4))
         params = sum(p.numel() for p in start.parameters())
         server, thread = serve(os.path.join(disk, "start"), max_batch_size=64, num_threads=1)
         try:
             transfer = {}
             for name, root in (("disk", disk), ("shared memory", shm)):
                 with console.status(f"handing over through {name}"):
-                    transfer[name] = hand_over(server, new, root, args.repeats, 100 if name == "disk" else 200)
+                    transfer[name] = hand_over(server, trainer, root, args.repeats, 100 if name == "disk" else 200)
             runs = {}
             for i, mode in enumerate(("drain", "abort", "retract")):
                 with console.status(f"updating with {args.requests} answers in flight: {mode}"):
@@ -155,14 +166,16 @@ def main() -> None:
     console.print(f"command: python tools/bench_weight_update.py --hidden {args.hidden} --layers {args.layers} "
                   f"--vocab {args.vocab} --requests {args.requests} --max-new-tokens {args.max_new_tokens} "
                   f"--repeats {args.repeats}")
-    size = next(iter(transfer.values()))[2]
+    size = next(iter(transfer.values()))[3]
     table = Table(title=f"1. handing over {params / 1e6:.1f}M parameters ({size / 2**20:.0f} MiB safetensors), server idle")
-    for col in ("through", "trainer saves s", "server loads s", "total s"):
+    for col in ("through", "trainer saves s", "save_pretrained s", "server loads s", "total s"):
         table.add_column(col, justify="left" if col == "through" else "right")
-    for name, (save, load, _) in transfer.items():
-        table.add_row(name, f"{save:.3f}", f"{load:.3f}", f"{save + load:.3f}")
+    for name, (save, pretrained, load, _) in transfer.items():
+        table.add_row(name, f"{save:.4f}", f"{pretrained:.4f}", f"{load:.4f}", f"{save + load:.4f}")
     console.print(table)
-    disk_total, shm_total = (sum(transfer[n][:2]) for n in ("disk", "shared memory"))
+    for name, (save, pretrained, _, _) in transfer.items():
+        console.print(f"{name}: the trainer's save {pretrained / save:.2f}× faster than save_pretrained")
+    disk_total, shm_total = (transfer[n][0] + transfer[n][2] for n in ("disk", "shared memory"))
     console.print(f"shared memory vs disk: {disk_total / shm_total:.2f}× faster hand-over")
 
     table = Table(title=f"2. an update with {args.requests} answers of {args.max_new_tokens} tokens in flight "

@@ -356,3 +356,53 @@ def atomic_write_dir(path: str, write: Callable[[str], None]) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """What `save_pretrained` wrote for a model's weights, to write the same directory again
+    without it: the bytes of every other file (config.json, generation_config.json) and the weight
+    file's metadata. The config does not change while training; only the tensors do."""
+
+    files: dict[str, bytes]
+    metadata: dict[str, str] | None
+
+
+def saved_layout(path: str, names: Sequence[str]) -> SavedLayout | None:
+    """The layout of the Hugging Face directory `path` if its weights are one file holding exactly
+    the tensors `names` (the model's own parameter names) and the rest are plain files; None
+    otherwise: sharded, or renamed on saving (transformers converts some architectures' tensors
+    back to their original checkpoint names, e.g. Mixtral's fused experts)."""
+    from safetensors import safe_open
+
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        return None
+    with safe_open(weights, framework="pt") as f:
+        if sorted(f.keys()) != sorted(names):
+            return None
+        metadata = f.metadata()
+    files = {}
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name == WEIGHTS_FILE:
+            continue
+        if not os.path.isfile(full):
+            return None
+        with open(full, "rb") as f:
+            files[name] = f.read()
+    return SavedLayout(files, metadata)
+
+
+def write_like(tmp: str, layout: SavedLayout, state: dict[str, torch.Tensor]) -> None:
+    """Write `state` into the directory `tmp` as `save_pretrained` wrote the directory of `layout`."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in state.items()}, os.path.join(tmp, WEIGHTS_FILE),
+              metadata=layout.metadata)
+    for name, data in layout.files.items():
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(data)

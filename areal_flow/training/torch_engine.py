@@ -50,7 +50,10 @@ from areal_flow.training.engine import (
     pack_row,
     read_train_state,
     require_config,
+    SavedLayout,
+    saved_layout,
     seq_lengths,
+    write_like,
 )
 from areal_flow.training.schedule import lr_factor
 
@@ -148,6 +151,9 @@ class TorchEngine:
         if self._group is not None:
             _shard(model, self._group, self.device.type, bf16)
         self._model = model
+        self._weight_names = [name for name, _ in model.named_parameters()]  # tied weights once, as saved
+        self._generation_layout: SavedLayout | None = None  # what the first save_weights wrote (rank 0)
+        self._layout_checked = False
         self._nan_in_a_row = 0
         self.extra_state: dict = {}  # the caller's training state (e.g. an adaptive KL coefficient), saved with it
         self._optimizer: torch.optim.Optimizer | None = None
@@ -364,8 +370,25 @@ class TorchEngine:
 
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory at `path` (atomically), for generation.
-        Collective: every rank calls it; rank 0 writes."""
-        self._save(path, None, with_train_state=False)
+        Collective: every rank calls it; rank 0 writes.
+
+        The first call writes through `save_pretrained`; the later ones write the same files again
+        from what it wrote (the config files' bytes, the same tensor names) with safetensors
+        directly. This runs on the trainer's path every step: `save_pretrained` spends 7 ms of a
+        600k-parameter model's 10 ms converting names and serialising the config each time
+        (docs/benchmarks.md). A model whose tensors `save_pretrained` renames keeps it."""
+        state = self._full_state_dict()
+        if self.rank == 0:
+            layout = self._generation_layout
+            if layout is not None:
+                atomic_write_dir(path, lambda tmp: write_like(tmp, layout, {n: state[n] for n in self._weight_names}))
+            else:
+                atomic_write_dir(path, lambda tmp: self._model.save_pretrained(tmp, state_dict=state))
+                if not self._layout_checked:
+                    self._generation_layout = saved_layout(path, self._weight_names)
+                    self._layout_checked = True
+        if self._group is not None:
+            dist.barrier(group=self._group)  # no rank goes on before the directory exists
 
     def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """A Hugging Face directory (weights, config, tokenizer) without training state."""

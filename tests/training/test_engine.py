@@ -2,18 +2,21 @@ import os
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
-from engine_helpers import (EXACT, assert_all_close, assert_same_weights, full_weights, make_seqs, make_token_data,
+from engine_helpers import (EXACT, VOCAB, assert_all_close, assert_same_weights, full_weights, make_seqs, make_token_data,
                             neg_mean_logprob, ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2,
                             tiny_tokenizer)
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from areal_flow.algorithms.library import aggregation
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig
-from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec
+from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec, saved_layout
 from areal_flow.training.torch_engine import TorchEngine
 
 
@@ -147,6 +150,8 @@ def _dp_rank(rank, model_dir, out_dir):
             result["logprobs"].append(engine.logprobs(seqs[lo:hi]))
             result["stats"].append(engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn))
         result["weights"] = full_weights(engine)
+        for v in (1, 2):  # the second save writes rank 0's gathered weights without save_pretrained
+            engine.save_weights(os.path.join(out_dir, f"{name}_weights_v{v}"))
         # Resume: save, then one more step, against a fresh engine loaded from the checkpoint.
         engine.version = 7
         ckpt = os.path.join(out_dir, f"{name}_ckpt")
@@ -189,6 +194,10 @@ def test_two_fsdp2_ranks_update_exactly_like_one_process_on_the_whole_batch(mode
             assert all(n0 != n1 for n0, n1 in natural_counts), natural_counts
         assert_same_weights(ranks[0]["weights"], full_weights(single))
         assert_same_weights(ranks[1]["weights"], full_weights(single))
+        for v in (1, 2):  # the weights for generation, as every rank saved them together
+            saved = load_file(tmp_path / f"{name}_weights_v{v}" / "model.safetensors")
+            assert saved.keys() == ranks[0]["weights"].keys()
+            assert all(torch.equal(saved[k], ranks[0]["weights"][k]) for k in saved), (name, v)
         # Stopping, loading into a fresh engine and going on is identical to not stopping.
         for r in ranks:
             assert r["resumed"].keys() == r["continued"].keys()
@@ -224,26 +233,79 @@ def test_a_failed_save_leaves_no_partial_directory_and_keeps_the_old_one(model_d
             f.write("{")
         raise OSError("disk full")
 
-    real_save = engine.model.save_pretrained
     monkeypatch.setattr(engine.model, "save_pretrained", half_written)
     with pytest.raises(OSError, match="disk full"):
-        engine.save_weights(str(path))
+        engine.save_weights(str(path))  # the first save goes through save_pretrained
     assert os.listdir(tmp_path) == []
 
-    monkeypatch.setattr(engine.model, "save_pretrained", real_save)
+    monkeypatch.undo()
     engine.save_weights(str(path))
     before = {f: (path / f).read_bytes() for f in os.listdir(path)}
     engine.train_step(make_seqs(5, 3), {}, neg_mean_logprob)
-    monkeypatch.setattr(engine.model, "save_pretrained", half_written)
+
+    def half_written_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 8)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_written_file)  # the later saves write directly
     with pytest.raises(OSError, match="disk full"):
         engine.save_weights(str(path))
     assert os.listdir(tmp_path) == ["weights"]
     assert {f: (path / f).read_bytes() for f in os.listdir(path)} == before
 
-    monkeypatch.setattr(engine.model, "save_pretrained", real_save)
+    monkeypatch.undo()
     engine.save_weights(str(path))  # overwriting works, and publishes the new weights
     assert (path / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert os.listdir(tmp_path) == ["weights"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_later_weight_saves_write_the_files_save_pretrained_writes_without_calling_it(tmp_path, monkeypatch, tied):
+    model_dir = save_tiny_qwen2(tmp_path / "start", tie_word_embeddings=tied)
+    engine = TorchEngine(model_dir, optim=OptimSpec(lr=1e-2))
+    engine.save_weights(str(tmp_path / "v1"))
+    engine.train_step(make_seqs(4, 4), {}, neg_mean_logprob)
+    engine.save_hf(str(tmp_path / "reference"))  # save_pretrained's own directory of the new weights
+
+    def refused(*args, **kwargs):
+        raise AssertionError("save_pretrained called")
+
+    monkeypatch.setattr(engine.model, "save_pretrained", refused)
+    engine.save_weights(str(tmp_path / "v2"))
+    got, want = tmp_path / "v2", tmp_path / "reference"
+    assert sorted(os.listdir(got)) == sorted(os.listdir(want)) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"]
+    for name in ("config.json", "generation_config.json"):
+        assert (got / name).read_bytes() == (want / name).read_bytes()
+    with safe_open(got / "model.safetensors", "pt") as g, safe_open(want / "model.safetensors", "pt") as w:
+        assert g.metadata() == w.metadata()
+        assert sorted(g.keys()) == sorted(w.keys())
+        assert ("lm_head.weight" in g.keys()) is not tied  # a tied head is saved once, as the embedding
+        assert all(torch.equal(g.get_tensor(k), w.get_tensor(k)) for k in w.keys())
+    old, new = (load_file(tmp_path / v / "model.safetensors") for v in ("v1", "v2"))
+    assert any(not torch.equal(old[k], new[k]) for k in new)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(got, dtype=torch.float32)
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, engine.model(ids).logits, atol=0, rtol=0)
+
+
+def test_a_model_whose_tensors_save_pretrained_renames_keeps_save_pretrained(tmp_path):
+    """transformers saves Mixtral's fused experts under their original checkpoint names: writing
+    the parameters directly would write another checkpoint, so no layout is taken from it."""
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=64)
+    mixtral = transformers.AutoModelForCausalLM.from_config(config)
+    mixtral.save_pretrained(tmp_path / "mixtral")
+    assert saved_layout(str(tmp_path / "mixtral"), [n for n, _ in mixtral.named_parameters()]) is None
+    qwen = transformers.AutoModelForCausalLM.from_pretrained(save_tiny_qwen2(tmp_path / "qwen"))
+    names = [n for n, _ in qwen.named_parameters()]
+    assert sorted(saved_layout(str(tmp_path / "qwen"), names).files) == ["config.json", "generation_config.json"]
+    qwen.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # several files and an index
+    assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) > 1
+    assert saved_layout(str(tmp_path / "sharded"), names) is None
 
 
 def test_a_sequence_mean_counts_sequences_in_the_denominator_and_survives_micro_batching(model_dir):
