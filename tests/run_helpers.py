@@ -7,6 +7,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import yaml
+
+RECIPE_ETA = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "tiny_arith.yaml").read_text()
+                            )["rollout"]["max_staleness"]
+"""The default recipe's η, which runs that do not set one (and recipes built on tiny_arith) keep."""
+
 SMALL = [
     "total_steps=4", "algorithm.batch_size=2", "algorithm.group_size=4", "rollout.max_concurrent=8",
     "dataset.n_train=400", "dataset.n_eval=16", "model.bootstrap_steps=30", "model.bootstrap_batch_size=32",

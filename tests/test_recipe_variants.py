@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, RECIPE_ETA, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def run_variant(tmp_path: Path, cache: Path, name: str, graph: dict, *overrides:
     r = launch(run_dir, cache, f"recipe={name}", f"hydra.searchpath=[file://{folder}]", "eval_at_start=false",
                "eval_at_end=false", "total_steps=3", *overrides)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    check_accounting(run_dir, eta=1)
+    check_accounting(run_dir, eta=RECIPE_ETA)
     return run_dir
 
 

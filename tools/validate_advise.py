@@ -1,7 +1,7 @@
 """The allocation advisor's predictions against measured runs of tiny_arith (docs/advise.md, "Validation").
 
 Generation on core 0 and training on core 1, by the recipe's meshes. First a short profiling set:
-the recipe's own setting (η = 1, draining updates), η = 4 draining and interrupting (so that the
+η = 1 with draining updates, η = 4 draining and interrupting (so that the
 interrupting update's pause is fitted), and one synchronous run (η = 0), in which generation and
 training take turns, so that what each costs alone separates from what sharing the machine adds;
 the advisor fits its costs from their metrics.jsonl. Then each measured configuration (η ×
@@ -87,7 +87,7 @@ def main() -> None:
     base = ["eval_at_start=false", "eval_at_end=false", "eval_every=0", "max_wall_seconds=0", "metrics.plot=false",
             *args.overrides]
     profile_configs = [
-        ("profile_eta1", ["rollout.interrupt=false", "rollout.max_staleness=1"]),  # the recipe's own setting
+        ("profile_eta1", ["rollout.interrupt=false", "rollout.max_staleness=1"]),  # the sides in lockstep
         ("profile_eta4", ["rollout.interrupt=false", "rollout.max_staleness=4"]),
         ("profile_interrupt", ["rollout.interrupt=true", "rollout.max_staleness=4"]),
         ("profile_sync", ["rollout.interrupt=false", "rollout.max_staleness=0"]),

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from run_helpers import SMALL, check_accounting, jsonl, run_processes
+from run_helpers import RECIPE_ETA, SMALL, check_accounting, jsonl, run_processes
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -66,7 +66,7 @@ def test_each_node_runs_its_processes_and_the_run_trains(tmp_path, run_cache, cl
     p = start(run_dir, run_cache, cluster)
     out, _ = p.communicate(timeout=400)
     assert p.returncode == 0, out[-4000:]
-    check_accounting(run_dir, eta=1)
+    check_accounting(run_dir, eta=RECIPE_ETA)
     nodes = ray_nodes_of(run_dir)
     # Placement node 0 (the generation server and the light processes) and node 1 (the trainer)
     # landed on two different Ray nodes.
