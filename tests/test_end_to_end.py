@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2", "metrics.plot=true")
+    # The SMALL model answers nothing right, so every advantage is 0 and the train step would run
+    # no answer: skipping is switched off here, where every phase of a step is timed.
+    r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2", "metrics.plot=true",
+               "algorithm.skip_zero_advantage=false")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = check_accounting(run_dir, eta=1)
     assert summary["steps"] == 4 and summary["trained_samples"] == 4 * 2 * 4

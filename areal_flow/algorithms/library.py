@@ -155,6 +155,21 @@ def aggregation(masks: Sequence[np.ndarray], algo) -> tuple[list[np.ndarray], li
     return weights, shares
 
 
+ADVANTAGE_PROPORTIONAL = frozenset({"ppo", "cispo"})
+"""The policy losses whose every token term is its advantage times a factor (clipped or not): a
+token with advantage 0 adds 0 to the loss and to its gradient."""
+
+
+def zero_gradient(advantages: Sequence[np.ndarray], algo, *, kl_in_loss: bool) -> list[bool]:
+    """Per answer: whether its terms of the objective and their gradient are exactly 0, so that a
+    train step need not run it (it still counts in the loss's denominator). True only where every
+    advantage of the answer is exactly 0, the policy loss is one of ADVANTAGE_PROPORTIONAL and no
+    KL term is in the loss (`kl_in_loss`: a KL penalty has a gradient whatever the advantage)."""
+    if not algo.skip_zero_advantage or kl_in_loss or algo.policy_loss not in ADVANTAGE_PROPORTIONAL:
+        return [False] * len(advantages)
+    return [not np.any(a) for a in advantages]
+
+
 # ---- step 2: the objective of one micro-batch ----------------------------------------------------
 
 

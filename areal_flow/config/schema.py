@@ -175,6 +175,10 @@ class AlgorithmConfig:
     prox_shortcut: bool = doc(True, "skip the prox forward pass when it is exact without it: the update is one "
                               "optimizer step (π_prox = π_θ before it), or every token was sampled by the current "
                               "weights (π_prox = π_behav)")
+    skip_zero_advantage: bool = doc(True, "run no forward or backward pass for answers whose advantages are all exactly "
+                                    "0 (a group whose rewards are all equal, under GRPO) where the loss's gradient "
+                                    "is proportional to the advantage: their terms and gradients are 0, so the "
+                                    "update is the same; they still count in the loss's denominator")
     reward_norm: NormConfig = doc(help="normalisation of the rewards, per answer (GRPO: group mean and std)",
                                   factory=NormConfig)
     adv_estimator: str = doc("gae", "gae (GAE(γ, λ) on the critic's values, or on 0 without a critic: returns) | "

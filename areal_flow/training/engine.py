@@ -90,8 +90,9 @@ class Engine(Protocol):
         """Per sequence, float32 logprobs of each output token under log_softmax(logits / T)."""
 
     def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]],
-                   loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this rank's share; stats summed over ranks."""
+                   loss_fn: LossFn, skip: Sequence[bool] | None = None) -> dict[str, float]:
+        """One optimizer step over this rank's share; stats summed over ranks. Sequences marked in
+        `skip` (their loss terms and gradients are 0) count in the denominator but are not run."""
 
     def save(self, path: str, tokenizer=None) -> None:
         """A Hugging Face directory at `path` (atomically) with TRAIN_STATE beside the weights."""
@@ -225,6 +226,20 @@ def pack_row(seqs: Sequence[Seq]) -> PackedRow:
         cu.append(cu[-1] + len(prompt) + len(output))
     return PackedRow(np.concatenate(ids), np.array(cu, dtype=np.int64), np.concatenate(keep),
                      np.concatenate(targets), n_out)
+
+
+def kept_sequences(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], masks: list[np.ndarray],
+                   skip: Sequence[bool] | None) -> tuple[list[Seq], dict[str, list[np.ndarray]], list[np.ndarray], int]:
+    """The sequences a train step runs (those `skip` does not mark), their token data and masks,
+    and the number of valid tokens skipped."""
+    if skip is None or not any(skip):
+        return list(seqs), token_data, masks, 0
+    if len(skip) != len(seqs):
+        raise ValueError(f"skip has {len(skip)} flags for {len(seqs)} sequences")
+    keep = [i for i, s in enumerate(skip) if not s]
+    skipped = sum(int(masks[i].sum()) for i, s in enumerate(skip) if s)
+    return ([seqs[i] for i in keep], {k: [v[i] for i in keep] for k, v in token_data.items()},
+            [masks[i] for i in keep], skipped)
 
 
 def micro_batch_data(group: list[int], token_data: dict[str, list[np.ndarray]], masks: list[np.ndarray],

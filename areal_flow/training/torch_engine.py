@@ -43,6 +43,7 @@ from areal_flow.training.engine import (
     check_hf_checkpoint,
     decays,
     global_counts,
+    kept_sequences,
     loss_masks,
     merge_stats,
     micro_batch_data,
@@ -281,7 +282,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ train
 
-    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn,
+                   skip: Sequence[bool] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's shard.
 
         token_data[key][i] is a per-output-token array for sequence i (behav_logprobs, advantages
@@ -291,6 +293,8 @@ class TorchEngine:
         on its output tokens packed in one dimension, where n_valid_tokens is the loss denominator:
         the valid tokens of ALL ranks and micro-batches (at least 1), or the sum of their shares
         under "loss_share" (engine.LOSS_SHARE_KEY); gradients accumulate over the micro-batches.
+        Sequences marked in `skip` (whose loss terms and gradients are exactly 0: library.zero_gradient)
+        count in that denominator and in n_tokens but are not run; `skipped_tokens` counts their valid tokens.
 
         A step whose gradient norm is not finite (a NaN or inf loss) changes nothing: it is skipped
         and counted (`skipped_steps`); `optim.max_nan_steps` of them in a row raise NonFiniteLoss.
@@ -307,10 +311,11 @@ class TorchEngine:
         masks = loss_masks(seqs, token_data)
         lengths = seq_lengths(seqs)
         n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._group, token_data)
-        groups = agreed_micro_batches(lengths, self.micro_batch_tokens, self._group)
+        seqs, token_data, masks, skipped_tokens = kept_sequences(seqs, token_data, masks, skip)
+        groups = agreed_micro_batches(seq_lengths(seqs), self.micro_batch_tokens, self._group)
 
         self._optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {"skipped_tokens": float(skipped_tokens)}
         for group in groups:
             if not group:
                 self._idle_pass(backward=True)

@@ -299,7 +299,9 @@ class ModelWorker:
             seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
                                           all_reduce=reduce)
         loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
-        stats = self.update(engine, samples, seqs, token_data, loss_fn)
+        kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and "ref_logprobs" in token_data
+        skip = library.zero_gradient(token_data["advantages"], algo, kl_in_loss=kl_in_loss)
+        stats = self.update(engine, samples, seqs, token_data, loss_fn, skip)
         if "ref_logprobs" in token_data and algo.kl_coef:
             kl = behaviour_kl(token_data, algo, reduce)
             stats.update(kl_mean=kl, kl_coef=kl_coef)
@@ -319,13 +321,15 @@ class ModelWorker:
         return self.update(engine, samples, seqs, token_data, partial(library.critic_objective, algo=algo))
 
     def update(self, engine: Engine, samples: list[Sample], seqs, token_data: dict[str, list[np.ndarray]],
-               loss_fn) -> dict[str, float]:
-        """n_minibatches optimizer steps per epoch over the batch, their stats added up."""
+               loss_fn, skip: list[bool] | None = None) -> dict[str, float]:
+        """n_minibatches optimizer steps per epoch over the batch, their stats added up; the
+        sequences marked in `skip` are not run (Engine.train_step)."""
         algo = self.cfg.algorithm
         stats: dict[str, float] = {}
         for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
             accumulate_stats(stats, engine.train_step(
-                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn))
+                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn,
+                skip=None if skip is None else [skip[i] for i in idx]))
         return stats
 
     def save_checkpoint(self, path: str) -> None:

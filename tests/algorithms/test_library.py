@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms import registry
-from areal_flow.algorithms.library import objective
+from areal_flow.algorithms.library import objective, zero_gradient
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
 from areal_flow.config.validate import algorithm_problems
@@ -137,3 +137,33 @@ def test_a_critic_reads_its_old_values_and_runs_on_the_torch_engine():
     problems = "\n".join(graph_problems(cfg, graph_from_config(cfg)))
     assert "the critic's train node 'critic_train' must read values" in problems
     assert "node 'critic_values': the critic runs on engine torch only in this version" in problems
+
+
+@pytest.mark.parametrize("config", [dict(policy_loss="ppo"), dict(policy_loss="cispo"),
+                                    dict(policy_loss="ppo", importance_level="sequence", c_clip=3.0)])
+def test_answers_the_train_step_may_skip_have_no_gradient(config):
+    """zero_gradient's promise, checked on the objective itself: the answers it marks (all
+    advantages 0) get exactly 0 gradient, and the others are not marked."""
+    logp, data, mask = batch(seed=4)
+    data["advantages"][data["seq_ids"] == 1] = 0.0  # the second answer: a group of equal rewards
+    algo = AlgorithmConfig(behav_weight_cap=None, **config)
+    per_answer = [data["advantages"][data["seq_ids"] == i].numpy() for i in range(4)]
+    assert zero_gradient(per_answer, algo, kl_in_loss=False) == [False, True, False, False]
+    loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
+    loss.backward()
+    assert torch.all(logp.grad[data["seq_ids"] == 1] == 0)
+    assert torch.all(logp.grad[data["seq_ids"] != 1] != 0)
+
+
+def test_nothing_is_skipped_where_a_zero_advantage_still_has_a_gradient():
+    logp, data, mask = batch(seed=5)
+    data["advantages"][:] = 0.0
+    algo = AlgorithmConfig(behav_weight_cap=None, kl_in="loss")
+    loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.1)
+    loss.backward()
+    assert torch.all(logp.grad != 0)  # the KL term's
+    answers = [data["advantages"][:3].numpy()]
+    assert zero_gradient(answers, algo, kl_in_loss=True) == [False]
+    assert zero_gradient(answers, AlgorithmConfig(), kl_in_loss=False) == [True]
+    assert zero_gradient(answers, AlgorithmConfig(skip_zero_advantage=False), kl_in_loss=False) == [False]
+    assert zero_gradient(answers, AlgorithmConfig(policy_loss="tests.losses:mine"), kl_in_loss=False) == [False]

@@ -361,3 +361,75 @@ def test_a_value_head_starts_at_zero_learns_its_returns_and_round_trips(model_di
     assert_all_close(again.logprobs(seqs), values, atol=1e-6)
     with pytest.raises(ValueError, match="head must be one of lm, value"):
         TorchEngine(model_dir, head="policy")
+
+
+# ---------------------------------------------------------------- skipping answers without a gradient
+
+def _with_zero_advantages(seqs, seed):
+    """PPO inputs where every third answer has advantages exactly 0 (a group of equal rewards)."""
+    data = make_token_data(seqs, seed)
+    data["advantages"] = [np.zeros(len(a)) if i % 3 == 0 else a for i, a in enumerate(data["advantages"])]
+    return data, [i % 3 == 0 for i in range(len(seqs))]
+
+
+def test_skipping_answers_whose_advantages_are_zero_changes_neither_the_update_nor_the_loss(model_dir):
+    seqs = make_seqs(21, 12)
+    data, skip = _with_zero_advantages(seqs, 21)
+    full, skipping = (TorchEngine(model_dir, micro_batch_tokens=40, **EXACT) for _ in range(2))
+    ref = full.train_step(seqs, data, ppo_loss_fn)
+    got = skipping.train_step(seqs, data, ppo_loss_fn, skip=skip)
+    assert_same_weights(full_weights(skipping), full_weights(full))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    # Counted as before (the denominator holds them), but not run.
+    assert (got["n_valid_tokens"], got["n_tokens"]) == (ref["n_valid_tokens"], ref["n_tokens"])
+    assert got["skipped_tokens"] == sum(len(o) for (_, o), s in zip(seqs, skip) if s) > 0
+    assert ref["skipped_tokens"] == 0
+    assert got["n_micro_batches"] < ref["n_micro_batches"]
+
+
+def test_skipping_answers_that_carry_a_gradient_would_change_the_update(model_dir):
+    """The check above can fail: skipping the same answers with their advantages not zeroed moves
+    the weights elsewhere."""
+    seqs = make_seqs(21, 12)
+    data = make_token_data(seqs, 21)
+    _, skip = _with_zero_advantages(seqs, 21)
+    full, skipping = (TorchEngine(model_dir, micro_batch_tokens=40, **EXACT) for _ in range(2))
+    full.train_step(seqs, data, ppo_loss_fn)
+    skipping.train_step(seqs, data, ppo_loss_fn, skip=skip)
+    with pytest.raises(AssertionError):
+        assert_same_weights(full_weights(skipping), full_weights(full))
+
+
+def test_skip_flags_must_match_the_sequences(model_dir):
+    seqs = make_seqs(22, 4)
+    engine = TorchEngine(model_dir, **EXACT)
+    with pytest.raises(ValueError, match="skip has 3 flags for 4 sequences"):
+        engine.train_step(seqs, make_token_data(seqs, 22), ppo_loss_fn, skip=[True, False, False])
+
+
+def _skip_rank(rank, model_dir, out_dir):
+    seqs = make_seqs(23, 10)
+    data, skip = _with_zero_advantages(seqs, 23)
+    skip = [True] * 4 + skip[4:]  # rank 0's share is all skipped: it runs idle passes only
+    for i in range(4):
+        data["advantages"][i] = np.zeros(len(seqs[i][1]))
+    lo, hi = (0, 4) if rank == 0 else (4, 10)
+    engine = TorchEngine(model_dir, micro_batch_tokens=40, process_group=dist.group.WORLD, **EXACT)
+    stats = engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn, skip=skip[lo:hi])
+    torch.save({"weights": full_weights(engine), "stats": stats}, os.path.join(out_dir, f"skip_{rank}.pt"))
+
+
+def test_two_fsdp2_ranks_skipping_answers_update_like_one_process_running_them_all(model_dir, tmp_path):
+    run_ranks(_skip_rank, 2, model_dir, str(tmp_path))
+    seqs = make_seqs(23, 10)
+    data, _ = _with_zero_advantages(seqs, 23)
+    for i in range(4):
+        data["advantages"][i] = np.zeros(len(seqs[i][1]))
+    single = TorchEngine(model_dir, micro_batch_tokens=40, **EXACT)
+    ref = single.train_step(seqs, data, ppo_loss_fn)
+    for r in range(2):
+        got = torch.load(tmp_path / f"skip_{r}.pt", weights_only=False)
+        assert_same_weights(got["weights"], full_weights(single))
+        assert got["stats"]["n_valid_tokens"] == ref["n_valid_tokens"]
+        assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5)

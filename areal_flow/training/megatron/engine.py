@@ -59,6 +59,7 @@ from areal_flow.training.engine import (
     check_engine_args,
     check_hf_checkpoint,
     global_counts,
+    kept_sequences,
     loss_masks,
     merge_stats,
     micro_batch_data,
@@ -299,7 +300,8 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ train
 
-    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]], loss_fn: LossFn,
+                   skip: Sequence[bool] | None = None) -> dict[str, float]:
         """One optimizer step; the same contract as TorchEngine.train_step (stats summed over DP
         ranks, loss stats from the last pipeline stage)."""
         if self._optimizer is None:
@@ -309,6 +311,7 @@ class MegatronEngine:
             masks = loss_masks(seqs, token_data)
             lengths = seq_lengths(seqs)
             n_valid_global, n_tokens_global, denominator = global_counts(masks, lengths, self._dp_group, token_data)
+            seqs, token_data, masks, skipped_tokens = kept_sequences(seqs, token_data, masks, skip)
             phases = Phases()
             with phases("packing"):
                 micro = self._micro_batches(seqs, token_data, masks)
@@ -320,6 +323,7 @@ class MegatronEngine:
                 finalize_model_grads([self._model])  # DP all-reduce (SUM) and tied-embedding grads across stages
             sums: dict[str, float] = {}
             if self._last and ps.get_tensor_model_parallel_rank() == 0:
+                sums["skipped_tokens"] = float(skipped_tokens)  # once per data-parallel rank, as the loss stats
                 for stats in results:
                     accumulate_stats(sums, stats)
             lr = self.lr
