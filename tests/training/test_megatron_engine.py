@@ -116,10 +116,29 @@ def _decays_matrices_only(rank, model_dir, out_dir):
     open(os.path.join(out_dir, f"decayed{rank}.ok"), "w").close()
 
 
+def _skips_answers_without_a_gradient(rank, model_dir, out_dir):
+    """Across pipeline stages, skipping the answers whose advantages are 0 updates as running them."""
+    import numpy as np
+
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    seqs = make_seqs(7, 9)
+    data = make_token_data(seqs, 7)
+    skip = [i % 3 == 0 for i in range(len(seqs))]
+    data["advantages"] = [np.zeros(len(a)) if s else a for a, s in zip(data["advantages"], skip)]
+    full, skipping = (MegatronEngine(model_dir, micro_batch_tokens=MBT, pp=2, **EXACT) for _ in range(2))
+    ref = full.train_step(seqs, data, ppo_loss_fn)
+    got = skipping.train_step(seqs, data, ppo_loss_fn, skip=skip)
+    assert_same_weights(full_weights(skipping), full_weights(full))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["skipped_tokens"] == sum(len(o) for (_, o), s in zip(seqs, skip) if s) > 0
+    open(os.path.join(out_dir, f"skipped{rank}.ok"), "w").close()
+
+
 LAYOUTS = {  # name: (tp, pp, world, tied embeddings, another check run in the resume processes)
     "single": (1, 1, 1, False, _refuses_another_layouts_state),
     "tp2": (2, 1, 2, False, _decays_matrices_only),
-    "pp2_tied": (1, 2, 2, True, None),
+    "pp2_tied": (1, 2, 2, True, _skips_answers_without_a_gradient),
     "dp2": (1, 1, 2, False, None),
 }
 
@@ -131,7 +150,8 @@ def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
     run_ranks(_layout_rank, world, model_dir, tp, pp, str(tmp_path), timeout=240)
     run_ranks(_resume_rank, world, tp, pp, str(tmp_path), model_dir, also, timeout=240)
     if also is not None:  # it ran, on every rank (a failed assertion there fails run_ranks)
-        marker = {_refuses_another_layouts_state: "refused", _decays_matrices_only: "decayed"}[also]
+        marker = {_refuses_another_layouts_state: "refused", _decays_matrices_only: "decayed",
+                  _skips_answers_without_a_gradient: "skipped"}[also]
         assert all((tmp_path / f"{marker}{r}.ok").exists() for r in range(world))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) | {"resumed": torch.load(tmp_path / f"resumed{r}.pt")}
              for r in range(world)]
