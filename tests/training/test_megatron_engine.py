@@ -132,6 +132,11 @@ def _skips_answers_without_a_gradient(rank, model_dir, out_dir):
     assert_same_weights(full_weights(skipping), full_weights(full))
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert got["skipped_tokens"] == sum(len(o) for (_, o), s in zip(seqs, skip) if s) > 0
+    # Every answer skipped (a batch of equal rewards): no pass runs, and the step is still taken.
+    data["advantages"] = [np.zeros(len(a)) for a in data["advantages"]]
+    full.train_step(seqs, data, ppo_loss_fn)
+    skipping.train_step(seqs, data, ppo_loss_fn, skip=[True] * len(seqs))
+    assert_same_weights(full_weights(skipping), full_weights(full))
     open(os.path.join(out_dir, f"skipped{rank}.ok"), "w").close()
 
 

@@ -250,6 +250,8 @@ class MegatronEngine:
         check_budget(lengths, self.micro_batch_tokens)
         batches = []
         for group in ffd_allocate(lengths, self.micro_batch_tokens):
+            if not group:  # no sequences (every answer skipped): nothing to run
+                continue
             row = pack_row([seqs[i] for i in group])
             as_tensor = partial(torch.as_tensor, device=self.device)
             mb = {"index": group, "n_out": row.n_out, "ids": as_tensor(row.ids),
