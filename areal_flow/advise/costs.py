@@ -191,6 +191,9 @@ class Workload:
     """most groups generating at once (rollout.max_concurrent); null = only the staleness bound limits."""
     interrupt: bool = True
     """a weight update interrupts running answers (rollout.interrupt); false: each server drains first."""
+    filtered_fraction: float = 0.0
+    """share of finished groups dynamic filtering drops (algorithm.success_rate_range): each frees its
+    admission slot and is never trained; below 1."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,9 @@ def parse_costs(raw: Any, base: Path = Path("."), name: str = "cost file") -> tu
     max_new = _number("workload.max_new_tokens", workload_raw.pop("max_new_tokens", 1024), int, positive=True)
     parts = {k: _section(cls, raw.get(k) or {} if k != "workload" else workload_raw, k) for k, cls in _SECTIONS.items()}
     lengths = _lengths(lengths_raw, max_new, base) if lengths_raw is not None else Lengths(max_new, mean=max_new / 2)
+    if parts["workload"].filtered_fraction >= 1:
+        raise AdviseError(f"{name}: workload.filtered_fraction={parts['workload'].filtered_fraction:g} must be below 1 "
+                          "(with every group filtered nothing is ever trained)")
     costs = Costs(parts["generation"], parts["training"], parts["weights"], parts["workload"], lengths)
     return costs, _candidates(raw.get("candidates") or {})
 

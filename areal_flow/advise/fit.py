@@ -13,6 +13,8 @@ What a step row gives and what is fitted from it:
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
 | lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
 | prompt tokens | (`train/n_tokens` − answer tokens) / answers |
+| filtered_fraction | `filtered_groups` over those and the groups trained |
+| lengths, with filtering | mean: the generated tokens (`gen_tokens_per_second`·`step_seconds`) over the answers of the groups trained and filtered |
 
 Without the engine's compute counts (SGLang's servers), n is the running count the controller logs
 at the end of each step: the servers' load reports (/v1/loads) are not in metrics.jsonl. What
@@ -377,6 +379,37 @@ def _lengths(rows: list[dict], mean_len: float, top: int, answers: int, base: Co
     return base.lengths
 
 
+def _generated_mean(runs: list[RunFacts], notes: list[str]) -> float | None:
+    """The mean length of every generated answer where dynamic filtering dropped groups (the
+    generator's tokens over the answers of the groups trained and filtered), else None: the
+    filtered groups' answers differ in length from the trained ones (on tiny_arith the all-wrong
+    groups' answers run long), and the servers generate both."""
+    rows = [(r, s) for r in runs for s in r.steps if s.get("gen_tokens_per_second") is not None]
+    filtered = sum(s.get("filtered_groups", 0) for _, s in rows)
+    if not filtered:
+        return None
+    tokens = sum(s["gen_tokens_per_second"] * s["step_seconds"] for _, s in rows)
+    answers = sum((r.batch_size + s.get("filtered_groups", 0)) * r.group_size for r, s in rows)
+    mean = tokens / answers
+    notes.append(f"lengths: every generated answer, filtered groups' included, is {mean:.1f} tokens on average "
+                 "(gen_tokens_per_second over the groups trained and filtered); response_length counts only "
+                 "the trained ones")
+    return mean
+
+
+def _filtered(runs: list[RunFacts], notes: list[str]) -> float:
+    """The share of finished groups dynamic filtering dropped: `filtered_groups` over those and the
+    groups trained (batch_size a step), over every step row."""
+    filtered = sum(s.get("filtered_groups", 0) for r in runs for s in r.steps)
+    if not filtered:
+        return 0.0
+    trained = sum(r.batch_size * len(r.steps) for r in runs)
+    fraction = filtered / (filtered + trained)
+    notes.append(f"workload: filtered_fraction = {fraction:.3g}: dynamic filtering dropped {filtered} groups "
+                 f"beside {trained} trained")
+    return fraction
+
+
 def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) -> Costs:
     """With synchronous runs (η = 0: generation and training take turns) besides asynchronous
     ones (they overlap): each side's costs alone from the synchronous runs, and how much more it
@@ -439,10 +472,11 @@ def fit_runs(paths: list[str], base: Costs) -> Fitted:
         prompt = max(0.0, sum(s["train/n_tokens"] / r.ppo_epochs / (r.batch_size * r.group_size) - s["response_length"]
                               for r, s in with_tokens) / len(with_tokens))
         notes.append(f"workload: prompt_tokens = {prompt:.0f}, from train/n_tokens less the answers")
-    lengths = _lengths(rows, mean_len, top, answers, base, notes)
+    lengths = _lengths(rows, _generated_mean(runs, notes) or mean_len, top, answers, base, notes)
     workload = replace(base.workload, batch_size=first.batch_size or base.workload.batch_size,
                        group_size=first.group_size or base.workload.group_size, prompt_tokens=round(prompt),
-                       max_concurrent=first.max_concurrent, interrupt=first.interrupt)
+                       max_concurrent=first.max_concurrent, interrupt=first.interrupt,
+                       filtered_fraction=_filtered(runs, notes))
     costs = Costs(gen=_generation(runs, base, prompt, mean_len, notes), train=_train(runs, base, notes),
                   update=_update(runs, base, notes), workload=workload, lengths=lengths)
     costs = _sharing(runs, costs, base, notes)

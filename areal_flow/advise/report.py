@@ -57,6 +57,7 @@ def costs_table(costs: Costs) -> Table:
         ("batch", f"{w.batch_size} prompts × {w.group_size} answers"),
         ("prompt tokens", str(w.prompt_tokens)),
         ("max concurrent groups", "η only" if w.max_concurrent is None else str(w.max_concurrent)),
+        ("groups dropped by dynamic filtering", f"{w.filtered_fraction:.0%}"),
         ("answer lengths", costs.lengths.describe()),
     ]
     for what, value in rows:

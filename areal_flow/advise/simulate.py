@@ -8,7 +8,8 @@ the padding to the longest answer or sequence, as the embedded engine computes);
 `c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
 drains its running answers, admitting none, then loads), while the trainer may already train the
-next step (not the one after; `trainer_waits`: none).
+next step (not the one after; `trainer_waits`: none). Dynamic filtering drops each finished group
+with probability `filtered_fraction`, freeing its admission slot.
 
 Between two events a server's batch does not change, so it advances many decode steps at once
 (to its next finishing answer, or to the step boundary after something arrives): the cost of a
@@ -140,6 +141,7 @@ class _Simulation:
         pause = update.interrupt_pause_s if self.work.interrupt and update.interrupt_pause_s is not None else update.pause_s
         self.pause_s = pause + (update.colocated_switch_s if cand.colocated else 0.0)
         self.draw = costs.lengths.sampler(random.Random(seed))
+        self.filter_draw = random.Random(f"filter-{seed}").random  # apart, so the lengths drawn stay the same
         self.total, self.warmup = warmup + steps, warmup
         self.trace = trace
         self.heap: list[tuple[float, int, Callable, tuple]] = []
@@ -194,7 +196,12 @@ class _Simulation:
             self.arrived(server)
 
     def group_finished(self, group: _Group) -> None:
-        self.manager.finish(group.gid)
+        if self.filter_draw() < self.work.filtered_fraction:
+            # Dynamic filtering drops it, as the controller does: it leaves the running set unaccepted.
+            self.manager.abandon(group.gid)
+            del self.groups[group.gid]
+        else:
+            self.manager.finish(group.gid)
         self.grant()
         if self.trainer == "waiting":
             self.try_batch()

@@ -82,6 +82,25 @@ def test_with_free_generation_throughput_is_the_training_rate():
     assert 8 / (c + d * tokens / 2 + 2.0) < slow.samples_per_s <= 8 / 2.0 + 1e-9
 
 
+def test_dynamic_filtering_trains_the_kept_share_of_what_generation_finishes():
+    # As above, generation bound: the servers finish groups at the same rate, and filtering drops
+    # about f of them, so trained samples/s fall to about (1 − f) of the unfiltered rate.
+    a, b = 0.01, 0.002
+    costs = make(gen=GenCosts(a, b, prefill_per_token_s=0.0),
+                 workload=Workload(batch_size=2, group_size=4, prompt_tokens=10, max_concurrent=4))
+    full = simulate(costs, Candidate(2, 1, eta=16), steps=1000)
+    for f in (0.25, 0.6):
+        kept = simulate(replace(costs, workload=replace(costs.workload, filtered_fraction=f)),
+                        Candidate(2, 1, eta=16), steps=1000)
+        assert kept.samples_per_s == pytest.approx((1 - f) * full.samples_per_s, rel=0.05)
+        assert kept.gen_idle == pytest.approx(0.0, abs=1e-9)  # the servers never wait: a filtered group frees its slot
+    # Training bound, the generator's slack absorbs filtering: the same steps/s.
+    slow_train = replace(costs, train=TrainCosts(1.0, 0.0))  # 8 samples/s against 12.3 generated
+    filtered = replace(slow_train, workload=replace(costs.workload, filtered_fraction=0.25))
+    assert simulate(filtered, Candidate(2, 1, eta=16), steps=50).samples_per_s == pytest.approx(
+        simulate(slow_train, Candidate(2, 1, eta=16), steps=50).samples_per_s, rel=0.02)
+
+
 def test_eta_0_is_the_synchronous_loop_computed_by_hand():
     costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=1e-4), train=TrainCosts(1.0, 0.001),
                  update=UpdateCosts(0.5, colocated_switch_s=0.3))
@@ -237,6 +256,21 @@ def test_from_run_fits_the_costs_from_metrics(tmp_path, capsys):
                         str(tmp_path / "run"), "--etas", "0", "1", "--steps", "3"], capsys)
     assert code == 0
     assert "fit:" in out and "1:1" in out and "recommended" in out
+
+
+def test_the_share_of_groups_dynamic_filtering_drops_is_fitted_from_the_step_rows(tmp_path):
+    write_run(tmp_path / "run")
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    assert fit_runs([str(tmp_path / "run")], base).costs.workload.filtered_fraction == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(r for r in rows if r["event"] == "step"):
+        row["filtered_groups"] = 2 + i % 3  # beside the batch's 4 groups trained
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    # The first step row (start-up) is left out: steps 2..13 filtered 3,4,2,3,... groups.
+    filtered = sum(2 + i % 3 for i in range(1, 13))
+    assert fitted.costs.workload.filtered_fraction == pytest.approx(filtered / (filtered + 4 * 12))
+    assert any(f"dynamic filtering dropped {filtered} groups beside 48 trained" in n for n in fitted.notes)
 
 
 def test_the_train_cost_comes_from_the_phase_timers_when_tokens_hardly_vary(tmp_path):
@@ -467,6 +501,7 @@ def test_bad_flags_fail_with_status_2_naming_the_flag(argv, names, capsys):
     ("generation", "batch", 3, "generation: unknown key(s) 'batch'"),
     ("workload", "batch_size", 0, "workload.batch_size: must be positive"),
     ("workload", "lengths", {"lognormal": {"mean": 10}}, "workload.lengths"),
+    ("workload", "filtered_fraction", 1.0, "workload.filtered_fraction=1 must be below 1"),
 ])
 def test_a_bad_cost_file_fails_naming_the_key(tmp_path, capsys, section, key, value, names):
     path = tmp_path / "costs.yaml"
