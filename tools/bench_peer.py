@@ -8,13 +8,17 @@ held-out problems. Prints trained samples/s, accuracy over time, the time each n
 peer's final accuracy and the ratios; plots both learning curves in one figure.
 
     pip install -e '.[bench]'            # trl, accelerate (torch stays 2.13.0)
-    python tools/bench_peer.py [--budget 540] [--eval-n 1000] [-- extra areal_flow overrides]
+    python tools/bench_peer.py [--budget 540] [--eval-n 1000] [--out DIR [--reuse]] [--peer-from DIR]
+                               [-- extra areal_flow overrides]
 
 TRL runs in a child process with both cores (its generation and training alternate); areal_flow
 runs its recipe (generation on core 0, training on core 1). TRL's settings beyond the shared ones
 are its defaults, except gradient checkpointing, which is off: it only costs time at this size.
 The held-out problems are the first `--eval-n` of the task's held-out sequence; the training
-problems of both sides exclude all of them.
+problems of both sides exclude all of them. Each side's scores are kept in its run folder
+(`scores.json`), so `--reuse` (read the runs and scores an earlier call left in `--out`) and
+`--peer-from` (TRL's run of an earlier `--out`, to compare areal_flow settings against one peer
+run) score nothing twice.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from _bench import machine, run_recipe, save_plot
+import yaml
+from _bench import machine, read_run_dir, run_recipe, save_plot
 
 GROUP, PROMPTS, LR, MAX_NEW = 8, 8, 1e-4, 96
 N_TRAIN, DATA_SEED, BOOTSTRAP_STEPS = 20000, 0, 250
@@ -41,11 +46,26 @@ class Curve:
     name: str
     checkpoints: list[tuple[float, str]]
     samples: int
+    """answers trained on."""
     seconds: float
+    generated: int | None = None
+    """answers generated and scored (dynamic filtering trains only some of them); None: = samples."""
+    no_gradient: float | None = None
+    """share of the generated groups whose answers all scored alike (GRPO advantages all 0, no
+    gradient); None where the run does not say."""
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds
+
+    @property
+    def generated_per_s(self) -> float:
+        return (self.samples if self.generated is None else self.generated) / self.seconds
+
+    @property
+    def with_gradient_per_s(self) -> float | None:
+        """Generated answers per second in groups whose rewards differ: what teaches the policy."""
+        return None if self.no_gradient is None else self.generated_per_s * (1 - self.no_gradient)
 
 
 def accuracy_at(points: list[tuple[float, float]], t: float) -> float:
@@ -59,6 +79,15 @@ def accuracy_at(points: list[tuple[float, float]], t: float) -> float:
 def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
     """Seconds until the first checkpoint scoring at least `target`; None if none does."""
     return next((when for when, acc in points if acc >= target - 1e-12), None)
+
+
+def late_mean(points: list[tuple[float, float]], budget: float) -> float:
+    """Mean accuracy of the checkpoints saved in the second half of the budget: on this task a
+    single checkpoint moves by up to 10 points from its neighbours, their mean by much less."""
+    late = [acc for when, acc in points if when >= budget / 2 - 1e-9]
+    if not late:
+        raise ValueError(f"no checkpoint at or after {budget / 2:.0f} s")
+    return sum(late) / len(late)
 
 
 # ---- TRL, in its own process ------------------------------------------------------------------
@@ -115,47 +144,110 @@ def run_trl(out: str, base: str, train_file: str, budget: float, save_every: flo
                           train_dataset=dataset, processing_class=load_tokenizer(base), callbacks=[budget_cb])
     trainer.train()
     t, _, steps = budget_cb.saved[-1]
+    # TRL logs the share of groups whose rewards have zero spread, averaged over each logging window.
+    zero_std = [h["frac_reward_zero_std"] for h in trainer.state.log_history if "frac_reward_zero_std" in h]
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"checkpoints": [[when, path] for when, path, _ in budget_cb.saved],
-                   "samples": steps * GROUP * PROMPTS, "seconds": t}, f)
+                   "samples": steps * GROUP * PROMPTS, "seconds": t,
+                   "no_gradient": sum(zero_std) / len(zero_std) if zero_std else None}, f)
 
 
-def trl_curve(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int) -> Curve:
-    cmd = [sys.executable, __file__, "_trl", out, base, train_file, str(budget), str(save_every), str(seed)]
-    print("$ tools/bench_peer.py _trl ...  (TRL GRPOTrainer)", flush=True)
-    subprocess.run(cmd, check=True)
+def trl_curve(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int,
+              reuse: bool = False) -> Curve:
+    if not (reuse and os.path.isfile(os.path.join(out, "result.json"))):
+        cmd = [sys.executable, __file__, "_trl", out, base, train_file, str(budget), str(save_every), str(seed)]
+        print("$ tools/bench_peer.py _trl ...  (TRL GRPOTrainer)", flush=True)
+        subprocess.run(cmd, check=True)
+    return read_trl(out)
+
+
+def read_trl(out: str) -> Curve:
+    """A finished TRL run of this tool (its result.json)."""
+    if not os.path.isfile(os.path.join(out, "result.json")):
+        raise SystemExit(f"{out!r} holds no finished TRL run of bench_peer (no result.json)")
     with open(os.path.join(out, "result.json")) as f:
         r = json.load(f)
-    return Curve("TRL", [tuple(c) for c in r["checkpoints"]], r["samples"], r["seconds"])
+    return Curve("TRL", [tuple(c) for c in r["checkpoints"]], r["samples"], r["seconds"], no_gradient=r.get("no_gradient"))
 
 
 # ---- areal_flow --------------------------------------------------------------------------------
 
 def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float, keep_every: int, seed: int,
-                overrides: list[str]) -> tuple[Curve, float | None]:
+                overrides: list[str], reuse: bool = False) -> tuple[Curve, float | None]:
     """The recipe for `budget` seconds, keeping every `keep_every`-th published version; also
     returns the run's own end-of-run accuracy on the same held-out file (its engine, greedy)."""
-    _, metrics = run_recipe(out, [
+    if reuse and os.path.isfile(os.path.join(out, "summary.json")):
+        print(f"reusing {out}", flush=True)
+        _, metrics = read_run_dir(out)
+    else:
         # The budget alone ends the run: the recipe's total_steps (1000) is reached first at 2 steps/s.
-        "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000", f"seed={seed}",
-        f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false", "eval_every=0",
-        "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false", *overrides])
+        _, metrics = run_recipe(out, [
+            "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000",
+            f"seed={seed}", f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false",
+            "eval_every=0", "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false",
+            *overrides])
     steps = {m["step"]: m for m in metrics if m["event"] == "step"}  # step N published version N
     weights = os.path.join(out, "weights")
     versions = (int(n[1:]) for n in os.listdir(weights) if n.startswith("v") and n[1:].isdigit())
     checkpoints = sorted((steps[v]["elapsed"], os.path.join(weights, f"v{v}")) for v in versions if v in steps)
     last = steps[max(steps)]
     samples = len(steps) * GROUP * PROMPTS
+    filtered = sum(m.get("filtered_groups", 0) for m in steps.values())
+    with open(os.path.join(out, "config.yaml")) as f:
+        bounds = (yaml.safe_load(f).get("algorithm") or {}).get("success_rate_range")
+    # Filtering to exactly the groups whose answers do not all score alike makes the filtered share
+    # the share without a gradient; other bounds filter some groups that have one.
+    exact = bounds is not None and 0 < bounds[0] <= 1 / GROUP and 1 - 1 / GROUP <= bounds[1] < 1
     own = [m["accuracy"] for m in metrics if m["event"] == "eval"]
-    return Curve("areal_flow", checkpoints, samples, last["elapsed"]), own[-1] if own else None
+    curve = Curve("areal_flow", checkpoints, samples, last["elapsed"], generated=samples + filtered * GROUP,
+                  no_gradient=filtered / (filtered + len(steps) * PROMPTS) if exact else None)
+    return curve, own[-1] if own else None
 
 
 # ---- one evaluator for both ----------------------------------------------------------------------
 
-def score(curves: list[Curve], base: str, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """Greedy accuracy of the start and of every checkpoint, by side: [(seconds, accuracy)]."""
-    import torch
+def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Greedy accuracy of the start and of every checkpoint, by side: [(seconds, accuracy)]. Each
+    side's scores are kept in its run folder (`scores.json`: by checkpoint folder name, "start"
+    for the start checkpoint, and the number of problems) and read from there when present."""
     from rich.progress import Progress
+
+    kept = {}
+    for _, run_dir in curves:
+        path = os.path.join(run_dir, "scores.json")
+        kept[run_dir] = json.load(open(path)) if os.path.isfile(path) else {}
+    start_key = f"start@{len(rows)}"
+    start = next((k[start_key] for k in kept.values() if start_key in k), None)
+    evaluate = None
+
+    def accuracy(path: str) -> float:
+        nonlocal evaluate
+        evaluate = evaluate or _evaluator(base, rows)
+        return evaluate(path)
+
+    out = {}
+    with Progress() as progress:
+        task = progress.add_task("scoring checkpoints", total=1 + sum(len(c.checkpoints) for c, _ in curves))
+        start = accuracy(base) if start is None else start
+        progress.advance(task)
+        for c, run_dir in curves:
+            scores = kept[run_dir]
+            scores[start_key] = start
+            out[c.name] = [(0.0, start)]
+            for t, path in c.checkpoints:
+                key = f"{os.path.basename(path)}@{len(rows)}"
+                if key not in scores:
+                    scores[key] = accuracy(path)
+                out[c.name].append((t, scores[key]))
+                with open(os.path.join(run_dir, "scores.json"), "w") as f:  # after each: an interrupted call loses one
+                    json.dump(scores, f)
+                progress.advance(task)
+    return out
+
+
+def _evaluator(base: str, rows: list[dict]):
+    """path -> greedy accuracy on `rows` (transformers generate, the same for both sides)."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -166,26 +258,13 @@ def score(curves: list[Curve], base: str, rows: list[dict]) -> dict[str, list[tu
     torch.set_num_threads(2)
     hf_logging.disable_progress_bar()  # one bar for all checkpoints, not one per load
     tokenizer = load_tokenizer(base)
-    cache: dict[str, float] = {}
 
     def accuracy(path: str) -> float:
-        if path not in cache:
-            model = AutoModelForCausalLM.from_pretrained(path)
-            texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], MAX_NEW)
-            cache[path] = sum(arith_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
-        return cache[path]
+        model = AutoModelForCausalLM.from_pretrained(path)
+        texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], MAX_NEW)
+        return sum(arith_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
 
-    out = {}
-    with Progress() as progress:
-        task = progress.add_task("scoring checkpoints", total=1 + sum(len(c.checkpoints) for c in curves))
-        start = accuracy(base)
-        progress.advance(task)
-        for c in curves:
-            out[c.name] = [(0.0, start)]
-            for t, path in c.checkpoints:
-                out[c.name].append((t, accuracy(path)))
-                progress.advance(task)
-    return out
+    return accuracy
 
 
 def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: float | None, args) -> str:
@@ -194,14 +273,23 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     reach = time_to_reach(o, target)
     marks = [t for t in (budget / 4, budget / 2) if t <= min(peer.seconds, ours.seconds) + 1e-9]
     lines = [f"machine: {machine()}",
-             f"command: python tools/bench_peer.py --budget {args.budget:g} --eval-n {args.eval_n}"
+             f"command: python tools/bench_peer.py --budget {args.budget:g} --eval-n {args.eval_n} --seed {args.seed}"
+             + (f" --peer-from {args.peer_from}" if args.peer_from else "")
              + (f" -- {' '.join(args.overrides)}" if args.overrides else ""),
              f"held-out: {args.eval_n} problems, greedy, one evaluator (transformers generate) for both", "",
              f"| | {peer.name} 1.16 GRPOTrainer (sync) | {ours.name} | ratio |", "|---|---|---|---|",
+             f"| generated samples/s | {peer.generated_per_s:.1f} | {ours.generated_per_s:.1f} | "
+             f"{ours.generated_per_s / peer.generated_per_s:.2f}× |",
              f"| trained samples/s | {peer.samples_per_s:.1f} | {ours.samples_per_s:.1f} | "
              f"{ours.samples_per_s / peer.samples_per_s:.2f}× |",
              f"| trained samples | {peer.samples} in {peer.seconds:.0f} s | {ours.samples} in {ours.seconds:.0f} s | |",
              f"| accuracy at start | {100 * p[0][1]:.1f}% | {100 * o[0][1]:.1f}% | |"]
+    if peer.no_gradient is not None and ours.no_gradient is not None:
+        lines[-1:-1] = [
+            f"| generated groups whose answers all score alike (no gradient) | {100 * peer.no_gradient:.0f}% | "
+            f"{100 * ours.no_gradient:.0f}% (filtered) | |",
+            f"| generated samples/s in groups with a gradient | {peer.with_gradient_per_s:.1f} | "
+            f"{ours.with_gradient_per_s:.1f} | {ours.with_gradient_per_s / peer.with_gradient_per_s:.2f}× |"]
     for t in marks:
         a, b = accuracy_at(p, t), accuracy_at(o, t)
         lines.append(f"| accuracy at {t:.0f} s | {100 * a:.1f}% | {100 * b:.1f}% | {100 * (b - a):+.1f} points |")
@@ -210,6 +298,9 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     when = f"{reach:.0f} s" if reach is not None else "not reached"
     ratio = f"{reach / peer.seconds:.2f} of the peer's time" if reach is not None else ""
     lines.append(f"| time to {100 * target:.1f}% (the peer's final) | {peer.seconds:.0f} s | {when} | {ratio} |")
+    a, b = late_mean(p, budget), late_mean(o, budget)
+    lines.append(f"| mean of the checkpoints from {budget / 2:.0f} s on | {100 * a:.1f}% | {100 * b:.1f}% | "
+                 f"{100 * (b - a):+.1f} points |")
     if own_final is not None:
         lines += ["", f"areal_flow's own end-of-run evaluation (its engine, greedy, same file): {100 * own_final:.1f}% "
                   f"(the evaluator: {100 * o[-1][1]:.1f}%)"]
@@ -243,14 +334,20 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540.0, help="training seconds for each side")
     ap.add_argument("--eval-n", type=int, default=1000, help="held-out problems both sides are scored on")
     ap.add_argument("--points", type=int, default=12, help="checkpoints along each run")
-    ap.add_argument("--areal-steps-per-s", type=float, default=2.5,
+    ap.add_argument("--areal-steps-per-s", type=float, default=1.0,
                     help="expected areal_flow steps/s, to space its kept versions like TRL's checkpoints")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cache-dir", default=os.environ.get("AREAL_FLOW_CACHE", os.path.expanduser("~/.cache/areal_flow")))
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --out: read the runs (and scores) an earlier call left there instead of running them again")
+    ap.add_argument("--peer-from", metavar="DIR",
+                    help="TRL's run (and scores) from an earlier call's --out, instead of running TRL again")
     ap.add_argument("--plot", default="docs/bench_peer.png")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for the areal_flow run")
     args = ap.parse_args()
+    if args.reuse and not args.out:
+        ap.error("--reuse needs --out DIR")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -266,11 +363,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or tmp
         os.makedirs(root, exist_ok=True)
-        peer = trl_curve(os.path.join(root, "trl"), base, train_file, args.budget, args.budget / args.points, args.seed)
+        trl_dir = os.path.join(args.peer_from or root, "trl")
+        peer = read_trl(trl_dir) if args.peer_from else trl_curve(
+            trl_dir, base, train_file, args.budget, args.budget / args.points, args.seed, args.reuse)
         keep = max(1, round(args.budget * args.areal_steps_per_s / args.points))
-        ours, own_final = areal_curve(os.path.join(root, "areal_flow"), base, eval_file, args.eval_n, args.budget,
-                                      keep, args.seed, args.overrides)
-        points = score([peer, ours], base, rows)
+        ours_dir = os.path.join(root, "areal_flow")
+        ours, own_final = areal_curve(ours_dir, base, eval_file, args.eval_n, args.budget, keep, args.seed,
+                                      args.overrides, args.reuse)
+        points = score([(peer, trl_dir), (ours, ours_dir)], base, rows)
     text = report(peer, ours, points, args.budget, own_final, args)
     print("\n" + text)
     print(json.dumps({k: [[round(t, 1), round(a, 4)] for t, a in v] for k, v in points.items()}))

@@ -263,10 +263,14 @@ class Controller:
             await asyncio.sleep(min(1.0, self.cfg.step_timeout / 4))
             if time.monotonic() - self.last_progress > self.cfg.step_timeout:
                 frozen = await self.publisher.unresponsive()
+                filtered = self.filtered - self.filtered_logged
                 raise StalledRun(
                     f"no train step completed within {self.cfg.step_timeout:.0f} s (step_timeout); the controller "
                     f"waits for {self.waiting_for}; {len(self.staleness.finished)} prompt group(s) finished, "
                     f"{len(self.staleness.running)} generating"
+                    + (f"; dynamic filtering dropped {filtered} group(s) since the last step: their success rates fell "
+                       f"outside algorithm.success_rate_range={self.cfg.algorithm.success_rate_range} (widen "
+                       "it, or null to train every group)" if filtered else "")
                     + (f"; {', '.join(frozen)} does not answer /health" if frozen else ""))
 
     async def next_batch(self, step: int, update: asyncio.Task | None = None) -> dict[int, tuple[GroupMeta, int, int]]:
