@@ -212,10 +212,7 @@ def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[
     for the start checkpoint, and the number of problems) and read from there when present."""
     from rich.progress import Progress
 
-    kept = {}
-    for _, run_dir in curves:
-        path = os.path.join(run_dir, "scores.json")
-        kept[run_dir] = json.load(open(path)) if os.path.isfile(path) else {}
+    kept = {run_dir: _read_json(os.path.join(run_dir, "scores.json")) for _, run_dir in curves}
     start_key = f"start@{len(rows)}"
     start = next((k[start_key] for k in kept.values() if start_key in k), None)
     evaluate = None
@@ -243,6 +240,14 @@ def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[
                     json.dump(scores, f)
                 progress.advance(task)
     return out
+
+
+def _read_json(path: str) -> dict:
+    """A JSON file's mapping; {} where there is none yet."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _evaluator(base: str, rows: list[dict]):
