@@ -1,9 +1,9 @@
 """The allocation advisor's predictions against measured runs of tiny_arith (docs/advise.md, "Validation").
 
 Generation on core 0 and training on core 1, by the recipe's meshes. First a short profiling set:
-η = 1 with draining updates, η = 4 draining and interrupting (so that the
-interrupting update's pause is fitted), and one synchronous run (η = 0), in which generation and
-training take turns, so that what each costs alone separates from what sharing the machine adds;
+η = 1 with draining updates, η = 4 draining and interrupting (so that the interrupting update's
+pause is fitted), and one synchronous run (η = 0), in which generation and training take turns,
+so that what each costs alone separates from what sharing the machine adds;
 the advisor fits its costs from their metrics.jsonl. Then each measured configuration (η ×
 interrupt) runs and is predicted by the simulation with the fitted costs; the table gives measured
 and predicted trained samples/s, idle fractions and staleness, with the relative error, and a plot
