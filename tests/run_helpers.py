@@ -71,6 +71,11 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     dropped = {e["group"] for e in ledger if e["event"] == "drop"}
     filtered = {e["group"] for e in ledger if e["event"] == "filter"}
     assert not filtered & (finished | dropped)
+    # Each scored group's answer lengths and stage times, in the order the pipeline passes them.
+    admit_time = {e["group"]: e["time"] for e in ledger if e["event"] == "admit"}
+    for e in (e for e in ledger if e["event"] in ("finish", "filter")):
+        assert len(e["lengths"]) == group_size and all(n >= 1 for n in e["lengths"]), e
+        assert admit_time[e["group"]] <= e["requested"] <= e["generated"] <= e["scored"] <= e["time"], e
     uids = [u for f in sorted(run_dir.glob("trained-rank*.jsonl")) for r in jsonl(f) for u in r["uids"]]
     assert len(uids) == len(set(uids)), "a sample was trained twice"
     groups_from_trainer = Counter(int(u.split("-")[0][1:]) for u in uids)

@@ -10,7 +10,8 @@ and predicted trained samples/s, idle fractions and staleness, with the relative
 is written. With --repeats N the profiling set and every configuration run N times, in rounds, and
 the table gives each configuration's mean.
 
-    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--repeats 1] [--etas 0 1 4] [--keep DIR [--reuse]] [-- overrides]
+    python tools/validate_advise.py [--steps 30] [--profile-steps 20] [--repeats 1] [--etas 0 1 4] [--sim-seeds 8]
+                                    [--keep DIR [--reuse]] [-- overrides]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import matplotlib
 
@@ -32,7 +33,7 @@ from _bench import machine, read_run_dir, run_recipe, save_plot, timed_steps  # 
 from areal_flow.advise.costs import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
 from areal_flow.advise.report import costs_table  # noqa: E402
-from areal_flow.advise.simulate import Candidate, simulate  # noqa: E402
+from areal_flow.advise.simulate import Candidate, Prediction, simulate  # noqa: E402
 
 
 def measured(metrics: list[dict]) -> dict:
@@ -51,6 +52,13 @@ def measured(metrics: list[dict]) -> dict:
 def mean_of(runs: list[dict]) -> dict:
     """The repeats of one configuration: each figure's mean."""
     return {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+
+
+def mean_prediction(preds: list[Prediction]) -> Prediction:
+    """The mean of each figure over simulations of one candidate with different seeds."""
+    numbers = {f.name: sum(getattr(p, f.name) for p in preds) / len(preds) for f in fields(Prediction)
+               if f.name not in ("candidate", "staleness_max", "steps")}
+    return replace(preds[0], **numbers, staleness_max=max(p.staleness_max for p in preds))
 
 
 def error(predicted: float, actual: float) -> str:
@@ -72,6 +80,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: read the runs an earlier call left there instead of running them again "
                          "(to predict the same runs after a change to the advisor)")
+    ap.add_argument("--sim-seeds", type=int, default=8, help="simulate each configuration with this many seeds "
+                    "(length and filter draws) and predict their mean")
     ap.add_argument("--plot", default="docs/validate_advise.png")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
@@ -117,9 +127,11 @@ def main() -> None:
             costs = replace(fitted.costs, workload=replace(
                 fitted.costs.workload, interrupt=interrupt == "true", batch_size=start["batch_size"],
                 group_size=start["group_size"], max_concurrent=_max_concurrent(run_dir)))
-            # The measured window starts after the first step, as timed_steps() does.
-            pred = simulate(costs, Candidate(*fitted.split, eta=eta, interrupt=interrupt == "true"),
-                            steps=args.steps - 1, warmup=1)
+            # The measured window starts after the first step, as timed_steps() does; over so few
+            # steps one draw of the lengths and the filter moves a prediction by ~5%: the mean of several.
+            cand = Candidate(*fitted.split, eta=eta, interrupt=interrupt == "true")
+            pred = mean_prediction([simulate(costs, cand, steps=args.steps - 1, warmup=1, seed=seed)
+                                    for seed in range(args.sim_seeds)])
             rows.append((eta, interrupt, [measured(m) for _, m in done], pred))
     console = Console(width=140)
     console.print(f"\nmachine: {machine()}", highlight=False)

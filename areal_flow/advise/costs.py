@@ -40,6 +40,9 @@ class GenCosts:
     shared_slowdown: float = 0.0
     """fraction a decode step or prefill costs more while the trainer trains: generation and training
     on one machine share its caches and memory bandwidth (CPU cores); 0 on separate accelerators."""
+    answer_s: float = 0.0
+    """seconds a server spends handing one finished answer back before its next step (outside the
+    decode step: the reply to its client shares the server's process)."""
     devices_per_server: int = 1
     """devices one server spans (tensor parallel size): a split's generation devices / this = servers."""
     padded: bool = False
@@ -81,8 +84,8 @@ class UpdateCosts:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Answer lengths in tokens, clipped to [1, max_new_tokens]: an empirical list, or a lognormal
-    given by its mean after clipping and its log-space sigma."""
+    """Answer lengths in tokens, clipped to [1, max_new_tokens]: recorded groups, an empirical
+    list, or a lognormal given by its mean after clipping and its log-space sigma."""
 
     max_new_tokens: int
     values: tuple[int, ...] = ()
@@ -91,9 +94,15 @@ class Lengths:
     """lognormal: the mean length after clipping at max_new_tokens."""
     sigma: float = 0.0
     """lognormal: the sigma of log(length), the tail; 0 = every answer has length `mean`."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """recorded prompt groups, each its answers' lengths (a run's ledger): a group is drawn whole,
+    so its answers keep their spread; first before `values` and the lognormal."""
+    filtered_groups: tuple[tuple[int, ...], ...] = ()
+    """recorded groups that dynamic filtering dropped: a simulated group that is filtered is drawn
+    from these (on tiny_arith the all-wrong groups' answers run long), the others from `groups`."""
 
     def __post_init__(self) -> None:
-        if not self.values and not 0 < self.mean <= self.max_new_tokens:
+        if not self.values and not self.groups and not 0 < self.mean <= self.max_new_tokens:
             raise AdviseError(f"workload.lengths: mean {self.mean} must be in (0, max_new_tokens={self.max_new_tokens}]")
 
     @property
@@ -105,9 +114,23 @@ class Lengths:
             lo, hi = (mid, hi) if _clipped_mean(mid, self.sigma, self.max_new_tokens) < self.mean else (lo, mid)
         return (lo + hi) / 2
 
+    def group_sampler(self, rng: random.Random, size: int):
+        """A function of `filtered` (whether dynamic filtering will drop the group) that draws the
+        `size` answer lengths of one group: a recorded group of that fate whole when there are
+        recorded groups of this size, else each answer on its own (`sampler`)."""
+        top = self.max_new_tokens
+        kept = [g for g in self.groups if len(g) == size]
+        dropped = [g for g in self.filtered_groups if len(g) == size] or kept
+        if kept:
+            return lambda filtered: [min(top, max(1, v)) for v in rng.choice(dropped if filtered else kept)]
+        draw = self.sampler(rng)
+        return lambda filtered: [draw() for _ in range(size)]
+
     def sampler(self, rng: random.Random):
         """A function of no arguments that draws one length."""
         top = self.max_new_tokens
+        if self.groups and not self.values:  # another group size: the recorded answers one by one
+            return replace(self, values=tuple(v for g in self.groups + self.filtered_groups for v in g)).sampler(rng)
         if self.values:
             values = [min(top, max(1, v)) for v in self.values]
             return lambda: rng.choice(values)
@@ -117,6 +140,15 @@ class Lengths:
         return lambda: min(top, max(1, round(rng.lognormvariate(mu, sigma))))
 
     def describe(self) -> str:
+        if self.groups:
+            def mean(gs: tuple[tuple[int, ...], ...]) -> float:
+                return sum(min(self.max_new_tokens, v) for g in gs for v in g) / max(1, sum(map(len, gs)))
+            every = self.groups + self.filtered_groups
+            top = sum(v >= self.max_new_tokens for g in every for v in g) / sum(map(len, every))
+            text = f"recorded, {len(self.groups)} groups, mean {mean(self.groups):.0f}"
+            if self.filtered_groups:
+                text += f"; {len(self.filtered_groups)} filtered groups, mean {mean(self.filtered_groups):.0f}"
+            return text + f"; {top:.1%} at max {self.max_new_tokens}"
         if self.values:
             v = [min(self.max_new_tokens, max(1, x)) for x in self.values]
             return (f"empirical, {len(v)} lengths, mean {sum(v) / len(v):.0f}, "
@@ -197,6 +229,19 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Latency:
+    """The control path's delays: while a finished group travels to the controller and its
+    replacement to a server, that server decodes one group fewer."""
+
+    admit_s: float = 0.0
+    """seconds from the controller admitting a group to its request at a server (controller ->
+    rollout worker -> HTTP)."""
+    deliver_s: float = 0.0
+    """seconds from a group's last answer to the controller counting it (the reply to the rollout
+    worker, scoring by the reward worker, its metadata to the controller)."""
+
+
+@dataclass(frozen=True)
 class Costs:
     """Everything the simulator needs besides the candidate."""
 
@@ -205,6 +250,7 @@ class Costs:
     update: UpdateCosts
     workload: Workload
     lengths: Lengths
+    latency: Latency = Latency()
 
 
 @dataclass(frozen=True)
@@ -221,7 +267,8 @@ class Candidates:
     """also simulate the synchronous colocated baseline (η = 0, every device generates then trains)."""
 
 
-_SECTIONS = {"generation": GenCosts, "training": TrainCosts, "weights": UpdateCosts, "workload": Workload}
+_SECTIONS = {"generation": GenCosts, "training": TrainCosts, "weights": UpdateCosts, "workload": Workload,
+             "latency": Latency}
 _POSITIVE = {"batch_size", "group_size", "devices_per_server", "max_running", "max_concurrent", "dp_efficiency"}
 
 
@@ -303,7 +350,7 @@ def parse_split(text: str, where: str = "--splits") -> tuple[int, int]:
 
 
 def load_cost_file(path: str | Path) -> tuple[Costs, Candidates]:
-    """Read a cost file (YAML or JSON); sections generation, training, weights, workload, candidates."""
+    """Read a cost file (YAML or JSON); sections generation, training, weights, workload, latency, candidates."""
     path = Path(path)
     if not path.is_file():
         raise AdviseError(f"--costs: cost file {str(path)!r} does not exist")
@@ -317,7 +364,8 @@ def load_cost_file(path: str | Path) -> tuple[Costs, Candidates]:
 def parse_costs(raw: Any, base: Path = Path("."), name: str = "cost file") -> tuple[Costs, Candidates]:
     """Costs and candidates from the cost file's mapping; a missing section or key keeps its default."""
     if not isinstance(raw, dict):
-        raise AdviseError(f"{name}: expected a mapping with sections generation, training, weights, workload, candidates")
+        raise AdviseError(f"{name}: expected a mapping with sections generation, training, weights, workload, latency, "
+                          "candidates")
     unknown = sorted(set(raw) - {*_SECTIONS, "candidates"})
     if unknown:
         raise AdviseError(f"{name}: unknown section(s) {', '.join(map(repr, unknown))}; "
@@ -330,7 +378,7 @@ def parse_costs(raw: Any, base: Path = Path("."), name: str = "cost file") -> tu
     if parts["workload"].filtered_fraction >= 1:
         raise AdviseError(f"{name}: workload.filtered_fraction={parts['workload'].filtered_fraction:g} must be below 1 "
                           "(with every group filtered nothing is ever trained)")
-    costs = Costs(parts["generation"], parts["training"], parts["weights"], parts["workload"], lengths)
+    costs = Costs(parts["generation"], parts["training"], parts["weights"], parts["workload"], lengths, parts["latency"])
     return costs, _candidates(raw.get("candidates") or {})
 
 

@@ -9,12 +9,15 @@ What a step row gives and what is fitted from it:
 | prox_fraction | `train/prox_seconds` over d·tokens on the steps that ran the prox forward |
 | w (update pause) | `generator_load` (the servers' own load time) with interrupt=false, else the least `update_seconds` there (the rest is the drain); the interrupting pause: the median `update_seconds` with interrupt=true |
 | a, b, e, p0, p (decode step = a + b·n + e·k, prefill = p0 + p·positions) | the servers' compute counts (`gen/*`, generation/compute_counts.py): least squares of each decode step's seconds against its answers n and the KV positions k they read (padding included), and of each prefill's seconds against the positions it computes (padding included; p0 = a where the prefills are all of one size). Without counts (SGLang), the rows below |
+| answer_s | the servers' time neither computing, loading nor waiting for work (`gen/waited`) over the answers they handed back (`gen/answered`) |
 | a, b (decode step = a + b·n) | busy seconds per server (1 − `generator_idle`)·`step_seconds` over tokens per server (`gen_tokens_per_second`·`step_seconds`) = b + a/n, with n the running answers per server (`running`·G) |
 | p (prefill per token) | busy time of interrupting runs beyond a, b, over the tokens they re-prefill (needs runs of both kinds) |
 | lengths | lognormal from the mean `response_length` and the mean `response_length_max` (or, when over 1% of the answers are truncated, `truncated_fraction`) |
 | prompt tokens | (`train/n_tokens` − answer tokens) / answers |
 | filtered_fraction | `filtered_groups` over those and the groups trained |
 | lengths, with filtering | mean: the generated tokens (`gen_tokens_per_second`·`step_seconds`) over the answers of the groups trained and filtered |
+| latency (admission to request, last answer to controller) | `ledger.jsonl`: the mean over groups of `requested` − the `admit` event's time, and of the `finish`/`filter` event's time − `generated` |
+| lengths, from `ledger.jsonl` | every finished and filtered group's answer lengths (`lengths` of its `finish` or `filter` event): the simulation draws recorded groups whole, a filtered one from the filtered (first before the two rows above) |
 
 Without the engine's compute counts (SGLang's servers), n is the running count the controller logs
 at the end of each step: the servers' load reports (/v1/loads) are not in metrics.jsonl. What
@@ -23,6 +26,7 @@ cannot be fitted is taken from the cost file, and each such value is named in th
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from areal_flow.advise.costs import AdviseError, Costs, Lengths, lognormal_from_max, lognormal_from_truncation
+from areal_flow.advise.costs import AdviseError, Costs, Latency, Lengths, lognormal_from_max, lognormal_from_truncation
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.graph.dag import parse_mesh
 from areal_flow.metrics.writer import read_metrics
@@ -62,6 +66,10 @@ class RunFacts:
     max_running: int | None
     ppo_epochs: int
     trainer_waits: bool  # weights by broadcast: the trainer sends them, so it waits for each update
+    groups: tuple[tuple[int, ...], ...] = ()  # answer lengths of each group finished for training (ledger.jsonl)
+    filtered_groups: tuple[tuple[int, ...], ...] = ()  # those of each group dynamic filtering dropped
+    admit_s: tuple[float, ...] = ()  # per scored group: seconds from its admission to its request
+    deliver_s: tuple[float, ...] = ()  # per scored group: seconds from its last answer to the controller
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,37 @@ def read_run(path: str | Path) -> RunFacts:
         max_running=max_batch if max_batch is not None else (EMBEDDED_MAX_BATCH if backend == "embedded" else None),
         ppo_epochs=int(_get(cfg, "algorithm.ppo_epochs", 1) or 1),
         trainer_waits=_get(cfg, "rollout.weight_update_mode", "disk") == "distributed",
+        **_read_ledger(path / "ledger.jsonl"),
     )
+
+
+def _read_ledger(ledger: Path) -> dict[str, Any]:
+    """From a run's ledger (runs since it records them; nothing from older runs): each finished and
+    each filtered group's answer lengths, and per group the control path's two delays: admission to
+    its request (`requested` − its `admit`), and its last answer to the controller (the event's
+    time − `generated`)."""
+    groups: dict[str, list[tuple[int, ...]]] = {"finish": [], "filter": []}
+    admitted: dict[int, float] = {}
+    admit_s, deliver_s = [], []
+    if ledger.is_file():
+        with open(ledger, "rb") as f:
+            for line in f:
+                if b'"lengths"' not in line and b'"admit"' not in line:  # steps and updates: skipped unparsed
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    raise AdviseError(f"--from-run: {str(ledger)!r} has a line that is not JSON: {line[:80]!r}") from None
+                kind = event.get("event")
+                if kind == "admit":
+                    admitted[event["group"]] = event["time"]
+                elif kind in groups:
+                    groups[kind].append(tuple(int(n) for n in event["lengths"]))
+                    if "requested" in event and event.get("group") in admitted:
+                        admit_s.append(event["requested"] - admitted[event["group"]])
+                        deliver_s.append(event["time"] - event["generated"])
+    return {"groups": tuple(groups["finish"]), "filtered_groups": tuple(groups["filter"]),
+            "admit_s": tuple(admit_s), "deliver_s": tuple(deliver_s)}
 
 
 def _line(xs: list[float], ys: list[float], ws: list[float] | None = None) -> tuple[float, float] | None:
@@ -236,7 +274,25 @@ def _counted_generation(runs: list[RunFacts], base: Costs, notes: list[str]) -> 
         notes.append(f"generation: p0 = {p0:.3g} s, p = {p:.3g} s/{unit} per prefill, {how} over "
                      f"{total['prefills']:.0f} prefills of {_prefill_size(total) / total['prefills']:.0f} {unit}s on average")
         gen = replace(gen, prefill_fixed_s=p0, prefill_per_token_s=p)
-    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=e, padded=padded)
+    return replace(gen, step_fixed_s=a, step_per_seq_s=b, step_per_context_token_s=e, padded=padded,
+                   answer_s=_answer_seconds(rows, gen.answer_s, notes))
+
+
+def _answer_seconds(rows: list[dict], default: float, notes: list[str]) -> float:
+    """The server's time per answer outside compute: each step row's window less the counted
+    decode, prefill, load and wait for work, over the answers it handed back (counts since the
+    engine records `waited` and `answered`)."""
+    rows = [s for s in rows if s.get("gen/answered") and s.get("gen/waited") is not None]
+    answered = sum(s["gen/answered"] for s in rows)
+    if not answered:
+        notes.append(f"generation: answer_s = {default:g} s from the cost file (no counts of the servers' waits)")
+        return default
+    rest = sum(s["step_seconds"] * (1 - (s.get("generator_load") or 0.0)) - s["gen/decode_seconds"]
+               - s["gen/prefill_seconds"] - s["gen/waited"] for s in rows)
+    answer_s = max(0.0, rest / answered)
+    notes.append(f"generation: answer_s = {answer_s:.3g} s: the servers' {rest:.1f} s neither computing, loading nor "
+                 f"waiting for work, over the {answered:.0f} answers they handed back")
+    return answer_s
 
 
 def _prefill_size(total: dict) -> float:
@@ -410,6 +466,20 @@ def _filtered(runs: list[RunFacts], notes: list[str]) -> float:
     return fraction
 
 
+def _latency(runs: list[RunFacts], base: Costs, notes: list[str]) -> Latency:
+    """The control path's mean delays over every group the ledgers time; else the cost file's."""
+    admit = [x for r in runs for x in r.admit_s]
+    if not admit:
+        notes.append("latency: no ledger with the groups' stage times; taken from the cost file")
+        return base.latency
+    deliver = [x for r in runs for x in r.deliver_s]
+    latency = Latency(admit_s=sum(admit) / len(admit), deliver_s=sum(deliver) / len(deliver))
+    notes.append(f"latency: a group reaches its server {1000 * latency.admit_s:.1f} ms after its admission and the "
+                 f"controller {1000 * latency.deliver_s:.1f} ms after its last answer, the means over the "
+                 f"{len(admit)} groups the ledgers time (the HTTP legs to and from the server not included)")
+    return latency
+
+
 def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) -> Costs:
     """With synchronous runs (η = 0: generation and training take turns) besides asynchronous
     ones (they overlap): each side's costs alone from the synchronous runs, and how much more it
@@ -472,12 +542,19 @@ def fit_runs(paths: list[str], base: Costs) -> Fitted:
         prompt = max(0.0, sum(s["train/n_tokens"] / r.ppo_epochs / (r.batch_size * r.group_size) - s["response_length"]
                               for r, s in with_tokens) / len(with_tokens))
         notes.append(f"workload: prompt_tokens = {prompt:.0f}, from train/n_tokens less the answers")
-    lengths = _lengths(rows, _generated_mean(runs, notes) or mean_len, top, answers, base, notes)
+    if any(r.groups for r in runs):
+        lengths = Lengths(top, groups=tuple(g for r in runs for g in r.groups),
+                          filtered_groups=tuple(g for r in runs for g in r.filtered_groups))
+        notes.append(f"lengths: the answers of the {len(lengths.groups)} groups finished for training and "
+                     f"{len(lengths.filtered_groups)} filtered, from the runs' ledgers ({lengths.describe()}): "
+                     "each simulated group is a recorded one of its fate, drawn whole")
+    else:
+        lengths = _lengths(rows, _generated_mean(runs, notes) or mean_len, top, answers, base, notes)
     workload = replace(base.workload, batch_size=first.batch_size or base.workload.batch_size,
                        group_size=first.group_size or base.workload.group_size, prompt_tokens=round(prompt),
                        max_concurrent=first.max_concurrent, interrupt=first.interrupt,
                        filtered_fraction=_filtered(runs, notes))
     costs = Costs(gen=_generation(runs, base, prompt, mean_len, notes), train=_train(runs, base, notes),
-                  update=_update(runs, base, notes), workload=workload, lengths=lengths)
+                  update=_update(runs, base, notes), workload=workload, lengths=lengths, latency=_latency(runs, base, notes))
     costs = _sharing(runs, costs, base, notes)
     return Fitted(costs, notes, (first.gen_devices, first.train_devices), first.eta)

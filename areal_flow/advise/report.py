@@ -42,6 +42,7 @@ def costs_table(costs: Costs) -> Table:
         ("e: decode step, per context token", f"{g.step_per_context_token_s:.3g} s"),
         ("p: prefill, per token", f"{g.prefill_per_token_s:.3g} s"),
         ("p0: prefill, fixed", f"{g.prefill_fixed_s:.3g} s"),
+        ("handing back an answer", f"{g.answer_s * 1000:.3g} ms"),
         ("answers a server runs at most", "no limit" if g.max_running is None else str(g.max_running)),
         ("devices per server", str(g.devices_per_server)),
         ("generation while the trainer trains", f"{g.shared_slowdown:+.0%}"),
@@ -59,6 +60,8 @@ def costs_table(costs: Costs) -> Table:
         ("max concurrent groups", "η only" if w.max_concurrent is None else str(w.max_concurrent)),
         ("groups dropped by dynamic filtering", f"{w.filtered_fraction:.0%}"),
         ("answer lengths", costs.lengths.describe()),
+        ("admission to a server", f"{costs.latency.admit_s * 1000:.3g} ms"),
+        ("last answer to the controller", f"{costs.latency.deliver_s * 1000:.3g} ms"),
     ]
     for what, value in rows:
         table.add_row(what, value)

@@ -9,7 +9,10 @@ the padding to the longest answer or sequence, as the embedded engine computes);
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
 drains its running answers, admitting none, then loads), while the trainer may already train the
 next step (not the one after; `trainer_waits`: none). Dynamic filtering drops each finished group
-with probability `filtered_fraction`, freeing its admission slot.
+with probability `filtered_fraction`, freeing its admission slot (a group's fate is drawn at
+admission, and with recorded groups its lengths come from groups of that fate). A group reaches
+its server `latency.admit_s` after its admission and the controller `latency.deliver_s` after its
+last answer.
 
 Between two events a server's batch does not change, so it advances many decode steps at once
 (to its next finishing answer, or to the step boundary after something arrives): the cost of a
@@ -81,6 +84,7 @@ class Prediction:
 class _Group:
     gid: int
     left: int  # answers not finished yet
+    filtered: bool = False  # dynamic filtering drops it when it finishes
     seqs: list[_Seq] = field(default_factory=list)
 
 
@@ -103,7 +107,7 @@ class _Server:
     running: set[_Seq] = field(default_factory=set)
     finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (step it finishes at, tiebreak, seq)
     queue: deque[_Seq] = field(default_factory=deque)
-    op: str | None = None  # decode | prefill | load | None (idle)
+    op: str | None = None  # decode | prefill | answer | load | None (idle)
     op_start: float = 0.0
     op_end: float = 0.0
     op_steps: int = 0
@@ -111,6 +115,7 @@ class _Server:
     step_growth: float = 0.0  # seconds each further step adds (the context grows by one token per answer)
     context: int = 0  # Σ over running answers of prompt + done − start: their context is this + n · steps
     admitting: list[_Seq] = field(default_factory=list)  # the answers being prefilled
+    answering: list[_Group] = field(default_factory=list)  # groups whose last answer is being handed back
     wake: int = 0  # the current op's token: an earlier wake-up event is stale
     busy: float = 0.0  # seconds of finished decode and prefill ops
     decoded: int = 0  # tokens of finished decode ops
@@ -140,8 +145,8 @@ class _Simulation:
         update = costs.update
         pause = update.interrupt_pause_s if self.work.interrupt and update.interrupt_pause_s is not None else update.pause_s
         self.pause_s = pause + (update.colocated_switch_s if cand.colocated else 0.0)
-        self.draw = costs.lengths.sampler(random.Random(seed))
-        self.filter_draw = random.Random(f"filter-{seed}").random  # apart, so the lengths drawn stay the same
+        self.draw = costs.lengths.group_sampler(random.Random(seed), self.work.group_size)
+        self.filter_draw = random.Random(f"filter-{seed}").random  # apart from the lengths' draws
         self.total, self.warmup = warmup + steps, warmup
         self.trace = trace
         self.heap: list[tuple[float, int, Callable, tuple]] = []
@@ -169,6 +174,13 @@ class _Simulation:
     def at(self, t: float, fn: Callable, *args: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.order), fn, args))
 
+    def after(self, delay: float, fn: Callable, *args: Any) -> None:
+        """fn(*args) `delay` seconds from now; at once when there is no delay."""
+        if delay > 0:
+            self.at(self.now + delay, fn, *args)
+        else:
+            fn(*args)
+
     def run(self) -> None:
         self.grant()
         while len(self.step_ends) < self.total:
@@ -184,19 +196,19 @@ class _Simulation:
         while self.manager.can_admit():
             gid, self.next_gid = self.next_gid, self.next_gid + 1
             self.manager.admit(gid)
-            group = _Group(gid, self.G)
-            group.seqs = [_Seq(group, i, self.draw()) for i in range(self.G)]
+            # Its fate is drawn first: a group filtering will drop is drawn from the dropped ones' lengths.
+            group = _Group(gid, self.G, filtered=self.filter_draw() < self.work.filtered_fraction)
+            group.seqs = [_Seq(group, i, n) for i, n in enumerate(self.draw(group.filtered))]
             self.groups[gid] = group
             server = min(self.servers, key=attrgetter("load"))  # the first of the least loaded
-            server.queue.extend(group.seqs)
             server.load += self.G
             if self.trace is not None:
                 self.trace.append((self.now, self.manager.version, self.manager.accepted, len(self.manager.running),
                                    sum(g.left > 0 for g in self.groups.values())))
-            self.arrived(server)
+            self.after(self.costs.latency.admit_s, self.arrived, server, group)
 
     def group_finished(self, group: _Group) -> None:
-        if self.filter_draw() < self.work.filtered_fraction:
+        if group.filtered:
             # Dynamic filtering drops it, as the controller does: it leaves the running set unaccepted.
             self.manager.abandon(group.gid)
             del self.groups[group.gid]
@@ -286,7 +298,9 @@ class _Simulation:
 
     # ---- a generation server ---------------------------------------------------------------------
 
-    def arrived(self, s: _Server) -> None:
+    def arrived(self, s: _Server, group: _Group) -> None:
+        """A group's request reaches its server: it queues, and joins the batch at the next step."""
+        s.queue.extend(group.seqs)
         if s.op is None:
             self.next_op(s)
         elif s.op == "decode" and not s.draining and self.room(s) > 0:
@@ -353,10 +367,12 @@ class _Simulation:
         if op in ("decode", "prefill"):
             s.busy += s.op_end - s.op_start
         done: list[_Group] = []
+        finished = 0
         if op == "decode":
             s.steps += s.op_steps
             s.decoded += s.op_steps * len(s.running)
             while s.finishing and s.finishing[0][0] <= s.steps:
+                finished += 1
                 _, _, q = heapq.heappop(s.finishing)
                 s.running.discard(q)
                 s.context -= self.work.prompt_tokens + q.done - q.start
@@ -378,10 +394,17 @@ class _Simulation:
             self.waiting_for -= 1
             if not self.waiting_for:  # the controller's update returns once every server has loaded
                 self.published()
+        elif op == "answer":  # handed back: the groups it finished travel on to the controller
+            done, s.answering = s.answering, []
+        if finished and self.gen.answer_s > 0:
+            # The server hands the step's finished answers back before its next step.
+            s.answering = done
+            self.begin(s, "answer", finished * self.gen.answer_s)
+            return
         if s.pause_wanted:
             self.pause(s)
         for group in done:
-            self.group_finished(group)
+            self.after(self.costs.latency.deliver_s, self.group_finished, group)
         self.next_op(s)
 
     def pause(self, s: _Server) -> None:
@@ -419,9 +442,9 @@ class _Simulation:
         (busy0, decoded0), (busy1, decoded1) = self.busy_marks[0] if self.warmup else (0.0, 0), self.busy_marks[-1]
         gen_busy = busy1 - busy0
         gen_devices = len(self.servers) * self.gen.devices_per_server
-        tokens = sum(self.step_tokens[self.warmup:])
+        tokens = sum(self.step_tokens[self.warmup:self.total])  # not a step begun after the last one ended
         window: dict[int, int] = {}
-        for hist in self.hist[self.warmup:]:
+        for hist in self.hist[self.warmup:self.total]:
             for age, n in hist.items():
                 window[age] = window.get(age, 0) + n
         trained = sum(window.values())

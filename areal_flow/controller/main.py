@@ -161,25 +161,29 @@ class Controller:
             await send_to(self.socket, ident, Route(meta.group_id, -1))
             return
         rank, problem = self.intake.accept(meta)
+        # Each answer's length and the group's stage times go to the ledger: what the advisor fits
+        # generation from (advise/fit.py), the filtered groups' answers included.
+        out = self.intake.output_keys[0]
+        stats = {"lengths": [s.lengths.get(out, 0) for s in meta.samples], **meta.times}
         if problem is None and (why := outside_range(meta, self.intake.reward_key, self.cfg.algorithm.success_rate_range)):
             # Trainable, but it would teach little (all right or all wrong gives no advantage): it
             # leaves the intake and the running set, so admission opens for a group in its place.
             self.intake.take([meta.group_id])
             self.staleness.abandon(meta.group_id)
             self.filtered += 1
-            self.ledger.write("filter", group=meta.group_id, reason=why)
-            self.generated_tokens += sum(s.lengths[self.intake.output_keys[0]] for s in meta.samples)
+            self.ledger.write("filter", group=meta.group_id, reason=why, **stats)
+            self.generated_tokens += sum(stats["lengths"])
             rank = DROP
         elif problem:
             # Unusable, but accounted for: it leaves the running set (else the staleness rule would
             # wait for it forever) and the ledger and summary say it was dropped.
             log.error("controller: group %d dropped: %s", meta.group_id, problem)
             self.staleness.abandon(meta.group_id)
-            self.ledger.write("drop", group=meta.group_id, reason=problem)
+            self.ledger.write("drop", group=meta.group_id, reason=problem, **stats)
         else:
             self.staleness.finish(meta.group_id)
-            self.generated_tokens += sum(s.lengths[self.intake.output_keys[0]] for s in meta.samples)
-            self.ledger.write("finish", group=meta.group_id, rank=rank)
+            self.generated_tokens += sum(stats["lengths"])
+            self.ledger.write("finish", group=meta.group_id, rank=rank, **stats)
         self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))
         self.changed.set()

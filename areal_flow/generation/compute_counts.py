@@ -17,7 +17,9 @@ class ComputeCounts:
     their seconds add up to its busy time (with the cache copies of joins and compactions counted
     in the prefill and decode that cause them). The batch is left-padded to its longest row, so k
     is n × the batch's width and m the distinct sequences × the longest of them: padding costs as
-    much as a token."""
+    much as a token. The thread's time neither computing, nor loading weights, nor waiting for
+    work (`waited`) is its loop's own, most of it handing answers back (`answered`): the advisor's
+    answer_s."""
 
     decode_steps: int = 0
     decode_rows: int = 0  # Σ n: the rows each step sampled for
@@ -34,6 +36,8 @@ class ComputeCounts:
     prefill_positions_sq: int = 0  # Σ m²
     prefill_seconds: float = 0.0  # Σ t
     prefill_position_seconds: float = 0.0  # Σ m·t
+    waited: float = 0.0  # seconds the thread waited for work (nothing queued or running, or paused)
+    answered: int = 0  # requests answered (finished or aborted), each handed to the server's event loop
 
     def decoded(self, rows: int, width: int, seconds: float) -> None:
         kv = rows * width

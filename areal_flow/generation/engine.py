@@ -238,6 +238,7 @@ class GenerationEngine:
         self._busy_seconds = 0.0
         self._load_seconds = 0.0  # copying weight updates in (decoding stops meanwhile)
         self._counts = ComputeCounts()
+        self._idle_from: float | None = None  # when the decode thread began to wait for work, while it waits
         # Rows a step finished, answered once the step's counts and busy time are in the stats:
         # whoever reads an answer may read the stats next.
         self._step_finished: list[_Row] = []
@@ -375,8 +376,9 @@ class GenerationEngine:
             command.done.result()
 
     def stats(self) -> dict[str, float]:
-        with self._cond:
+        with self._cond:  # the decode thread adds a wait to `waited` under this lock when it ends
             waiting, updates = len(self._waiting), len(self._updates)
+            waited = self._counts.waited + (time.perf_counter() - self._idle_from if self._idle_from else 0.0)
         running = [row for row in self._running if row.finish is None]  # one may have finished since
         return {
             "num_running_reqs": len(running),
@@ -390,6 +392,7 @@ class GenerationEngine:
             "busy_seconds": self._busy_seconds,
             "load_seconds": self._load_seconds,
             **dataclasses.asdict(self._counts),
+            "waited": waited,
             "weight_version": self._version,
             "num_finished_reqs": self._finished_reqs,
             "finished_prompt_tokens": self._finished_prompt_tokens,
@@ -479,9 +482,12 @@ class GenerationEngine:
             while True:
                 with self._cond:
                     # Paused, nothing steps: a batch held in place waits for continue_generation.
+                    self._idle_from = time.perf_counter()  # stats() counts a wait in progress too
                     while not (self._stopping or (self._waiting and not self._paused) or self._updates
                                or self._aborts or (batch and not self._paused)):
                         self._cond.wait()
+                    self._counts.waited += time.perf_counter() - self._idle_from
+                    self._idle_from = None
                     if self._stopping:
                         break
                     aborts, self._aborts = self._aborts, []
@@ -751,6 +757,7 @@ class GenerationEngine:
             self._inflight.discard(row.request.rid)
         self._finished_reqs += 1
         self._finished_prompt_tokens += len(row.request.input_ids)
+        self._counts.answered += 1
         row.future.set_result(self._result(row, row.finish))
 
     def _answer_step_finished(self) -> None:

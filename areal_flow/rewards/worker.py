@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import zmq
 import zmq.asyncio
@@ -96,7 +97,8 @@ class RewardWorker:
         self.held[scored.group_id] = scored
         meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
         traffic = {**msg.traffic, self.name: sent_bytes()}
-        await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic))
+        times = {**msg.times, "scored": time.time()}
+        await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic, times))
 
     async def forward(self) -> None:
         while True:

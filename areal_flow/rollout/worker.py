@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import numpy as np
 import zmq
@@ -143,7 +144,9 @@ class RolloutWorker:
     async def rollout(self, group: PromptGroup) -> None:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
         # One request for the group: it goes to the least-loaded server, which prefills the prompt once.
+        requested = time.time()
         outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}")
+        generated = time.time()
         samples = [
             Sample(
                 uid=f"g{group.group_id}-{i}",
@@ -157,7 +160,9 @@ class RolloutWorker:
             )
             for i, o in enumerate(outs)
         ]
-        await send(self.rewards, GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}))
+        # Stage times: the ledger's account of where a group's time goes (advise/fit.py reads them).
+        times = {"requested": requested, "generated": generated}
+        await send(self.rewards, GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}, times=times))
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

@@ -146,6 +146,7 @@ class GeneratedGroup(msgspec.Struct, tag=True):
     group_id: int
     samples: list[Sample]
     traffic: dict[str, int] = {}  # bytes sent so far by the process that generated it (a metric)
+    times: dict[str, float] = {}  # wall clock (time.time()) of its stages so far: requested, generated
 
 
 class ScoredGroup(msgspec.Struct, tag=True):
@@ -166,6 +167,7 @@ class GroupMeta(msgspec.Struct, tag=True):
     worker: str
     samples: list[SampleMeta]
     traffic: dict[str, int] = {}  # bytes sent so far by each process the group passed through (a metric)
+    times: dict[str, float] = {}  # wall clock of its stages: requested, generated (rollout), scored (reward)
 
 
 class Route(msgspec.Struct, tag=True):

@@ -18,6 +18,7 @@ from areal_flow.advise.costs import (
     AdviseError,
     Costs,
     GenCosts,
+    Latency,
     Lengths,
     TrainCosts,
     UpdateCosts,
@@ -34,8 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=0.0), train=TrainCosts(0.0, 0.0), update=UpdateCosts(0.0),
-         workload=Workload(batch_size=2, group_size=4, prompt_tokens=10), lengths=Lengths(100, mean=50)) -> Costs:
-    return Costs(gen, train, update, workload, lengths)
+         workload=Workload(batch_size=2, group_size=4, prompt_tokens=10), lengths=Lengths(100, mean=50),
+         latency=Latency()) -> Costs:
+    return Costs(gen, train, update, workload, lengths, latency)
 
 
 def cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -60,6 +62,19 @@ def test_with_free_training_and_a_large_eta_throughput_is_the_generation_rate():
     assert p.samples_per_s == pytest.approx(2 * 8 / (50 * (a + 8 * b)), rel=1e-9)
     assert p.gen_idle == pytest.approx(0.0, abs=1e-9)
     assert p.train_idle == pytest.approx(1.0, abs=1e-9)
+
+
+def test_handing_answers_back_and_the_control_paths_delays_leave_the_servers_idle():
+    a, b, h, admit, deliver = 0.01, 0.002, 0.003, 0.02, 0.05
+    # As above; after each 50 steps a server hands its 8 answers back (8h), the controller hears
+    # of the groups `deliver` later, and their replacements reach the server `admit` after that.
+    costs = make(gen=GenCosts(a, b, prefill_per_token_s=0.0, answer_s=h),
+                 workload=Workload(batch_size=2, group_size=4, prompt_tokens=10, max_concurrent=4),
+                 latency=Latency(admit_s=admit, deliver_s=deliver))
+    p = simulate(costs, Candidate(2, 1, eta=16), steps=30)
+    cycle = 50 * (a + 8 * b) + 8 * h + deliver + admit
+    assert p.samples_per_s == pytest.approx(2 * 8 / cycle, rel=1e-9)
+    assert p.gen_idle == pytest.approx((8 * h + deliver + admit) / cycle, rel=1e-6)  # not computing
 
 
 def test_with_free_generation_throughput_is_the_training_rate():
@@ -353,6 +368,23 @@ def test_the_servers_compute_counts_give_the_decode_and_prefill_costs(tmp_path):
     assert flat.costs.gen.step_per_seq_s == 0 and any("vary too little in size" in n for n in flat.notes)
 
 
+def test_the_servers_time_outside_compute_and_waits_is_fitted_per_answer_handed_back(tmp_path):
+    write_run(tmp_path / "run")
+    rows = add_compute_counts(tmp_path / "run")
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    assert fit_runs([str(tmp_path / "run")], base).costs.gen.answer_s == base.gen.answer_s  # not counted: the file's
+    h = 0.0004
+    for i, row in enumerate(rows[1:]):
+        row["generator_load"] = 0.01
+        row["gen/answered"] = 20 + 3 * i
+        row["gen/waited"] = (row["step_seconds"] * 0.99 - row["gen/decode_seconds"] - row["gen/prefill_seconds"]
+                             - h * row["gen/answered"])
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    assert fitted.costs.gen.answer_s == pytest.approx(h, rel=1e-6)
+    assert any("answer_s = 0.0004 s" in n for n in fitted.notes)
+
+
 def test_the_kv_positions_a_decode_step_reads_are_fitted_apart_from_its_answers(tmp_path):
     """The embedded engine counts the KV positions each decode step reads (its answers × the padded
     width) and the positions each prefill computes: e, and p0 and p per position, come out by least
@@ -453,6 +485,63 @@ def test_the_longest_answer_of_each_step_gives_sigma_when_no_answer_is_truncated
     assert lognormal_from_max(40.0, 39.0, 8, 100) is None  # a longest answer below the mean says nothing
 
 
+def test_recorded_groups_are_drawn_whole_and_a_filtered_one_from_the_filtered():
+    lengths = Lengths(100, groups=((1, 2, 3, 4), (5, 6, 7, 8)), filtered_groups=((90, 95, 99, 150),))
+    draw = lengths.group_sampler(random.Random(0), 4)
+    kept = [tuple(draw(False)) for _ in range(50)]
+    assert set(kept) == {(1, 2, 3, 4), (5, 6, 7, 8)}  # whole groups, never a mix
+    assert {tuple(draw(True)) for _ in range(10)} == {(90, 95, 99, 100)}  # clipped at max_new_tokens
+    # Another group size: each answer on its own from every recorded answer.
+    draw_pair = lengths.group_sampler(random.Random(1), 2)
+    pairs = [draw_pair(False) for _ in range(200)]
+    assert all(len(p) == 2 for p in pairs)
+    assert {n for p in pairs for n in p} == {1, 2, 3, 4, 5, 6, 7, 8, 90, 95, 99, 100}
+    assert lengths.describe() == "recorded, 2 groups, mean 4; 1 filtered groups, mean 96; 8.3% at max 100"  # 1 of 12
+
+
+def test_filtered_groups_are_drawn_from_their_own_lengths_and_a_step_trains_the_kept_ones():
+    # Filtering drops half the groups. Recorded: the trained groups' answers are 20 tokens, the
+    # filtered ones' 80 (on tiny_arith the all-wrong answers run long).
+    work = Workload(batch_size=2, group_size=4, prompt_tokens=10, max_concurrent=4, filtered_fraction=0.5)
+    costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=0.0), workload=work)
+    cand = Candidate(1, 1, eta=2, interrupt=False)
+    long_filtered = simulate(replace(costs, lengths=Lengths(100, groups=((20,) * 4,), filtered_groups=((80,) * 4,))),
+                             cand, steps=200)
+    short_filtered = simulate(replace(costs, lengths=Lengths(100, groups=((20,) * 4,), filtered_groups=((20,) * 4,))),
+                              cand, steps=200)
+    # A step trains the trained groups' answers: prompt + 20 tokens each.
+    assert long_filtered.tokens_per_s / long_filtered.samples_per_s == pytest.approx(10 + 20)
+    # Generation bound: per trained answer the server decodes 20 + 80 tokens instead of 20 + 20.
+    assert long_filtered.samples_per_s < 0.75 * short_filtered.samples_per_s
+
+
+def test_the_ledger_gives_every_generated_groups_answer_lengths(tmp_path):
+    write_run(tmp_path / "run")
+    times = {0: (1.0, 1.002, 1.9), 1: (1.1, 1.106, 2.4)}  # admitted, requested, generated
+    events = [*({"event": "admit", "time": t[0], "group": g, "prompt_id": f"p{g}", "version": 0} for g, t in times.items()),
+              {"event": "finish", "time": 2.0, "group": 0, "rank": 0, "lengths": [3, 4], "requested": 1.002,
+               "generated": 1.9, "scored": 1.95},
+              {"event": "filter", "time": 2.5, "group": 1, "reason": "success rate 0.00", "lengths": [9, 9],
+               "requested": 1.106, "generated": 2.4, "scored": 2.45},
+              {"event": "drop", "time": 2.6, "group": 2, "reason": "bad", "lengths": [1, 0]},
+              {"event": "finish", "time": 3.0, "group": 3, "rank": 0, "lengths": [5, 6]}]  # an older run's: no times
+    ledger = tmp_path / "run" / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps(e) + "\n" for e in events))
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    assert fitted.costs.lengths.groups == ((3, 4), (5, 6)) and fitted.costs.lengths.filtered_groups == ((9, 9),)
+    assert any("2 groups finished for training and 1 filtered, from the runs' ledgers" in n for n in fitted.notes)
+    # The control path's delays: the means over the groups timed.
+    assert fitted.costs.latency.admit_s == pytest.approx((0.002 + 0.006) / 2)
+    assert fitted.costs.latency.deliver_s == pytest.approx((0.1 + 0.1) / 2)
+    (tmp_path / "run" / "ledger.jsonl").rename(tmp_path / "elsewhere.jsonl")
+    assert fit_runs([str(tmp_path / "run")], base).costs.latency == base.latency  # no ledger: the cost file's
+    (tmp_path / "elsewhere.jsonl").rename(ledger)
+    ledger.write_text(ledger.read_text() + '{"event": "finish", "lengths": [3,\n')
+    with pytest.raises(AdviseError, match=r"ledger.jsonl' has a line that is not JSON"):
+        fit_runs([str(tmp_path / "run")], base)
+
+
 def test_lognormal_from_truncation_recovers_mean_and_tail():
     lengths = lognormal_from_truncation(3000.0, 0.08, 8192)
     assert lengths is not None and lengths.sigma > 0
@@ -502,6 +591,8 @@ def test_bad_flags_fail_with_status_2_naming_the_flag(argv, names, capsys):
     ("workload", "batch_size", 0, "workload.batch_size: must be positive"),
     ("workload", "lengths", {"lognormal": {"mean": 10}}, "workload.lengths"),
     ("workload", "filtered_fraction", 1.0, "workload.filtered_fraction=1 must be below 1"),
+    ("latency", "admit_s", -0.01, "latency.admit_s: must be a cost ≥ 0, got -0.01"),
+    ("latency", "deliver", 0.01, "latency: unknown key(s) 'deliver'"),
 ])
 def test_a_bad_cost_file_fails_naming_the_key(tmp_path, capsys, section, key, value, names):
     path = tmp_path / "costs.yaml"

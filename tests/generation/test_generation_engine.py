@@ -81,6 +81,30 @@ def test_compute_counts_split_the_busy_time_into_one_prefill_and_a_decode_step_p
     assert 0.95 * stats["busy_seconds"] <= stats["prefill_seconds"] + stats["decode_seconds"] <= stats["busy_seconds"]
 
 
+def test_the_engine_counts_its_waits_for_work_and_the_answers_it_hands_back(model_dirs: ModelDirs):
+    """Idle with nothing queued, the thread's time is `waited`; each answer, finished or aborted, is
+    counted once in `answered`."""
+    started = time.perf_counter()
+    engine = GenerationEngine(model_dirs.a, max_batch_size=8)
+    try:
+        time.sleep(0.3)  # nothing to do: the thread waits
+        idle = engine.stats()
+        assert idle["waited"] >= 0.25 and idle["answered"] == 0
+        futures = [engine.submit([2, 3, 4], max_new_tokens=4, ignore_eos=True) for _ in range(3)]
+        assert all(len(f.result(timeout=60).output_ids) == 4 for f in futures)
+        engine.pause()  # queued, so the abort finds it whatever the machine's speed
+        long = engine.submit([2, 3, 4], max_new_tokens=200, ignore_eos=True, rid="long")
+        engine.abort("long")
+        assert long.result(timeout=60).finish_reason == "abort"
+        engine.continue_generation()
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["answered"] == 4
+    # Waiting and computing are apart: together never more than the thread's time.
+    assert stats["waited"] + stats["busy_seconds"] <= time.perf_counter() - started
+
+
 def test_a_prefill_counts_its_padding_and_a_decode_step_the_widest_rows_kv(model_dirs: ModelDirs):
     """Prompts of 2 and 5 tokens prefilled together are left-padded to 5: 10 positions computed for
     7 tokens; each decode step reads the padded width for both rows."""
