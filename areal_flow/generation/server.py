@@ -113,7 +113,7 @@ async def route_generate(server: GenerationServer, call: Call) -> tuple[int, Pay
     if stream is not None:
         stream.watch(futures)
         return StreamingResponse(stream.events(), media_type="text/event-stream")
-    results = asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+    results = gather_threadsafe(futures, asyncio.get_running_loop())
     while not (await asyncio.wait({results}, timeout=DISCONNECT_POLL))[0]:
         if await call.disconnected():  # no one would read the answer: stop decoding it (as SGLang)
             for item in items:
@@ -189,6 +189,38 @@ class WeightGroup:
             self.buffer = None  # the old one is freed before the larger one is made
             self.buffer = torch.empty(size, dtype=torch.uint8)
         return weight_group.receive(self.process_group, specs, self.buffer)
+
+
+def gather_threadsafe(futures: list[Future], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """The results of the engine's futures, in order, as one future of `loop`, which wakes once:
+    when the last is done. (asyncio.wrap_future wakes the loop for each: a write to its self-pipe
+    on the engine's thread, after which the HTTP thread takes the GIL and the engine waits for it
+    before its next step; measured in docs/benchmarks.md.) The first exception, if any, is its."""
+    gathered = loop.create_future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def settle() -> None:
+        if gathered.cancelled():
+            return
+        failed = next((f for f in futures if f.cancelled() or f.exception() is not None), None)
+        if failed is None:
+            gathered.set_result([f.result() for f in futures])
+        else:
+            gathered.set_exception(asyncio.CancelledError() if failed.cancelled() else failed.exception())
+
+    def one_done(_: Future) -> None:  # on the thread that finished it, usually the engine's
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            loop.call_soon_threadsafe(settle)
+
+    if not futures:
+        gathered.set_result([])
+    for future in futures:
+        future.add_done_callback(one_done)
+    return gathered
 
 
 def _off_loop(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
