@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import matplotlib
 
@@ -33,7 +33,7 @@ from _bench import machine, read_run_dir, run_recipe, save_plot, timed_steps  # 
 from areal_flow.advise.costs import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
 from areal_flow.advise.report import costs_table  # noqa: E402
-from areal_flow.advise.simulate import Candidate, Prediction, simulate  # noqa: E402
+from areal_flow.advise.simulate import Candidate, simulate  # noqa: E402
 
 
 def measured(metrics: list[dict]) -> dict:
@@ -52,13 +52,6 @@ def measured(metrics: list[dict]) -> dict:
 def mean_of(runs: list[dict]) -> dict:
     """The repeats of one configuration: each figure's mean."""
     return {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
-
-
-def mean_prediction(preds: list[Prediction]) -> Prediction:
-    """The mean of each figure over simulations of one candidate with different seeds."""
-    numbers = {f.name: sum(getattr(p, f.name) for p in preds) / len(preds) for f in fields(Prediction)
-               if f.name not in ("candidate", "staleness_max", "steps")}
-    return replace(preds[0], **numbers, staleness_max=max(p.staleness_max for p in preds))
 
 
 def error(predicted: float, actual: float) -> str:
@@ -130,8 +123,7 @@ def main() -> None:
             # The measured window starts after the first step, as timed_steps() does; over so few
             # steps one draw of the lengths and the filter moves a prediction by ~5%: the mean of several.
             cand = Candidate(*fitted.split, eta=eta, interrupt=interrupt == "true")
-            pred = mean_prediction([simulate(costs, cand, steps=args.steps - 1, warmup=1, seed=seed)
-                                    for seed in range(args.sim_seeds)])
+            pred = simulate(costs, cand, steps=args.steps - 1, warmup=1, seeds=args.sim_seeds)
             rows.append((eta, interrupt, [measured(m) for _, m in done], pred))
     console = Console(width=140)
     console.print(f"\nmachine: {machine()}", highlight=False)

@@ -85,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths-file", metavar="FILE", help="answer lengths, a JSON list or one per line")
     ap.add_argument("--steps", type=_positive, default=20, help="train steps measured per candidate (after η + 2 of warm-up)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draws")
+    ap.add_argument("--seeds", type=_positive, default=1, help="simulate each candidate with this many seeds (from "
+                    "--seed on) and report the mean: steadier over few steps, that many times slower")
     ap.add_argument("--tie", type=float, default=0.01, help="throughputs within this fraction of the best tie; "
                     "the least stale of them is recommended")
     ap.add_argument("--plot", metavar="PNG", help="write throughput against η per split here")
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         preds: list[Prediction] = []
         for cand in candidates(cands, interrupts):
             run_costs = replace(costs, workload=replace(costs.workload, interrupt=cand.interrupt))
-            preds.append(simulate(run_costs, cand, steps=args.steps, seed=args.seed))
+            preds.append(simulate(run_costs, cand, steps=args.steps, seed=args.seed, seeds=args.seeds))
     except AdviseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -116,6 +116,20 @@ def test_dynamic_filtering_trains_the_kept_share_of_what_generation_finishes():
         simulate(slow_train, Candidate(2, 1, eta=16), steps=50).samples_per_s, rel=0.02)
 
 
+def test_with_several_seeds_a_prediction_is_the_mean_of_their_simulations():
+    costs = make(lengths=Lengths(100, mean=40, sigma=0.5),
+                 workload=Workload(batch_size=2, group_size=4, prompt_tokens=10, filtered_fraction=0.3))
+    cand = Candidate(1, 1, eta=2)
+    each = [simulate(costs, cand, steps=15, seed=s) for s in (3, 4, 5)]
+    assert len({p.samples_per_s for p in each}) == 3  # the draws differ
+    mean = simulate(costs, cand, steps=15, seed=3, seeds=3)
+    for name in ("samples_per_s", "tokens_per_s", "gen_idle", "train_idle", "staleness_mean", "step_s"):
+        assert getattr(mean, name) == pytest.approx(statistics.mean(getattr(p, name) for p in each))
+    assert mean.staleness_max == max(p.staleness_max for p in each) and mean.steps == 15
+    with pytest.raises(AdviseError, match="--seeds must be at least 1"):
+        simulate(costs, cand, seeds=0)
+
+
 def test_eta_0_is_the_synchronous_loop_computed_by_hand():
     costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=1e-4), train=TrainCosts(1.0, 0.001),
                  update=UpdateCosts(0.5, colocated_switch_s=0.3))
@@ -576,6 +590,7 @@ def test_every_preset_reads():
     (["--preset", "nope"], "--preset: no preset 'nope'"),
     (["--preset", "example", "--etas", "-1"], "--etas"),
     (["--preset", "example", "--batch", "0"], "--batch"),
+    (["--preset", "example", "--seeds", "0"], "--seeds"),
     (["--preset", "example", "--costs", "x.yaml"], "--costs"),
     ([], "--costs FILE, --preset NAME or --from-run RUN_DIR"),
 ])
