@@ -213,7 +213,7 @@ def gather_threadsafe(futures: list[Future], loop: asyncio.AbstractEventLoop) ->
         with lock:
             left[0] -= 1
             last = left[0] == 0
-        if last:
+        if last and not loop.is_closed():  # a server shutting down: no one waits (as wrap_future)
             loop.call_soon_threadsafe(settle)
 
     if not futures:
