@@ -119,10 +119,14 @@ class Lengths:
         `size` answer lengths of one group: a recorded group of that fate whole when there are
         recorded groups of this size, else each answer on its own (`sampler`)."""
         top = self.max_new_tokens
-        kept = [g for g in self.groups if len(g) == size]
-        dropped = [g for g in self.filtered_groups if len(g) == size] or kept
+
+        def clipped(gs: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+            return [[min(top, max(1, v)) for v in g] for g in gs if len(g) == size]
+
+        kept = clipped(self.groups)
+        dropped = clipped(self.filtered_groups) or kept
         if kept:
-            return lambda filtered: [min(top, max(1, v)) for v in rng.choice(dropped if filtered else kept)]
+            return lambda filtered: list(rng.choice(dropped if filtered else kept))
         draw = self.sampler(rng)
         return lambda filtered: [draw() for _ in range(size)]
 
