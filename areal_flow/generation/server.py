@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import hmac
 import functools
 import json
@@ -718,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
                              "line other users cannot read")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a native crash prints every thread's stack into the log, as the roles' (runtime/child.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from transformers.utils import logging as hf_logging
 

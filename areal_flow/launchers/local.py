@@ -44,14 +44,18 @@ def _in_child(cores: tuple[int, ...] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
+TRACE_STARTS = ("Traceback (most recent call last)", "Fatal Python error:")
+"""How a Python traceback and faulthandler's dump of a native crash (every thread's stack) begin."""
+
+
 def last_traceback(log_path: str, max_lines: int = 60) -> str:
-    """The last Python traceback in a log, or its last lines when there is none."""
+    """The last Python traceback or native-crash dump in a log, or its last lines when there is none."""
     try:
         with open(log_path, errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return "(no log)"
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACE_STARTS)]
     chunk = lines[starts[-1]:] if starts else lines[-20:]
     return "\n".join(chunk[-max_lines:]) or "(empty log)"
 

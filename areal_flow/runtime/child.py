@@ -7,6 +7,7 @@ the launcher reports with the process name.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import os
@@ -34,6 +35,9 @@ def torchrun_rank() -> int | None:
 
 
 def main(argv: list[str]) -> None:
+    # A crash in native code (a segfault, an abort in torch or a collective library) prints every
+    # thread's Python stack into the log, where the launcher's report of the dead process finds it.
+    faulthandler.enable()
     role, name, rank, run_dir = argv[0], argv[1], int(argv[2]), argv[3]
     if role == "trainer" and (env_rank := torchrun_rank()) is not None:
         # One torchrun starts a node's trainer ranks (launcher.type=slurm) with one command line: the

@@ -46,6 +46,30 @@ def test_a_dying_child_stops_the_run_with_its_name_and_traceback(tmp_path):
     assert all(c.popen.poll() is not None for c in launcher.children.values())  # no one left running
 
 
+def test_a_native_crash_is_reported_with_the_stacks_faulthandler_wrote(tmp_path):
+    launcher = LocalLauncher(str(tmp_path), stop_timeout=2)
+    launcher.start(Proc("controller", "controller"), py("import time; time.sleep(60)"))
+    launcher.start(Proc("trainer0", "trainer"), py("""
+        import faulthandler, os
+        faulthandler.enable()
+        try:
+            raise ValueError("handled, and not what killed the process")
+        except ValueError:
+            import traceback; traceback.print_exc()
+        def load_the_weights():
+            os.abort()
+        load_the_weights()
+    """))
+    with pytest.raises(ChildFailed) as e:
+        launcher.wait("controller", interval=0.05)
+    launcher.stop_all()
+    err = e.value
+    assert err.name == "trainer0" and err.returncode == -6 and "killed by signal 6" in str(err)
+    # The crash's dump, the last trace in the log, not the earlier handled traceback.
+    assert err.traceback.startswith("Fatal Python error: Aborted")
+    assert "in load_the_weights" in err.traceback and "ValueError" not in err.traceback
+
+
 def test_a_child_that_ignores_sigterm_is_killed(tmp_path):
     launcher = LocalLauncher(str(tmp_path), stop_timeout=0.5)
     launcher.start(Proc("stubborn", "rollout"), py("""
