@@ -413,9 +413,13 @@ def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
 def test_a_killed_worker_takes_its_sandbox_down():
     # The reward worker dies mid-run: PR_SET_PDEATHSIG kills the init, and with it its namespace.
     uid = 1_300_000_000 + os.getpid()
+    # The first run probes the isolation with a program of the same uid that exits at once: the
+    # worker says when that is over, so the process looked for below is the sleeping one.
     script = ("from areal_flow.config.schema import SandboxConfig\nfrom areal_flow.rewards.sandbox import Sandbox\n"
-              f"Sandbox(SandboxConfig(wall_seconds=60, cpu_seconds=60), uid={uid}).run('import time; time.sleep(60)', [''])\n")
-    worker = subprocess.Popen([sys.executable, "-c", script])
+              f"box = Sandbox(SandboxConfig(wall_seconds=60, cpu_seconds=60), uid={uid})\nbox.isolation()\n"
+              "print('probed', flush=True)\nbox.run('import time; time.sleep(60)', [''])\n")
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "probed\n", "the worker died before its first program"
     deadline = time.monotonic() + 20
     while not processes_of(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
