@@ -44,17 +44,27 @@ def main() -> None:
                 "steps": len(steps),
             })
     print(f"\nmachine: {machine()}")
-    print(f"command: python tools/bench_async.py --steps {args.steps} --etas {' '.join(map(str, args.etas))}")
+    print(f"command: python tools/bench_async.py --steps {args.steps} --etas {' '.join(map(str, args.etas))} "
+          f"{' '.join(args.overrides)}".rstrip())
     print("\n| η | steps timed | trained samples/s | trainer busy | generator busy | max staleness |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['eta']} | {r['steps']} | {r['samples_per_s']:.1f} | {100 * r['trainer_busy']:.0f}% | "
               f"{100 * r['generator_busy']:.0f}% | {r['staleness_max']} |")
-    base_rate = rows[0]["samples_per_s"]
-    for r in rows[1:]:
-        print(f"\nη={r['eta']} vs η={rows[0]['eta']}: {r['samples_per_s'] / base_rate:.2f}× trained samples/s")
+    # Repeated (alternated) runs of one η are averaged before the ratio: the runs of one η differ
+    # by several percent on a shared machine, so one pair alone says little.
+    by_eta = {eta: [r for r in rows if r["eta"] == eta] for eta in dict.fromkeys(args.etas)}
+    mean = {eta: sum(r["samples_per_s"] for r in rs) / len(rs) for eta, rs in by_eta.items()}
+    first = next(iter(by_eta))
+    print()
+    for eta, rs in by_eta.items():
+        busy = ", ".join(f"{100 * r['trainer_busy']:.0f}%/{100 * r['generator_busy']:.0f}%" for r in rs)
+        ratio = "" if eta == first else f", {mean[eta] / mean[first]:.2f}× η={first}"
+        print(f"η={eta}: {mean[eta]:.1f} trained samples/s (mean of {len(rs)}){ratio}; trainer/generator busy {busy}")
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar([f"η={r['eta']}" for r in rows], [r["samples_per_s"] for r in rows])
+    # Bars by position: a repeated η would otherwise be one category, its bars drawn over each other.
+    ax.bar(range(len(rows)), [r["samples_per_s"] for r in rows],
+           tick_label=[f"η={r['eta']}\nrun {i + 1}" for i, r in enumerate(rows)])
     ax.set_ylabel("trained samples / s")
     ax.set_title("async vs sync, tiny_arith, 2 cores")
     save_plot(fig, args.plot)
