@@ -48,6 +48,10 @@ LIMITS = ("wall_seconds", "cpu_seconds", "memory_mb", "file_size_mb", "disk_mb",
 # Seconds the host waits beyond the cases' own deadlines (start-up, namespace set-up, clean-up).
 HOST_SLACK = 10.0
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+# A job's root directory is `{ROOT_PREFIX}{host pid}_...` in the temporary directory. The host removes
+# it after the job; a host killed mid-job (a reward worker replaced after a timeout) cannot, so the
+# next sandbox to start removes the roots of hosts that no longer run.
+ROOT_PREFIX = "areal_flow_sandbox_"
 
 
 # The function-call harness: the program runs as a module that is not __main__ (so its
@@ -183,6 +187,7 @@ class Sandbox:
         """The resident init, started on first use and again after it was killed."""
         if self._server is None or self._server.poll() is not None:
             self.close()
+            remove_orphaned_roots()
             self._server_log = tempfile.TemporaryFile()  # its own errors, for the reply that explains them
             self._server = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=self._server_log,
@@ -205,7 +210,7 @@ class Sandbox:
         return None
 
     def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool) -> dict[str, Any]:
-        root = tempfile.mkdtemp(prefix="areal_flow_sandbox_")
+        root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}_")
         job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
                "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
                "program": program, "harness": harness_source, "inputs": inputs,
@@ -232,6 +237,35 @@ class Sandbox:
             return {"error": f"the sandbox init failed (exit {server.returncode}): {tail}"}
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_orphaned_roots(tmp: str | None = None) -> list[str]:
+    """Remove the job roots left in `tmp` (default: the temporary directory) by hosts that no longer
+    run, and return them. From the host's side a root is an empty directory: the job's mounts lived
+    in its own mount namespace, which died with its init. A pid reused since only delays removal."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(tmp):
+        pid = name[len(ROOT_PREFIX):].split("_", 1)[0]
+        if not (name.startswith(ROOT_PREFIX) and pid.isdigit()) or _pid_runs(int(pid)):
+            continue
+        path = os.path.join(tmp, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        log.info("removed %d sandbox root(s) of hosts that died mid-job", len(removed))
+    return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
+    return True
 
 
 def _read_exactly(fd: int, n: int, deadline: float) -> bytes:

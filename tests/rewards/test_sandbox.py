@@ -9,6 +9,7 @@ test's own, so a broken sandbox takes down only that namespace, never pytest.
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import uuid
 import pytest
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import Sandbox
+from areal_flow.rewards.sandbox import ROOT_PREFIX, Sandbox
 
 LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
                 output_bytes=1 << 16)
@@ -424,6 +425,16 @@ def test_a_killed_worker_takes_its_sandbox_down():
     while not processes_of(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_of(uid), "the program never started"
+    roots = glob.glob(os.path.join(tempfile.gettempdir(), f"{ROOT_PREFIX}{worker.pid}_*"))
+    assert len(roots) == 1, roots  # the running job's
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     assert wait_until_gone(uid) == []
+    # The dead worker could not remove its job's root; the next sandbox to start does.
+    assert os.path.isdir(roots[0])
+    box = Sandbox(LIMITS)
+    try:
+        assert [r.status for r in box.run("print(1)", [""])] == ["ok"]
+    finally:
+        box.close()
+    assert not os.path.exists(roots[0])
