@@ -239,23 +239,20 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def remove_orphaned_roots(tmp: str | None = None) -> list[str]:
-    """Remove the job roots left in `tmp` (default: the temporary directory) by hosts that no longer
-    run, and return them. From the host's side a root is an empty directory: the job's mounts lived
-    in its own mount namespace, which died with its init. A pid reused since only delays removal."""
-    tmp = tmp or tempfile.gettempdir()
-    removed = []
+def remove_orphaned_roots() -> None:
+    """Remove the job roots that hosts which no longer run left in the temporary directory. From
+    the host's side a root is an empty directory: the job's mounts lived in its own mount namespace,
+    which died with its init. A pid reused since only delays removal."""
+    tmp, removed = tempfile.gettempdir(), 0
     for name in os.listdir(tmp):
-        pid = name[len(ROOT_PREFIX):].split("_", 1)[0]
-        if not (name.startswith(ROOT_PREFIX) and pid.isdigit()) or _pid_runs(int(pid)):
+        if not name.startswith(ROOT_PREFIX):
             continue
-        path = os.path.join(tmp, name)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
+        pid = name[len(ROOT_PREFIX):].partition("_")[0]
+        if pid.isdigit() and not _pid_runs(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            removed += 1
     if removed:
-        log.info("removed %d sandbox root(s) of hosts that died mid-job", len(removed))
-    return removed
+        log.info("removed %d sandbox root(s) of hosts that died mid-job", removed)
 
 
 def _pid_runs(pid: int) -> bool:
