@@ -157,7 +157,12 @@ def server_process(model_dir: str, *args: str) -> Iterator[tuple[subprocess.Pope
     try:
         url, deadline = None, time.monotonic() + 60
         while url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:  # say why, with what the server wrote: a bare Empty tells nothing
+                assert proc.poll() is None, f"the server exited ({proc.returncode}) before serving:\n{''.join(log)[-4000:]}"
+                assert time.monotonic() < deadline, f"the server did not serve within 60 s:\n{''.join(log)[-4000:]}"
+                continue
             if match := re.search(r"serving .* at (http://\S+)", line):
                 url = match.group(1)
         wait_healthy(url, timeout=30)  # /health needs no API key
