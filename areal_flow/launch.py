@@ -81,7 +81,8 @@ def prepare_model(cfg: RunConfig) -> str:
     m = cfg.model
     return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
                              steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,
-                             seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True)
+                             seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True,
+                             device=cfg.cluster.device_type)
 
 
 def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,
@@ -93,9 +94,14 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
     if gen.backend == "sglang":
         return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key),
                 sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))
+    device = cfg.cluster.device_type
     argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host",
-            host or gen.host, "--port", str(port), "--num-threads", str(max(1, len(proc.devices))),
-            "--seed", str(seed), "--weight-version", "0"]  # versions count train steps
+            host or gen.host, "--port", str(port), "--seed", str(seed), "--weight-version", "0",  # versions count steps
+            "--device", device, "--dtype", gen.dtype or "auto"]
+    if device == "cpu":  # a CPU server computes on its mesh's cores; a GPU server's threads only feed the GPU
+        argv += ["--num-threads", str(max(1, len(proc.devices)))]
+    if gen.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(gen.mem_fraction_static)]
     if gen.max_batch_size is not None:
         argv += ["--max-batch-size", str(gen.max_batch_size)]
     if gen.max_total_tokens is not None:

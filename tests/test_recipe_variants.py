@@ -155,3 +155,24 @@ def test_a_critic_trains_beside_the_actor_and_is_saved_with_it(tmp_path, run_cac
     assert sum(m["reward"] for m in steps) > 0
     config = json.loads((run_dir / "checkpoint" / "critic" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1  # one value
+
+
+def test_colocated_generation_and_training_take_turns_on_one_device_with_weights_by_handle(tmp_path, run_cache):
+    """allocation 'embedded:d1 | torch:d1': the server and the trainer rank share device 0. For each
+    step the server retracts its requests and frees its KV cache, the trainer steps, and the server
+    goes on under the new weights, which trainer rank 0 hands it by handle (rollout.weight_update_mode
+    =ipc: shared memory here, CUDA IPC on a GPU); no sample is lost or trained twice."""
+    run_dir = run_variant(tmp_path, run_cache, "colocated", copy.deepcopy(BASE["graph"]),
+                          "allocation=embedded:d1 | torch:d1", "cluster.n_devices=1", "rollout.interrupt=true",
+                          "rollout.weight_update_mode=ipc", "rollout.weight_bucket_mb=1")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["graph"]["generate"]["mesh"] == config["graph"]["actor_train"]["mesh"] == "0"
+    steps = steps_of(run_dir)
+    assert len(steps) == 3 and all(m["gen/memory_releases"] == 1 for m in steps), steps
+    loaded = [line for line in (run_dir / "logs" / "gen_server0.log").read_text().splitlines()
+              if "loaded, version" in line]
+    # The tiny model is 2.4 MB of fp32: three buckets of at most 1 MiB per version, each by handle.
+    assert all("from tensors by handle" in line for line in loaded)
+    assert Counter(int(line.rsplit(" ", 1)[1]) for line in loaded) == {1: 3, 2: 3, 3: 3}
+    assert "sent to 1 server(s) by CUDA IPC" in (run_dir / "logs" / "trainer0.log").read_text()
+    assert not (run_dir / "weights").exists()

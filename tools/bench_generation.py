@@ -12,6 +12,9 @@ Useful tokens/s = answer tokens / time; the sides run alternately --repeats time
 of each is reported.
 
     python tools/bench_generation.py [--prompts 256] [--static-batch 64] [--max-batch-size 128] [--repeats 3]
+                                     [--device cuda]
+
+With --device cuda both sides run on the first GPU, in bfloat16 (tools/gpu_check.sh runs it there).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from areal_flow.data.arith import prompt_text, sample_operands
 from areal_flow.generation.engine import GenerationEngine
 from areal_flow.models.bootstrap import ensure_base_model
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.runtime.devices import compute_dtype, local_device
 
 
 def workload(tokenizer, n: int, short: tuple[int, int], long: tuple[int, int], seed: int):
@@ -55,6 +59,7 @@ def run_engine(engine: GenerationEngine, prompts, lengths) -> float:
 
 @torch.inference_mode()
 def run_static(model, prompts, lengths, batch: int, pad_id: int) -> float:
+    device = next(model.parameters()).device
     start = time.perf_counter()
     for s in range(0, len(prompts), batch):
         rows, budget = prompts[s:s + batch], max(lengths[s:s + batch])
@@ -64,8 +69,9 @@ def run_static(model, prompts, lengths, batch: int, pad_id: int) -> float:
         for i, p in enumerate(rows):  # left padding, as generate wants for decoder-only models
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                       max_new_tokens=budget, min_new_tokens=budget, pad_token_id=pad_id)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
+                             top_p=1.0, top_k=0, max_new_tokens=budget, min_new_tokens=budget, pad_token_id=pad_id)
+        out.cpu()  # waits for the device
     return time.perf_counter() - start
 
 
@@ -79,7 +85,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side; the best of each is reported")
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "areal_flow_bench_cache"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides run (cuda: bfloat16)")
     args = ap.parse_args()
+    device, dtype = str(local_device(args.device)), compute_dtype("auto", args.device)
     torch.set_num_threads(1)
     console = Console()
     with console.status("preparing the model"):
@@ -87,10 +95,10 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     prompts, lengths = workload(tokenizer, args.prompts, tuple(args.short_range), tuple(args.long_range), args.seed)
     useful = sum(lengths)
-    engines = {"own": GenerationEngine(model_dir, max_batch_size=args.max_batch_size, num_threads=1),
-               "transformers": GenerationEngine(model_dir, max_batch_size=args.max_batch_size, num_threads=1,
-                                                fast_decode=False)}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    on = dict(max_batch_size=args.max_batch_size, num_threads=1, device=device, dtype=dtype)
+    engines = {"own": GenerationEngine(model_dir, **on),
+               "transformers": GenerationEngine(model_dir, fast_decode=False, **on)}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad_id = tokenizer.pad_token_id or 0
     runs: dict[str, list[float]] = {"generate": [], **{name: [] for name in engines}}
     try:
@@ -120,7 +128,8 @@ def main() -> None:
         table.add_row(label, f"{seconds:.2f}", f"{useful / seconds:,.0f}", f"{best['generate'] / seconds:.2f}×")
     console.print(f"machine: {machine()}")
     console.print(f"command: python tools/bench_generation.py --prompts {args.prompts} --static-batch "
-                  f"{args.static_batch} --max-batch-size {args.max_batch_size} --repeats {args.repeats}")
+                  f"{args.static_batch} --max-batch-size {args.max_batch_size} --repeats {args.repeats} "
+                  f"--device {args.device}")
     console.print(table)
     console.print(f"engine vs generate: {best['generate'] / best['own']:.2f}× (target ≥ 3×); its own decode step "
                   f"vs the transformers forward: {best['transformers'] / best['own']:.2f}×")

@@ -1,4 +1,4 @@
-"""Weight transfer, trainer to generation servers: through disk against by broadcast over gloo.
+"""Weight transfer, trainer to generation servers: through disk, by broadcast over gloo, by handle.
 
 A Qwen2-shaped set of weights (random values, Hugging Face names; `--shape 0.5b` is Qwen2-0.5B's,
 494M parameters) is handed from this process, standing as trainer rank 0, to embedded generation
@@ -11,11 +11,14 @@ number of `--servers`:
 - broadcast (`rollout.weight_update_mode: distributed`): the trainer sends the weights in buckets
   of --bucket-mb over a gloo group with every server (`/update_weights_from_distributed` per
   bucket, then the broadcast); the group is made once, before the timings (its cost is printed).
+- ipc (`rollout.weight_update_mode: ipc`, for colocated servers): the trainer posts handles to its
+  own tensors per bucket (`/update_weights_from_tensor`: shared-memory files on the CPU, CUDA IPC
+  handles on a GPU) and every server copies them straight from its memory.
 
 Each time is from the first byte written or sent until every server has the weights in its model;
 best of --repeats (the disk side's save and load are those of its best total). GB/s is the size of the weights over that time (every server gets all of them).
-After each dtype, one greedy answer from every server must be the same after either way (the same
-weights came through both).
+After each dtype, one greedy answer from every server must be the same after each way (the same
+weights came through all three).
 
     python tools/bench_weight_transfer.py [--shape 0.5b|small] [--dtypes bf16 fp32] [--servers 1 2]
                                           [--bucket-mb 512] [--repeats 3] [--work-dir DIR]
@@ -43,7 +46,8 @@ from _bench import machine
 from areal_flow.generation.client import GenerationClient, wait_healthy
 from areal_flow.runtime.spec import free_ports
 from areal_flow.training.engine import bucketed
-from areal_flow.training.weight_sender import Server, WeightSender
+from areal_flow.weights.ipc import IpcSender
+from areal_flow.weights.sender import Server, WeightSender
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -126,13 +130,14 @@ def main() -> None:
         version = 0
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task("transfers", total=len(args.dtypes) * len(args.servers) * 2 * args.repeats)
+            task = progress.add_task("transfers", total=len(args.dtypes) * len(args.servers) * 3 * args.repeats)
             for dtype_name in args.dtypes:
                 weights = {name: t.to(DTYPES[dtype_name]) for name, t in state.items()}
                 size = sum(t.numel() * t.element_size() for t in weights.values())
                 answers = {}
                 for n in args.servers:
-                    times = {"save": [], "load": [], "disk": [], "broadcast": []}
+                    times = {"save": [], "load": [], "disk": [], "broadcast": [], "ipc": []}
+                    ipc = IpcSender([Server(f"gen_server{i}", url) for i, url in enumerate(urls[:n])], timeout=600)
                     for _ in range(args.repeats):
                         progress.update(task, description=f"{dtype_name}, {n} server(s): disk")
                         version += 1
@@ -156,12 +161,21 @@ def main() -> None:
                         times["broadcast"].append(time.perf_counter() - t0)
                         progress.advance(task)
                         answers["broadcast"] = asyncio.run(greedy_answers(urls[:n]))
-                        if answers["disk"] != answers["broadcast"]:
-                            raise SystemExit(f"{dtype_name}, {n} server(s): greedy answers differ after disk "
-                                             f"({answers['disk']}) and broadcast ({answers['broadcast']})")
+
+                        progress.update(task, description=f"{dtype_name}, {n} server(s): ipc")
+                        version += 1
+                        t0 = time.perf_counter()
+                        ipc.send(bucketed(iter(weights.items()), args.bucket_mb << 20), version)
+                        times["ipc"].append(time.perf_counter() - t0)
+                        progress.advance(task)
+                        answers["ipc"] = asyncio.run(greedy_answers(urls[:n]))
+                        if not answers["disk"] == answers["broadcast"] == answers["ipc"]:
+                            raise SystemExit(f"{dtype_name}, {n} server(s): greedy answers differ after disk, "
+                                             f"broadcast and ipc: {answers}")
                     best = min(range(args.repeats), key=lambda i: times["disk"][i])  # its save and load
                     results[(dtype_name, n)] = {"save": times["save"][best], "load": times["load"][best],
                                                 "disk": times["disk"][best], "broadcast": min(times["broadcast"]),
+                                                "ipc": min(times["ipc"]),
                                                 "bytes": size, "buckets": report.buckets}
         for sender in senders.values():
             sender.close()
@@ -179,13 +193,14 @@ def main() -> None:
                                                              connect_seconds.items()))
     table = Table(title=f"{args.shape}: {n_params / 1e6:.0f}M parameters to embedded servers, best of {args.repeats}")
     for col in ("dtype", "servers", "GB", "disk: save s", "load s", "total s", "GB/s", "broadcast s",
-                "buckets", "GB/s", "broadcast vs disk"):
+                "buckets", "GB/s", "broadcast vs disk", "ipc s", "GB/s", "ipc vs disk"):
         table.add_column(col, justify="left" if col == "dtype" else "right")
     for (dtype_name, n), r in results.items():
         gb = r["bytes"] / 1e9
         table.add_row(dtype_name, str(n), f"{gb:.2f}", f"{r['save']:.2f}", f"{r['load']:.2f}", f"{r['disk']:.2f}",
                       f"{gb / r['disk']:.2f}", f"{r['broadcast']:.2f}", str(r["buckets"]), f"{gb / r['broadcast']:.2f}",
-                      f"{r['disk'] / r['broadcast']:.2f}×")
+                      f"{r['disk'] / r['broadcast']:.2f}×", f"{r['ipc']:.2f}", f"{gb / r['ipc']:.2f}",
+                      f"{r['disk'] / r['ipc']:.2f}×")
     console.print(table)
 
 

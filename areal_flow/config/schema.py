@@ -31,8 +31,8 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None,
 class ClusterConfig:
     """The devices a run may place nodes on."""
 
-    device_type: str = doc("cpu", "'cpu' (a device is a core); 'cuda' only with dry_run=true until the engines place "
-                           "work on GPUs", choices=("cpu", "cuda"))
+    device_type: str = doc("cpu", "'cpu' (a device is a core, each process pinned to its mesh's cores) or 'cuda' (a "
+                           "device is a GPU, each process sees only its mesh's GPUs)", choices=("cpu", "cuda"))
     n_devices: int = doc(2, "devices on each node that meshes may use; node k holds devices k·n_devices .. "
                          "(k+1)·n_devices-1", ge=1)
     n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 with launcher.type=ray or slurm (or dry_run=true)", ge=1)
@@ -234,16 +234,18 @@ class RolloutConfig:
                           "the server requeues and recomputes them itself) or 'in_place' (PipelineRL's in-flight "
                           "update: they keep the old weights' KV cache and go on under the new weights, no "
                           "recompute)", choices=("abort", "retract", "in_place"))
-    weight_update_mode: str = doc("disk", "how each new version reaches the generation servers: 'disk' (a Hugging "
-                                  "Face directory in the run directory), 'shm' (the same files in shared memory, "
-                                  "/dev/shm: no disk, one host; removed when the run ends) or 'distributed' (trainer "
-                                  "rank 0 broadcasts them in buckets over a gloo/NCCL group with every server, "
-                                  "SGLang's update_weights_from_distributed; needs interrupt=true)",
-                                  choices=("disk", "shm", "distributed"))
+    weight_update_mode: str = doc("disk", "how each new version reaches the generation servers (areal_flow/weights/): "
+                                  "'disk' (a Hugging Face directory in the run directory), 'shm' (the same files in "
+                                  "shared memory, /dev/shm: no disk, one host; removed when the run ends), "
+                                  "'distributed' (trainer rank 0 broadcasts them in buckets over a gloo/NCCL group "
+                                  "with every server, SGLang's update_weights_from_distributed) or 'ipc' (trainer rank "
+                                  "0 hands colocated servers CUDA IPC handles to its own tensors, SGLang's "
+                                  "update_weights_from_tensor); distributed and ipc need interrupt=true",
+                                  choices=("disk", "shm", "distributed", "ipc"))
     keep_weights_every: int = doc(0, "weight_update_mode=disk: also keep every N-th published version (weights/vN, "
                                   "a Hugging Face directory without the tokenizer), e.g. to score a run's learning "
                                   "curve offline; 0 = keep only the last two", ge=0)
-    weight_bucket_mb: int = doc(512, "weight_update_mode=distributed: most MiB of weights per bucket (one request "
+    weight_bucket_mb: int = doc(512, "weight_update_mode=distributed or ipc: most MiB of weights per bucket (one request "
                                 "to each server, then one broadcast; a larger tensor travels alone); the trainer "
                                 "gathers one bucket at a time, and each server keeps one bucket's memory to "
                                 "receive into", ge=1)
@@ -273,10 +275,13 @@ class GenerationConfig:
                                           "ones would exceed it (embedded: prompt + max_new_tokens reserved per "
                                           "request); null = no budget (embedded), SGLang's choice (sglang: "
                                           "--max-total-tokens)", ge=1)
-    mem_fraction_static: Optional[float] = doc(None, "sglang: --mem-fraction-static, the share of device memory for "
-                                               "weights and KV cache; null = SGLang's choice", gt=0, le=1)
+    mem_fraction_static: Optional[float] = doc(None, "share of the GPU's memory for the server's weights and KV cache "
+                                               "(sglang: --mem-fraction-static); embedded on cuda: sets the KV budget "
+                                               "when max_total_tokens is null; null = SGLang's choice, or no budget",
+                                               gt=0, le=1)
     context_length: Optional[int] = doc(None, "sglang: --context-length; null = the model's config.json", ge=1)
-    dtype: Optional[str] = doc(None, "sglang: --dtype of weights and activations; null = SGLang's 'auto'",
+    dtype: Optional[str] = doc(None, "number format of the servers' weights, activations and KV cache (sglang: "
+                               "--dtype); null or auto = bfloat16 on cuda, float32 on cpu (sglang: its 'auto')",
                                choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
     attention_backend: Optional[str] = doc(None, "sglang: --attention-backend (e.g. fa3, flashinfer, triton, "
                                            "intel_amx on CPU); null = SGLang's choice")
@@ -285,6 +290,18 @@ class GenerationConfig:
     disable_radix_cache: bool = doc(False, "sglang: --disable-radix-cache (no prefix cache shared by a group's samples)")
     extra_args: List[str] = doc(help="sglang: more launch_server arguments, passed verbatim, e.g. "
                                 "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
+
+
+@dataclass
+class TrainingConfig:
+    """How the trainer ranks compute (engines: graph nodes' `engine`; number formats: runtime/devices.py)."""
+
+    dtype: str = doc("auto", "compute dtype of forward and backward (autocast, FSDP2's param_dtype); master weights, "
+                     "optimizer state and gradient reductions stay float32 and the loss's logprobs are float32; "
+                     "auto = bfloat16 on cuda, float32 on cpu", choices=("auto", "float32", "bfloat16"))
+    activation_checkpointing: bool = doc(False, "torch engine: recompute each decoder layer's activations in "
+                                         "backward instead of keeping them (less GPU memory, about a third more "
+                                         "compute)")
 
 
 @dataclass
@@ -370,6 +387,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
     rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
     generation: GenerationConfig = doc(help="generation servers: backend and SGLang flags", factory=GenerationConfig)
+    training: TrainingConfig = doc(help="trainer ranks: number format and memory", factory=TrainingConfig)
     sandbox: SandboxConfig = doc(help="the code sandbox of `code` reward nodes", factory=SandboxConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)

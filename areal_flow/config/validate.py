@@ -15,7 +15,7 @@ from typing import Any
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.generation.sglang_backend import generation_problems
-from areal_flow.graph.dag import Graph
+from areal_flow.graph.dag import Graph, format_mesh
 from areal_flow.launchers.slurm import sbatch_missing
 from areal_flow.training.layout import layout_problems
 
@@ -63,11 +63,15 @@ def check_ranges(obj: Any, prefix: str = "") -> list[str]:
 def _machine(cfg: RunConfig) -> list[str]:
     problems = []
     kind, n = cfg.cluster.device_type, cfg.cluster.n_devices
-    if kind == "cuda" and not cfg.dry_run:
-        # Accepting it would start every process on the CPU and look like a GPU run.
-        problems.append("cluster.device_type='cuda': the training and generation engines of this version run on "
-                        "the CPU only; use cluster.device_type=cpu (or dry_run=true to see a GPU placement)")
     local = cfg.launcher.type not in ("ray", "slurm")  # processes on this host (ray and slurm: on their nodes)
+    if kind == "cuda" and local and not cfg.dry_run:
+        from areal_flow.runtime.devices import cuda_problems, visible_gpus  # imports torch
+
+        # Found here, before any process starts, rather than as a crash in each process's log.
+        problems += cuda_problems(n, visible_gpus())
+    if kind == "cuda" and cfg.generation.backend == "embedded" and cfg.generation.tp_size > 1:
+        problems.append(f"generation.tp_size={cfg.generation.tp_size} with cluster.device_type='cuda': the embedded "
+                        "engine runs on one GPU (tensor parallel generation needs generation.backend=sglang)")
     if cfg.cluster.n_nodes > 1 and local and not cfg.dry_run:
         problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type=local starts processes on this host "
                         "only; use launcher.type=ray or slurm, or dry_run=true to see the placement on several nodes")
@@ -93,11 +97,12 @@ def _machine(cfg: RunConfig) -> list[str]:
 
 def _rollout(cfg: RunConfig) -> list[str]:
     problems = []
-    if cfg.rollout.weight_update_mode == "distributed" and not cfg.rollout.interrupt:
+    if cfg.rollout.weight_update_mode in ("distributed", "ipc") and not cfg.rollout.interrupt:
         # A bucket is loaded as it arrives (SGLang's semantics). Without a pause a server would admit
         # requests between two buckets and decode them on a mix of old and new weights.
-        problems.append("rollout.weight_update_mode='distributed' needs rollout.interrupt=true: the weights arrive "
-                        "in several buckets, and only paused servers take no request between two of them")
+        problems.append(f"rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' needs rollout.interrupt=true: "
+                        "the weights arrive in several buckets, and only paused servers take no request between two "
+                        "of them")
     if cfg.rollout.keep_weights_every and cfg.rollout.weight_update_mode != "disk":
         problems.append(f"rollout.keep_weights_every={cfg.rollout.keep_weights_every} keeps published weights on disk, "
                         f"which rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' does not write (or removes "
@@ -110,6 +115,21 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
     bounds = cfg.algorithm.success_rate_range
     if bounds is not None and (len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] <= 1):
         problems.append(f"algorithm.success_rate_range={list(bounds)} must be [low, high] with 0 ≤ low ≤ high ≤ 1")
+    if graph.colocated and not cfg.rollout.interrupt:
+        # The servers are paused for the trainer's turn; the update that follows it continues them.
+        problems.append(f"generation and training share mesh {format_mesh(graph.trainer_mesh)} (colocated), which "
+                        "needs rollout.interrupt=true: the servers pause for each train step and go on at the "
+                        "weight update that follows it")
+    if cfg.rollout.weight_update_mode == "ipc" and not graph.colocated:
+        # A handle opens memory of the sender's own devices, on its own host.
+        problems.append(f"rollout.weight_update_mode='ipc' hands the servers handles to trainer rank 0's memory: it "
+                        f"needs generation on the trainer's devices (colocated: graph.{graph.generate.name}.mesh equal "
+                        f"to the batch nodes' mesh, or '|' in the allocation); use disk, shm or distributed")
+    if graph.colocated and cfg.cluster.device_type == "cuda" and cfg.rollout.weight_update_mode == "distributed":
+        # NCCL refuses a communicator with two ranks on one GPU, which trainer 0 and a server there would be.
+        problems.append("rollout.weight_update_mode='distributed' with generation and training colocated on cuda: NCCL "
+                        "cannot broadcast between two processes on one GPU; use rollout.weight_update_mode=ipc, shm or "
+                        "disk")
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     dp = layout.dp if layout is not None else len(graph.trainer_mesh)  # TP/PP ranks share their data
     most = math.ceil(cfg.algorithm.batch_size / max(dp, 1))

@@ -32,7 +32,8 @@ from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.router import WeightUpdateError
+from areal_flow.weights import UpdateFlags, make_channel
+from areal_flow.weights.update import WeightUpdateError
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
@@ -99,10 +100,9 @@ class Controller:
                                     ds.seed)
         self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
-                                         interrupt=cfg.rollout.interrupt, pause_mode=cfg.rollout.pause_mode,
-                                         config=cfg.rollout, api_key=spec.api_key,
-                                         transfer=self.send_weights if cfg.rollout.weight_update_mode == "distributed"
-                                         else None)
+                                         make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
+                                         pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
+                                         trainers=self.send_weights)
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
@@ -194,10 +194,11 @@ class Controller:
         """The step loop. A step's new weights go to the generation servers while the trainer already
         trains the next step: a batch needs only finished groups, and the staleness rule counts
         versions at admission, so nothing waits for the load but the admissions at the new version.
-        By broadcast (weight_update_mode=distributed) the trainer ranks send the weights themselves,
-        so there each update ends before the next step starts."""
+        Where the trainer ranks send the weights themselves (a channel's `overlaps_training`), and
+        colocated (generation is paused from the trainer's turn until the load), each update ends
+        before the next step starts."""
         cfg = self.cfg
-        overlap = cfg.rollout.weight_update_mode != "distributed"
+        overlap = self.publisher.channel.overlaps_training and not self.graph.colocated
         await self.restart_window()
         done: _Trained | None = None  # the last trained step, its weights maybe still loading
         step = 0
@@ -294,23 +295,28 @@ class Controller:
     async def run_step(self, step: int, batch: dict[int, tuple[GroupMeta, int, int]]) -> tuple[dict[str, float], str]:
         """Each rank trains the groups the plan gives it, where their data already is."""
         plans = plan_step(step, {g: (rank, tokens) for g, (_, rank, tokens) in batch.items()}, len(self.ranks))
+        if self.graph.colocated:  # generation gives the trainer the devices (docs/colocation.md)
+            self.waiting_for = f"the generation servers to free their memory for step {step}"
+            await self.publisher.trainers_turn()
         self.waiting_for = f"the trainer ranks to finish step {step}"
         t0 = time.monotonic()
         for rank, plan in enumerate(plans):
             await send_to(self.socket, self.ranks[rank], plan)
         done = await self.replies_from_ranks(StepDone, f"step {step}")
         self.trainer_seconds += time.monotonic() - t0
+        if self.graph.colocated:
+            await self.publisher.generations_turn()
         for d in done:
             self.traffic.report(f"trainer{d.rank}", d.sent_bytes)
         return merge_results(done)
 
-    async def send_weights(self, version: int, abort_all_requests: bool, keep_cache: bool) -> None:
-        """rollout.weight_update_mode=distributed, once the publisher has paused the servers: every
-        trainer rank takes part in sending `version`, rank 0 broadcasts it to the servers. Raises
+    async def send_weights(self, version: int, flags: UpdateFlags) -> None:
+        """Once the publisher has paused the servers, for channels whose trainers send: every trainer
+        rank takes part in sending `version`, rank 0 sends it to the servers. Raises
         WeightUpdateError with rank 0's account of what failed (server, bucket, tensor)."""
         self.waiting_for = f"the trainer ranks to send weight version {version}"
         for ident in self.ranks.values():
-            await send_to(self.socket, ident, PublishWeights(version, abort_all_requests, keep_cache))
+            await send_to(self.socket, ident, PublishWeights(version, flags.abort_all_requests, flags.keep_cache))
         done = await self.replies_from_ranks(WeightsPublished, f"sending weight version {version}")
         if errors := [d.error for d in done if d.error]:
             raise WeightUpdateError("; ".join(errors))
@@ -348,7 +354,7 @@ class Controller:
             trainer_idle=1 - train_seconds / seconds,
             generator_idle=1 - servers["busy_seconds"] / seconds if "busy_seconds" in servers else None,
             generator_load=servers["load_seconds"] / seconds if "load_seconds" in servers else None,
-            **{f"gen/{key}": servers[key] for key in COMPUTE_COUNTS if key in servers},
+            **{f"gen/{key}": servers[key] for key in (*COMPUTE_COUNTS, "memory_releases") if key in servers},
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.filtered - self.filtered_logged,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -12,38 +11,50 @@ from areal_flow.config.schema import RolloutConfig
 from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.router import ServerPool
+from areal_flow.weights.channel import SendByTrainers, WeightChannel
+from areal_flow.weights.update import update_servers
 
-SERVER_COUNTS = ("busy_seconds", "load_seconds", *COMPUTE_COUNTS)
+SERVER_COUNTS = ("busy_seconds", "load_seconds", "memory_releases", *COMPUTE_COUNTS)
 """The running counts in the embedded engine's /server_info that the controller logs per step."""
 
 
 class WeightPublisher:
-    def __init__(self, urls: list[str], names: list[str], *, interrupt: bool = True, pause_mode: str = "abort",
-                 config: RolloutConfig | None = None, api_key: str | None = None,
-                 transfer: Callable[[int, bool, bool], Awaitable[None]] | None = None):
-        """`config`: the timeouts, retries and health interval of the servers' pool; `api_key`: the
-        servers' (a secured run's). `transfer` (rollout.weight_update_mode=distributed): has the
-        trainer broadcast a version to the paused servers (ServerPool.update_weights); without it
-        they load the published directory."""
+    def __init__(self, urls: list[str], names: list[str], channel: WeightChannel, *, interrupt: bool = True,
+                 pause_mode: str = "abort", config: RolloutConfig | None = None, api_key: str | None = None,
+                 trainers: SendByTrainers | None = None):
+        """`channel`: how the weights travel (areal_flow/weights/); `config`: the timeouts, retries
+        and health interval of the servers' pool; `api_key`: the servers' (a secured run's);
+        `trainers`: has the trainer ranks send a version, for channels whose trainers send."""
         self.pool = ServerPool(urls, names, config, api_key=api_key)
         self.names = names  # process names, for error messages
+        self.channel = channel
         self.interrupt = interrupt  # rollout.interrupt
         self.pause_mode = pause_mode  # rollout.pause_mode
-        self.transfer = transfer
+        self.trainers = trainers
 
     @property
     def clients(self) -> list[GenerationClient]:
         return self.pool.clients
 
-    async def publish(self, weights_path: str, version: int) -> float:
-        """Seconds it took every server that is up to load `weights_path` (by broadcast: the
-        trainer's weights; the path is "") as `version`; a refusal raises WeightUpdateError once
-        every server is continued (ServerPool.update_weights). A server that is down is logged and
-        left out (by broadcast it fails the update); it is marked up again when /health answers."""
+    async def publish(self, location: str, version: int) -> float:
+        """Seconds it took every server that is up to get `version` (at `location`, or "" when the
+        trainers send it); a refusal raises WeightUpdateError once every server is continued
+        (weights/update.py). A server that is down is logged and left out (where the channel
+        involves every server, it fails the update); it is marked up again when /health answers."""
         t0 = time.perf_counter()
-        await self.pool.update_weights(weights_path or None, version, interrupt=self.interrupt,
-                                       pause_mode=self.pause_mode, transfer=self.transfer)
+        extra = {} if self.trainers is None else {"trainers": self.trainers}
+        await update_servers(self.pool, self.channel, location, version, interrupt=self.interrupt,
+                             pause_mode=self.pause_mode, **extra)
         return time.perf_counter() - t0
+
+    async def trainers_turn(self) -> None:
+        """Colocated: the servers free their KV cache and stay paused while the trainer steps."""
+        await self.pool.release_memory()
+
+    async def generations_turn(self) -> None:
+        """Colocated: the trainer's step is done; the servers take their memory back (the weight
+        update that follows continues them)."""
+        await self.pool.resume_memory()
 
     async def server_counts(self) -> dict[str, float]:
         """Per server, the mean so far of each running count that every server reports: the

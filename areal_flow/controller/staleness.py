@@ -58,7 +58,8 @@ class StalenessManager:
         if len(self.finished) < self.batch_size:
             return None
         batch = sorted(self.finished, key=lambda g: (self.finished[g], g))[: self.batch_size]
-        later = [v for g, v in self.finished.items() if g not in batch] + list(self.running.values())
+        taken = set(batch)  # a set: the advisor's simulations call this with thousands of finished groups
+        later = [v for g, v in self.finished.items() if g not in taken] + list(self.running.values())
         if later:
             for k in range(max(later) + self.max_staleness - step + 1):
                 due = sum(v + self.max_staleness <= step + k for v in later)

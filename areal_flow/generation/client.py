@@ -152,6 +152,14 @@ class GenerationClient:
     async def continue_generation(self) -> dict:
         return await self._call("POST", "/continue_generation", {})
 
+    async def release_memory_occupation(self) -> dict:
+        """Free the server's KV cache for a trainer on the same devices; it stays paused (SGLang
+        needs --enable-memory-saver)."""
+        return await self._call("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+
+    async def resume_memory_occupation(self) -> dict:
+        return await self._call("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+
     async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort the request `rid`, or every request with abort_all; an unknown rid is no error."""
         if rid is None and not abort_all:

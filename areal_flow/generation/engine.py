@@ -188,27 +188,40 @@ class GenerationEngine:
     def __init__(
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
         tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
-        fast_decode: bool = True,
+        fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+        mem_fraction: float | None = None,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
         module docstring); None leaves only max_batch_size. `weight_label` names the initial weights
         (SGLang's --weight-version); the initial integer version is `version_for_label(weight_label, -1)`.
         `fast_decode=False` runs every decode step through the transformers forward instead of the
-        engine's own (generation/decode.py): slower, for comparison and debugging."""
+        engine's own (generation/decode.py): slower, for comparison and debugging. `device` holds the
+        weights, the KV cache and the sampling; `dtype` is the weights' and the cache's number format
+        (logits are float32 for sampling and logprobs either way). `mem_fraction` (a GPU, no
+        max_total_tokens): the KV budget is what remains of that share of the device's memory once
+        the weights are loaded (`kv_budget_tokens`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {max_total_tokens}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
-        self.model.eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        self.model.to(self.device).eval().requires_grad_(False)
         config = self.model.config
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
             raise ValueError(f"{model_path}: sliding-window attention layers are not supported by the embedded engine")
         self.model_path = model_path
         self.max_batch_size = max_batch_size
+        if max_total_tokens is None and mem_fraction is not None and self.device.type == "cuda":
+            # This process's own memory: a colocated trainer's is outside the share, as in SGLang.
+            total, weights = torch.cuda.get_device_properties(self.device).total_memory, \
+                torch.cuda.memory_allocated(self.device)
+            max_total_tokens = kv_budget_tokens(mem_fraction, total, weights, kv_bytes_per_token(config, dtype))
+            logger.info("KV budget %d tokens: %.0f%% of %.1f GiB, of which the weights take %.1f GiB",
+                        max_total_tokens, 100 * mem_fraction, total / 2**30, weights / 2**30)
         self.max_total_tokens = max_total_tokens
         self.seed = seed
         self.num_threads = torch.get_num_threads()
@@ -223,7 +236,7 @@ class GenerationEngine:
         self._decode_step = DecodeStep.for_model(self.model) if fast_decode else None
         self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
             tokenizer.decode, skip_special_tokens=False)
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = version_for_label(weight_label, -1)
         self._label = weight_label
         self._cond = threading.Condition()
@@ -237,6 +250,7 @@ class GenerationEngine:
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         self._load_seconds = 0.0  # copying weight updates in (decoding stops meanwhile)
+        self._memory_releases = 0  # release_memory calls: a colocated trainer's turns
         self._counts = ComputeCounts()
         self._idle_from: float | None = None  # when the decode thread began to wait for work, while it waits
         # Rows a step finished, answered once the step's counts and busy time are in the stats:
@@ -305,7 +319,7 @@ class GenerationEngine:
                 stop_ids = frozenset() if request.params.ignore_eos else \
                     frozenset(request.params.stop_token_ids) | self.eos_token_ids
                 self._inflight.add(request.rid)
-                self._waiting.append(_Row(request, future, stop_ids, self._decode))
+                self._waiting.append(_Row(request, future, stop_ids, self._decode, self.device))
             self._cond.notify_all()
         return futures
 
@@ -351,6 +365,15 @@ class GenerationEngine:
         self._hand_over(self._aborts, _Abort(None, queued_too=False, retract=mode == "retract",
                                              in_place=mode == "in_place"))
 
+    def release_memory(self) -> None:
+        """Retract the running requests (as pause "retract": they go on after `continue_generation`,
+        in the same answers) and free the KV cache they held, so that a trainer on the same device
+        can step in it (SGLang's /release_memory_occupation of the kv_cache). Stays paused."""
+        self.pause(mode="retract")
+        self._memory_releases += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # to the driver: the trainer is another process
+
     def continue_generation(self) -> None:
         with self._cond:
             self._paused = False
@@ -391,6 +414,7 @@ class GenerationEngine:
             "generated_tokens": self._generated_tokens,
             "busy_seconds": self._busy_seconds,
             "load_seconds": self._load_seconds,
+            "memory_releases": self._memory_releases,
             **dataclasses.asdict(self._counts),
             "waited": waited,
             "weight_version": self._version,
@@ -631,6 +655,7 @@ class GenerationEngine:
         for i, sequence in enumerate(sequences):
             ids[i, width - len(sequence):] = torch.tensor(sequence)
             mask[i, width - len(sequence):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host: one copy each
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         # Prompt logits only for rows that asked for prompt logprobs, and only from their start. (A
         # retracted row has them already.)
@@ -642,7 +667,7 @@ class GenerationEngine:
         )
         cache, logits = out.past_key_values, out.logits
         if len(sequences) < len(rows):
-            rows_of = torch.tensor(index)
+            rows_of = torch.tensor(index, device=self.device)
             cache = Cache(layers=[_GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
                                   for layer in cache.layers])
             mask, logits = mask[rows_of], logits[rows_of]
@@ -661,7 +686,7 @@ class GenerationEngine:
             ids, start = request.input_ids, request.logprob_start_len
             # Position p's logits predict token p + 1: tokens start+1 .. n-1 need positions start .. n-2.
             logprobs = torch.log_softmax(row_logits[keep - (len(ids) - start): keep - 1].float(), dim=-1)
-            targets = torch.tensor(ids[start + 1:], dtype=torch.int64)
+            targets = torch.tensor(ids[start + 1:], dtype=torch.int64, device=logprobs.device)
             head: list[Any] = [None] if start < len(ids) else []
             row.input_logprobs = head + logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
             if request.top_logprobs_num:
@@ -690,11 +715,11 @@ class GenerationEngine:
                 self._step_finished.append(row)
         if alive == 0:
             return None
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.int64)], dim=1)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
         # A dead row's position stops advancing, so it never runs past the context length.
-        positions = torch.tensor([row.last_position for row in batch.rows])
+        positions = torch.tensor([row.last_position for row in batch.rows], device=self.device)
         if self._decode_step is not None:
-            batch.logits = self._decode_step(tokens, positions, batch.cache, padding_bias(batch.mask, torch.float32))
+            batch.logits = self._decode_step(tokens, positions, batch.cache, padding_bias(batch.mask, self.dtype))
         else:
             out = self.model(
                 input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions[:, None],
@@ -774,6 +799,24 @@ class GenerationEngine:
                 self._inflight.discard(row.request.rid)
         for row in unanswered:
             row.future.set_exception(exc)
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in every layer: keys and values of each KV head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def kv_budget_tokens(mem_fraction: float, total_bytes: int, used_bytes: int, per_token_bytes: int) -> int:
+    """The KV cache tokens that fit in `mem_fraction` of a device's `total_bytes` beside the
+    `used_bytes` the server already holds (its weights); SGLang's --mem-fraction-static rule.
+    Raises ValueError when nothing is left for the cache."""
+    left = int(mem_fraction * total_bytes) - used_bytes
+    if left < per_token_bytes:
+        raise ValueError(f"generation.mem_fraction_static={mem_fraction} of {total_bytes / 2**30:.1f} GiB leaves no "
+                         f"room for a KV cache: the server's weights take {used_bytes / 2**30:.1f} GiB of it; raise it")
+    return left // per_token_bytes
 
 
 def _eos_ids(model: torch.nn.Module) -> frozenset[int]:

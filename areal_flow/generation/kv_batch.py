@@ -90,6 +90,7 @@ class _Row:
     future: Future
     stop_ids: frozenset[int]
     decode: Callable[[list[int]], str] | None = None  # for stop strings
+    device: torch.device = torch.device("cpu")  # the engine's: a seeded row's generator draws there
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -105,7 +106,7 @@ class _Row:
 
     def __post_init__(self) -> None:
         seed = self.request.params.seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.output_ids.append(token)
@@ -164,12 +165,13 @@ class _Batch:
     def __post_init__(self) -> None:
         # Built once per membership change, not per step.
         params = [row.request.params for row in self.rows]
+        on = self.logits.device
         self.sampling = (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=on),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=on),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=on),
         )
-        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=on)
         generators = [row.generator for row in self.rows]
         self.generators = generators if any(g is not None for g in generators) else None
 
@@ -185,8 +187,9 @@ class _Batch:
             return None
         pieces = []  # (batch, index, first column any kept row of the batch attends to)
         for batch, keep in parts:
-            index = torch.tensor(keep)
+            index = torch.tensor(keep, device=batch.mask.device)
             pieces.append((batch, index, int(batch.mask[index].any(dim=0).int().argmax())))
+        kept_rows = [batch.rows[i] for batch, keep in parts for i in keep]
         width = max(batch.mask.shape[1] - start for batch, _, start in pieces)
         layers = [
             _GrowingLayer.gather(
@@ -196,7 +199,7 @@ class _Batch:
         mask = torch.cat([F.pad(b.mask[index, start:], (width - (b.mask.shape[1] - start), 0))
                           for b, index, start in pieces])
         return _Batch(
-            [b.rows[i] for b, index, _ in pieces for i in index.tolist()],
+            kept_rows,
             Cache(layers=layers),
             mask,
             torch.cat([b.logits[index] for b, index, _ in pieces]),

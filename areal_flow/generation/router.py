@@ -13,8 +13,8 @@
   brings back the ones that answer. When every server is down, a request waits up to
   `down_timeout` for one to come back, then fails naming each server and its last error
   (the timeouts, retries and intervals are `rollout.*` settings: config/schema.py, RolloutConfig);
-- **weight updates**: `update_weights` pauses, loads and continues every server that is up (or, by
-  broadcast, has the trainer send the weights to all of them between pause and continue).
+- **weight updates**: the primitives weights/update.py pauses, delivers and continues with
+  (`servers_up`, `call_each`), and a server that comes back gets the last version first (`loaded`).
 
 AReaL's client picks servers round-robin, remembers a server per request id and retries on the same
 server; slime's router picks the server with the fewest open requests. This pool does both, and
@@ -53,10 +53,6 @@ MAX_BACKOFF = 5.0
 
 class ServerPoolError(RuntimeError):
     """No server could answer a request: every try failed, or every server stayed down."""
-
-
-class WeightUpdateError(RuntimeError):
-    """A server refused to pause, load the weights or continue; the message names each."""
 
 
 @dataclass(eq=False)
@@ -99,8 +95,8 @@ class ServerPool:
         self._some_up.set()
         self._watcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # aborts of left requests
-        # The last (path, version) update_weights loaded; path None: sent by broadcast, not on disk.
-        self._weights: tuple[str | None, int] | None = None
+        # The last version loaded, and how a server that missed it loads it (None: no copy to load).
+        self._weights: tuple[Callable[[GenerationClient], Awaitable[Any]] | None, int] | None = None
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -231,16 +227,15 @@ class ServerPool:
             return False
         if self._weights is None:
             return True
-        path, version = self._weights
+        reload, version = self._weights
         try:
             if await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT) != str(version):
-                if path is None:
-                    server.last_error = (f"it serves old weights, and weight version {version} came by broadcast "
-                                         "(rollout.weight_update_mode=distributed): there is no copy to load")
+                if reload is None:
+                    server.last_error = (f"it serves old weights, and weight version {version} was sent by the "
+                                         "trainer (rollout.weight_update_mode): there is no copy to load")
                     return False
                 log.warning("generation server %s came back with old weights: loading version %d", server.name, version)
-                # Requests another pool routed to it meanwhile come back aborted, for resubmission.
-                await server.client.update_weights_from_disk(path, version, abort_all_requests=True)
+                await reload(server.client)
         except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
             server.last_error = f"could not load weight version {version} on its return: {_describe(exc)}"
             return False
@@ -253,95 +248,62 @@ class ServerPool:
         except asyncio.TimeoutError:
             return False
 
-    # ---- weight updates -------------------------------------------------------------------------
+    # ---- what a weight update (weights/update.py) needs ------------------------------------------
 
-    async def update_weights(self, model_path: str | None, version: int, *, interrupt: bool = True,
-                             pause_mode: str = "abort",
-                             transfer: Callable[[int, bool, bool], Awaitable[None]] | None = None) -> list[str]:
-        """Load `model_path` as `version` on every server that is up; returns the names of the
-        servers left out because they are down (raises ServerPoolError when every one is).
+    async def servers_up(self, what: str) -> list[Server]:
+        """The servers that are up, once some are (ServerPoolError naming each when none comes back
+        within down_timeout). `what`: the operation waiting, for that message."""
+        await self._wait_until_some_up(what)
+        return [s for s in self.servers if s.up]
 
-        With `transfer` (rollout.weight_update_mode=distributed) the weights come by broadcast
-        instead: between pause and continue, `transfer(version, abort_all_requests, keep_cache)` has the
-        trainer send them to every server of its weights group, and raises WeightUpdateError
-        naming the server and bucket that failed. Every server takes part in each broadcast, so
-        none can be left out: one that is down fails the update before any is paused.
+    async def call_each(self, step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
+                        ) -> tuple[list[Server], list[str]]:
+        """`call` on every target at once: (the targets that answered, a refusal naming each that
+        answered with an error). A target that cannot be reached is marked down."""
+        results = await asyncio.gather(*[call(s.client) for s in targets], return_exceptions=True)
+        refusals = []
+        for server, result in zip(targets, results):
+            if isinstance(result, GenerationError):
+                refusals.append(f"{server.name} refused to {step}: {_describe(result)}")
+            elif isinstance(result, (aiohttp.ClientError, asyncio.TimeoutError)):
+                self._mark_down(server, result)
+            elif isinstance(result, BaseException):
+                raise result
+        return [s for s, r in zip(targets, results) if not isinstance(r, BaseException)], refusals
 
-        Interrupting: pause every server, load the weights, then continue. With pause_mode "abort"
-        (AReaL's sequence) the running requests return with finish_reason abort and the tokens so
-        far, which the rollout workers resubmit; with "retract" (SGLang's) each server requeues them
-        and prefills them again under the new weights itself. No server decodes on the old weights
-        once any has the new ones, and no update waits for the longest answer in flight. Without
-        interrupting, each server loads once its running requests have finished.
+    def loaded(self, version: int, reload: Callable[[GenerationClient], Awaitable[Any]] | None) -> None:
+        """Every server that is up has `version` now; `reload` gives it to one that comes back
+        without it (None: there is no copy to load, and such a server stays out)."""
+        self._weights = (reload, version)
 
-        A server that answers with an error (a refused load) makes the update raise
-        WeightUpdateError, but only after every paused server has been continued. A server that
-        cannot be reached is marked down and left out; when it comes back, this pool loads the
-        last weights it updated to on it before using it again.
-        """
-        await self._wait_until_some_up(f"the update to weight version {version}")
-        servers = [s for s in self.servers if s.up]
-        refusals: list[str] = []
-        if transfer is not None:
-            if not interrupt:
-                raise ValueError("weights by broadcast arrive in several buckets and need interrupting updates")
-            if len(servers) < len(self.servers):
-                raise WeightUpdateError(
-                    f"weight version {version} cannot be broadcast: every generation server of the weights group "
-                    "takes part in each broadcast, and " + "; ".join(s.describe() for s in self.servers if not s.up))
-
-        async def on_each(step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
-                          ) -> list[Server]:
-            """`call` on every target at once; those that answered. Unreachable ones are marked down."""
-            results = await asyncio.gather(*[call(s.client) for s in targets], return_exceptions=True)
-            for server, result in zip(targets, results):
-                if isinstance(result, GenerationError):
-                    refusals.append(f"{server.name} refused to {step}: {_describe(result)}")
-                elif isinstance(result, (aiohttp.ClientError, asyncio.TimeoutError)):
-                    self._mark_down(server, result)
-                elif isinstance(result, BaseException):
-                    raise result
-            return [s for s, r in zip(targets, results) if not isinstance(r, BaseException)]
-
-        in_place = interrupt and pause_mode == "in_place"
-
-        def load(client: GenerationClient) -> Awaitable[dict]:
-            # Paused in mode retract, nothing runs: there is nothing to abort. Held in place, the
-            # requests keep their cache: SGLang must not flush it.
-            return client.update_weights_from_disk(model_path, version,
-                                                   abort_all_requests=interrupt and pause_mode == "abort",
-                                                   flush_cache=not in_place)
-
-        async def broadcast(paused: list[Server]) -> None:
-            if len(paused) < len(servers):  # a server that is not paused would decode during the buckets
-                refusals.append(f"the broadcast was not started: {len(servers) - len(paused)} server(s) not paused")
-                return
-            try:
-                await transfer(version, interrupt and pause_mode == "abort", in_place)
-            except WeightUpdateError as exc:
-                refusals.append(str(exc))
-
-        if not interrupt:
-            await on_each("load the weights", servers, load)
-        else:
-            paused = await on_each("pause", servers, lambda c: c.pause_generation(pause_mode))
-            try:
-                if transfer is None:
-                    await on_each("load the weights", paused, load)
-                else:
-                    await broadcast(paused)
-            finally:
-                # Every server that may be paused, also one whose pause answered an error.
-                await on_each("continue", [s for s in servers if s.up], lambda c: c.continue_generation())
-        if refusals:
-            source = "by broadcast" if transfer is not None else f"from {model_path}"
-            raise WeightUpdateError(f"weight version {version} {source}: " + "; ".join(refusals))
-        self._weights = (None if transfer is not None else model_path, version)
+    def left_out(self, version: int) -> list[str]:
+        """The servers that are down, logged as having missed `version`."""
         left_out = [s.name for s in self.servers if not s.up]
         if left_out:
             log.warning("weight version %d was not loaded on %s: down (%s)", version, ", ".join(left_out),
                         "; ".join(s.describe() for s in self.servers if not s.up))
         return left_out
+
+    # ---- colocated training: the trainer's turn ----------------------------------------------------
+
+    async def release_memory(self) -> None:
+        """Pause every server that is up, retracting its running requests (they go on later in the
+        same answers), and free its KV cache: the trainer on the same devices takes its turn. The
+        next weight update continues them (after `resume_memory`)."""
+        await self._on_all("free its KV cache", lambda c: c.pause_generation("retract"))
+        await self._on_all("free its KV cache", lambda c: c.release_memory_occupation())
+
+    async def resume_memory(self) -> None:
+        """The trainer's turn is over: every server takes its memory back (still paused)."""
+        await self._on_all("take its memory back", lambda c: c.resume_memory_occupation())
+
+    async def _on_all(self, step: str, call: Callable[[GenerationClient], Awaitable[Any]]) -> None:
+        servers = [s for s in self.servers if s.up]
+        results = await asyncio.gather(*[call(s.client) for s in servers], return_exceptions=True)
+        failed = [f"{s.name}: {_describe(r)}" for s, r in zip(servers, results) if isinstance(r, BaseException)]
+        if failed:
+            raise ServerPoolError(f"a generation server did not {step} for the colocated trainer: "
+                                    + "; ".join(failed))
 
     async def close(self) -> None:
         for task in [self._watcher, *self._background]:

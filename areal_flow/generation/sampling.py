@@ -89,7 +89,7 @@ def _truncate(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
         return logprobs  # nothing to cut: skip the sort
     vocab = logprobs.shape[-1]
     sorted_lp, order = logprobs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).expand_as(sorted_lp)
+    rank = torch.arange(vocab, device=logprobs.device).expand_as(sorted_lp)
     drop = rank >= torch.where(top_k < 0, vocab, top_k)[:, None]
     probs = sorted_lp.exp()
     drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]

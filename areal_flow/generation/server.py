@@ -6,7 +6,7 @@ holding a thread of its own. Field names, response shapes and error envelopes fo
 native API, so a client written for SGLang works here unchanged. New weights come from disk
 (`/update_weights_from_disk`) or by broadcast from the trainer over a weights group
 (`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`;
-`transport/weight_group.py`). The areal_flow extension is
+`weights/group.py`). The areal_flow extension is
 `meta_info.output_token_versions`: the integer weight version of each generated token (SGLang's
 `weight_version` is a free label; see `engine.version_for_label`). `/generate` bodies and answers,
 streaming included, are in `generate_api.py`; `/v1/loads` and `/metrics` in `load_report.py`.
@@ -59,8 +59,10 @@ from areal_flow.generation.generate_api import (
     parse_generate,
 )
 from areal_flow.generation.load_report import LoadReport
+from areal_flow.runtime.devices import DTYPES, compute_dtype, local_device
 from areal_flow.runtime.security import API_KEY_ENV
-from areal_flow.transport import weight_group
+from areal_flow.weights import group as weight_group
+from areal_flow.weights import ipc
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +181,8 @@ class WeightGroup:
     lock: threading.Lock
     """Held while a bucket is received and loaded: two buckets on one group must not interleave,
     and the next one is received into the same buffer."""
+    device: Any = "cpu"
+    """Where the buffer lives: the backend's memory (gloo: the CPU, nccl: the engine's GPU)."""
     buffer: Any = None
     """The receive buffer (flat uint8), kept from bucket to bucket and grown to the largest. Fresh
     memory costs its page faults on every bucket: 0.5 s per GB on the 2-core test machine, about
@@ -188,7 +192,7 @@ class WeightGroup:
         size = weight_group.bucket_bytes(specs)
         if self.buffer is None or self.buffer.numel() < size:
             self.buffer = None  # the old one is freed before the larger one is made
-            self.buffer = torch.empty(size, dtype=torch.uint8)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         return weight_group.receive(self.process_group, specs, self.buffer)
 
 
@@ -260,9 +264,9 @@ async def route_init_weights_update_group(server: GenerationServer, call: Call) 
         if not 0 < rank < world_size:
             raise bad_request(f"rank_offset must be in [1, world_size) = [1, {world_size}): rank 0 is the "
                               f"trainer's, got {rank}")
-        if backend == "nccl":
-            raise bad_request("backend 'nccl' needs CUDA: the embedded engine runs on the CPU, join with backend "
-                              "'gloo'")
+        if backend == "nccl" and server.engine.device.type != "cuda":
+            raise bad_request(f"backend 'nccl' needs the engine on CUDA, and this server runs on "
+                              f"{server.engine.device.type}: join with backend 'gloo'")
         with server.weight_groups_lock:
             if name in server.weight_groups:
                 raise bad_request(f"a weights group named {name!r} exists already; destroy it first "
@@ -275,7 +279,9 @@ async def route_init_weights_update_group(server: GenerationServer, call: Call) 
     except weight_group.WeightGroupError as exc:
         return 400, {"success": False, "message": f"Failed to init the weights update group: {exc}"}
     with server.weight_groups_lock:
-        server.weight_groups[name] = WeightGroup(name, process_group, rank, world_size, threading.Lock())
+        # NCCL broadcasts from and into GPU memory, gloo CPU memory.
+        device = server.engine.device if backend == "nccl" else torch.device("cpu")
+        server.weight_groups[name] = WeightGroup(name, process_group, rank, world_size, threading.Lock(), device)
     logger.info("joined weights group %r as rank %d of %d (%s, store at %s:%d)", name, rank, world_size, backend,
                 address, port)
     return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
@@ -436,6 +442,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
         "load_seconds": stats["load_seconds"],
+        "memory_releases": stats["memory_releases"],  # a colocated trainer's turns
         **{key: stats[key] for key in COMPUTE_COUNTS},  # for the advisor's fit of the decode cost
         "internal_states": [stats],
     }
@@ -468,6 +475,58 @@ async def route_continue(server: GenerationServer, call: Call) -> tuple[int, Pay
     return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
 
+async def route_update_weights_from_tensor(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """SGLang's /update_weights_from_tensor: tensors of a process on this machine, by handle (CUDA
+    IPC on a GPU, shared-memory files on the CPU: weights/ipc.py), copied into the model before the
+    answer, so the sender may free them then. One serialized bucket: the embedded engine is one TP
+    rank."""
+    body = _json_object(call.body)
+    engine = server.engine
+    refused = {"success": False, "message": ""}
+    try:
+        buckets = body.get("serialized_named_tensors")
+        if not isinstance(buckets, list) or len(buckets) != 1:
+            raise bad_request("serialized_named_tensors must be a list of one serialized bucket (one per TP rank; "
+                              f"the embedded engine is one), got {type(buckets).__name__}"
+                              + (f" of {len(buckets)}" if isinstance(buckets, list) else ""))
+        if body.get("load_format") is not None:
+            raise bad_request(f"load_format {body['load_format']!r} is not supported: the embedded engine loads "
+                              "Hugging Face tensors as they are (load_format null)")
+        version, label = _weight_version(body.get("weight_version"), engine.version)
+        abort_all = as_bool(body.get("abort_all_requests"), "abort_all_requests", False)
+        as_bool(body.get("flush_cache"), "flush_cache", True)  # the engine keeps no prefix cache to flush
+        named = await asyncio.to_thread(ipc.deserialize, buckets[0])
+        state = dict(named)
+        await asyncio.to_thread(engine.update_weights_from_tensors, state, version, abort_all_requests=abort_all,
+                                source=f"tensors by handle ({len(state)} tensors)", label=label)
+    except HTTPError as exc:
+        return 400, refused | {"message": f"Failed to update weights: {exc.message}"}
+    except ValueError as exc:
+        return 400, refused | {"message": f"Failed to update weights: {exc}. The server keeps weight version "
+                                          f"{engine.weight_label}."}
+    return 200, {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
+                                             f"{engine.weight_label}."}
+
+
+async def route_release_memory(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """SGLang's /release_memory_occupation for the KV cache: the running requests are retracted and
+    their cache freed; the server stays paused until /continue_generation. The embedded engine's
+    weights stay where they are (tags other than kv_cache are refused)."""
+    tags = _json_object(call.body).get("tags") or ["kv_cache"]
+    if not isinstance(tags, list) or set(tags) - {"kv_cache"}:
+        raise bad_request(f"tags {tags!r}: the embedded engine releases only its KV cache (tags: ['kv_cache']); its "
+                          "weights stay on the device")
+    await asyncio.to_thread(server.engine.release_memory)
+    return 200, {"success": True, "message": "KV cache released; generation paused until /continue_generation"}
+
+
+async def route_resume_memory(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    """SGLang's /resume_memory_occupation: the embedded engine allocates its KV cache as requests
+    come, so there is nothing to take back; generation goes on at /continue_generation."""
+    _json_object(call.body)
+    return 200, {"success": True, "message": "memory resumed"}
+
+
 async def route_abort(server: GenerationServer, call: Call) -> tuple[int, Payload]:
     body = _json_object(call.body)
     rid, abort_all = body.get("rid") or "", as_bool(body.get("abort_all"), "abort_all", False)
@@ -486,6 +545,7 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/init_weights_update_group": (frozenset({"POST"}), route_init_weights_update_group),
     "/update_weights_from_distributed": (frozenset({"POST"}), route_update_weights_from_distributed),
     "/destroy_weights_update_group": (frozenset({"POST"}), route_destroy_weights_update_group),
+    "/update_weights_from_tensor": (frozenset({"POST"}), route_update_weights_from_tensor),
     "/health": (frozenset({"GET"}), route_health),
     "/health_generate": (frozenset({"GET"}), route_health_generate),
     "/ready": (frozenset({"GET"}), route_ready),
@@ -500,6 +560,8 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/pause_generation": (frozenset({"POST"}), route_pause),
     "/continue_generation": (frozenset({"POST"}), route_continue),
     "/abort_request": (frozenset({"POST"}), route_abort),
+    "/release_memory_occupation": (frozenset({"GET", "POST"}), route_release_memory),
+    "/resume_memory_occupation": (frozenset({"GET", "POST"}), route_resume_memory),
 }
 """Path → (methods, handler). SGLang ≥0.5.10 names and their older get_* aliases both work."""
 
@@ -711,6 +773,13 @@ def main(argv: list[str] | None = None) -> int:
                              "max_new_tokens would exceed it (default: no budget)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where weights, KV cache and sampling live (cuda: the first GPU this process sees)")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES) + ["auto"],
+                        help="number format of the weights and KV cache; auto = bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="cuda, without --max-total-tokens: the KV budget is what is left of this share of the "
+                             "GPU's memory after the weights (SGLang's flag)")
     parser.add_argument("--weight-version", default="default",
                         help="label of the initial weights (digits also set the integer token version)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -733,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model_path, args.host, args.port,
         max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
         max_total_tokens=args.max_total_tokens, weight_label=args.weight_version, api_key=args.api_key or None,
+        device=str(local_device(args.device)), dtype=compute_dtype(args.dtype, args.device),
+        mem_fraction=args.mem_fraction_static,
     )
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,

@@ -47,7 +47,10 @@ SWITCHES = {"disable_radix_cache": "--disable-radix-cache"}
 ALIASES = {"--model": "--model-path", "--tensor-parallel-size": "--tp-size"}
 """SGLang's other spellings of mapped flags."""
 
-SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k not in ("max_batch_size", "max_total_tokens")) + tuple(SWITCHES) + ("extra_args",)
+EMBEDDED_TOO = ("max_batch_size", "max_total_tokens", "mem_fraction_static", "dtype")
+"""generation.* keys both backends read."""
+
+SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k not in EMBEDDED_TOO) + tuple(SWITCHES) + ("extra_args",)
 """generation.* keys that mean nothing to the embedded engine."""
 
 DEVICES = {"cpu": "cpu", "cuda": "cuda"}

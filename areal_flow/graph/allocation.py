@@ -4,8 +4,9 @@
 
 reads "32 SGLang servers of 2 devices each (64 devices), then Megatron on the next 32 devices with
 data parallel 4, pipeline 2, tensor 2·2 = 4". `+` separates parts on devices of their own (in
-order: the first part gets devices 0.., the next part the devices after it); `|` joins parts that
-would share devices, which this version refuses with a message. A part is an optional backend and
+order: the first part gets devices 0.., the next part the devices after it); `|` puts the two parts
+on the same devices (colocated: `embedded:d1 | torch:d1` runs a whole recipe on one GPU, generation
+and training taking turns; docs/colocation.md), and their sizes must then match. A part is an optional backend and
 its sizes: `d` data parallel (servers, for generation), `t` tensor, `p` pipeline; a missing size
 is 1. Backends: generation `sglang` or `embedded` (areal_flow's engine), training `megatron` or
 `torch` (alias `fsdp`). Without names the first part generates and the second trains.
@@ -68,18 +69,24 @@ class Allocation:
     text: str
     generation: Part
     training: Part
+    colocated: bool = False  # `|`: training on generation's devices
 
     @property
     def n_devices(self) -> int:
-        return self.generation.n_devices + self.training.n_devices
+        return self.generation.n_devices + (0 if self.colocated else self.training.n_devices)
 
     @property
     def generation_mesh(self) -> tuple[int, ...]:
         return tuple(range(self.generation.n_devices))
 
     @property
+    def training_first(self) -> int:
+        """The training part's first device."""
+        return 0 if self.colocated else self.generation.n_devices
+
+    @property
     def training_mesh(self) -> tuple[int, ...]:
-        return tuple(range(self.generation.n_devices, self.n_devices))
+        return tuple(range(self.training_first, self.training_first + self.training.n_devices))
 
     @property
     def generation_backend(self) -> str | None:
@@ -91,7 +98,7 @@ class Allocation:
 
     def __str__(self) -> str:
         gen, train = self.generation, self.training
-        return (f"{gen.backend or 'generation'}:d{gen.layout.dp}t{gen.layout.tp} + "
+        return (f"{gen.backend or 'generation'}:d{gen.layout.dp}t{gen.layout.tp} {'|' if self.colocated else '+'} "
                 f"{train.backend or 'training'}:{train.layout}")
 
 
@@ -157,11 +164,11 @@ def parse_allocation(text: str, where: str = "allocation") -> Allocation:
         if isinstance(getattr(e, "orig_exc", None), AllocationError):
             raise e.orig_exc from None
         raise
-    for parts in components:
-        if len(parts) > 1:
-            raise pointing(text, text.index("|") + 1, "'|' puts parts on shared devices, which this version cannot "
-                           "do (generation and training each need devices of their own); use '+'", where)
-    parts = [p[0] for p in components]
+    colocated = len(components) == 1 and len(components[0]) == 2
+    if any(len(parts) > 1 for parts in components) and not colocated:
+        raise pointing(text, text.index("|") + 1, "'|' colocates the two parts of an allocation, generation | "
+                       "training, alone: it cannot be mixed with '+' or join more parts", where)
+    parts = components[0] if colocated else [p[0] for p in components]
     if len(parts) != 2:
         column = parts[2].column if len(parts) > 2 else len(text) + 1
         raise pointing(text, column, f"{len(parts)} part(s); an allocation has two, generation then training, "
@@ -176,7 +183,10 @@ def parse_allocation(text: str, where: str = "allocation") -> Allocation:
     if gen.layout.pp > 1:
         raise pointing(text, gen.columns["pp"], "generation has no pipeline parallel here: servers are d (how many) "
                        "and t (devices each)", where)
-    return Allocation(text, gen, train)
+    if colocated and gen.n_devices != train.n_devices:
+        raise pointing(text, train.column, f"parts joined by '|' share their devices, so their sizes must match: "
+                       f"generation has {gen.n_devices}, training {train.n_devices}", where)
+    return Allocation(text, gen, train, colocated)
 
 
 def allocation_problems(alloc: Allocation, *, n_nodes: int, per_node: int) -> list[str]:
@@ -186,12 +196,13 @@ def allocation_problems(alloc: Allocation, *, n_nodes: int, per_node: int) -> li
     problems = []
     total = n_nodes * per_node
     if alloc.n_devices > total:
-        problems.append(f"{where} needs {alloc.generation.n_devices} + {alloc.training.n_devices} = {alloc.n_devices} "
-                        f"devices, the cluster has {n_nodes} node(s) × {per_node} = {total} "
+        needs = str(alloc.n_devices) if alloc.colocated else \
+            f"{alloc.generation.n_devices} + {alloc.training.n_devices} = {alloc.n_devices}"
+        problems.append(f"{where} needs {needs} devices, the cluster has {n_nodes} node(s) × {per_node} = {total} "
                         "(cluster.n_nodes × cluster.n_devices)")
     # A server's devices and a tensor-parallel group talk on every layer: they must share a node.
     for what, part, first in (("a generation server", alloc.generation, 0),
-                              ("a tensor-parallel group", alloc.training, alloc.generation.n_devices)):
+                              ("a tensor-parallel group", alloc.training, alloc.training_first)):
         tp = part.layout.tp
         if tp > per_node:
             problems.append(f"{where}: {what} of t{tp} needs {tp} devices on one node, a node has {per_node}")

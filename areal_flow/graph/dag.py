@@ -99,6 +99,11 @@ class Graph:
         return self.batch_nodes[0].mesh or ()
 
     @property
+    def colocated(self) -> bool:
+        """Whether generation and training run on the same devices, taking turns (docs/colocation.md)."""
+        return bool(self.trainer_mesh) and self.generate.mesh == self.trainer_mesh
+
+    @property
     def roles(self) -> list[str]:
         """Model roles the trainer ranks hold, in firing order."""
         return list(dict.fromkeys(n.role for n in self.batch_nodes))
@@ -137,6 +142,9 @@ class Graph:
                 lines.append(f"      <- {k} (from {src}){_as(k, self.meaning.get(k))}")
             for k in n.outputs:
                 lines.append(f"      -> {k}{_as(k, self.meaning.get(k))}")
+        if self.colocated:
+            lines.append(f"colocated: generation and training take turns on mesh {format_mesh(self.trainer_mesh)} (the "
+                         "generation servers free their KV cache for each train step and go on at its weight update)")
         return "\n".join(lines)
 
 
@@ -389,18 +397,19 @@ def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
 
 
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
-    """Generation and training never share devices; batch nodes share one trainer mesh."""
+    """Generation and training share devices only as a whole (the same mesh: colocated, taking
+    turns); batch nodes share one trainer mesh."""
     placed = [n for n in nodes.values() if n.mesh is not None]
     for i, a in enumerate(placed):
         for b in placed[i + 1:]:
             shared = set(a.mesh) & set(b.mesh)
             if not shared and (a.streaming or b.streaming):
                 continue
-            if a.streaming != b.streaming and shared:
+            if a.streaming != b.streaming and shared and a.mesh != b.mesh:
                 problems.append(
                     f"meshes of '{a.name}' ({format_mesh(a.mesh)}) and '{b.name}' ({format_mesh(b.mesh)}) overlap "
-                    f"on device(s) {format_mesh(sorted(shared))}: generation and training cannot share devices "
-                    f"(graph.{b.name}.mesh)"
+                    f"on device(s) {format_mesh(sorted(shared))}: generation and training share devices only when "
+                    f"their meshes are the same (colocated), otherwise each needs its own (graph.{b.name}.mesh)"
                 )
             elif not a.streaming and not b.streaming and a.mesh != b.mesh:
                 problems.append(

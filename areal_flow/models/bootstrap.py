@@ -53,13 +53,17 @@ def ensure_base_model(
     seed: int = 0,
     heldout: tuple[int, int] = (HELDOUT_N, HELDOUT_SEED),
     progress: bool = True,
+    device: str = "cpu",
 ) -> str:
     """Return a directory with the bootstrapped model and its tokenizer, training it if needed.
 
     `arch` overrides fields of the tiny Qwen2 shape (see `tiny_qwen2_config`). The schedule is
     AdamW (betas 0.9, 0.98), linear warm-up over `warmup_steps` then constant `lr`, gradient
     norm clipped to 1.0, `batch_size` fresh problems per step. `torch.set_num_threads` is left
-    to the caller. The directory's `bootstrap.json` records the per-step losses.
+    to the caller. The directory's `bootstrap.json` records the per-step losses. `device` "cuda"
+    trains on the first GPU this process sees (bf16 autocast, fp32 weights), in a child process
+    of its own, so that the caller (the launcher, which lives as long as the run) holds no GPU
+    memory; the device is not one of the settings (a model trained on either is reused on both).
     """
     if steps < 1 or batch_size < 1 or warmup_steps < 0 or lr <= 0:
         raise ValueError(
@@ -91,12 +95,27 @@ def ensure_base_model(
             # this on every run, where the model is almost always cached already.
             from areal_flow.models.supervised import train_and_save
 
-            train_and_save(tmp, settings, progress)
+            if device == "cpu":
+                train_and_save(tmp, settings, progress)
+            else:
+                _in_child(train_and_save, tmp, settings, progress, device)
             publish_dir(tmp, final)
         finally:
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _in_child(fn: Any, *args: Any) -> None:
+    """Run fn(*args) in a fresh process (spawned: CUDA cannot be used after fork) and wait for it."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=fn, args=args, name="bootstrap")
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"the bootstrap's training process exited with code {child.exitcode} (its traceback is "
+                           "printed above)")
 
 
 def settings_dir_name(settings: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from areal_flow.data.arith import (
 from areal_flow.models.bootstrap import HELDOUT_N, HELDOUT_SEED, INFO_FILE
 from areal_flow.models.tiny import build_tiny_qwen2, tiny_qwen2_config
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
+from areal_flow.runtime.devices import local_device
 
 logger = logging.getLogger("areal_flow.models.bootstrap")  # its lines are the bootstrap's
 
@@ -54,9 +55,9 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool) -> None:
-    """Train the tiny model `settings` describe (see `ensure_base_model`) and save it, its
-    tokenizer and `bootstrap.json` into `out_dir`."""
+def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, device: str = "cpu") -> None:
+    """Train the tiny model `settings` describe (see `ensure_base_model`) on `device` and save it,
+    its tokenizer and `bootstrap.json` into `out_dir`."""
     tokenizer = build_char_tokenizer()
     # The initial weights are part of the cached settings; fork so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
@@ -73,6 +74,7 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool) -> No
         seed=settings["seed"],
         heldout=tuple(settings["heldout"]),
         progress=progress,
+        device=device,
     )
     seconds = time.perf_counter() - start
     logger.info("bootstrap: %d steps in %.1f s, loss %.3f -> %.3f",
@@ -124,8 +126,13 @@ def train_supervised(
     seed: int,
     heldout: tuple[int, int] = (HELDOUT_N, HELDOUT_SEED),
     progress: bool = False,
+    device: str = "cpu",
 ) -> list[float]:
-    """Train `model` in place on fresh problems (held-out prompts excluded); return step losses."""
+    """Train `model` in place on fresh problems (held-out prompts excluded); return step losses.
+    On "cuda" it trains on the first visible GPU with bf16 autocast over fp32 weights, and leaves
+    the model on the CPU."""
+    on = local_device(device)
+    model.to(on)
     excluded = {prompt_text(a, b) for a, b in heldout_problems(*heldout)}
     rng = random.Random(f"bootstrap-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS)
@@ -144,7 +151,9 @@ def train_supervised(
                 a, b = sample_operands(rng)
                 if prompt_text(a, b) not in excluded:
                     problems.append((a, b))
-            loss = model(**supervised_batch(tokenizer, problems)).loss
+            batch = {k: v.to(on) for k, v in supervised_batch(tokenizer, problems).items()}
+            with torch.autocast(on.type, dtype=torch.bfloat16, enabled=on.type == "cuda"):
+                loss = model(**batch).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
@@ -152,7 +161,7 @@ def train_supervised(
             sched.step()
             losses.append(loss.item())
             bar.update(task, advance=1, loss=f"{losses[-1]:.3f}")
-    model.eval()
+    model.eval().to("cpu")
     return losses
 
 

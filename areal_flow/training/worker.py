@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from functools import partial
 
@@ -30,13 +29,13 @@ from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.child import torchrun_rank
+from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
-from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
-from areal_flow.transport import weight_group
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
+from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
     Finish,
@@ -134,9 +133,8 @@ class ModelWorker:
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
-        self.by_broadcast = cfg.rollout.weight_update_mode == "distributed"
+        self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
-        self.sender: WeightSender | None = None  # rank 0's end of the weights group, made at the first publish
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
         trained = self.engines[self.graph.train.role]
         if "kl" in trained.extra_state:  # resumed from a checkpoint: go on with its β
@@ -223,13 +221,10 @@ class ModelWorker:
             stats["prox_seconds"] = prox_seconds
         version = plan.step + 1
         trained.version = version
-        weights = ""  # by broadcast, the controller asks for the weights once the servers are paused
-        if not self.by_broadcast:
-            weights = self.spec.weights(f"v{version}")
-            with self.phases("publish"):
-                trained.save_weights(weights)  # every rank takes part; rank 0 writes
-                if self.rank == 0:
-                    _prune_weights(self.spec.weights(), keep=version, every=self.cfg.rollout.keep_weights_every)
+        with self.phases("publish"):  # "" when the trainers send it later, once the servers are paused
+            weights = self.weights.after_step(trained, version, self.rank)
+        if self.graph.colocated and trained_on_gpu(trained):
+            torch.cuda.empty_cache()  # the generation server on this GPU takes its turn next
         stats.update(self.phases.reset())
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
@@ -248,32 +243,9 @@ class ModelWorker:
         return bool(flag.item())
 
     def publish(self, msg: PublishWeights) -> WeightsPublished:
-        """Send the trained role's weights to the paused servers over the weights group: every rank
-        takes part in gathering them bucket by bucket (a collective under FSDP and megatron), rank 0
-        broadcasts each bucket."""
-        trained = self.engines[self.graph.train.role]
-        buckets = trained.export_weights(self.cfg.rollout.weight_bucket_mb << 20)
-        if self.rank != 0:
-            for _ in buckets:
-                pass
-            return WeightsPublished(self.rank, msg.version)
-        if self.sender is None:
-            # The servers reach rank 0 where it listens: its node's address, or loopback on one host.
-            self.sender = WeightSender(group_servers(self.cfg, self.spec.gen_urls),
-                                       backend=weight_group.BACKENDS[self.cfg.cluster.device_type],
-                                       master_address=self.spec.hosts.get("trainer0", LOOPBACK),
-                                       timeout=self.cfg.rollout.request_timeout, api_key=self.spec.api_key)
-        try:
-            report = self.sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests,
-                                      flush_cache=not msg.keep_cache)
-        except WeightTransferError as exc:
-            log.error("%s: weight version %d was not sent: %s", self.name, msg.version, exc)
-            return WeightsPublished(self.rank, msg.version, error=str(exc))
-        log.info("%s: weight version %d sent to %d server(s): %.1f MB in %d bucket(s), %.2f s (%.2f GB/s)", self.name,
-                 msg.version, len(self.sender.servers), report.bytes / 1e6, report.buckets, report.seconds,
-                 report.gb_per_second)
-        return WeightsPublished(self.rank, msg.version, buckets=report.buckets, bytes=report.bytes,
-                                seconds=report.seconds)
+        """Send the trained role's weights to the paused servers through the run's channel: every
+        rank takes part in gathering them (a collective under FSDP and megatron), rank 0 sends."""
+        return self.weights.send(self.engines[self.graph.train.role], msg, self.rank)
 
     def engine(self, node: Node) -> Engine:
         """The role's model, packing micro-batches under this node's own token budgets."""
@@ -340,6 +312,10 @@ class ModelWorker:
             self.engines["critic"].save(os.path.join(path, CRITIC_DIR))
 
 
+def trained_on_gpu(engine: Engine) -> bool:
+    return getattr(engine, "device", torch.device("cpu")).type == "cuda"
+
+
 def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
     """A sum of a small tensor over `group` (every rank calls it at the same point), for the
     batch-level statistics of advantages; None when the batch is on this rank alone."""
@@ -367,14 +343,6 @@ def behaviour_kl(token_data: dict[str, list[np.ndarray]], algo: AlgorithmConfig,
     if reduce is not None:
         total = reduce(total)
     return float(total[0] / total[1].clamp(min=1))
-
-
-def group_servers(cfg: RunConfig, urls: list[str]) -> list[Server]:
-    """The generation servers of the weights group, as the controller names them. A real SGLang
-    server joins with each of its TP ranks (rank_offset + tp_rank); the embedded engine, whose
-    tp_size is its torch threads, is one rank."""
-    ranks = cfg.generation.tp_size if cfg.generation.backend == "sglang" else 1
-    return [Server(f"gen_server{i}", url, ranks) for i, url in enumerate(urls)]
 
 
 def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:
@@ -407,9 +375,12 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
     nodes = {n.role: n for n in graph.batch_nodes}
     layout = graph.batch_nodes[0].layout
     megatron = any(n.engine == "megatron" for n in nodes.values())
+    device_type = cfg.cluster.device_type
+    device = str(local_device(device_type))  # the launcher made this rank's GPU the only one it sees
+    bf16 = compute_dtype(cfg.training.dtype, device_type) == torch.bfloat16
     # megatron's parallel state needs a process group even for one rank.
     if spec.n_trainers > 1 or megatron:
-        dist.init_process_group("gloo", **process_group_init(spec, rank))
+        dist.init_process_group(TRAINER_BACKENDS[device_type], **process_group_init(spec, rank))
     engines: dict[str, Engine] = {}
     trained = {n.role for n in graph.batch_nodes if n.type == "train"}
     for role, node in nodes.items():
@@ -420,14 +391,15 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
             )
 
             engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
-                                           tp=layout.tp, pp=layout.pp)
+                                           tp=layout.tp, pp=layout.pp, device=device, bf16=bf16)
         else:
             # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
             critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
             path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
             engines[role] = TorchEngine(path, optim=optim, temperature=cfg.algorithm.temperature,
                                         process_group=dist.group.WORLD if spec.n_trainers > 1 else None,
-                                        head="value" if role == "critic" else "lm")
+                                        head="value" if role == "critic" else "lm", device=device, bf16=bf16,
+                                        activation_checkpointing=cfg.training.activation_checkpointing)
     return engines
 
 
@@ -439,16 +411,6 @@ def optim_spec(cfg: RunConfig, role: str = "actor") -> OptimSpec:
     return OptimSpec(lr=lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
                      schedule=algo.lr_schedule, warmup_steps=algo.lr_warmup_steps, decay_steps=decay,
                      min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)
-
-
-def _prune_weights(root: str, keep: int, every: int = 0) -> None:
-    """Old published versions are no longer read once the next one is loaded: keep the last two, and
-    every `every`-th version when asked (rollout.keep_weights_every)."""
-    for name in os.listdir(root):
-        if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < keep - 1:
-            if every and int(name[1:]) % every == 0:
-                continue
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

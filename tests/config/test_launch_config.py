@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,10 +44,11 @@ def test_unknown_keys_and_wrong_types_fail_before_anything_starts(tmp_path, over
 
 
 def test_graph_errors_name_node_and_key_and_exit_non_zero(tmp_path):
-    r = launch("graph.actor_train.mesh=0", cwd=tmp_path)
+    r = launch("graph.actor_train.mesh=0-1", cwd=tmp_path)
     assert r.returncode == 2
-    assert "meshes of 'generate' (0) and 'actor_train' (0) overlap" in r.stdout
-    assert "batch nodes 'actor_prox' (1) and 'actor_train' (0) differ (graph.actor_train.mesh)" in r.stdout
+    assert "meshes of 'generate' (0) and 'actor_train' (0,1) overlap on device(s) 0: generation and training share " \
+           "devices only when their meshes are the same (colocated)" in r.stdout
+    assert "batch nodes 'actor_prox' (1) and 'actor_train' (0,1) differ (graph.actor_train.mesh)" in r.stdout
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
 
 
@@ -123,9 +125,12 @@ def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
         assert expected in r.stdout
 
 
-def test_cuda_and_several_nodes_are_refused_until_they_can_run_but_a_dry_run_places_them(tmp_path):
-    r = launch("cluster.device_type=cuda", "cluster.n_nodes=2", cwd=tmp_path)
-    assert r.returncode == 2 and "cluster.device_type='cuda'" in r.stdout and "CPU only" in r.stdout
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_without_a_gpu_and_several_local_nodes_are_refused_but_a_dry_run_places_them(tmp_path):
+    r = launch("cluster.device_type=cuda", "cluster.n_nodes=2", "generation.tp_size=2", cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"cluster.device_type='cuda' but torch {torch.__version__} sees no GPU on this machine" in r.stdout
+    assert "generation.tp_size=2 with cluster.device_type='cuda': the embedded engine runs on one GPU" in r.stdout
     assert "cluster.n_nodes=2: launcher.type=local starts processes on this host only" in r.stdout
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
     r = launch("recipe=tiny_arith_megatron", "cluster.device_type=cuda", "cluster.n_nodes=2", "cluster.n_devices=8",
@@ -198,3 +203,16 @@ def test_weights_by_broadcast_need_interrupting_updates():
         "not write (or removes at the end): use rollout.weight_update_mode=disk"]
     for mode, interrupt in (("distributed", True), ("disk", False)):
         assert validate._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []
+
+
+def test_a_colocated_allocation_places_both_on_one_device_and_refuses_what_cannot_take_turns(tmp_path):
+    r = launch("dry_run=true", "allocation=embedded:d1 | torch:d1", "cluster.n_devices=1", "rollout.interrupt=true",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "colocated: generation and training take turns on mesh 0" in r.stdout
+    assert "gen_server0    core 0" in r.stdout and "trainer0       core 0" in r.stdout
+    r = launch("dry_run=true", "allocation=embedded:d1 | torch:d1", "cluster.n_devices=1", "cluster.device_type=cuda",
+               "rollout.interrupt=false", "rollout.weight_update_mode=distributed", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "generation and training share mesh 0 (colocated), which needs rollout.interrupt=true" in r.stdout
+    assert "NCCL cannot broadcast between two processes on one GPU" in r.stdout

@@ -154,9 +154,11 @@ def test_stop_strings_and_seeds_over_http(server, model_dirs):
                                                    (False, "abort")])
 def test_the_publisher_interrupts_running_requests_or_waits_for_them(server, model_dirs, interrupt, pause_mode):
     from areal_flow.controller.publisher import WeightPublisher
+    from areal_flow.weights.files import FileChannel
 
     async def scenario():
-        publisher = WeightPublisher([server.url], ["gen_server0"], interrupt=interrupt, pause_mode=pause_mode)
+        publisher = WeightPublisher([server.url], ["gen_server0"], FileChannel("disk", "/unused"), interrupt=interrupt,
+                                    pause_mode=pause_mode)
         async with GenerationClient(server.url) as client:
             running = asyncio.create_task(client.generate(PROMPT, {**LONG, "max_new_tokens": 60}))
             await started(server)

@@ -19,7 +19,12 @@ from generation_helpers import ModelDirs, async_wait_until, before_every_forward
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.controller.publisher import WeightPublisher
 from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.router import ServerPool, ServerPoolError, WeightUpdateError
+from areal_flow.generation.router import ServerPool, ServerPoolError
+from areal_flow.weights.broadcast import BroadcastChannel
+from areal_flow.weights.files import FileChannel
+from areal_flow.weights.update import WeightUpdateError, update_servers
+
+DISK = FileChannel("disk", "/unused")  # the controller's end: each server loads the directory it is given
 from areal_flow.generation.server import GenerationServer, serve
 from areal_flow.rollout.worker import generate_sample
 from areal_flow.transport.messages import Finish
@@ -239,7 +244,7 @@ def test_publish_pauses_updates_and_continues_every_server(start, model_dirs):
     a, b = start(delay=0.005), start(delay=0.005)
 
     async def scenario():
-        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"])
+        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"], DISK)
         async with ServerPool([a.url, b.url]) as pool:
             running = [asyncio.create_task(pool.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True}))
                        for _ in range(2)]
@@ -259,7 +264,7 @@ def test_a_refused_update_fails_the_publish_but_every_server_is_continued(start,
     a, wide = start(model_dirs.a), start(model_dirs.wide)  # the wide model cannot take b's weights
 
     async def scenario():
-        publisher = WeightPublisher([a.url, wide.url], ["gen_server0", "gen_server1"])
+        publisher = WeightPublisher([a.url, wide.url], ["gen_server0", "gen_server1"], DISK)
         with pytest.raises(WeightUpdateError) as caught:
             await publisher.publish(model_dirs.b, 1)
         await publisher.close()
@@ -283,23 +288,24 @@ def test_by_broadcast_the_weights_go_between_pause_and_continue_and_a_refusal_st
 
     from areal_flow.generation.engine import load_checkpoint
     from areal_flow.training.engine import bucketed
-    from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
+    from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 
     a, b = start(delay=0.005), start(delay=0.005)
     sender = WeightSender([Server("gen_server0", a.url), Server("gen_server1", b.url)], timeout=30)
     weights = {1: load_checkpoint(model_dirs.b), 2: {"model.layers.0.mlp.nope.weight": torch.ones(2)}}
     calls = []
 
-    async def transfer(version: int, abort_all_requests: bool, keep_cache: bool) -> None:
-        calls.append((version, abort_all_requests, a.engine.paused, b.engine.paused))
+    async def transfer(version: int, flags) -> None:
+        calls.append((version, flags.abort_all_requests, a.engine.paused, b.engine.paused))
         buckets = bucketed(iter(weights[version].items()), 1 << 14)
         try:
-            await asyncio.to_thread(sender.send, buckets, version, abort_all_requests=abort_all_requests)
+            await asyncio.to_thread(sender.send, buckets, version, abort_all_requests=flags.abort_all_requests)
         except WeightTransferError as exc:  # what the controller makes of the trainer's report
             raise WeightUpdateError(str(exc)) from None
 
     async def scenario():
-        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"], transfer=transfer)
+        publisher = WeightPublisher([a.url, b.url], ["gen_server0", "gen_server1"], BroadcastChannel([]),
+                                    trainers=transfer)
         async with ServerPool([a.url, b.url]) as pool:
             running = [asyncio.create_task(pool.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True}))
                        for _ in range(2)]
@@ -327,7 +333,7 @@ def test_by_broadcast_a_down_server_fails_the_update_before_any_server_is_paused
     b.stop()
     calls = []
 
-    async def transfer(version: int, abort_all_requests: bool, keep_cache: bool) -> None:
+    async def transfer(version: int, flags) -> None:
         calls.append(version)
 
     async def scenario():
@@ -335,12 +341,12 @@ def test_by_broadcast_a_down_server_fails_the_update_before_any_server_is_paused
             await pool.generate(PROMPT, GREEDY)  # tries b first or second: either way b is marked down
             await pool.generate(PROMPT, GREEDY)
             with pytest.raises(WeightUpdateError) as caught:
-                await pool.update_weights(None, 1, transfer=transfer)
+                await update_servers(pool, BroadcastChannel([]), "", 1, trainers=transfer)
             return str(caught.value)
 
     message = asyncio.run(scenario())
-    assert message.startswith("weight version 1 cannot be broadcast: every generation server of the weights group "
-                              "takes part in each broadcast, and gen_server1 (")
+    assert message.startswith("weight version 1 cannot be sent by broadcast: every generation server takes part in "
+                              "each delivery, and gen_server1 (")
     assert calls == [] and a.engine.version == 0 and not a.engine.paused
 
 
@@ -350,7 +356,7 @@ def test_a_down_server_is_left_out_of_an_update_and_reported(start, model_dirs):
 
     async def scenario():
         async with ServerPool([a.url, b.url], config=fast()) as pool:
-            return await pool.update_weights(model_dirs.b, 1)
+            return await update_servers(pool, DISK, model_dirs.b, 1)
 
     assert asyncio.run(scenario()) == ["gen_server1"]
     assert a.engine.version == 1 and not a.engine.paused
@@ -363,7 +369,7 @@ def test_a_server_that_missed_an_update_gets_the_last_weights_before_it_is_used_
 
     async def scenario():
         async with ServerPool([a.url, b.url], config=fast()) as pool:
-            assert await pool.update_weights(model_dirs.b, 1) == ["gen_server1"]
+            assert await update_servers(pool, DISK, model_dirs.b, 1) == ["gen_server1"]
             again = await asyncio.to_thread(start, model_dirs.a, port=port)  # restarted on its start weights
             await async_wait_until(lambda: pool.down() == [], "the restarted server to be taken back")
             async with GenerationClient(again.url) as direct:
@@ -383,7 +389,7 @@ def test_a_server_that_cannot_load_the_missed_weights_stays_down_naming_why(star
 
     async def scenario():
         async with ServerPool([a.url, b.url], config=fast()) as pool:
-            await pool.update_weights(str(version_1), 1)
+            await update_servers(pool, DISK, str(version_1), 1)
             shutil.rmtree(version_1)  # gone by the time the server returns
             again = await asyncio.to_thread(start, model_dirs.a, port=port)
             await async_wait_until(lambda: "on its return" in pool.servers[1].last_error, "the failed catch-up")

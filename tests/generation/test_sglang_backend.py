@@ -89,7 +89,7 @@ def test_extra_args_of_unmapped_flags_are_accepted():
     assert generation_problems(gen, 1) == []
 
 
-@pytest.mark.parametrize("key,value", [("mem_fraction_static", 0.5), ("dtype", "bfloat16"),
+@pytest.mark.parametrize("key,value", [("attention_backend", "fa3"), ("chunked_prefill_size", 4096),
                                        ("disable_radix_cache", True), ("extra_args", ["--log-level", "debug"])])
 def test_sglang_settings_need_the_sglang_backend(key, value):
     problems = generation_problems(GenerationConfig(**{key: value}), 1)
@@ -97,8 +97,9 @@ def test_sglang_settings_need_the_sglang_backend(key, value):
                         "(the backend is 'embedded')"]
 
 
-def test_embedded_backend_takes_tp_size_max_batch_size_and_max_total_tokens():
-    gen = GenerationConfig(tp_size=2, max_batch_size=16, max_total_tokens=4096, host="0.0.0.0")
+def test_embedded_backend_takes_tp_size_batch_and_memory_settings_and_dtype():
+    gen = GenerationConfig(tp_size=2, max_batch_size=16, max_total_tokens=4096, host="0.0.0.0",
+                           mem_fraction_static=0.5, dtype="bfloat16")
     assert generation_problems(gen, 2) == []
 
 
@@ -137,8 +138,22 @@ def test_the_embedded_server_command_maps_the_budget_keys_and_labels_version_0()
     assert argv[:3] == [sys.executable, "-m", "areal_flow.generation.server"] and env == {}
     assert pairs["--max-batch-size"] == "16" and pairs["--max-total-tokens"] == "4096"
     assert pairs["--num-threads"] == "2" and pairs["--seed"] == "6" and pairs["--weight-version"] == "0"
+    assert pairs["--device"] == "cpu" and pairs["--dtype"] == "auto"
     bare, _ = server_command(RunConfig(), Proc("gen_server0", "gen_server", (0,)), "/m", 31000)
     assert "--max-total-tokens" not in bare and "--max-batch-size" not in bare
+
+
+def test_the_embedded_server_command_on_cuda_takes_the_device_dtype_and_memory_share():
+    from areal_flow.config.schema import ClusterConfig
+    from areal_flow.graph.placement import Proc
+    from areal_flow.launch import server_command
+
+    cfg = RunConfig(cluster=ClusterConfig(device_type="cuda"),
+                    generation=GenerationConfig(dtype="bfloat16", mem_fraction_static=0.4))
+    argv, _ = server_command(cfg, Proc("gen_server0", "gen_server", (3,), local_devices=(3,)), "/m", 31000)
+    pairs = dict(zip(argv[3:], argv[4:]))
+    assert pairs["--device"] == "cuda" and pairs["--dtype"] == "bfloat16" and pairs["--mem-fraction-static"] == "0.4"
+    assert "--num-threads" not in argv  # its threads feed the GPU; the launcher gives it GPU 3 alone
 
 
 def test_a_secured_run_gives_each_server_the_hosts_address_and_its_key_off_the_embedded_command_line():

@@ -20,8 +20,8 @@ from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.engine import load_checkpoint
 from areal_flow.runtime.spec import free_ports
 from areal_flow.training.engine import bucketed
-from areal_flow.training.weight_sender import Server, WeightSender, WeightTransferError
-from areal_flow.transport import weight_group
+from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
+from areal_flow.weights import group as weight_group
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [2, 7, 3, 9]
@@ -128,7 +128,8 @@ def test_requests_that_cannot_be_received_are_refused_naming_the_field(servers, 
     url = servers[0]
     init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
     cases = [
-        ("/init_weights_update_group", init, "backend 'nccl' needs CUDA"),  # SGLang's default backend
+        # SGLang's default backend
+        ("/init_weights_update_group", init, "backend 'nccl' needs the engine on CUDA, and this server runs on cpu"),
         ("/init_weights_update_group", init | {"backend": "gloo", "rank_offset": 0}, "rank 0 is the trainer's"),
         ("/init_weights_update_group", init | {"backend": "gloo", "group_name": weight_group.DEFAULT_GROUP},
          "exists already"),

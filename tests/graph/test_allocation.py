@@ -35,7 +35,9 @@ def test_backends_are_optional_and_sizes_come_in_any_order(text, gen, train, eng
     ("sglang:d4 + megatron:d4d2", "'d' is given twice in one part", 24),
     ("sglang:d0 + megatron:d4", "d0: a size must be at least 1", 9),
     ("sglang:d4p2 + megatron:d4", "generation has no pipeline parallel", 10),
-    ("sglang:d4 | megatron:d4", "'|' puts parts on shared devices", 11),
+    ("sglang:d4 | megatron:d4 + torch:d2", "'|' colocates the two parts of an allocation", 11),
+    ("sglang:d4 | megatron:d2", "parts joined by '|' share their devices, so their sizes must match: generation "
+                                "has 4, training 2", 13),
     ("sglang:d4", "1 part(s); an allocation has two", 10),
     ("sglang:d4 + megatron:d4 + torch:d2", "3 part(s)", 27),
     ("megatron:d4 + sglang:d4", "'megatron' is a training backend", 1),
@@ -79,3 +81,15 @@ def test_applied_to_a_config_it_places_the_generate_and_batch_nodes():
     raw.generation.backend = "embedded"
     apply_allocation(raw, parse_allocation("d1 + d1"))
     assert raw.generation.backend == "embedded" and raw.graph.train.engine == "megatron" and raw.graph.train.mesh == "1"
+
+
+def test_a_colocated_allocation_puts_training_on_generations_devices():
+    alloc = parse_allocation("embedded:d1 | fsdp:d1")
+    assert alloc.colocated and alloc.n_devices == 1
+    assert alloc.generation_mesh == alloc.training_mesh == (0,)
+    assert str(alloc) == "embedded:d1t1 | fsdp:d1p1t1"
+    eight = parse_allocation("sglang:d4t2 | megatron:d2t4")
+    assert eight.training_mesh == tuple(range(8)) and eight.n_devices == 8
+    assert allocation_problems(eight, n_nodes=1, per_node=8) == []
+    assert "needs 8 devices, the cluster has 1 node(s) × 4 = 4" in allocation_problems(eight, n_nodes=1,
+                                                                                        per_node=4)[0]

@@ -117,3 +117,43 @@ def test_children_die_with_the_launcher_process(tmp_path):
     while alive(child_pid) and time.time() < deadline:
         time.sleep(0.05)
     assert not alive(child_pid)
+
+
+def placed(n_nodes: int, n_devices: int, allocation: str):
+    """The placement `python -m areal_flow.launch` makes of the default recipe under `allocation` on cuda."""
+    from hydra import compose, initialize_config_dir
+
+    from areal_flow.graph import graph_from_config, place
+    from areal_flow.graph.allocation import apply_allocation, parse_allocation
+    from areal_flow.launch import CONF_DIR
+    from areal_flow.runtime.spec import typed
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        raw = compose("config", overrides=[f"cluster.n_nodes={n_nodes}", f"cluster.n_devices={n_devices}",
+                                           "cluster.device_type=cuda", f"allocation={allocation}",
+                                           "output_dir=/tmp/unused"])
+    apply_allocation(raw, parse_allocation(allocation))
+    cfg = typed(raw)
+    return place(graph_from_config(cfg), cfg.rollout.workers, cfg.generation.tp_size, n_devices)
+
+
+@pytest.mark.parametrize("n_nodes,n_devices,allocation,expected", [
+    # One GPU shared (colocated): the server and the trainer rank both see GPU 0.
+    (1, 1, "embedded:d1 | torch:d1", {"gen_server0": "0", "trainer0": "0"}),
+    # 8 GPUs split: four servers of one GPU, then four trainer ranks of one GPU each.
+    (1, 8, "embedded:d4 + torch:d4", {"gen_server0": "0", "gen_server3": "3", "trainer0": "4", "trainer3": "7"}),
+    # 2 nodes of 4: the trainer ranks on node 1 see that node's GPUs, numbered from 0 there.
+    (2, 4, "sglang:d2t2 + torch:d4", {"gen_server0": "0,1", "gen_server1": "2,3", "trainer0": "0", "trainer3": "3"}),
+])
+def test_each_gpu_process_sees_exactly_its_meshs_gpus_numbered_on_its_node(tmp_path, n_nodes, n_devices, allocation,
+                                                                           expected):
+    procs = {p.name: p for p in placed(n_nodes, n_devices, allocation).procs}
+    launcher = LocalLauncher(str(tmp_path), device_type="cuda", stop_timeout=2)
+    for name in [*expected, "controller"]:
+        launcher.start(procs[name], py("import os; print('seen:', os.environ.get('CUDA_VISIBLE_DEVICES'))"))
+    for child in launcher.children.values():
+        assert child.popen.wait(timeout=30) == 0
+    for name, devices in {**expected, "controller": "None"}.items():  # a light process gets no GPU
+        assert (tmp_path / "logs" / f"{name}.log").read_text().strip() == f"seen: {devices}"
+    if n_nodes > 1:
+        assert procs["trainer0"].node == 1 and procs["gen_server0"].node == 0

@@ -157,3 +157,29 @@ def test_two_processes_racing_agree_on_one_directory(tmp_path):
     entries = [e for e in os.listdir(tmp_path) if not e.endswith(".lock")]
     assert entries == [os.path.basename(outs[0])]
     assert set(REQUIRED_FILES) <= set(os.listdir(outs[0]))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _fail() -> None:
+    raise SystemExit(3)
+
+
+def test_a_gpu_bootstrap_runs_in_a_child_process_and_its_failure_is_reported(tmp_path):
+    """On cuda the launcher trains the bootstrap in a spawned child, so that the launcher, which lives
+    as long as the run, holds no GPU memory. The same helper runs here on the CPU."""
+    bootstrap._in_child(_write, str(tmp_path / "out"), "trained")
+    assert (tmp_path / "out").read_text() == "trained"
+    with pytest.raises(RuntimeError, match="the bootstrap's training process exited with code 3"):
+        bootstrap._in_child(_fail)
+
+
+@pytest.mark.gpu
+def test_the_bootstrap_trains_on_the_gpu_and_its_model_loads_on_the_cpu(tmp_path):
+    model_dir = ensure_base_model(str(tmp_path), **SHORT, device="cuda")
+    losses = json.loads(open(os.path.join(model_dir, bootstrap.INFO_FILE)).read())["losses"]
+    assert sum(losses[-5:]) < 0.75 * sum(losses[:5])
+    assert AutoModelForCausalLM.from_pretrained(model_dir).lm_head.weight.device.type == "cpu"

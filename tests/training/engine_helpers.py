@@ -109,19 +109,22 @@ def tiny_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
-def _rank_main(rank, world, port, fn, args):
+def _rank_main(rank, world, port, fn, args, backend="gloo"):
     faulthandler.enable()  # a native crash in a rank prints its stacks into the test's output
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120) -> None:
-    """fn(rank, *args) in `world` spawned processes joined in one gloo group; each must exit 0.
+def run_ranks(fn, world: int, *args, timeout: float = 120, backend: str = "gloo") -> None:
+    """fn(rank, *args) in `world` spawned processes joined in one `backend` group (gloo; with
+    "cpu:gloo,cuda:nccl", rank r on GPU r); each must exit 0.
 
     A rank killed by a signal of its own (a crash in native code: faulthandler has printed its
     stacks) runs the whole group once more. torch 2.13's CPU collectives under FSDP2 corrupt the
@@ -129,7 +132,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> None:
     a gloo all-gather's wait; docs/architecture.md, "Training engines"), which a long test meets now
     and then. A failed assertion (exit 1) or a hang fails at once."""
     for attempt in (1, 2):
-        codes, hung = _run_group(fn, world, args, timeout)
+        codes, hung = _run_group(fn, world, args, timeout, backend)
         crashed = not hung and any(c is not None and c < 0 for c in codes)
         if not crashed or attempt == 2:
             break
@@ -138,10 +141,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120) -> None:
     assert codes == [0] * world, f"exit codes {codes}" + (" (a rank hung and was killed)" if hung else "")
 
 
-def _run_group(fn, world, args, timeout) -> tuple[list[int | None], bool]:
+def _run_group(fn, world, args, timeout, backend="gloo") -> tuple[list[int | None], bool]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -295,3 +295,30 @@ def test_the_engine_refuses_a_model_or_layout_it_would_get_wrong(tmp_path):
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=18)).save_pretrained(gpt2)
     with pytest.raises(ValueError, match=r"gpt2/config.json: model_type 'gpt2' is not supported by the megatron engine"):
         MegatronEngine(str(gpt2))
+
+
+def _on_cuda_rank(rank, model_dir, out_dir):
+    """fp32 on the GPU agrees with Hugging Face on the CPU; bf16 with fp32 master weights stays near
+    it and trains."""
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    seqs = make_seqs(0, 8, 8, 12)
+    reference = reference_logprobs(transformers.AutoModelForCausalLM.from_pretrained(model_dir), seqs, TEMPERATURE)
+    fp32 = MegatronEngine(model_dir, micro_batch_tokens=MBT, temperature=TEMPERATURE, device="cuda")
+    assert_all_close(fp32.logprobs(seqs), reference, atol=1e-4)
+    bf16 = MegatronEngine(model_dir, micro_batch_tokens=MBT, temperature=TEMPERATURE, device="cuda", bf16=True,
+                          **EXACT)
+    assert_all_close(bf16.logprobs(seqs), reference, atol=0.05)
+    data = make_token_data(seqs, 0)
+    losses = [bf16.train_step(seqs, data, ppo_loss_fn)["loss"] for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(t.dtype == torch.float32 for t in full_weights(bf16).values())
+    open(os.path.join(out_dir, "cuda.ok"), "w").close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_agrees_with_the_cpu_reference_and_trains_in_bf16(tmp_path):
+    model_dir = save_tiny_qwen2(tmp_path / "m")
+    run_ranks(_on_cuda_rank, 1, model_dir, str(tmp_path), backend="cpu:gloo,cuda:nccl")
+    assert (tmp_path / "cuda.ok").exists()

@@ -4,7 +4,7 @@ import pytest
 from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
 from areal_flow.graph import build_graph
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY
-from areal_flow.training.worker import group_servers, minibatches, optim_spec, ppo_inputs, prox_source
+from areal_flow.training.worker import minibatches, optim_spec, ppo_inputs, prox_source
 from areal_flow.transport.messages import Array, Finish, Sample
 
 NODES = {
@@ -82,21 +82,6 @@ def test_minibatches_split_by_whole_groups_and_repeat_per_epoch():
 def test_the_lr_schedule_spans_every_optimizer_step_of_the_run():
     cfg = RunConfig(total_steps=10, algorithm=algo(n_minibatches=2, ppo_epochs=3, lr_schedule="linear"))
     assert optim_spec(cfg).decay_steps == 60
-
-
-def test_the_weights_group_gives_a_real_sglang_server_one_rank_per_tp_rank():
-    """SGLang's TP ranks each join the group (rank_offset + tp_rank); the embedded engine, whose
-    tp_size is its torch threads, is one rank. Offsets follow from that."""
-    from areal_flow.config.schema import GenerationConfig
-    from areal_flow.training.weight_sender import WeightSender
-
-    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    for backend, ranks, offsets, world in (("sglang", 2, [1, 3], 5), ("embedded", 1, [1, 2], 3)):
-        servers = group_servers(RunConfig(generation=GenerationConfig(backend=backend, tp_size=2)), urls)
-        assert [(s.name, s.url, s.ranks) for s in servers] == [("gen_server0", urls[0], ranks),
-                                                                ("gen_server1", urls[1], ranks)]
-        sender = WeightSender(servers)
-        assert (sender.rank_offsets, sender.world_size) == (offsets, world)
 
 
 def with_versions(s: Sample, version: int) -> Sample:
@@ -188,13 +173,3 @@ def test_batch_normalised_advantages_agree_across_ranks():
     assert joined and empty["advantages"] == []
 
 
-def test_published_weights_are_pruned_to_the_last_two_and_every_kept_version(tmp_path):
-    from areal_flow.training.worker import _prune_weights
-
-    for v in range(1, 13):
-        (tmp_path / f"v{v}").mkdir()
-    (tmp_path / "notes").mkdir()  # not a version: left alone
-    _prune_weights(str(tmp_path), keep=12, every=5)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v10", "v11", "v12", "v5"]
-    _prune_weights(str(tmp_path), keep=12)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v11", "v12"]

@@ -1,4 +1,4 @@
-"""Trainer rank 0's end of the weights group (`rollout.weight_update_mode: distributed`).
+"""Trainer rank 0's end of the weights group (`rollout.weight_update_mode: distributed`; broadcast.py).
 
 Once, the sender makes the group: it opens the rendezvous store, asks every generation server to
 join (`POST /init_weights_update_group`, all at once) and joins itself as rank 0. Then for each new
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from areal_flow.transport import weight_group
+from areal_flow.weights import group as weight_group
 
 log = logging.getLogger("areal_flow.weights")
 
@@ -124,8 +124,6 @@ class WeightSender:
         weight_version; None keeps it). Every bucket is taken from `buckets` even after a failure:
         the engine's export is a collective under FSDP and megatron, which the other trainer ranks
         run to the end too. Raises WeightTransferError naming the server and the bucket."""
-        t0 = time.perf_counter()
-        n_buckets = n_tensors = n_bytes = 0
         error: WeightTransferError | None = None
         try:
             if self.broken:
@@ -133,20 +131,8 @@ class WeightSender:
             self.connect()
         except (WeightTransferError, weight_group.WeightGroupError) as exc:
             error = exc if isinstance(exc, WeightTransferError) else WeightTransferError(str(exc))
-        for bucket in buckets:
-            if error is not None:
-                continue
-            try:
-                self.send_bucket(bucket, version, abort_all_requests=abort_all_requests, flush_cache=flush_cache,
-                                 index=n_buckets)
-            except WeightTransferError as exc:
-                error = exc
-            n_buckets += 1
-            n_tensors += len(bucket)
-            n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if error is not None:
-            raise error
-        return TransferReport(version, n_buckets, n_tensors, n_bytes, time.perf_counter() - t0)
+        return send_all(buckets, version, lambda bucket, index: self.send_bucket(
+            bucket, version, abort_all_requests=abort_all_requests, flush_cache=flush_cache, index=index), error)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], version: int | str | None, *,
                     abort_all_requests: bool = False, flush_cache: bool = True, index: int = 0) -> None:
@@ -202,14 +188,40 @@ class WeightSender:
         return mine.result()
 
     def _post(self, server: Server, path: str, body: dict) -> dict:
-        """POST a JSON body; the decoded answer, or _Refused carrying the server's message."""
-        request = urllib.request.Request(server.url.rstrip("/") + path, data=json.dumps(body).encode(),
-                                         headers=self.headers, method="POST")
+        return post(server.url, path, body, self.headers, self.timeout)
+
+
+def send_all(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int | str | None,
+             send_bucket: Callable[[Sequence[tuple[str, torch.Tensor]], int], None],
+             error: WeightTransferError | None = None) -> TransferReport:
+    """send_bucket(bucket, index) for each bucket until one raises WeightTransferError (or `error`
+    is given: a failure before the first); every bucket is taken from `buckets` either way, since
+    the engine's export is a collective the other trainer ranks run to the end. Raises the error."""
+    t0, n_buckets, n_tensors, n_bytes = time.perf_counter(), 0, 0, 0
+    for bucket in buckets:
+        if error is not None:
+            continue
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
-                return json.loads(answer.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raise _Refused(path, exc.code, exc.read()) from None
+            send_bucket(bucket, n_buckets)
+        except WeightTransferError as exc:
+            error = exc
+        n_buckets += 1
+        n_tensors += len(bucket)
+        n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    if error is not None:
+        raise error
+    return TransferReport(version, n_buckets, n_tensors, n_bytes, time.perf_counter() - t0)
+
+
+def post(url: str, path: str, body: dict, headers: dict[str, str], timeout: float) -> dict:
+    """POST a JSON body to a server; the decoded answer, or _Refused carrying the server's message."""
+    request = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raise _Refused(path, exc.code, exc.read()) from None
 
 
 class _Refused(Exception):

@@ -1,0 +1,58 @@
+"""Weights as files: each version a Hugging Face directory that every server loads
+(`/update_weights_from_disk`), on disk in the run directory or in shared memory (/dev/shm: RAM,
+one host). Trainer rank 0 writes the directory right after the step, so the servers can load it
+while the next step trains."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
+
+if TYPE_CHECKING:
+    from areal_flow.generation.client import GenerationClient
+    from areal_flow.generation.router import Server, ServerPool
+    from areal_flow.training.engine import Engine
+
+
+class FileChannel(WeightChannel):
+    """Versions as `root/v{N}`; the last two are kept (and every `keep_every`-th, when set)."""
+
+    sent_by_trainers = False
+    every_server = False
+
+    def __init__(self, name: str, root: str, keep_every: int = 0) -> None:
+        self.name, self.root, self.keep_every = name, root, keep_every  # type: ignore[misc]
+
+    def after_step(self, engine: Engine, version: int, rank: int) -> str:
+        path = os.path.join(self.root, f"v{version}")
+        engine.save_weights(path)  # every rank takes part; rank 0 writes
+        if rank == 0:
+            prune(self.root, keep=version, every=self.keep_every)
+        return path
+
+    async def deliver(self, pool: ServerPool, servers: list[Server], location: str, version: int,
+                      flags: UpdateFlags, trainers: SendByTrainers) -> list[str]:
+        _, refusals = await pool.call_each("load the weights", servers, lambda c: c.update_weights_from_disk(
+            location, version, abort_all_requests=flags.abort_all_requests, flush_cache=not flags.keep_cache))
+        return refusals
+
+    def reload(self, location: str, version: int) -> Callable[[GenerationClient], Awaitable[Any]]:
+        # Requests another pool routed to it meanwhile come back aborted, for resubmission.
+        return lambda client: client.update_weights_from_disk(location, version, abort_all_requests=True)
+
+    def source(self, location: str) -> str:
+        return f"from {location}"
+
+
+def prune(root: str, keep: int, every: int = 0) -> None:
+    """Old versions are no longer read once the next one is loaded: keep the last two, and every
+    `every`-th version when asked (rollout.keep_weights_every)."""
+    for name in os.listdir(root):
+        if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < keep - 1:
+            if every and int(name[1:]) % every == 0:
+                continue
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
