@@ -2,7 +2,8 @@
 
     python -m areal_flow.advise --preset areal_1.5b
     python -m areal_flow.advise --from-run outputs/tiny_arith/RUN --splits 1:1 --etas 0 1 4
-    python -m areal_flow.advise --costs my_costs.yaml --devices 64 --splits 3:1 1:1 --etas 0 2 8 --colocated
+    python -m areal_flow.advise --costs my_costs.yaml --devices 64 --splits 3:1 1:1 --etas 0 2 8 --no-colocated
+    python -m areal_flow.advise --costs my_costs.yaml --devices 1 --etas 0 1 2   # one device: colocated only
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-concurrent", type=_positive, help="most groups generating at once (rollout.max_concurrent)")
     ap.add_argument("--interrupt", nargs="+", type=_bool, metavar="BOOL",
                     help="rollout.interrupt: true, false, or both to compare")
-    ap.add_argument("--colocated", action="store_true", default=None,
-                    help="also simulate the synchronous colocated baseline (η = 0, every device generates then trains)")
+    ap.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=None,
+                    help="also simulate generation and training colocated on all the devices, taking turns, at each η "
+                         "(the default; --no-colocated: the splits alone)")
     ap.add_argument("--lengths-file", metavar="FILE", help="answer lengths, a JSON list or one per line")
     ap.add_argument("--steps", type=_positive, default=20, help="train steps measured per candidate (after η + 2 of warm-up)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draws")
@@ -107,10 +109,10 @@ def inputs(args: argparse.Namespace) -> tuple[Costs, Candidates, list[str], tupl
     else:
         raise AdviseError("give the costs: --costs FILE, --preset NAME or --from-run RUN_DIR (docs/advise.md)")
     notes: list[str] = []
-    run_split = None
+    run_split, run_colocated = None, False
     if args.from_run:
         fitted = fit_runs(args.from_run, costs)
-        costs, notes, run_split = fitted.costs, fitted.notes, fitted.split
+        costs, notes, run_split, run_colocated = fitted.costs, fitted.notes, fitted.split, fitted.colocated
     work = costs.workload
     work = replace(work, batch_size=args.batch or work.batch_size, group_size=args.group_size or work.group_size,
                    max_concurrent=args.max_concurrent or work.max_concurrent)
@@ -120,17 +122,23 @@ def inputs(args: argparse.Namespace) -> tuple[Costs, Candidates, list[str], tupl
     if args.splits:
         cands = replace(cands, splits=tuple(parse_split(s) for s in args.splits))
     elif run_split and not args.devices:  # the run's own allocation, in devices
-        cands = replace(cands, splits=(run_split,), devices=None)
+        cands = replace(cands, splits=(), devices=run_split[0]) if run_colocated else \
+            replace(cands, splits=(run_split,), devices=None)
     cands = replace(cands, etas=tuple(args.etas) if args.etas else cands.etas, devices=args.devices or cands.devices,
                     colocated=cands.colocated if args.colocated is None else args.colocated)
     return replace(costs, workload=work, lengths=lengths), cands, notes, run_split
 
 
 def candidates(cands: Candidates, interrupts: list[bool]) -> list[Candidate]:
-    """Every split × η × interrupt setting, then the colocated baselines (one per device count)."""
+    """Every split × η × interrupt setting, then colocated on all the devices of each device count
+    × η (interrupting: colocation retracts the running answers at each train step). One device
+    cannot be split: colocated is its only candidate."""
     out: list[Candidate] = []
-    totals: list[int] = []
-    for gen, train in cands.splits:
+    totals: list[int] = [cands.devices] if cands.devices else []
+    if cands.devices == 1 and not cands.colocated:
+        raise AdviseError("--devices 1: one device cannot be split between generation and training; colocated is "
+                          "the only candidate there (drop --no-colocated, or colocated: false in the cost file)")
+    for gen, train in cands.splits if cands.devices != 1 else ():
         if cands.devices:
             if cands.devices % (gen + train):
                 raise AdviseError(f"--splits: {gen}:{train} does not divide --devices {cands.devices} "
@@ -139,7 +147,10 @@ def candidates(cands: Candidates, interrupts: list[bool]) -> list[Candidate]:
         totals.append(gen + train)
         out += [Candidate(gen, train, eta, interrupt) for eta in cands.etas for interrupt in interrupts]
     if cands.colocated:
-        out += [Candidate(total, total, 0, interrupts[0], colocated=True) for total in dict.fromkeys(totals)]
+        out += [Candidate(total, total, eta, True, colocated=True) for total in dict.fromkeys(totals)
+                for eta in cands.etas]
+    if not out:
+        raise AdviseError("no candidate: give --splits, or --devices N for colocated on N devices")
     return out
 
 
@@ -164,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     best = recommend(preds, args.tie)
     console.print(predictions_table(preds, best))
     c = best.candidate
-    where = ("colocated, synchronous" if c.colocated else
-             f"{c.gen_devices} generation and {c.train_devices} training devices, η = {c.eta}, "
+    where = (f"colocated on all {c.gen_devices} device(s) (generation and training taking turns), η = {c.eta}"
+             if c.colocated else f"{c.gen_devices} generation and {c.train_devices} training devices, η = {c.eta}, "
              f"interrupt {'on' if c.interrupt else 'off'}")
     console.print(f"[bold]recommended:[/bold] {where}: {best.samples_per_s:.4g} trained samples/s, "
                   f"realised staleness {best.staleness_mean:.2f} on average (max {best.staleness_max})", highlight=False)

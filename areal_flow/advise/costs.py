@@ -37,6 +37,9 @@ class GenCosts:
     """p0: seconds of one prefill whatever its tokens (a forward's fixed overhead)."""
     max_running: int | None = None
     """most answers a server decodes at once (its KV memory); the rest wait in its queue; null = no limit."""
+    join_group: int = 1
+    """while answers run, queued ones join only once at least min(join_group, queued) of them have
+    room (each join costs a prefill; the embedded engine: its max batch // 8); 1 = as soon as one can."""
     shared_slowdown: float = 0.0
     """fraction a decode step or prefill costs more while the trainer trains: generation and training
     on one machine share its caches and memory bandwidth (CPU cores); 0 on separate accelerators."""
@@ -76,10 +79,12 @@ class UpdateCosts:
     interrupt_pause_s: float | None = None
     """an interrupting update's pause (abort the running answers, load, continue); None: pause_s."""
     trainer_waits: bool = False
-    """the trainer waits for each update before its next step (areal_flow's weights by broadcast);
-    false: it trains the next step while the servers load (disk and shm weights)."""
+    """the trainer waits for each update before its next step (areal_flow's weights by broadcast or
+    CUDA IPC: the trainer sends them); false: it trains the next step while the servers load (disk
+    and shm weights)."""
     colocated_switch_s: float = 0.0
-    """colocated (synchronous) mode: extra seconds per step to swap generation and training state on the devices."""
+    """colocated: extra seconds per step to hand the devices over and back (the servers free their
+    KV cache for the train step and take it back, the trainer empties its allocator), beyond the load."""
 
 
 @dataclass(frozen=True)
@@ -267,13 +272,15 @@ class Candidates:
     """values of η (rollout.max_staleness)."""
     devices: int | None = None
     """total devices: the splits are ratios of it."""
-    colocated: bool = False
-    """also simulate the synchronous colocated baseline (η = 0, every device generates then trains)."""
+    colocated: bool = True
+    """also simulate generation and training colocated on all the devices, taking turns, at each η
+    (docs/colocation.md); the only candidate on one device."""
 
 
 _SECTIONS = {"generation": GenCosts, "training": TrainCosts, "weights": UpdateCosts, "workload": Workload,
              "latency": Latency}
-_POSITIVE = {"batch_size", "group_size", "devices_per_server", "max_running", "max_concurrent", "dp_efficiency"}
+_POSITIVE = {"batch_size", "group_size", "devices_per_server", "max_running", "max_concurrent", "dp_efficiency",
+             "join_group"}
 
 
 def _number(where: str, value: Any, kind: type, *, positive: bool = False, nullable: bool = False) -> Any:

@@ -17,6 +17,8 @@ What a step row gives and what is fitted from it:
 | filtered_fraction | `filtered_groups` over those and the groups trained |
 | lengths, with filtering | mean: the generated tokens (`gen_tokens_per_second`·`step_seconds`) over the answers of the groups trained and filtered |
 | latency (admission to request, last answer to controller) | `ledger.jsonl`: the mean over groups of `requested` − the `admit` event's time, and of the `finish`/`filter` event's time − `generated` |
+| join_group | the embedded engine joins a long queue into a running batch max_batch_size // 8 at a time (config.yaml); 1 for SGLang |
+| colocated | the generate node's mesh equals the train node's (config.yaml): such a run counts as synchronous for sharing (the two take turns), and its train_seconds hold the release and resume, so colocated_switch_s = 0 |
 | lengths, from `ledger.jsonl` | every finished and filtered group's answer lengths (`lengths` of its `finish` or `filter` event): the simulation draws recorded groups whole, a filtered one from the filtered (first before the two rows above) |
 
 Without the engine's compute counts (SGLang's servers), n is the running count the controller logs
@@ -64,12 +66,20 @@ class RunFacts:
     servers: int
     train_devices: int
     max_running: int | None
+    join_group: int  # queued answers join a running batch only this many at once (the embedded engine's rule)
     ppo_epochs: int
     trainer_waits: bool  # weights by broadcast: the trainer sends them, so it waits for each update
+    colocated: bool = False  # generation and training on the same devices, taking turns (docs/colocation.md)
     groups: tuple[tuple[int, ...], ...] = ()  # answer lengths of each group finished for training (ledger.jsonl)
     filtered_groups: tuple[tuple[int, ...], ...] = ()  # those of each group dynamic filtering dropped
     admit_s: tuple[float, ...] = ()  # per scored group: seconds from its admission to its request
     deliver_s: tuple[float, ...] = ()  # per scored group: seconds from its last answer to the controller
+
+    @property
+    def overlaps(self) -> bool:
+        """Generation and training run at the same time (η > 0 on devices of their own); at η = 0,
+        or colocated, they take turns."""
+        return self.eta > 0 and not self.colocated
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class Fitted:
     notes: list[str]
     split: tuple[int, int]
     eta: int
+    colocated: bool = False
+    """the run's generation and training shared their devices (split: all of them, twice)."""
 
 
 def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
@@ -112,8 +124,10 @@ def read_run(path: str | Path) -> RunFacts:
     nodes = _get(cfg, "graph", {}) or {}
     gen_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "generate"), None)
     train_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "train"), None)
-    gen_devices = len(parse_mesh(gen_mesh, "generate")[0] or (0,)) if gen_mesh is not None else 1
-    train_devices = len(parse_mesh(train_mesh, "train")[0] or (0,)) if train_mesh is not None else 1
+    gen_placed = parse_mesh(gen_mesh, "generate")[0] if gen_mesh is not None else None
+    train_placed = parse_mesh(train_mesh, "train")[0] if train_mesh is not None else None
+    gen_devices = len(gen_placed or (0,)) if gen_mesh is not None else 1
+    train_devices = len(train_placed or (0,)) if train_mesh is not None else 1
     tp = int(_get(cfg, "generation.tp_size", 1) or 1)
     backend = _get(cfg, "generation.backend", "embedded")
     max_batch = _get(cfg, "generation.max_batch_size")
@@ -127,8 +141,10 @@ def read_run(path: str | Path) -> RunFacts:
         max_concurrent=_get(cfg, "rollout.max_concurrent"),
         gen_devices=gen_devices, servers=max(1, gen_devices // tp), train_devices=train_devices,
         max_running=max_batch if max_batch is not None else (EMBEDDED_MAX_BATCH if backend == "embedded" else None),
+        join_group=max(1, (max_batch or EMBEDDED_MAX_BATCH) // 8) if backend == "embedded" else 1,
         ppo_epochs=int(_get(cfg, "algorithm.ppo_epochs", 1) or 1),
-        trainer_waits=_get(cfg, "rollout.weight_update_mode", "disk") == "distributed",
+        trainer_waits=_get(cfg, "rollout.weight_update_mode", "disk") in ("distributed", "ipc"),  # the trainer sends
+        colocated=bool(gen_placed) and gen_placed == train_placed,  # Graph.colocated's rule
         **_read_ledger(path / "ledger.jsonl"),
     )
 
@@ -239,7 +255,14 @@ def _update(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any:
             notes.append("weights: no run waits for its answers; w = the interrupting pause")
     if not waiting and not interrupting:
         notes.append(f"weights: no update_seconds; w = {w:g} s from the cost file")
-    return replace(base.update, pause_s=w, interrupt_pause_s=w_interrupt, trainer_waits=runs[0].trainer_waits)
+    switch = base.update.colocated_switch_s
+    if any(r.colocated for r in runs):
+        # The controller times a colocated step's train_seconds from the servers' release to their resume.
+        switch = 0.0
+        notes.append("weights: colocated_switch_s = 0: a colocated run's train_seconds include the servers freeing "
+                     "their memory and taking it back, so c holds that")
+    return replace(base.update, pause_s=w, interrupt_pause_s=w_interrupt, trainer_waits=runs[0].trainer_waits,
+                   colocated_switch_s=switch)
 
 
 def _counted_generation(runs: list[RunFacts], base: Costs, notes: list[str]) -> Any | None:
@@ -357,7 +380,8 @@ def _generation(runs: list[RunFacts], base: Costs, prompt: float, mean_len: floa
     not interrupt (an interrupting run's busy time includes re-prefills), then p from the
     interrupting runs' busy time beyond them."""
     first = runs[0]
-    placement = {"max_running": first.max_running, "devices_per_server": max(1, first.gen_devices // first.servers)}
+    placement = {"max_running": first.max_running, "join_group": first.join_group,
+                 "devices_per_server": max(1, first.gen_devices // first.servers)}
     if (counted := _counted_generation(runs, base, notes)) is not None:
         return replace(counted, **placement)
     def points(rs: list[RunFacts]) -> list[tuple[float, float, float, RunFacts, dict]]:
@@ -481,17 +505,18 @@ def _latency(runs: list[RunFacts], base: Costs, notes: list[str]) -> Latency:
 
 
 def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) -> Costs:
-    """With synchronous runs (η = 0: generation and training take turns) besides asynchronous
-    ones (they overlap): each side's costs alone from the synchronous runs, and how much more it
-    costs in the asynchronous ones (`shared_slowdown`). On one machine the two share caches and
-    memory bandwidth, and the light processes take turns with both; on separate accelerators the
-    slowdowns come out about 0."""
-    alone, shared = [r for r in runs if r.eta == 0], [r for r in runs if r.eta > 0]
+    """With synchronous or colocated runs (η = 0, or one set of devices: generation and training
+    take turns) besides asynchronous ones (they overlap): each side's costs alone from the former,
+    and how much more it costs in the asynchronous ones (`shared_slowdown`). On one machine the two
+    share caches and memory bandwidth, and the light processes take turns with both; on separate
+    accelerators the slowdowns come out about 0."""
+    shared = [r for r in runs if r.overlaps]
+    alone = [r for r in runs if not r.overlaps]
     quiet: list[str] = []
     gen = _counted_generation(alone, base, quiet) if alone and shared else None
     if gen is None:
-        notes.append("sharing: no synchronous run besides asynchronous ones (with the servers' compute counts); "
-                     "the costs hold what sharing the machine costs, and shared_slowdown is 0")
+        notes.append("sharing: no synchronous or colocated run besides asynchronous ones (with the servers' compute "
+                     "counts); the costs hold what sharing the machine costs, and shared_slowdown is 0")
         return costs
     train = _train(alone, base, quiet)
     # Each side is slowed only while the other works, as the simulation applies it: a step row's
@@ -502,7 +527,8 @@ def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) 
     extra = sum(s["gen/decode_seconds"] - _decode_alone_seconds(gen, s) for s, _ in decode)
     gen_slowdown = max(0.0, extra / over) if over else 0.0
     # Prefill: p0, p from every run, each shared run's prefill seconds taken back to what they cost alone.
-    prefills = [(s, 1 + gen_slowdown * _overlap(s) * (r.eta > 0)) for r in runs for s in r.steps if s.get("gen/prefills")]
+    prefills = [(s, 1 + gen_slowdown * _overlap(s) * r.overlaps) for r in runs for s in r.steps
+                if s.get("gen/prefills")]
     p0, p = gen.prefill_fixed_s, gen.prefill_per_token_s
     if prefills:
         p0, p, _ = _prefill_least_squares(prefills, gen.step_fixed_s)
@@ -512,7 +538,7 @@ def _sharing(runs: list[RunFacts], costs: Costs, base: Costs, notes: list[str]) 
     over = sum(t * (1 - s["generator_idle"] if s.get("generator_idle") is not None else 1.0) for t, s in train_alone)
     extra = sum(s["train_seconds"] - (s.get("train/prox_seconds") or 0.0) - t for t, s in train_alone)
     train_slowdown = max(0.0, extra / over) if over else 0.0
-    notes.append(f"sharing: alone (the {len(alone)} synchronous run(s)) a = {gen.step_fixed_s:.3g} s, "
+    notes.append(f"sharing: alone (the {len(alone)} synchronous or colocated run(s)) a = {gen.step_fixed_s:.3g} s, "
                  f"b = {gen.step_per_seq_s:.3g} s, e = {gen.step_per_context_token_s:.3g} s, "
                  f"p0 = {p0:.3g} s, p = {p:.3g} s/{'position' if gen.padded else 'token'}, c = {train.step_fixed_s:.3g} s, "
                  f"d = {train.per_token_s:.3g} s/token; overlapping (the {len(shared)} asynchronous run(s)) "
@@ -557,4 +583,4 @@ def fit_runs(paths: list[str], base: Costs) -> Fitted:
     costs = Costs(gen=_generation(runs, base, prompt, mean_len, notes), train=_train(runs, base, notes),
                   update=_update(runs, base, notes), workload=workload, lengths=lengths, latency=_latency(runs, base, notes))
     costs = _sharing(runs, costs, base, notes)
-    return Fitted(costs, notes, (first.gen_devices, first.train_devices), first.eta)
+    return Fitted(costs, notes, (first.gen_devices, first.train_devices), first.eta, first.colocated)

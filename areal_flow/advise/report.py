@@ -17,11 +17,12 @@ def recommend(preds: list[Prediction], tolerance: float = 0.01) -> Prediction:
 
 
 def sync_baseline(pred: Prediction, preds: list[Prediction]) -> Prediction | None:
-    """What `pred` is compared with: the colocated synchronous run on as many devices, else η = 0
-    on the same split."""
+    """What `pred` is compared with: the synchronous colocated run (η = 0) on as many devices, else
+    η = 0 on the same split."""
     c = pred.candidate
     total = c.gen_devices if c.colocated else c.gen_devices + c.train_devices
-    colocated = [p for p in preds if p.candidate.colocated and p.candidate.gen_devices == total]
+    colocated = [p for p in preds
+                 if p.candidate.colocated and p.candidate.eta == 0 and p.candidate.gen_devices == total]
     if colocated:
         return colocated[0]
     same = [p for p in preds if not p.candidate.colocated and p.candidate.eta == 0
@@ -44,6 +45,7 @@ def costs_table(costs: Costs) -> Table:
         ("p0: prefill, fixed", f"{g.prefill_fixed_s:.3g} s"),
         ("handing back an answer", f"{g.answer_s * 1000:.3g} ms"),
         ("answers a server runs at most", "no limit" if g.max_running is None else str(g.max_running)),
+        ("queued answers join a running batch by", str(g.join_group)),
         ("devices per server", str(g.devices_per_server)),
         ("generation while the trainer trains", f"{g.shared_slowdown:+.0%}"),
         ("c: train step, fixed", f"{t.step_fixed_s:.3g} s"),
@@ -79,7 +81,7 @@ def predictions_table(preds: list[Prediction], best: Prediction) -> Table:
         base = sync_baseline(p, preds)
         c = p.candidate
         table.add_row(
-            c.label, str(c.eta), "—" if c.colocated else ("yes" if c.interrupt else "no"),
+            c.label, str(c.eta), "yes" if c.interrupt else "no",
             f"{p.samples_per_s:.4g}", f"{p.tokens_per_s:,.0f}",
             f"{p.samples_per_s / base.samples_per_s:.2f}×" if base else "—",
             f"{p.step_s:.3g}", f"{p.gen_idle:.0%}", f"{p.train_idle:.0%}",
@@ -90,7 +92,7 @@ def predictions_table(preds: list[Prediction], best: Prediction) -> Table:
 
 
 def plot(preds: list[Prediction], path: str, title: str = "") -> None:
-    """Trained samples/s against η, one line per split (and interrupt setting); colocated sync dashed."""
+    """Trained samples/s against η, one line per split (and interrupt setting); colocated dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,16 +102,14 @@ def plot(preds: list[Prediction], path: str, title: str = "") -> None:
     lines: dict[tuple, list[Prediction]] = {}
     for p in preds:
         c = p.candidate
-        if not c.colocated:
-            lines.setdefault((c.gen_devices, c.train_devices, c.interrupt), []).append(p)
-    interrupts = {k[2] for k in lines}
-    for (gen, train, interrupt), ps in lines.items():
+        lines.setdefault((c.gen_devices, c.train_devices, c.interrupt, c.colocated), []).append(p)
+    interrupts = {k[2] for k in lines if not k[3]}
+    for (gen, train, interrupt, colocated), ps in lines.items():
         ps = sorted(ps, key=lambda p: p.candidate.eta)
-        label = f"{gen}:{train}" + ("" if len(interrupts) == 1 else (" interrupt" if interrupt else " drain"))
-        ax.plot([p.candidate.eta for p in ps], [p.samples_per_s for p in ps], marker="o", label=label)
-    for p in preds:
-        if p.candidate.colocated:
-            ax.axhline(p.samples_per_s, linestyle="--", color="grey", label=f"sync, {p.candidate.label}")
+        label = ps[0].candidate.label + ("" if colocated or len(interrupts) == 1 else
+                                         (" interrupt" if interrupt else " drain"))
+        ax.plot([p.candidate.eta for p in ps], [p.samples_per_s for p in ps], marker="o", label=label,
+                **({"linestyle": "--", "color": "grey"} if colocated else {}))
     ax.set_xlabel("η (rollout.max_staleness)")
     ax.set_ylabel("trained samples / s")
     ax.set_title(title or "predicted throughput", fontsize=9)

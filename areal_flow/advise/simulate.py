@@ -8,7 +8,11 @@ the padding to the longest answer or sequence, as the embedded engine computes);
 `c + d·tokens / (devices · efficiency)`; each new version pauses the servers (interrupting: running
 answers are aborted and prefilled again as prompt + tokens so far; not interrupting: each server
 drains its running answers, admitting none, then loads), while the trainer may already train the
-next step (not the one after; `trainer_waits`: none). Dynamic filtering drops each finished group
+next step (not the one after; `trainer_waits`: none). Colocated (`Candidate.colocated`), generation
+and training take turns on the same devices: from the moment a batch is taken every server stops at
+its next step boundary, its running answers retracted as an interrupting update aborts them, the
+trainer trains on all the devices once every server has stopped, and the servers load the new
+weights and go on only then (docs/colocation.md). Dynamic filtering drops each finished group
 with probability `filtered_fraction`, freeing its admission slot (a group's fate is drawn at
 admission, and with recorded groups its lengths come from groups of that fate). A group reaches
 its server `latency.admit_s` after its admission and the controller `latency.deliver_s` after its
@@ -46,12 +50,13 @@ class Candidate:
     eta: int
     interrupt: bool = True
     colocated: bool = False
-    """η = 0 on every device in turn: gen_devices = train_devices = all of them."""
+    """generation and training take turns on every device (`|` in an allocation): gen_devices =
+    train_devices = all of them; interrupt must be true (the servers retract their answers)."""
 
     @property
     def label(self) -> str:
         if self.colocated:
-            return f"colocated ×{self.gen_devices}"
+            return f"colocated ({self.gen_devices})"
         return f"{self.gen_devices}:{self.train_devices}"
 
 
@@ -139,12 +144,14 @@ class _Simulation:
                               f"generation.devices_per_server={per_server}")
         self.servers = [_Server(i) for i in range(cand.gen_devices // per_server)]
         self.B, self.G = self.work.batch_size, self.work.group_size
-        if cand.colocated and cand.eta:
-            raise AdviseError("--colocated: the colocated mode is synchronous, η must be 0")
+        self.colocated = cand.colocated
+        if self.colocated and not (cand.interrupt and self.work.interrupt):
+            raise AdviseError("colocated: generation hands the devices to the trainer by retracting its running "
+                              "answers, so rollout.interrupt must be true")
         self.manager = StalenessManager(self.B, cand.eta, self.work.max_concurrent or UNBOUNDED)
         update = costs.update
         pause = update.interrupt_pause_s if self.work.interrupt and update.interrupt_pause_s is not None else update.pause_s
-        self.pause_s = pause + (update.colocated_switch_s if cand.colocated else 0.0)
+        self.pause_s = pause + (update.colocated_switch_s if self.colocated else 0.0)
         self.draw = costs.lengths.group_sampler(random.Random(seed), self.work.group_size)
         self.filter_draw = random.Random(f"filter-{seed}").random  # apart from the lengths' draws
         self.total, self.warmup = warmup + steps, warmup
@@ -156,13 +163,15 @@ class _Simulation:
         self.next_gid = 0
         self.step = 0  # the version the servers serve (steps whose update has ended)
         self.begun = 0  # train steps begun
-        self.trainer = "waiting"  # waiting | training
+        self.trainer = "waiting"  # waiting | releasing (colocated: the servers stopping) | training
         self.updating = False  # a weight update is under way
         self.update_due = False  # a trained step's update waits for the one under way
         # The controller trains the next step while the servers load the last one's weights, never
-        # the one after (controller/main.py); with the trainer waiting for each update, none ahead.
-        self.ahead = 0 if costs.update.trainer_waits else 1
-        self.waiting_for = 0  # servers the update still waits for
+        # the one after (controller/main.py); with the trainer waiting for each update (weights by
+        # broadcast, or colocated: the servers hold the devices until they have loaded), none ahead.
+        self.ahead = 0 if costs.update.trainer_waits or self.colocated else 1
+        self.waiting_for = 0  # servers the update (or a colocated train step) still waits for
+        self.on_stopped: Callable[[], None] = lambda: None  # what follows once every server has paused
         self.step_ends: list[float] = []
         self.train_spans: list[tuple[float, float]] = []
         self.step_tokens: list[int] = []
@@ -237,10 +246,17 @@ class _Simulation:
         stale = any(age > 0 and n for age, n in hist.items())  # the prox forward runs only then (training/worker.py)
         seconds = train.step_fixed_s + train.per_token_s * tokens * (1 + train.prox_fraction * stale) / (
             self.cand.train_devices * train.dp_efficiency)
-        if any(s.op in ("decode", "prefill") for s in self.servers):
-            seconds *= 1 + train.shared_slowdown
         self.hist.append(hist)
         self.step_tokens.append(tokens)
+        if self.colocated:  # the trainer's turn begins once every server has freed the devices
+            self.trainer = "releasing"
+            self.stop_servers(lambda: self.train(seconds))
+        else:
+            self.train(seconds)
+
+    def train(self, seconds: float) -> None:
+        if any(s.op in ("decode", "prefill") for s in self.servers):
+            seconds *= 1 + self.costs.train.shared_slowdown
         self.train_spans.append((self.now, self.now + seconds))
         self.trainer = "training"
         self.sharing_changed()
@@ -257,19 +273,28 @@ class _Simulation:
         self.try_batch()
 
     def start_update(self) -> None:
-        """Publish version step + 1: pause (interrupting) or drain (not) every server."""
+        """Publish version step + 1: pause (interrupting) or drain (not) every server; colocated,
+        they have been paused since the batch was taken and load at once."""
         self.updating = True
-        self.waiting_for = len(self.servers)
-        for s in self.servers:
-            if self.work.interrupt:
-                s.pause_wanted = True
-                if s.op is None:
-                    self.pause(s)
-                elif s.op == "decode":
-                    self.cut(s)  # aborted between two decode steps, as the engine does
-            else:
+        if self.colocated:
+            self.at(self.now + self.pause_s, self.loaded_all)
+        elif self.work.interrupt:
+            self.stop_servers(lambda: self.at(self.now + self.pause_s, self.loaded_all))
+        else:
+            self.waiting_for = len(self.servers)
+            for s in self.servers:
                 s.draining = True
                 self.next_op(s)
+
+    def stop_servers(self, then: Callable[[], None]) -> None:
+        """Pause every server at its next step boundary (`pause`); `then()` once all have."""
+        self.waiting_for, self.on_stopped = len(self.servers), then
+        for s in self.servers:
+            s.pause_wanted = True
+            if s.op is None:
+                self.pause(s)
+            elif s.op == "decode":
+                self.cut(s)  # aborted between two decode steps, as the engine does
 
     def published(self) -> None:
         """Every server serves the new version: set it, admit, look for the next batch."""
@@ -303,12 +328,15 @@ class _Simulation:
         s.queue.extend(group.seqs)
         if s.op is None:
             self.next_op(s)
-        elif s.op == "decode" and not s.draining and self.room(s) > 0:
+        elif s.op == "decode" and not s.draining and self.room(s):
             self.cut(s)  # the new answers join at the next step boundary (continuous batching)
 
     def room(self, s: _Server) -> int:
+        """How many queued answers may join now: up to max_running, and while answers run, none
+        until at least min(join_group, queued) can (GenCosts.join_group)."""
         cap = self.gen.max_running
-        return UNBOUNDED if cap is None else cap - len(s.running)
+        room = UNBOUNDED if cap is None else cap - len(s.running)
+        return room if room >= (min(self.gen.join_group, len(s.queue)) if s.running else 1) else 0
 
     def begin(self, s: _Server, op: str, seconds: float, steps: int = 0, step_cost: float = 0.0,
               step_growth: float = 0.0) -> None:
@@ -338,7 +366,7 @@ class _Simulation:
             return
         if s.draining and not s.running and not s.admitting:
             self.begin(s, "load", self.pause_s)
-        elif not s.draining and s.queue and (room := self.room(s)) > 0:
+        elif not s.draining and s.queue and (room := self.room(s)):
             s.admitting = [s.queue.popleft() for _ in range(min(room, len(s.queue)))]
             # The G answers of a new prompt share its prefill (identical sequences are prefilled once).
             fresh = {id(q.group) for q in s.admitting if not q.resumed}
@@ -420,11 +448,11 @@ class _Simulation:
         s.context = 0
         s.pause_wanted, s.paused = False, True
         self.waiting_for -= 1
-        if not self.waiting_for:  # every server paused: they load at once
-            self.at(self.now + self.pause_s, self.loaded_all)
+        if not self.waiting_for:  # every server paused: they load at once (colocated: the trainer's turn)
+            self.on_stopped()
 
     def loaded_all(self) -> None:
-        """Interrupting: every paused server has loaded the new version and continues."""
+        """Interrupting or colocated: every paused server has loaded the new version and continues."""
         for s in self.servers:
             s.version, s.paused = self.step + 1, False
         self.published()

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_flow.advise.__main__ import main, presets
+from areal_flow.advise.__main__ import candidates, main, presets
 from areal_flow.advise.costs import (
     AdviseError,
+    Candidates,
     Costs,
     GenCosts,
     Latency,
@@ -147,6 +148,107 @@ def test_eta_0_is_the_synchronous_loop_computed_by_hand():
     assert p2.samples_per_s == pytest.approx(8 / step2, rel=1e-9)
 
 
+# ---- colocated: generation and training take turns on every device --------------------------------
+
+# A step's generation on one server (16 answers of ~50 tokens at ~1 ms a token) and its training on
+# one device (0.4 s + 960 tokens at 0.42 ms) both take about 0.8 s.
+BALANCED = dict(gen=GenCosts(0.001, 0.001, prefill_per_token_s=1e-5), train=TrainCosts(0.4, 0.00042),
+                update=UpdateCosts(0.1), workload=Workload(batch_size=4, group_size=4, prompt_tokens=10),
+                lengths=Lengths(100, mean=50, sigma=0.3))
+
+
+def best_split(costs: Costs, devices: int, etas=(0, 1, 2, 4)) -> Prediction:
+    return max((simulate(costs, Candidate(gen, devices - gen, eta), steps=20) for gen in range(1, devices)
+                for eta in etas), key=lambda p: p.samples_per_s)
+
+
+def best_colocated(costs: Costs, devices: int, etas=(0, 1, 2, 4)) -> Prediction:
+    return max((simulate(costs, Candidate(devices, devices, eta, colocated=True), steps=20) for eta in etas),
+               key=lambda p: p.samples_per_s)
+
+
+def test_colocated_is_slower_than_a_split_whose_two_sides_overlap_in_balance():
+    """On 2 devices, a 1:1 split whose generation and training take about as long each: with η > 0
+    they overlap, a step takes about the longer of the two. Colocated they alternate, each on both
+    devices, but what does not halve with the devices (c) and the update come on top."""
+    costs = make(**BALANCED)
+    split = simulate(costs, Candidate(1, 1, eta=4), steps=20)
+    sync = simulate(costs, Candidate(1, 1, eta=0), steps=20)
+    assert split.gen_idle < 0.2 and split.train_idle < 0.2  # balanced: neither side waits much
+    assert split.samples_per_s > 1.5 * sync.samples_per_s  # asynchrony overlaps them
+    assert best_split(costs, 2).candidate.eta == 4
+    assert best_colocated(costs, 2).samples_per_s < 0.9 * split.samples_per_s
+
+
+def test_colocated_beats_every_split_of_two_devices_when_generation_costs_far_more():
+    """Generation 3× training: the 1:1 split's trainer waits most of each step on its device;
+    colocated, generation has both devices for its turn and the trainer its short one."""
+    costs = make(**{**BALANCED, "train": TrainCosts(0.1, 0.00019)})  # 0.28 s on one device
+    split, colocated = best_split(costs, 2), best_colocated(costs, 2)
+    assert split.train_idle > 0.55  # the split wastes the trainer's device
+    # About 0.42 s of generation on two servers + 0.19 s of training on two devices + the 0.1 s
+    # update, against the split's ~0.84 s of generation on one server.
+    assert colocated.samples_per_s > 1.15 * split.samples_per_s
+
+
+def test_a_colocated_step_is_the_generation_turn_the_train_step_and_the_update_one_after_the_other(tmp_path):
+    """A deterministic cost file: nothing overlaps and nothing waits, so a step is the servers'
+    busy time plus the train step on both devices plus the load and the switch; at η = 0 the
+    generation turn is the synchronous loop's, on both devices, computed by hand."""
+    path = tmp_path / "costs.yaml"
+    path.write_text(yaml.safe_dump({
+        "generation": {"step_fixed_s": 0.01, "step_per_seq_s": 0.001, "prefill_per_token_s": 1e-4},
+        "training": {"step_fixed_s": 1.0, "per_token_s": 0.001},
+        "weights": {"pause_s": 0.5, "colocated_switch_s": 0.3},
+        "workload": {"batch_size": 2, "group_size": 4, "prompt_tokens": 10, "max_new_tokens": 100,
+                     "interrupt": True, "lengths": {"constant": 50}},
+    }))
+    costs, _ = load_cost_file(path)
+    train, update = 1.0 + 0.001 * 2 * 4 * (10 + 50) / 2, 0.5 + 0.3  # 8 answers of 60 tokens on 2 devices
+    for eta in (0, 1, 2):
+        p = simulate(costs, Candidate(2, 2, eta=eta, colocated=True), steps=12)
+        gen_turn = (1 - p.gen_idle) * p.step_s  # the mean server's decode and prefill seconds per step
+        assert (1 - p.train_idle) * p.step_s == pytest.approx(train, rel=1e-9)  # on both devices
+        assert p.step_s == pytest.approx(gen_turn + train + update, rel=1e-6)
+        if eta == 0:  # one group per server: 2 prefills of 10 tokens, 50 decode steps of 4 answers
+            assert gen_turn == pytest.approx(10 * 1e-4 + 50 * (0.01 + 0.001 * 4), rel=1e-9)
+    # A split of the same devices with η > 0 overlaps generation with training instead.
+    split = simulate(costs, Candidate(1, 1, eta=2), steps=12)
+    assert (1 - split.gen_idle) + (1 - split.train_idle) > 1.2
+
+
+def test_colocated_answers_that_outlive_their_batch_keep_their_tokens():
+    """η = 2 with a long tail: the batch is taken while long answers still run; they are retracted
+    for the train step with their tokens so far and go on after, so every trained answer has tokens
+    of more than one version, and colocated beats its own synchronous loop (η = 0)."""
+    costs = make(gen=GenCosts(0.002, 0.0005, prefill_per_token_s=1e-5), train=TrainCosts(0.05, 2e-5),
+                 update=UpdateCosts(0.02), workload=Workload(batch_size=4, group_size=4, prompt_tokens=20),
+                 lengths=LONG_TAIL)
+    sync = simulate(costs, Candidate(2, 2, eta=0, colocated=True), steps=15)
+    ahead = simulate(costs, Candidate(2, 2, eta=2, colocated=True), steps=15)
+    assert sync.staleness_max == 0 and 0 < ahead.staleness_mean and ahead.staleness_max == 2
+    assert ahead.samples_per_s > 1.2 * sync.samples_per_s
+
+
+def test_one_device_has_colocated_as_its_only_candidate(tmp_path, capsys):
+    only = candidates(Candidates(splits=((1, 1), (3, 1)), etas=(0, 2), devices=1), [True, False])
+    assert only == [Candidate(1, 1, 0, True, colocated=True), Candidate(1, 1, 2, True, colocated=True)]
+    # With several devices: each split × η × interrupt, then colocated on all of them × η, interrupting.
+    four = candidates(Candidates(splits=((3, 1), (1, 1)), etas=(0, 2), devices=4), [False])
+    assert [c.label for c in four] == ["3:1", "3:1", "2:2", "2:2", "colocated (4)", "colocated (4)"]
+    assert all(c.interrupt for c in four if c.colocated) and not any(c.interrupt for c in four if not c.colocated)
+    assert len(candidates(Candidates(splits=((3, 1),), etas=(0,), devices=4, colocated=False), [True])) == 1
+
+    path = tmp_path / "costs.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"batch_size": 2, "group_size": 2, "max_new_tokens": 64,
+                                                 "lengths": {"constant": 20}}}))
+    code, out, _ = cli(["--costs", str(path), "--devices", "1", "--etas", "0", "1", "--steps", "3"], capsys)
+    assert code == 0 and out.count("colocated (1)") == 2 and "1:1" not in out
+    assert "recommended: colocated on all 1 device(s)" in out
+    code, _, err = cli(["--costs", str(path), "--devices", "1", "--no-colocated"], capsys)
+    assert code == 2 and "--devices 1: one device cannot be split" in err
+
+
 def test_an_interrupting_update_pauses_for_its_own_cost_and_a_draining_one_for_w():
     costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=1e-4), train=TrainCosts(1.0, 0.001),
                  update=UpdateCosts(0.5, interrupt_pause_s=0.9))
@@ -165,25 +267,47 @@ def test_the_context_term_adds_each_answers_growing_kv_read():
     assert simulate(costs, Candidate(1, 1, eta=0), steps=3).step_s == pytest.approx(step, rel=1e-9)
 
 
+def test_a_long_queue_joins_a_running_batch_only_in_groups():
+    """The embedded engine admits queued answers into a running batch only once min(join_group,
+    queued) have room (each join is a prefill). η = 0, one server of 4 answers, two groups of
+    answers 10, 20, 30 and 40 tokens long: the second group waits in the queue."""
+    def step(join_group: int) -> float:
+        costs = make(gen=GenCosts(0.01, 0.001, prefill_per_token_s=0.0, prefill_fixed_s=0.005, max_running=4,
+                                  join_group=join_group),
+                     train=TrainCosts(0.1, 0.0), update=UpdateCosts(0.05),
+                     lengths=Lengths(100, groups=((10, 20, 30, 40),)))
+        return simulate(costs, Candidate(1, 1, eta=0), steps=4).step_s
+
+    # Joining 4 at once: the second group starts when the first has ended, 40 steps of 4, 3, 2, 1
+    # answers each; two prefills, the train step and the update.
+    assert step(4) == pytest.approx(2 * (0.005 + 40 * 0.01 + 0.001 * (4 + 3 + 2 + 1) * 10) + 0.1 + 0.05, rel=1e-9)
+    # By 2: answers 1, 2 of the second group join at step 20, 3, 4 at step 30; 70 steps of
+    # 4, 3, 4, 4, 2 (20 steps), 1 answers, three prefills.
+    assert step(2) == pytest.approx(0.005 * 3 + 70 * 0.01 + 0.001 * 10 * (4 + 3 + 4 + 4 + 2 * 2 + 1) + 0.1 + 0.05,
+                                    rel=1e-9)
+
+
 # ---- the staleness rule -------------------------------------------------------------------------
 
 LONG_TAIL = Lengths(400, mean=80, sigma=1.0)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
-@pytest.mark.parametrize("interrupt", [True, False])
-def test_realised_staleness_never_exceeds_eta(eta, interrupt):
+@pytest.mark.parametrize("interrupt,colocated", [(True, False), (False, False), (True, True)])
+def test_realised_staleness_never_exceeds_eta(eta, interrupt, colocated):
     costs = make(gen=GenCosts(0.002, 0.0005, prefill_per_token_s=1e-5, max_running=12), train=TrainCosts(0.05, 2e-5),
                  update=UpdateCosts(0.02), workload=Workload(batch_size=4, group_size=4, prompt_tokens=20,
                                                              interrupt=interrupt), lengths=LONG_TAIL)
-    p = simulate(costs, Candidate(2, 1, eta=eta, interrupt=interrupt), steps=15)
+    cand = Candidate(2, 2, eta, interrupt, colocated=True) if colocated else Candidate(2, 1, eta, interrupt)
+    p = simulate(costs, cand, steps=15)
     assert p.staleness_max <= eta
     if eta:
         assert p.staleness_max >= 1  # generation runs ahead: the bound is what holds it
 
 
-@pytest.mark.parametrize("eta,max_concurrent", [(0, None), (2, None), (4, 6)])
-def test_the_admission_cap_holds_at_every_admission(eta, max_concurrent):
+@pytest.mark.parametrize("eta,max_concurrent,colocated", [(0, None, False), (2, None, False), (4, 6, False),
+                                                         (2, None, True)])
+def test_the_admission_cap_holds_at_every_admission(eta, max_concurrent, colocated):
     """Counts only grow at an admission (finishing moves a group from running to accepted, a new
     version raises the limit), so checking there checks every instant."""
     B = 4
@@ -191,7 +315,7 @@ def test_the_admission_cap_holds_at_every_admission(eta, max_concurrent):
                  update=UpdateCosts(0.02), workload=Workload(batch_size=B, group_size=3, prompt_tokens=20,
                                                              max_concurrent=max_concurrent), lengths=LONG_TAIL)
     trace: list = []
-    simulate(costs, Candidate(2, 1, eta=eta), steps=12, trace=trace)
+    simulate(costs, Candidate(2, 2 if colocated else 1, eta=eta, colocated=colocated), steps=12, trace=trace)
     assert len(trace) > 12 * B
     versions = [v for _, v, _, _, _ in trace]
     assert versions == sorted(versions) and versions[-1] >= 12
@@ -239,16 +363,16 @@ def test_ties_go_to_the_least_stale_candidate():
 A, B_SEQ, C, D = 0.002, 0.0005, 0.3, 0.0002
 
 
-def write_run(run: Path, interrupt: bool = False, eta: int = 1) -> None:
+def write_run(run: Path, interrupt: bool = False, eta: int = 1, colocated: bool = False) -> None:
     """A run directory as launch.py and the controller leave it: config.yaml and metrics.jsonl,
-    its step rows made from known costs."""
+    its step rows made from known costs (colocated: training on generation's device 0)."""
     run.mkdir()
     config = {
         "algorithm": {"batch_size": 4, "group_size": 2, "max_new_tokens": 100, "ppo_epochs": 1},
         "rollout": {"max_staleness": eta, "max_concurrent": 8, "interrupt": interrupt},
         "generation": {"backend": "embedded", "tp_size": 1, "max_batch_size": None},
         "graph": {"generate": {"type": "generate", "mesh": "0"}, "reward": {"type": "reward"},
-                  "actor_train": {"type": "train", "mesh": "1"}},
+                  "actor_train": {"type": "train", "mesh": "0" if colocated else "1"}},
     }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     rows = [{"event": "start", "batch_size": 4, "group_size": 2, "max_staleness": eta}]
@@ -272,7 +396,7 @@ def test_from_run_fits_the_costs_from_metrics(tmp_path, capsys):
     gen, train = fitted.costs.gen, fitted.costs.train
     assert gen.step_fixed_s == pytest.approx(A, rel=1e-6)
     assert gen.step_per_seq_s == pytest.approx(B_SEQ, rel=1e-6)
-    assert gen.max_running == 128  # the embedded engine's default batch
+    assert gen.max_running == 128 and gen.join_group == 16  # the embedded engine's default batch, and its joins
     assert (train.step_fixed_s, train.per_token_s) == pytest.approx((C, D), rel=1e-6)
     assert fitted.costs.update.pause_s == pytest.approx(0.04)  # without interruption: the least update
     assert fitted.split == (1, 1) and fitted.eta == 1
@@ -285,6 +409,23 @@ def test_from_run_fits_the_costs_from_metrics(tmp_path, capsys):
                         str(tmp_path / "run"), "--etas", "0", "1", "--steps", "3"], capsys)
     assert code == 0
     assert "fit:" in out and "1:1" in out and "recommended" in out
+
+
+def test_a_colocated_run_is_predicted_colocated_on_its_devices(tmp_path, capsys):
+    """Training on generation's mesh: the run's own allocation is colocated on that one device,
+    so --from-run predicts it (at each η) and no split, unless splits are asked for."""
+    write_run(tmp_path / "run", interrupt=True, eta=2, colocated=True)
+    base, _ = load_cost_file(REPO / "conf" / "advise" / "example.yaml")
+    fitted = fit_runs([str(tmp_path / "run")], base)
+    assert fitted.colocated and fitted.split == (1, 1)
+    # Its train_seconds run from the servers' release to their resume: c holds the switch, not the cost file.
+    assert base.update.colocated_switch_s == 5.0 and fitted.costs.update.colocated_switch_s == 0.0
+    write_run(tmp_path / "split")
+    assert not fit_runs([str(tmp_path / "split")], base).colocated
+    code, out, _ = cli(["--from-run", str(tmp_path / "run"), "--etas", "0", "2", "--steps", "3"], capsys)
+    assert code == 0 and out.count("colocated (1)") == 2 and "1:1" not in out
+    code, out, _ = cli(["--from-run", str(tmp_path / "run"), "--etas", "2", "--splits", "1:1", "--steps", "3"], capsys)
+    assert code == 0 and "1:1" in out and "colocated (2)" in out
 
 
 def test_the_share_of_groups_dynamic_filtering_drops_is_fitted_from_the_step_rows(tmp_path):
@@ -440,9 +581,12 @@ def test_padding_costs_only_where_the_answers_differ_in_length():
     assert simulate(varied_padded, cand, steps=6).samples_per_s < simulate(varied, cand, steps=6).samples_per_s
 
 
-def test_a_synchronous_run_gives_the_costs_alone_and_the_asynchronous_ones_what_overlapping_adds(tmp_path):
-    """Sharing a machine, each side runs slower while the other works; at η = 0 they take turns."""
-    write_run(tmp_path / "sync", eta=0)
+@pytest.mark.parametrize("eta,colocated", [(0, False), (2, True)])
+def test_a_synchronous_run_gives_the_costs_alone_and_the_asynchronous_ones_what_overlapping_adds(tmp_path, eta,
+                                                                                                colocated):
+    """Sharing a machine, each side runs slower while the other works; at η = 0, or colocated at
+    any η, they take turns."""
+    write_run(tmp_path / "sync", eta=eta, interrupt=colocated, colocated=colocated)
     add_compute_counts(tmp_path / "sync")
     write_run(tmp_path / "async", eta=4)
     add_compute_counts(tmp_path / "async", slowdown=0.25, train_slowdown=0.1)
@@ -455,7 +599,7 @@ def test_a_synchronous_run_gives_the_costs_alone_and_the_asynchronous_ones_what_
     # Asynchronous runs alone cannot tell: no slowdown, and the costs are what they measured, which
     # is slower than alone but not by the whole slowdown (the trainer trained part of each step).
     alone = fit_runs([str(tmp_path / "async")], base)
-    assert alone.costs.gen.shared_slowdown == 0 and any("no synchronous run" in n for n in alone.notes)
+    assert alone.costs.gen.shared_slowdown == 0 and any("no synchronous or colocated run" in n for n in alone.notes)
     assert 1.05 * A < alone.costs.gen.step_fixed_s < 1.25 * A
 
 
@@ -570,7 +714,7 @@ def test_the_cli_recommends_and_plots(tmp_path, capsys):
     code, out, _ = cli(["--preset", "example", "--splits", "1:1", "--devices", "4", "--etas", "0", "2",
                         "--colocated", "--steps", "3", "--plot", str(png)], capsys)
     assert code == 0 and png.stat().st_size > 0
-    assert "2:2" in out and "colocated ×4" in out and "recommended:" in out
+    assert "2:2" in out and "colocated (4)" in out and "recommended:" in out
 
 
 def test_every_preset_reads():
@@ -622,6 +766,6 @@ def test_the_module_exits_2_on_bad_input():
     assert r.returncode == 2 and "--splits" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_colocated_needs_eta_0():
-    with pytest.raises(AdviseError, match="--colocated"):
-        simulate(make(), Candidate(2, 2, eta=1, colocated=True))
+def test_colocated_needs_interrupting_updates():
+    with pytest.raises(AdviseError, match="colocated: .* rollout.interrupt must be true"):
+        simulate(make(), Candidate(2, 2, eta=1, interrupt=False, colocated=True))
