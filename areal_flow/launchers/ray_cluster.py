@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import subprocess
+from collections import Counter
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -70,9 +71,16 @@ class ProcessActor:
             return self.popen.wait()
 
 
-def _bundle(proc: Proc, device_type: str) -> dict[str, float]:
-    n = len(proc.devices)
-    return {"GPU": float(n), "CPU": 1.0} if device_type == "cuda" else {"CPU": float(n)}
+def _bundle(proc: Proc, device_type: str, sharers: dict[int, int] | None = None) -> dict[str, float]:
+    """The Ray resources of a process: its devices, each divided among the processes placed on it
+    (`sharers`: device -> processes; colocated generation and training take half a GPU each, which
+    Ray packs onto the same GPU)."""
+    n = sum(1.0 / (sharers or {}).get(d, 1) for d in proc.devices)
+    return {"GPU": n, "CPU": 1.0} if device_type == "cuda" else {"CPU": n}
+
+
+def _sharers(placement: Placement) -> dict[int, int]:
+    return dict(Counter(d for p in placement.procs for d in p.devices))
 
 
 class RayLauncher(Watching):
@@ -81,6 +89,7 @@ class RayLauncher(Watching):
     def __init__(self, run_dir: str, placement: Placement, *, address: str, device_type: str,
                  start_timeout: float, stop_timeout: float):
         self.run_dir, self.stop_timeout, self.device_type = run_dir, stop_timeout, device_type
+        self.sharers = _sharers(placement)
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         nodes = sorted({p.node for p in placement.procs if p.devices})
@@ -91,7 +100,8 @@ class RayLauncher(Watching):
         try:
             for node in nodes:
                 procs = [p for p in placement.procs if p.devices and p.node == node]
-                self.groups[node] = placement_group([_bundle(p, device_type) for p in procs], strategy="STRICT_PACK",
+                self.groups[node] = placement_group([_bundle(p, device_type, self.sharers) for p in procs],
+                                                    strategy="STRICT_PACK",
                                                     name=f"areal_flow-node{node}")
             self._wait_for_groups(start_timeout)
             for node, group in self.groups.items():
@@ -109,7 +119,7 @@ class RayLauncher(Watching):
             raise
 
     def _actor(self, proc: Proc, group: PlacementGroup, index: int, device_type: str):
-        resources = _bundle(proc, device_type)
+        resources = _bundle(proc, device_type, self.sharers)
         return ProcessActor.options(
             num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),

@@ -159,22 +159,14 @@ def test_two_processes_racing_agree_on_one_directory(tmp_path):
     assert set(REQUIRED_FILES) <= set(os.listdir(outs[0]))
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _fail() -> None:
-    raise SystemExit(3)
-
-
 def test_a_gpu_bootstrap_runs_in_a_child_process_and_its_failure_is_reported(tmp_path):
     """On cuda the launcher trains the bootstrap in a spawned child, so that the launcher, which lives
-    as long as the run, holds no GPU memory. The same helper runs here on the CPU."""
-    bootstrap._in_child(_write, str(tmp_path / "out"), "trained")
-    assert (tmp_path / "out").read_text() == "trained"
+    as long as the run, holds no GPU memory. The same helper runs here on the CPU (with functions a
+    fresh interpreter imports at once)."""
+    bootstrap._in_child(os.makedirs, str(tmp_path / "made"))
+    assert (tmp_path / "made").is_dir()
     with pytest.raises(RuntimeError, match="the bootstrap's training process exited with code 3"):
-        bootstrap._in_child(_fail)
+        bootstrap._in_child(os._exit, 3)
 
 
 @pytest.mark.gpu
