@@ -39,9 +39,15 @@ ALLOWED = {
 tensors, storage classes and dtypes."""
 
 
-def serialize(named: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """A bucket as one base64 string of IPC handles (CUDA) or shared-memory file names (CPU). The
-    tensors must stay alive until every server has loaded them."""
+def serialize(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
+    """A bucket as one base64 string of IPC handles (CUDA) or shared-memory file names (CPU), and
+    the tensors it refers to, which the caller keeps alive until every server has loaded them.
+
+    A CUDA tensor is handed over as it is: the servers copy from the trainer's own memory. A CPU
+    tensor is copied into a shared-memory file of its own for this one send: torch's file-system
+    sharing counts the processes that map a file, and a file that the trainer's long-lived
+    parameters share with servers that map and unmap it every step was seen unlinked under the
+    trainer (a send to two servers, on the second version)."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as mp
@@ -50,9 +56,10 @@ def serialize(named: Sequence[tuple[str, torch.Tensor]]) -> str:
         # An unrelated process (the server) can open a shared-memory file by its name, not a file
         # descriptor that only a forked child inherits.
         mp.set_sharing_strategy("file_system")
+    sent = [(name, t.detach() if t.is_cuda else t.detach().clone()) for name, t in named]
     buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump([(name, t.detach()) for name, t in named])
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(sent)
+    return base64.b64encode(buffer.getvalue()).decode("ascii"), [t for _, t in sent]
 
 
 class _Restricted(pickle.Unpickler):
@@ -97,13 +104,15 @@ class IpcSender:
         bucket is taken even after a failure (the export is a collective under FSDP)."""
         with ThreadPoolExecutor(len(self.servers)) as pool:
             def send_bucket(bucket: Sequence[tuple[str, torch.Tensor]], index: int) -> None:
-                body = {"serialized_named_tensors": [serialize(bucket)], "load_format": None,
+                text, alive = serialize(bucket)  # `alive` until every server has copied the tensors
+                body = {"serialized_named_tensors": [text], "load_format": None,
                         "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
                 if version is not None:
                     body["weight_version"] = str(version)
                 calls = [pool.submit(post, s.url, "/update_weights_from_tensor", body, self.headers, self.timeout)
                          for s in self.servers]
                 failed = [f"{s.name}: {c.exception()}" for s, c in zip(self.servers, calls) if c.exception()]
+                del alive
                 if failed:
                     raise WeightTransferError(f"bucket {index} of weight version {version} ({len(bucket)} tensors, "
                                               f"first {bucket[0][0]}): " + "; ".join(failed))

@@ -61,16 +61,16 @@ def test_published_weights_are_pruned_to_the_last_two_and_every_kept_version(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v11", "v12"]
 
 
-def test_a_bucket_serialized_as_handles_reads_back_as_the_same_tensors_without_copying_its_bytes():
+def test_a_bucket_serialized_as_handles_reads_back_as_the_same_tensors_without_carrying_their_bytes():
     bucket = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.bfloat16))]
-    text = serialize(bucket)
+    text, alive = serialize(bucket)
     assert len(text) < 2000  # names and handles, not the data
     back = deserialize(text)
     assert [n for n, _ in back] == ["a", "b"]
     for (_, sent), (_, got) in zip(bucket, back):
         assert got.dtype == sent.dtype and torch.equal(got, sent)
-    bucket[0][1].add_(1.0)  # the same memory: what the trainer changes, the reader sees
-    assert torch.equal(back[0][1], bucket[0][1])
+    alive[0].add_(1.0)  # the same shared memory: what the sender's copy holds, the reader sees
+    assert torch.equal(back[0][1], alive[0]) and not torch.equal(back[0][1], bucket[0][1])
 
 
 class Evil:
