@@ -14,6 +14,9 @@ from areal_flow.generation.client import GenerationClient, GenerationError
 from areal_flow.generation.router import ServerPool
 from areal_flow.runtime.security import host_address
 
+# A server process of its own: the full suite runs these, the fast tier does not.
+pytestmark = pytest.mark.slow
+
 GENERATE = {"input_ids": [2, 3, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 
 

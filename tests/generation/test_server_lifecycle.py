@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import pytest
 from generation_helpers import ModelDirs, http_call, server_process, wait_until
 
 from areal_flow.generation.client import GenerationClient, wait_healthy
@@ -16,6 +17,7 @@ from areal_flow.generation.server import serve
 
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_cli_serves_and_exits_cleanly_on_sigterm(model_dirs: ModelDirs):
     with server_process(model_dirs.a, "--host", "127.0.0.1", "--max-batch-size", "8", "--num-threads", "1",
                         "--weight-version", "4") as (proc, url, _):

@@ -24,6 +24,8 @@ from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 from areal_flow.weights import group as weight_group
 
 REPO = Path(__file__).resolve().parents[2]
+# Server processes of their own: the full suite runs these, the fast tier does not.
+pytestmark = pytest.mark.slow
 PROMPT = [2, 7, 3, 9]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}

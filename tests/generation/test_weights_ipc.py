@@ -23,6 +23,8 @@ from areal_flow.weights.ipc import IpcSender
 from areal_flow.weights.sender import Server, WeightTransferError
 
 REPO = Path(__file__).resolve().parents[2]
+# Server processes of their own: the full suite runs these, the fast tier does not.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

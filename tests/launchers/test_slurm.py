@@ -246,6 +246,7 @@ def test_a_trainer_started_by_torchrun_takes_its_rank_from_the_environment(monke
         process_group_init(spec, 2)
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_torchrun_ranks_join_one_gloo_group_and_log_under_their_names(tmp_path):
     """Two real processes under torchrun: each takes its rank from the environment and the child
     entrypoint's rule, and they meet in one gloo group through env://."""

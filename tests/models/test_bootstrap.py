@@ -141,6 +141,7 @@ def test_losing_a_publish_race_keeps_the_winner(tmp_path, base_dir):
         publish_dir(str(loser), str(final))
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_two_processes_racing_agree_on_one_directory(tmp_path):
     code = (
         "import sys, torch; torch.set_num_threads(1)\n"

@@ -168,6 +168,7 @@ def _dp_rank(rank, model_dir, out_dir):
         torch.save(result, os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_two_fsdp2_ranks_update_exactly_like_one_process_on_the_whole_batch(model_dir, tmp_path):
     run_ranks(_dp_rank, 2, model_dir, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -420,6 +421,7 @@ def _skip_rank(rank, model_dir, out_dir):
     torch.save({"weights": full_weights(engine), "stats": stats}, os.path.join(out_dir, f"skip_{rank}.pt"))
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_two_fsdp2_ranks_skipping_answers_update_like_one_process_running_them_all(model_dir, tmp_path):
     run_ranks(_skip_rank, 2, model_dir, str(tmp_path))
     seqs = make_seqs(23, 10)

@@ -97,6 +97,7 @@ torch.save({{"weights": full_weights(engine), "version": engine.version, "rng": 
 """
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 def test_save_load_in_a_fresh_process_and_one_more_step_is_identical_to_not_stopping(model_dir, tmp_path):
     engine = TorchEngine(model_dir, micro_batch_tokens=32, **EXACT)
     for seed in (1, 2):

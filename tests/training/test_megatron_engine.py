@@ -148,6 +148,7 @@ LAYOUTS = {  # name: (tp, pp, world, tied embeddings, another check run in the r
 }
 
 
+@pytest.mark.slow  # processes of its own: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
     tp, pp, world, tied, also = LAYOUTS[name]
