@@ -42,9 +42,8 @@ class WeightPublisher:
         (weights/update.py). A server that is down is logged and left out (where the channel
         involves every server, it fails the update); it is marked up again when /health answers."""
         t0 = time.perf_counter()
-        extra = {} if self.trainers is None else {"trainers": self.trainers}
         await update_servers(self.pool, self.channel, location, version, interrupt=self.interrupt,
-                             pause_mode=self.pause_mode, **extra)
+                             pause_mode=self.pause_mode, trainers=self.trainers)
         return time.perf_counter() - t0
 
     async def trainers_turn(self) -> None:

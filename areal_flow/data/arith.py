@@ -1,4 +1,5 @@
-"""The tiny arithmetic task of `reference/peer-baseline.md`: "a+b=" answered with a scratchpad.
+"""The tiny arithmetic task of the CPU default and of its peer benchmark (docs/benchmarks.md): "a+b="
+answered with a scratchpad.
 
 The completion writes one step per digit, least significant first, `"{da}+{db}+{carry}={sum};"`
 (a missing digit is 0), then `"#### {a+b}"`. The tokenizer's EOS token is appended by callers,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
-# The peer's shape (reference/peer-baseline.md); overrides go through `tiny_qwen2_config`.
+# The peer's shape (TRL's GRPOTrainer on the same task: docs/benchmarks.md); overrides go through `tiny_qwen2_config`.
 TINY_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,

@@ -78,6 +78,7 @@ class Engine(Protocol):
     order): logprobs, train_step, save, save_weights, export_weights."""
 
     version: int  # the policy version of the current weights (set by the caller, saved and restored)
+    device: torch.device  # where this rank's weights, optimizer state and activations live
     data_leader: bool  # whether this rank speaks for the ranks that train the same data (logs it)
     data_parallel_group: dist.ProcessGroup | None  # the ranks that share the batch (None: this rank alone)
     extra_state: dict  # the caller's training state, saved and restored with the engine's own

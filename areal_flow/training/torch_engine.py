@@ -138,7 +138,8 @@ class TorchEngine:
         if activation_checkpointing:
             if getattr(model.config, "attention_dropout", 0.0):
                 raise ValueError("activation_checkpointing needs attention_dropout 0 (it runs the layers in train mode)")
-            # The newer name where transformers has it (the older one warns there); 5.17, the GPU image's, has only the older.
+            # The newer name where transformers has it (the older one warns there); 5.17, the GPU
+            # image's, has only the older.
             if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:

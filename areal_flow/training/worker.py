@@ -223,7 +223,7 @@ class ModelWorker:
         trained.version = version
         with self.phases("publish"):  # "" when the trainers send it later, once the servers are paused
             weights = self.weights.after_step(trained, version, self.rank)
-        if self.graph.colocated and trained_on_gpu(trained):
+        if self.graph.colocated and trained.device.type == "cuda":
             torch.cuda.empty_cache()  # the generation server on this GPU takes its turn next
         stats.update(self.phases.reset())
         if trained.data_leader:
@@ -310,10 +310,6 @@ class ModelWorker:
         self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
         if self.graph.critic_train is not None:
             self.engines["critic"].save(os.path.join(path, CRITIC_DIR))
-
-
-def trained_on_gpu(engine: Engine) -> bool:
-    return getattr(engine, "device", torch.device("cpu")).type == "cuda"
 
 
 def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:

@@ -35,11 +35,12 @@ async def _no_trainers(version: int, flags: UpdateFlags) -> None:
 
 async def update_servers(pool: ServerPool, channel: WeightChannel, location: str, version: int, *,
                          interrupt: bool = True, pause_mode: str = "abort",
-                         trainers: SendByTrainers = _no_trainers) -> list[str]:
+                         trainers: SendByTrainers | None = None) -> list[str]:
     """Load `version` (found at `location`, for channels the servers fetch from) on every server of
     `pool` that is up; returns the names of the servers left out because they are down (raises
     ServerPoolError when every one is). `trainers` has the trainer ranks send it, for channels
     whose trainers send."""
+    trainers = trainers or _no_trainers
     servers = await pool.servers_up(f"the update to weight version {version}")
     if channel.sent_by_trainers and not interrupt:
         raise ValueError(f"{channel.describe()} delivers in several parts and needs interrupting updates")
