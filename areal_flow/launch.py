@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -18,8 +19,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
+from areal_flow.checkpoint import compat, store
+from areal_flow.checkpoint.compat import ResumeError
 from areal_flow.config.schema import RunConfig, register_configs
-from areal_flow.config.validate import SHARED_MEMORY, ConfigError, check_model, check_run
+from areal_flow.config.validate import (SHARED_MEMORY, ConfigError, check_known_keys, check_model,
+                                        check_model_config, check_run)
 from areal_flow.data.dataset import DatasetError
 from areal_flow.data.loading import dataset_paths, load_prompts
 from areal_flow.data.templates import check_chat_template
@@ -86,17 +90,19 @@ def prepare_model(cfg: RunConfig) -> str:
 
 
 def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,
-                   api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+                   api_key: str | None = None, version: int = 0) -> tuple[list[str], dict[str, str]]:
     """The argv of generation server `proc` under generation.backend, and its environment beyond
     the launcher's own. `host`: the address to bind when not generation.host; `api_key`: the
-    run's API key, when it is secured."""
+    run's API key, when it is secured; `version`: the version of the weights at `model_path`
+    (versions count train steps: a resumed run's servers start at its checkpoint's)."""
     gen, seed = cfg.generation, cfg.seed + proc.rank
     if gen.backend == "sglang":
-        return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key),
+        return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key,
+                               version=version),
                 sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))
     device = cfg.cluster.device_type
     argv = [sys.executable, "-m", "areal_flow.generation.server", "--model-path", model_path, "--host",
-            host or gen.host, "--port", str(port), "--seed", str(seed), "--weight-version", "0",  # versions count steps
+            host or gen.host, "--port", str(port), "--seed", str(seed), "--weight-version", str(version),
             "--device", device, "--dtype", gen.dtype or "auto"]
     if device == "cpu":  # a CPU server computes on its mesh's cores; a GPU server's threads only feed the GPU
         argv += ["--num-threads", str(max(1, len(proc.devices)))]
@@ -118,10 +124,15 @@ def server_host(cfg: RunConfig, host: str) -> str:
 
 
 def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
+    # A resumed run's servers start with its checkpoint's actor, at its version.
+    model_path, version = spec.model_path, 0
+    if spec.resume:
+        model_path, version = os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"]
     for proc in placement.procs:
         if proc.role == "gen_server":
-            launcher.start(proc, *server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank],
-                                                 host=server_host(cfg, spec.host_of(proc.name)), api_key=spec.api_key))
+            launcher.start(proc, *server_command(cfg, proc, model_path, spec.gen_ports[proc.rank],
+                                                 host=server_host(cfg, spec.host_of(proc.name)), api_key=spec.api_key,
+                                                 version=version))
         else:
             launcher.start(proc, python_role(proc.role, proc, spec.run_dir))
 
@@ -184,6 +195,7 @@ def with_allocation(raw: DictConfig, console: Console) -> None:
 def run(raw: DictConfig, console: Console) -> int:
     with_allocation(raw, console)
     cfg = typed(raw)
+    check_known_keys(cfg)
     graph = graph_from_config(cfg)
     check_run(cfg, graph)
     placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
@@ -209,14 +221,61 @@ def run(raw: DictConfig, console: Console) -> int:
     run_dir = os.path.abspath(cfg.output_dir)
     train_path, eval_path = prepare_data(cfg, graph.dataset_input(graph.generate))
     model_path = prepare_model(cfg)
+    check_model_config(cfg.model.path)
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
-    # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
-    weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
-        if cfg.rollout.weight_update_mode == "shm" else ""
     if cfg.launcher.type == "slurm":
         return submit_slurm(raw, cfg, placement, console, run_dir=run_dir, model_path=model_path,
                             train_path=train_path, eval_path=eval_path)
+    resume = None
+    if cfg.resume:
+        resume, run_dir = compat.find(cfg.resume, run_dir)
+        if resume is None:
+            console.print(f"resume=auto: {store.folder(run_dir)} holds no complete checkpoint: starting the run",
+                          highlight=False, markup=False)
+        else:
+            compat.check(resume, raw)
+            raw.output_dir = run_dir  # the run goes on in its own directory
+    for attempt in range(cfg.recover.retries + 1):
+        if resume is not None:
+            console.print(f"resuming from {resume} (step {store.read_manifest(resume)['step']})", highlight=False)
+            store.rewind(run_dir, resume)
+        code, spec = launch_once(raw, cfg, placement, console, run_dir=run_dir, model_path=model_path,
+                                 train_path=train_path, eval_path=eval_path, resume=resume)
+        if code != 1 or attempt == cfg.recover.retries:
+            break
+        if (resume := store.latest(run_dir)) is None:
+            console.print("recover: no complete checkpoint to restart from yet", highlight=False)
+            break
+        console.print(f"recover: restart {attempt + 1} of {cfg.recover.retries} (recover.retries)", highlight=False)
+    if code:
+        return code
+    metrics = read_metrics(spec.path("metrics.jsonl"))
+    print_summary(console, run_dir, metrics)
+    with open(spec.path("profile.md"), "w") as f:
+        f.write(profile_table(metrics))
+    console.print(f"step profile: {spec.path('profile.md')}", highlight=False)
+    if cfg.metrics.plot:
+        from areal_flow.metrics.plot import plot_learning_curve  # matplotlib: half a second of every start
+        from areal_flow.metrics.profile import plot_timeline
+
+        png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg.rollout.max_staleness})")
+        console.print(f"learning curve: {png}", highlight=False)
+        if any(m["event"] == "step" for m in metrics):
+            png = plot_timeline(metrics, spec.path("profile.png"), title=f"{cfg.recipe}: the last steps")
+            console.print(f"step timeline: {png}", highlight=False)
+    return 0
+
+
+def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, console: Console, *, run_dir: str,
+                model_path: str, train_path: str, eval_path: str, resume: str | None) -> tuple[int, RunSpec]:
+    """Start every process of the run (from the checkpoint `resume`, when given) and watch them
+    until the controller finishes: (0, spec) when it did; 1 when a process died; 130 when stopped
+    (SIGINT or SIGTERM), after the controller saved a checkpoint at the end of its step when
+    checkpoint.at_stop."""
+    # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
+    weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
+        if cfg.rollout.weight_update_mode == "shm" else ""
     # A secured run listens on this host's address, with a secret made here (docs/security.md).
     security = Security.new() if security_needed(cfg) else None
     host = host_address() if security is not None else LOOPBACK
@@ -233,41 +292,51 @@ def run(raw: DictConfig, console: Console) -> int:
     hosts = {name: addr for name, (addr, _) in zip(names, reserved) if not is_loopback(addr)}
     spec = spec_with_ports(placement, ports, run_dir=run_dir, model_path=model_path, train_path=train_path,
                            eval_path=eval_path, gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir,
-                           host=host, hosts=hosts, security=security)
+                           host=host, hosts=hosts, security=security, resume=resume or "")
     write_run(run_dir, raw, spec)
     console.print(f"run directory: {run_dir}", highlight=False)
     if security is not None:
         console.print(f"secured: servers listen on {host}; ZeroMQ is CURVE-encrypted and the generation "
                       "servers take the run's API key (in spec.json, owner-only)", highlight=False)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the run as Ctrl-C does
     try:
         start_processes(launcher, placement, spec, cfg)
         with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
         console.print(f"[bold red]run failed:[/] {escape(str(e))}", highlight=False)
-        return 1
+        return 1, spec
     except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]: stopping every process")
-        return 130
+        stop_with_checkpoint(launcher, cfg, console)
+        return 130, spec
     finally:
+        signal.signal(signal.SIGTERM, previous)
         launcher.stop_all()
         if weights_dir:
             shutil.rmtree(weights_dir, ignore_errors=True)
-    metrics = read_metrics(spec.path("metrics.jsonl"))
-    print_summary(console, run_dir, metrics)
-    with open(spec.path("profile.md"), "w") as f:
-        f.write(profile_table(metrics))
-    console.print(f"step profile: {spec.path('profile.md')}", highlight=False)
-    if cfg.metrics.plot:
-        from areal_flow.metrics.plot import plot_learning_curve  # matplotlib: half a second of every start
-        from areal_flow.metrics.profile import plot_timeline
+    return 0, spec
 
-        png = plot_learning_curve(metrics, spec.path("learning_curve.png"), f"{cfg.recipe} (η={cfg.rollout.max_staleness})")
-        console.print(f"learning curve: {png}", highlight=False)
-        if any(m["event"] == "step" for m in metrics):
-            png = plot_timeline(metrics, spec.path("profile.png"), title=f"{cfg.recipe}: the last steps")
-            console.print(f"step timeline: {png}", highlight=False)
-    return 0
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_with_checkpoint(launcher, cfg: RunConfig, console: Console) -> None:
+    """The launcher was stopped: with checkpoint.at_stop, the controller saves a checkpoint at the
+    end of its current step and exits (SIGUSR1), within checkpoint.stop_timeout; a second Ctrl-C
+    stops at once. Every process is stopped after."""
+    if not cfg.checkpoint.at_stop or not hasattr(launcher, "signal"):
+        console.print("[bold red]interrupted[/]: stopping every process")
+        return
+    console.print("[bold red]interrupted[/]: the run saves a checkpoint after the current step, then stops "
+                  f"(up to {cfg.checkpoint.stop_timeout:.0f} s; Ctrl-C again stops at once)")
+    try:
+        launcher.signal("controller", signal.SIGUSR1)
+        launcher.wait("controller", timeout=cfg.checkpoint.stop_timeout)
+        console.print(f"stopped; continue with resume=auto hydra.run.dir={launcher.run_dir}", highlight=False,
+                      markup=False)
+    except (KeyboardInterrupt, ChildFailed, TimeoutError, NotImplementedError) as e:
+        console.print(f"stopped without a checkpoint: {escape(str(e)) or 'interrupted again'}", highlight=False)
 
 
 def spec_with_ports(placement: Placement, ports: dict[str, int], **fields) -> RunSpec:
@@ -308,7 +377,7 @@ def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError) as e:
+    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError, ResumeError) as e:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2

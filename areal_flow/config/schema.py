@@ -353,6 +353,28 @@ class LauncherConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Resumable checkpoints in RUN_DIR/checkpoints/ (docs/reliability.md)."""
+
+    every_steps: int = doc(0, "save one every N train steps (0 = not by steps); one is also saved at the end of the "
+                           "run and when the launcher is stopped (SIGTERM, Ctrl-C)", ge=0)
+    every_minutes: float = doc(0.0, "save one when this many minutes of training have passed since the last "
+                               "(0 = not by time)", ge=0)
+    keep_last: int = doc(2, "complete checkpoints kept; older ones are removed once a newer one is complete", ge=1)
+    at_stop: bool = doc(True, "save one when the launcher is stopped (SIGTERM, SIGINT) before it stops the processes")
+    stop_timeout: float = doc(600.0, "seconds a stopped launcher waits for that checkpoint (the current step ends "
+                              "first) before it stops every process without one", ge=0)
+
+
+@dataclass
+class RecoverConfig:
+    """What the launcher does when a process of the run dies."""
+
+    retries: int = doc(0, "restart the whole run from its last checkpoint this many times after a process dies "
+                       "(local launcher); 0 = the run fails", ge=0)
+
+
+@dataclass
 class MetricsConfig:
     """Where per-step metrics go."""
 
@@ -391,6 +413,11 @@ class RunConfig:
     sandbox: SandboxConfig = doc(help="the code sandbox of `code` reward nodes", factory=SandboxConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
+    checkpoint: CheckpointConfig = doc(help="resumable checkpoints", factory=CheckpointConfig)
+    recover: RecoverConfig = doc(help="restarts after a fault", factory=RecoverConfig)
+    resume: Optional[str] = doc(None, "'auto': continue this run (output_dir) from its latest complete checkpoint, or "
+                                "start it when it has none; a checkpoint's path: continue that checkpoint's run, in "
+                                "its directory; null = a new run")
 
 
 def register_configs() -> None:

@@ -8,7 +8,9 @@ depend on the machine. Every problem names the key to change; all of them are re
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
+import json
 import math
 import os
 from typing import Any
@@ -44,9 +46,24 @@ def _out_of_range(value: Any, meta: dict) -> str | None:
     return None
 
 
+def _not_finite(value: Any, key: str) -> list[str]:
+    """`key=nan: must be a finite number` for each NaN or ±inf in a value, in lists and dicts too
+    (algorithm.betas[0], graph.<node>.weights.<key>). Every comparison with NaN is false, so the
+    bounds alone let it through. No float field gives inf a meaning ("no limit" is null or 0
+    throughout the schema), so inf is refused everywhere too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{key}={value}: must be a finite number"]
+    if isinstance(value, (list, tuple)):
+        return [p for i, item in enumerate(value) for p in _not_finite(item, f"{key}[{i}]")]
+    if isinstance(value, dict):
+        return [p for name, item in value.items() for p in _not_finite(item, f"{key}.{name}")]
+    return []
+
+
 def check_ranges(obj: Any, prefix: str = "") -> list[str]:
     """Every field of a config dataclass (and of the dataclasses and dicts of dataclasses inside it)
-    whose value breaks the bounds declared on the field: `key=value must be ...`."""
+    whose value breaks the bounds declared on the field: `key=value must be ...`, or is not a finite
+    number: `key=nan: must be a finite number`."""
     problems = []
     for f in dataclasses.fields(obj):
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
@@ -55,9 +72,69 @@ def check_ranges(obj: Any, prefix: str = "") -> list[str]:
         elif isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
             for name, item in value.items():
                 problems += check_ranges(item, f"{key}.{name}.")
+        elif not_finite := _not_finite(value, key):
+            problems += not_finite
         elif (why := _out_of_range(value, f.metadata)) is not None:
             problems.append(f"{key}={value!r} {why}" if isinstance(value, str) else f"{key}={value} {why}")
     return problems
+
+
+def unknown_keys(obj: Any, prefix: str = "") -> list[str]:
+    """Keys of a typed config that its dataclasses do not declare, with their full path. Hydra's
+    `+key=value` adds a key past the schema, and the launcher's `typed` keeps it (OmegaConf merges a
+    node that already has the schema's type without checking its keys) as an extra attribute; every
+    process, which reads the run's config.yaml back untyped, then refuses it."""
+    declared = [f.name for f in dataclasses.fields(obj)]
+    where = f"'{prefix[:-1]}' ({type(obj).__name__})" if prefix else f"the config ({type(obj).__name__})"
+    problems = []
+    for name in vars(obj):
+        if name not in declared:
+            close = difflib.get_close_matches(name, declared, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            problems.append(f"{prefix}{name}: unknown key, {where} has no field {name!r}{hint}")
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += unknown_keys(value, f"{prefix}{f.name}.")
+        elif isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
+            for name, item in value.items():
+                problems += unknown_keys(item, f"{prefix}{f.name}.{name}.")
+    return problems
+
+
+def check_known_keys(cfg: RunConfig) -> None:
+    """Raise ConfigError naming every key of the composed config the schema does not declare (added
+    with '+'), found here rather than as a traceback in every process."""
+    if problems := unknown_keys(cfg):
+        raise ConfigError(problems)
+
+
+def load_model_config(model_path: str):
+    """The transformers config of a model directory; ConfigError naming its config.json and what is
+    wrong with it (not JSON, or not a config transformers can load)."""
+    path = os.path.join(model_path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"model.path: {path} cannot be read ({type(e).__name__}: {e})"]) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"model.path: {path} is not valid JSON ({e})"]) from None
+    from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except Exception as e:  # noqa: BLE001 - transformers refuses a config in many ways (ValueError, KeyError, ...)
+        raise ConfigError([f"model.path: {path} is not a config transformers.AutoConfig can load "
+                           f"({type(e).__name__}: {e})"]) from None
+
+
+def check_model_config(model_path: str | None) -> None:
+    """Raise ConfigError when `model.path`'s config.json does not parse or load (checked before any
+    process starts, not in each one's log). Nothing to check without a model.path, or without a
+    config.json (check_run reports that where the model must be here)."""
+    if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
+        load_model_config(model_path)
 
 
 def _machine(cfg: RunConfig) -> list[str]:
@@ -107,6 +184,12 @@ def _rollout(cfg: RunConfig) -> list[str]:
         problems.append(f"rollout.keep_weights_every={cfg.rollout.keep_weights_every} keeps published weights on disk, "
                         f"which rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' does not write (or removes "
                         "at the end): use rollout.weight_update_mode=disk")
+    if cfg.recover.retries and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
+        problems.append(f"recover.retries={cfg.recover.retries} restarts a run from its last checkpoint, and this run "
+                        "saves none before its end: set checkpoint.every_steps or checkpoint.every_minutes")
+    if cfg.recover.retries and cfg.launcher.type == "slurm":
+        problems.append("recover.retries restarts the processes the launcher watches, and a Slurm job runs on its own: "
+                        "requeue the job with resume=auto instead (docs/reliability.md)")
     return problems
 
 
@@ -197,9 +280,7 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
     if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
         return
-    from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
-
-    model = AutoConfig.from_pretrained(model_path)
+    model = load_model_config(model_path)
     problems = []
     if layout is not None:
         where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"

@@ -21,5 +21,10 @@ class Ledger:
     def flush(self) -> None:
         self._file.flush()
 
+    def tell(self) -> int:
+        """The ledger's length in bytes, written events included."""
+        self._file.flush()
+        return self._file.tell()
+
     def close(self) -> None:
         self._file.close()

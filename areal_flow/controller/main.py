@@ -13,12 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller.evaluation import held_out_accuracy
 from areal_flow.controller.intake import Intake, outside_range
@@ -28,6 +33,8 @@ from areal_flow.controller.publisher import WeightPublisher
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
+from areal_flow.controller import state as run_state
+from areal_flow.controller.state import RunState, for_ranks
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
@@ -64,6 +71,10 @@ class StalledRun(RuntimeError):
     """No train step completed within `step_timeout`; the message says what the run waited for."""
 
 
+class _Stop(Exception):
+    """The launcher asked the run to stop (SIGUSR1) while the step loop waited for a batch."""
+
+
 @dataclass
 class _Trained:
     """A trained step, until its weights are loaded and its metrics row written."""
@@ -85,19 +96,25 @@ class Controller:
         graph = self.graph = graph_from_config(cfg)
         algo, gen, train = cfg.algorithm, graph.generate, graph.train
         self.B, self.G = algo.batch_size, algo.group_size
-        self.staleness = StalenessManager(self.B, cfg.rollout.max_staleness, cfg.rollout.max_concurrent)
         keys = {graph.meaning[k]: k for k in gen.outputs}
-        self.intake = Intake(
-            self.G, spec.n_trainers, token_keys=list(gen.outputs),
-            output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
-            prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
-        )
+        # Everything the control plane counts and decides from, in one object a checkpoint saves.
+        self.state = RunState(
+            staleness=StalenessManager(self.B, cfg.rollout.max_staleness, cfg.rollout.max_concurrent),
+            intake=Intake(
+                self.G, spec.n_trainers, token_keys=list(gen.outputs),
+                output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
+                prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
+            ))
+        self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
+        if spec.resume:
+            self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
         self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer),
                                     ds.seed)
+        self.prompts.seek(self.state.epoch, self.state.cursor)
         self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
@@ -112,17 +129,42 @@ class Controller:
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks
         self.slots = RolloutSlots()  # rollout workers' free generation slots
-        self.filtered = self.filtered_logged = 0  # groups dropped by dynamic filtering: in all, at the last step
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.closing = False
+        self.stop_requested = False  # the launcher asked for a checkpoint and a clean stop (SIGUSR1)
         self.waiting_for = "start-up"  # what the step loop waits for now, for a stalled run's error
         self.last_progress = 0.0  # monotonic time the last step finished
-        self.next_group = 0
-        self.trainer_seconds = 0.0
-        self.generated_tokens = 0
+        self.saved: tuple[int, float] = (self.state.step, self.state.train_elapsed)  # the last checkpoint: step, clock
         # Where the next step's window starts: monotonic time, the servers' counts
         # (Publisher.server_counts), controller CPU seconds.
         self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
+
+    @property
+    def staleness(self) -> StalenessManager:
+        return self.state.staleness
+
+    @property
+    def intake(self) -> Intake:
+        return self.state.intake
+
+    def restore(self, folder: str) -> None:
+        """Continue from the resumable checkpoint `folder`: its run state, with the groups that were
+        generating queued to be admitted again (the launcher has cut the ledger and the metrics
+        back to what they held then: checkpoint/store.py `rewind`)."""
+        state = run_state.load(folder)
+        if store.read_manifest(folder)["n_trainers"] != self.spec.n_trainers:
+            for_ranks(state, self.spec.n_trainers)
+        self.readmit = sorted(state.staleness.running)
+        state.staleness.running = {}
+        state.resumes += 1
+        self.state = state
+
+    def request_stop(self) -> None:
+        """SIGUSR1 from the launcher: save a checkpoint at the end of the current step, then stop."""
+        log.info("stop requested: the run stops after the current step%s",
+                 ", with a checkpoint" if self.cfg.checkpoint.at_stop else "")
+        self.stop_requested = True
+        self.changed.set()
 
     # ---- the control plane: every message from every other process ----------------------------
 
@@ -145,11 +187,18 @@ class Controller:
         """Fill free rollout slots with prompt groups while the staleness rule admits them; each
         worker gets its groups in one message."""
         admitted: dict[bytes, list[PromptGroup]] = {}
+        state = self.state
         while self.slots and not self.closing and self.staleness.can_admit():
-            row, gid = self.prompts.next(), self.next_group
-            self.next_group += 1
+            if self.readmit:  # a resumed run's groups that were generating, first and in order
+                gid = self.readmit.pop(0)
+                again = {"resumed": True}
+            else:
+                gid, again = state.next_group, {}
+                state.next_group += 1
+                state.running_prompts[gid] = self.prompts.next_index()
+            row = self.prompts.rows[state.running_prompts[gid]]
             version = self.staleness.admit(gid)
-            self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version)
+            self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version, **again)
             admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time()))
         for ident, groups in admitted.items():
             await send_to(self.socket, ident, Admitted(groups))
@@ -170,9 +219,9 @@ class Controller:
             # leaves the intake and the running set, so admission opens for a group in its place.
             self.intake.take([meta.group_id])
             self.staleness.abandon(meta.group_id)
-            self.filtered += 1
+            self.state.filtered += 1
             self.ledger.write("filter", group=meta.group_id, reason=why, **stats)
-            self.generated_tokens += sum(stats["lengths"])
+            self.state.generated_tokens += sum(stats["lengths"])
             rank = DROP
         elif problem:
             # Unusable, but accounted for: it leaves the running set (else the staleness rule would
@@ -182,8 +231,9 @@ class Controller:
             self.ledger.write("drop", group=meta.group_id, reason=problem, **stats)
         else:
             self.staleness.finish(meta.group_id)
-            self.generated_tokens += sum(stats["lengths"])
+            self.state.generated_tokens += sum(stats["lengths"])
             self.ledger.write("finish", group=meta.group_id, rank=rank, **stats)
+        self.state.running_prompts.pop(meta.group_id, None)
         self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))
         self.changed.set()
@@ -201,13 +251,16 @@ class Controller:
         overlap = self.publisher.channel.overlaps_training and not self.graph.colocated
         await self.restart_window()
         done: _Trained | None = None  # the last trained step, its weights maybe still loading
-        step = 0
+        step = self.state.step
         try:
-            while step < cfg.total_steps:
+            while step < cfg.total_steps and not self.stop_requested:
                 if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
                     log.info("wall-time limit reached after %d steps", step)
                     break
-                batch = await self.next_batch(step, done.update if done else None)
+                try:
+                    batch = await self.next_batch(step, done.update if done else None)
+                except _Stop:
+                    break
                 t0 = time.monotonic()
                 stats, weights = await self.run_step(step, batch)
                 trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed(),
@@ -220,10 +273,17 @@ class Controller:
                 if not overlap:
                     await self.close_step(done)
                     done = None
-                step += 1
+                step = self.state.step = step + 1
+                if self.checkpoint_due(step):
+                    if done is not None:  # a checkpoint is taken between steps, no weights in flight
+                        await self.close_step(done)
+                        done = None
+                    await self.save_checkpoint(step)
             if done is not None:
                 await self.close_step(done)
                 done = None
+            if self.saved[0] != step and (cfg.checkpoint.at_stop or not self.stop_requested):
+                await self.save_checkpoint(step)  # the run's last state, to extend or resume it
         finally:
             if done is not None and not done.update.done():
                 done.update.cancel()
@@ -268,7 +328,7 @@ class Controller:
             await asyncio.sleep(min(1.0, self.cfg.step_timeout / 4))
             if time.monotonic() - self.last_progress > self.cfg.step_timeout:
                 frozen = await self.publisher.unresponsive()
-                filtered = self.filtered - self.filtered_logged
+                filtered = self.state.filtered - self.state.filtered_logged
                 raise StalledRun(
                     f"no train step completed within {self.cfg.step_timeout:.0f} s (step_timeout); the controller "
                     f"waits for {self.waiting_for}; {len(self.staleness.finished)} prompt group(s) finished, "
@@ -284,6 +344,8 @@ class Controller:
         whose failure ends the wait (it sets `changed` when it ends)."""
         self.waiting_for = f"finished prompt groups to train step {step}"
         while (ids := self.staleness.pick_batch(step)) is None:
+            if self.stop_requested:
+                raise _Stop
             if update is not None and update.done():
                 update.result()  # raises a failed update's error
             self.changed.clear()
@@ -303,7 +365,7 @@ class Controller:
         for rank, plan in enumerate(plans):
             await send_to(self.socket, self.ranks[rank], plan)
         done = await self.replies_from_ranks(StepDone, f"step {step}")
-        self.trainer_seconds += time.monotonic() - t0
+        self.state.trainer_seconds += time.monotonic() - t0
         if self.graph.colocated:
             await self.publisher.generations_turn()
         for d in done:
@@ -349,7 +411,7 @@ class Controller:
             **{f"train/{k}": v for k, v in stats.items()},
             **{f"sent_bytes/{p}": n for p, n in traffic.items()},
             step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds, trained_at=done.at,
-            samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.generated_tokens / seconds,
+            samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.state.generated_tokens / seconds,
             train_tokens_per_second=stats.get("n_tokens", 0.0) / train_seconds,
             trainer_idle=1 - train_seconds / seconds,
             generator_idle=1 - servers["busy_seconds"] / seconds if "busy_seconds" in servers else None,
@@ -357,9 +419,9 @@ class Controller:
             **{f"gen/{key}": servers[key] for key in (*COMPUTE_COUNTS, "memory_releases") if key in servers},
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
-            filtered_groups=self.filtered - self.filtered_logged,
+            filtered_groups=self.state.filtered - self.state.filtered_logged,
         )
-        self.generated_tokens, self.filtered_logged = 0, self.filtered
+        self.state.generated_tokens, self.state.filtered_logged = 0, self.state.filtered
         self.ledger.flush()
 
     async def evaluate(self, when: str, step: int) -> float:
@@ -415,7 +477,50 @@ class Controller:
                 task.cancel()
         return work.result() if work.done() else watchdog.result()
 
-    async def save_checkpoint(self) -> str:
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the state after `step` steps is saved: every checkpoint.every_steps steps, or once
+        checkpoint.every_minutes of training passed since the last checkpoint."""
+        every, minutes = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_minutes
+        return bool(every and step % every == 0) or \
+            bool(minutes and self.clock.elapsed() - self.saved[1] >= 60 * minutes)
+
+    async def save_checkpoint(self, step: int) -> str:
+        """A resumable checkpoint of the run after `step` steps (checkpoint/store.py): the run state
+        as it is now, and each trainer rank's models and the scored groups the state places on it.
+        Taken between steps, with no weights in flight: the state is consistent as encoded here,
+        and whatever happens while the ranks write (groups finishing) is after it, so a resumed run
+        does it again."""
+        self.waiting_for = f"the trainer ranks to save the checkpoint of step {step}"
+        t0 = time.monotonic()
+        state = self.state
+        self.ledger.flush()
+        state.ledger_bytes, state.metrics_bytes = self.ledger.tell(), self.metrics.tell()
+        state.epoch, state.cursor = self.prompts.epoch, self.prompts.cursor
+        state.train_elapsed = self.clock.elapsed()
+        running = dict(state.staleness.running)
+        state.staleness.running.update({g: state.staleness.version for g in self.readmit})  # still to re-admit
+        encoded = msgspec.json.encode(state)
+        state.staleness.running = running
+        tmp = store.begin(self.spec.run_dir, step)
+        held = {rank: sorted(g for g, r in state.intake.location.items() if r == rank) for rank in self.ranks}
+        for rank, ident in self.ranks.items():
+            await send_to(self.socket, ident, SaveCheckpoint(tmp, held[rank]))
+        await self.replies_from_ranks(Saved, f"saving the checkpoint of step {step}")
+        with open(os.path.join(tmp, run_state.FILE), "wb") as f:
+            f.write(encoded)
+        shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
+        path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
+        removed = store.prune(self.spec.run_dir, self.cfg.checkpoint.keep_last)
+        self.saved = (step, self.clock.elapsed())
+        seconds = time.monotonic() - t0
+        size = sum(store.read_manifest(path)["files"].values())
+        self.metrics.log("checkpoint", step=step, path=path, seconds=seconds, bytes=size, removed=removed)
+        log.info("checkpoint of step %d: %s (%.1f MB, %.2f s)", step, path, size / 1e6, seconds)
+        self.last_progress = time.monotonic()
+        return path
+
+    async def export(self) -> str:
+        """The trained model as a Hugging Face directory, RUN_DIR/checkpoint, at the end of the run."""
         path = self.spec.path("checkpoint")
         for ident in self.ranks.values():
             await send_to(self.socket, ident, SaveCheckpoint(path))
@@ -426,33 +531,41 @@ class Controller:
         await self.wait_for_processes()
         self.metrics.log("start", total_steps=self.cfg.total_steps, batch_size=self.B, group_size=self.G,
                          max_staleness=self.cfg.rollout.max_staleness)
-        acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start else None
+        state = self.state
+        if state.resumes:
+            self.ledger.write("resume", step=state.step, checkpoint=self.spec.resume)
+            self.metrics.log("resume", step=state.step, checkpoint=self.spec.resume, resumes=state.resumes)
+        first = state.step == 0 and not state.resumes
+        acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start and first else None
         inbox = asyncio.create_task(self.inbox())
-        self.clock.start()
+        self.clock.start(already=state.train_elapsed)
         await self.grant()
         steps = await self.until_stalled(self.train())
         train_wall = self.clock.elapsed()
         self.closing = True  # no new admissions; running groups finish or stay accounted for
-        acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end else None
-        checkpoint = await self.save_checkpoint()
+        stopped = self.stop_requested and steps < self.cfg.total_steps
+        acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end and not stopped else None
+        checkpoint = None if stopped else await self.export()
         inbox.cancel()
-        trained = (self.next_group - len(self.staleness.running) - len(self.intake) - self.intake.dropped
-                   - self.filtered)
+        trained = state.trained_groups()
         summary = {
             "steps": steps,
+            "stopped": stopped,
+            "resumes": state.resumes,
             "accuracy_start": acc_start,
             "accuracy_end": acc_end,
             "train_wall_seconds": train_wall,
             "trained_samples": trained * self.G,
             "samples_per_second": trained * self.G / train_wall if train_wall else 0.0,
-            "trainer_busy_fraction": self.trainer_seconds / train_wall if train_wall else 0.0,
-            "admitted_groups": self.next_group,
+            "trainer_busy_fraction": state.trainer_seconds / train_wall if train_wall else 0.0,
+            "admitted_groups": state.next_group,
             "trained_groups": trained,
             "running_groups_at_end": len(self.staleness.running),
             "buffered_groups_at_end": len(self.intake),
             "dropped_groups": self.intake.dropped,
-            "filtered_groups": self.filtered,
+            "filtered_groups": state.filtered,
             "checkpoint": checkpoint,
+            "resumable_checkpoint": store.latest(self.spec.run_dir),
         }
         self.metrics.log("summary", **summary)
         with open(self.spec.path("summary.json"), "w") as f:
@@ -465,6 +578,7 @@ class Controller:
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
     async def run() -> None:  # sockets and events are made inside the loop they belong to
         controller = Controller(cfg, spec)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, controller.request_stop)
         try:
             await controller.run()
         finally:  # a failed run keeps the record of what it did

@@ -13,15 +13,23 @@ class PromptStream:
         self.epoch, self.cursor = 0, 0
         self._order = self._shuffled(0)
 
+    def seek(self, epoch: int, cursor: int) -> None:
+        """Continue from a saved position: the next row is the one after `cursor` rows of pass `epoch`."""
+        self.epoch, self.cursor = epoch, cursor
+        self._order = self._shuffled(epoch)
+
+    def next_index(self) -> int:
+        """The index in `rows` of the next prompt (a group's prompt, which a resumed run finds by it)."""
+        if self.cursor == len(self._order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._shuffled(self.epoch)
+        self.cursor += 1
+        return self._order[self.cursor - 1]
+
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def next(self) -> dict[str, str]:
-        if self.cursor == len(self._order):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._shuffled(self.epoch)
-        row = self.rows[self._order[self.cursor]]
-        self.cursor += 1
-        return row
+        return self.rows[self.next_index()]

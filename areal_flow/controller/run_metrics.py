@@ -23,8 +23,9 @@ class RunClock:
     started: float = 0.0
     paused_seconds: float = 0.0
 
-    def start(self) -> None:
-        self.started, self.paused_seconds = time.monotonic(), 0.0
+    def start(self, already: float = 0.0) -> None:
+        """Start the clock, at `already` seconds (a resumed run's training time so far)."""
+        self.started, self.paused_seconds = time.monotonic() - already, 0.0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started - self.paused_seconds

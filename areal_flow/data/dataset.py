@@ -174,9 +174,11 @@ _FORMATS: dict[str, tuple[str | None, tuple[str, ...], dict[str, Callable[[Any],
 }
 
 
-def load_rows(path: str, required: Sequence[str], fmt: str = "jsonl", split: str | None = "train") -> list[dict[str, str]]:
+def load_rows(path: str, required: Sequence[str], fmt: str = "jsonl", split: str | None = "train",
+              places: list[str] | None = None) -> list[dict[str, str]]:
     """Load the rows of a dataset of row format `fmt` (see the module's doc); each must have the
     fields `required` beside the format's own. `split` picks the split of a DatasetDict directory.
+    `places`, when given, gets each row's place for errors found later ("file:line", "file: row n").
 
     Raises `DatasetError` for a missing path, an unknown file type, an empty dataset, a row that
     is not an object, a row missing a field (or with it null), a row the format refuses, and two
@@ -184,7 +186,7 @@ def load_rows(path: str, required: Sequence[str], fmt: str = "jsonl", split: str
     """
     if fmt not in _FORMATS:
         raise DatasetError(f"unknown dataset format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return _collect(path, _reader(path, split), required, fmt)
+    return _collect(path, _reader(path, split), required, fmt, places)
 
 
 def load_jsonl(path: str, required: Sequence[str]) -> list[dict[str, str]]:
@@ -196,7 +198,8 @@ def load_jsonl(path: str, required: Sequence[str]) -> list[dict[str, str]]:
     return _collect(path, _jsonl_rows(path), required, "jsonl")
 
 
-def _collect(path: str, objects: Iterator[tuple[str, str, Any]], required: Sequence[str], fmt: str) -> list[dict[str, str]]:
+def _collect(path: str, objects: Iterator[tuple[str, str, Any]], required: Sequence[str], fmt: str,
+             places: list[str] | None = None) -> list[dict[str, str]]:
     id_field, own, checks = _FORMATS[fmt]
     fields = list(dict.fromkeys([*own, *required]))
     stem = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
@@ -222,6 +225,8 @@ def _collect(path: str, objects: Iterator[tuple[str, str, Any]], required: Seque
             raise DatasetError(f"{where}: duplicate id {row_id!r} (first used on {id_place[row_id]})")
         id_place[row_id] = place
         rows.append(row)
+        if places is not None:
+            places.append(where)
     if not rows:
         raise DatasetError(f"{path}: dataset is empty (no rows)")
     return rows

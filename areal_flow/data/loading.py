@@ -58,6 +58,14 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
 def load_prompts(ds, path: str, split: str, prompt_key: str, tokenizer=None) -> list[dict[str, str]]:
     """The rows of `path` checked against `ds.name`'s format and `ds.fields`, with the prompt
     templates applied to `prompt_key`. Without a tokenizer the chat template is left out (the
-    launcher checks rows before the model exists, and the chat template separately)."""
-    rows = load_rows(path, list(ds.fields), row_format(ds.name), split)
-    return apply_templates(rows, prompt_key, path, ds.prompt_template, ds.chat_template, tokenizer)
+    launcher checks rows before the model exists, and the chat template separately). A prompt that
+    is empty or only whitespace after the format string is refused, naming its file and line (or
+    row): drawn, it would fail at a generation server, naming neither."""
+    places: list[str] = []
+    rows = load_rows(path, list(ds.fields), row_format(ds.name), split, places)
+    rows = apply_templates(rows, prompt_key, path, ds.prompt_template)
+    for row, where in zip(rows, places):
+        if prompt_key in row and not row[prompt_key].strip():
+            after = f" after dataset.prompt_template {ds.prompt_template!r}" if ds.prompt_template is not None else ""
+            raise DatasetError(f"{where}: the prompt (field {prompt_key!r}) is empty{after}: {row[prompt_key]!r}")
+    return apply_templates(rows, prompt_key, path, None, ds.chat_template, tokenizer)

@@ -83,11 +83,20 @@ class Watching:
             raise ChildFailed(name, exited[name], last_traceback(self.log_path(name)), self.log_path(name))
         return False
 
-    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+    def wait(self, finished: str, on_tick: Callable[[], None] = lambda: None, interval: float = 0.25,
+             timeout: float | None = None) -> None:
+        """Until `finished` exits 0; TimeoutError after `timeout` seconds, when given."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.check(finished):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"'{finished}' did not finish within {timeout:.0f} s")
             on_tick()
             time.sleep(interval)
         on_tick()
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to process `name` (the controller's SIGUSR1: checkpoint, then stop)."""
+        raise NotImplementedError
 
 
 class LocalLauncher(Watching):
@@ -115,8 +124,10 @@ class LocalLauncher(Watching):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.local_devices or proc.devices))
         log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
         with open(log_path, "ab") as log:
+            # A session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
+            # the run in order (a checkpoint first), not every process at once.
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, preexec_fn=lambda: _in_child(cores))
+                                     env=env, preexec_fn=lambda: _in_child(cores), start_new_session=True)
         self.children[proc.name] = Child(proc, popen, log_path)
 
     def exited(self) -> dict[str, int]:
@@ -125,6 +136,10 @@ class LocalLauncher(Watching):
 
     def log_path(self, name: str) -> str:
         return self.children[name].log_path
+
+    def signal(self, name: str, sig: int) -> None:
+        if self.children[name].popen.poll() is None:
+            self.children[name].popen.send_signal(sig)
 
     def stop_all(self) -> None:
         """SIGTERM everyone still alive, then SIGKILL whoever ignores it for stop_timeout seconds."""

@@ -163,7 +163,9 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
             seen.add(phase)
             x += sec
         busy = 1 - (m.get("generator_idle") or 0.0)
-        ax.barh(0, end - start, left=start, color="tab:green", alpha=max(0.05, busy),
+        # A measured idle share can be slightly negative (or over 1): matplotlib refuses an alpha
+        # outside [0, 1], which failed a finished run here. NaN falls to the floor too.
+        ax.barh(0, end - start, left=start, color="tab:green", alpha=min(1.0, max(0.05, busy)),
                 label=None if "gen" in seen else "generating (shade = busy share)")
         ax.barh(0, m["update_seconds"], left=trained_at, color="black",
                 label=None if "load" in seen else "weight update (to every server loaded)")

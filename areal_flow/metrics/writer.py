@@ -27,6 +27,11 @@ class MetricsWriter:
         if self._wandb is not None and event == "step":
             self._wandb.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=values.get("step"))
 
+    def tell(self) -> int:
+        """The file's length in bytes, every row logged so far included."""
+        self._file.flush()
+        return self._file.tell()
+
     def close(self) -> None:
         self._file.close()
         if self._wandb is not None:

@@ -87,8 +87,9 @@ class RewardWorker:
     def done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            # Scoring never raises for what a sample holds (the service scores that 0), so this is a
-            # bug: stop the process, which the launcher reports, rather than stall the run.
+            # Scoring never raises for what a sample holds (the service scores that 0): this is a
+            # reward node's pool that could not be rebuilt (RewardPoolError, which names it) or a
+            # bug. Stop the process, which the launcher reports, rather than stall the run.
             log.error("%s: scoring a group failed", self.name, exc_info=task.exception())
             os._exit(1)
 

@@ -56,6 +56,9 @@ def main(argv: list[str]) -> None:
     )
     # SIGTERM from the launcher means "stop now": exit without a traceback.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGUSR1 asks the controller for a checkpoint and a clean stop (controller/main.py): until its
+    # loop handles it, and in every other process, it must not kill.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a weight save every step would print a bar into the log

@@ -36,6 +36,7 @@ class RunSpec(msgspec.Struct, kw_only=True):
     host: str = LOOPBACK  # where ZeroMQ servers bind and clients connect: this host's address when secured
     hosts: dict[str, str] = {}  # process name -> its node's address, where the launcher placed it on another node
     security: Security | None = None  # the run's secret (security_needed); None: plain, on loopback
+    resume: str = ""  # the resumable checkpoint this run continues from (checkpoint/store.py); "" = a new run
 
     @property
     def api_key(self) -> str | None:

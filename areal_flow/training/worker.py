@@ -16,6 +16,7 @@ import os
 import time
 from functools import partial
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import zmq
 from areal_flow.algorithms import library
 from areal_flow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from areal_flow.algorithms.library import AllReduce
+from areal_flow.checkpoint import store
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.metrics.profile import Phases
@@ -54,6 +56,12 @@ log = logging.getLogger("areal_flow.trainer")
 
 CRITIC_DIR = "critic"
 """A checkpoint's sub-directory holding the critic (a Hugging Face token-classification model)."""
+
+HELD = "held-rank{rank}.msgpack"
+"""A resumable checkpoint's file of the scored groups a rank held, not yet trained."""
+
+TRAINER_STATE = "trainer-rank{rank}.json"
+"""A resumable checkpoint's file of a rank's own state: its trained-samples log's length."""
 
 
 def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig, *, prox_source: str | None = "data",
@@ -137,6 +145,8 @@ class ModelWorker:
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
         trained = self.engines[self.graph.train.role]
+        if spec.resume:
+            self.resume(spec.resume)
         if "kl" in trained.extra_state:  # resumed from a checkpoint: go on with its β
             self.kl.load_state_dict(trained.extra_state["kl"])
 
@@ -153,7 +163,7 @@ class ModelWorker:
                 elif isinstance(msg, PublishWeights):
                     send_blocking(self.control, self.publish(msg))
                 elif isinstance(msg, SaveCheckpoint):
-                    self.save_checkpoint(msg.path)
+                    self.save_checkpoint(msg)
                     send_blocking(self.control, Saved(self.rank, msg.path))
                 elif msg is not None:
                     log.error("%s: a %s is not for a trainer rank, dropped", self.name, type(msg).__name__)
@@ -169,14 +179,15 @@ class ModelWorker:
         else:
             self.held[msg.group_id] = msg
 
-    def wait_for(self, groups: list[int], step: int) -> None:
-        """Receive until this rank holds every group of its share, or fail naming the missing ones."""
+    def wait_for(self, groups: list[int], what: str) -> None:
+        """Receive until this rank holds every group of its share of `what` (e.g. 'step 3'), or fail
+        naming the missing ones."""
         timeout = self.cfg.step_timeout or float("inf")
         deadline = time.monotonic() + timeout
         while missing := [g for g in groups if g not in self.held]:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self.name}: step {step} waited {timeout:.0f} s (step_timeout) for groups "
+                raise TimeoutError(f"{self.name}: {what} waited {timeout:.0f} s (step_timeout) for groups "
                                    f"{missing}, which never arrived on its inbox")
             with self.phases("wait"):
                 ready = self.inbox.poll(min(left, 1.0) * 1000)
@@ -186,11 +197,11 @@ class ModelWorker:
     def step(self, plan: RunStep) -> StepDone:
         # A group routed here may still be on its way from the reward process when the plan moves
         # it on: receive it first.
-        self.wait_for(list(plan.moves), plan.step)
+        self.wait_for(list(plan.moves), f"step {plan.step}")
         with self.phases("transport"):
             for g, rank in plan.moves.items():
                 send_blocking(self.peers[rank], self.held.pop(g))
-        self.wait_for(plan.groups, plan.step)
+        self.wait_for(plan.groups, f"step {plan.step}")
         samples = [s for g in plan.groups for s in self.held.pop(g).samples]
         trained = self.engines[self.graph.train.role]
         # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
@@ -304,12 +315,44 @@ class ModelWorker:
                 skip=None if skip is None else [skip[i] for i in idx]))
         return stats
 
-    def save_checkpoint(self, path: str) -> None:
-        """The trained role's Hugging Face directory, with its training state beside it, and a
-        trained critic's in its `critic/` folder (a run started from the checkpoint resumes it)."""
-        self.engines[self.graph.train.role].save(path, tokenizer=load_tokenizer(self.spec.model_path))
-        if self.graph.critic_train is not None:
-            self.engines["critic"].save(os.path.join(path, CRITIC_DIR))
+    def save_checkpoint(self, msg: SaveCheckpoint) -> None:
+        """The end of a run (`msg.groups` None): the trained role's Hugging Face directory at
+        `msg.path`, with its training state beside it, and a trained critic's in its `critic/`
+        folder. A resumable checkpoint: every trained role's directory under `msg.path/<role>`, the
+        scored groups `msg.groups` this rank holds (waiting for any still on their way) and the
+        length of its trained-samples log. Collective: every rank takes part in saving the models."""
+        tokenizer = load_tokenizer(self.spec.model_path)
+        if msg.groups is None:
+            self.engines[self.graph.train.role].save(msg.path, tokenizer=tokenizer)
+            if self.graph.critic_train is not None:
+                self.engines["critic"].save(os.path.join(msg.path, CRITIC_DIR))
+            return
+        self.wait_for(msg.groups, "the checkpoint")
+        with open(os.path.join(msg.path, HELD.format(rank=self.rank)), "wb") as f:
+            f.write(msgspec.msgpack.encode([self.held[g] for g in sorted(msg.groups)]))
+        self.trained_log.flush()
+        with open(os.path.join(msg.path, TRAINER_STATE.format(rank=self.rank)), "w") as f:
+            json.dump({"trained_log_bytes": self.trained_log.tell()}, f)
+        for node in self.graph.batch_nodes:
+            if node.type == "train":
+                self.engines[node.role].save(os.path.join(msg.path, node.role),
+                                             tokenizer=tokenizer if node.role == self.graph.train.role else None)
+
+    def resume(self, folder: str) -> None:
+        """Continue from the resumable checkpoint `folder`: every trained role's weights and training
+        state (optimizer, LR schedule, RNG, version), the scored groups this rank now holds (those of
+        each saved rank k with k mod ranks = this rank: controller/state.py `for_ranks`). The
+        launcher has cut its trained-samples log back to its length then (checkpoint/store.py `rewind`)."""
+        for node in self.graph.batch_nodes:
+            if node.type == "train":
+                self.engines[node.role].load(os.path.join(folder, node.role))
+        saved_ranks = store.read_manifest(folder)["n_trainers"]
+        for k in range(self.rank, saved_ranks, self.spec.n_trainers):
+            with open(os.path.join(folder, HELD.format(rank=k)), "rb") as f:
+                for group in msgspec.msgpack.decode(f.read(), type=list[ScoredGroup]):
+                    self.held[group.group_id] = group
+        log.info("%s: resumed from %s at version %d with %d scored groups", self.name, folder,
+                 self.engines[self.graph.train.role].version, len(self.held))
 
 
 def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:

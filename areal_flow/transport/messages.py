@@ -225,9 +225,13 @@ class WeightsPublished(msgspec.Struct, tag=True):
 
 
 class SaveCheckpoint(msgspec.Struct, tag=True):
-    """Write the Hugging Face checkpoint of every trained role to `path` (atomically)."""
+    """Write the Hugging Face checkpoint of every trained role to `path` (atomically). `groups`:
+    a resumable checkpoint's part of this rank (docs/reliability.md): the trained roles under
+    `path/<role>`, and the scored groups it holds, these ids, which it waits for if they are still
+    on their way; None: the Hugging Face export at the end of a run."""
 
     path: str
+    groups: list[int] | None = None
 
 
 class Saved(msgspec.Struct, tag=True):

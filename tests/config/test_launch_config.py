@@ -216,3 +216,35 @@ def test_a_colocated_allocation_places_both_on_one_device_and_refuses_what_canno
     assert r.returncode == 2
     assert "generation and training share mesh 0 (colocated), which needs rollout.interrupt=true" in r.stdout
     assert "NCCL cannot broadcast between two processes on one GPU" in r.stdout
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("algorithm.eps_clip=nan", "algorithm.eps_clip=nan: must be a finite number"),
+    ("algorithm.betas=[0.9,inf]", "algorithm.betas[1]=inf: must be a finite number"),
+])
+def test_nan_and_inf_fail_before_anything_starts(tmp_path, override, expected):
+    r = launch(override, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert expected in r.stdout + r.stderr
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
+
+
+def test_a_key_added_with_plus_fails_before_anything_starts(tmp_path):
+    # Hydra itself suggests '+foo.bar=1' for an unknown key; it passed the launcher and every child
+    # died of it with a traceback.
+    r = launch("+foo.bar=1", "+algorithm.eps_clp=0.1", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "foo: unknown key, the config (RunConfig) has no field 'foo'" in r.stdout
+    assert "did you mean algorithm.eps_clip?" in r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
+
+
+def test_a_model_path_with_a_corrupt_config_json_fails_before_anything_starts(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2",\n')
+    r = launch(f"model.path={model}", f"cache_dir={tmp_path}/cache", "dataset.n_train=20", "dataset.n_eval=4",
+               cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"model.path: {model}/config.json is not valid JSON (" in r.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))

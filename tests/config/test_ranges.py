@@ -31,3 +31,31 @@ def test_a_null_optional_value_is_not_range_checked():
     assert check_ranges(cfg) == []
     cfg.algorithm.behav_weight_cap = 0.5
     assert check_ranges(cfg) == ["algorithm.behav_weight_cap=0.5 must be ≥ 1"]
+
+
+def test_nan_and_inf_are_refused_in_every_float_field_nested_in_lists_and_dicts():
+    # Every comparison with NaN is false, so no bound caught it: algorithm.eps_clip=nan trained.
+    nan, inf = float("nan"), float("inf")
+    cfg = RunConfig()
+    cfg.algorithm.eps_clip = nan
+    cfg.algorithm.lr = -inf
+    cfg.algorithm.top_p = inf  # not also "must be ≤ 1": one problem per key
+    cfg.algorithm.betas = [0.9, nan]
+    cfg.algorithm.success_rate_range = [0.0, inf]
+    cfg.algorithm.behav_weight_cap = None
+    cfg.algorithm.reward_norm.eps = nan
+    cfg.sandbox.wall_seconds = inf
+    cfg.graph = {"reward": NodeConfig(type="reward", scale=nan, timeout=inf),
+                 "total": NodeConfig(type="combine", weights={"a": 1.0, "b": nan})}
+    assert sorted(check_ranges(cfg)) == sorted([
+        "algorithm.eps_clip=nan: must be a finite number",
+        "algorithm.lr=-inf: must be a finite number",
+        "algorithm.top_p=inf: must be a finite number",
+        "algorithm.betas[1]=nan: must be a finite number",
+        "algorithm.success_rate_range[1]=inf: must be a finite number",
+        "algorithm.reward_norm.eps=nan: must be a finite number",
+        "sandbox.wall_seconds=inf: must be a finite number",
+        "graph.reward.scale=nan: must be a finite number",
+        "graph.reward.timeout=inf: must be a finite number",
+        "graph.total.weights.b=nan: must be a finite number",
+    ])

@@ -148,3 +148,20 @@ def test_load_prompts_applies_the_template_to_the_generate_nodes_prompt(tmp_path
     rows = load_prompts(cfg.dataset, str(SAMPLES_DIR / "math_sample_eval.jsonl"), "test", "prompt")
     assert rows[0]["prompt"].startswith("Problem math-eval-00: What is 46 + 38?")
     assert rows[0]["id"] == "math-eval-00"
+
+
+def test_an_empty_or_blank_prompt_is_refused_at_load_naming_file_and_line(tmp_path):
+    # Drawn, such a row failed the rollout worker with a server's 400 naming neither file nor line.
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": " \\n\\t", "answer": "3"}\n')
+    cfg = config(tmp_path, "dataset.name=jsonl", f"dataset.train_path={data}", f"dataset.eval_path={data}")
+    with pytest.raises(DatasetError, match=f"^{data}:3: the prompt \\(field 'prompt'\\) is empty"):
+        prepare_data(cfg)  # what the launcher runs before any process starts
+    # Empty after the format string: named with it.
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "", "answer": "3"}\n')
+    cfg.dataset.prompt_template = "{prompt}  "
+    with pytest.raises(DatasetError, match=f"^{data}:2: the prompt \\(field 'prompt'\\) is empty after "
+                                           "dataset.prompt_template '\\{prompt\\}  '"):
+        load_prompts(cfg.dataset, str(data), "train", "prompt")
+    cfg.dataset.prompt_template = "Q: {prompt}"  # not empty once templated
+    assert [r["prompt"] for r in load_prompts(cfg.dataset, str(data), "train", "prompt")] == ["Q: 1+1=", "Q: "]

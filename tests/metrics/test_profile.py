@@ -53,3 +53,12 @@ def test_the_table_and_the_timeline_are_written(tmp_path):
     assert profile_table([]) == "no steps to profile\n"
     path = plot_timeline(metrics, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000 and path.endswith("t.png")
+
+
+@pytest.mark.parametrize("idle", [-0.02, 1.3, float("nan")])
+def test_the_timeline_draws_an_idle_share_outside_zero_to_one(tmp_path, idle):
+    # A measured generator_idle of -0.02 made the shade's alpha 1.02, which matplotlib refused: a
+    # finished run exited 1 while writing profile.png.
+    metrics = [step(float(t), generator_idle=idle) for t in range(1, 6)]
+    path = plot_timeline(metrics, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000 and path.endswith("t.png")

@@ -2,12 +2,16 @@
 the user's own module (sync in the pool, async in the caller's loop), errors that score 0."""
 
 import asyncio
+import multiprocessing
+import os
+import signal
 import time
 
 import pytest
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.service import NodeScorer, Shaping, resolve
+from areal_flow.graph import build_graph
+from areal_flow.rewards.service import NodeScorer, RewardPoolError, RewardService, Shaping, resolve
 
 
 def scorer(fn: str, timeout: float = 10.0, workers: int = 1, shaping: Shaping = Shaping()) -> NodeScorer:
@@ -98,3 +102,75 @@ def test_async_functions_run_in_the_callers_loop_with_the_same_timeout():
 def test_a_bad_function_name_says_what_is_wrong(fn, message):
     with pytest.raises(ValueError, match=message):
         resolve(fn, SandboxConfig())
+
+
+def pool_workers(before: set[int]) -> list:
+    """The pebble workers started since `before` (pids of this process's children then)."""
+    return [p for p in multiprocessing.active_children() if p.pid not in before and p.name == "pebble_pool_worker"]
+
+
+def test_every_pool_of_the_service_is_rebuilt_after_its_idle_worker_is_killed():
+    # An idle worker killed from outside leaves pebble's pool in its error state, which refused every
+    # later sample: each scored 0 with a warning. Each reward node's pool is rebuilt instead.
+    nodes = {
+        "generate": {"type": "generate", "role": "actor", "inputs": ["question"],
+                     "outputs": ["prompt_ids", "output_ids", "behav_logprobs"], "mesh": "0"},
+        "reward": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "gold"], "outputs": ["correct"]},
+        "short": {"type": "reward", "fn": "arith", "inputs": ["output_ids", "gold"], "outputs": ["also_correct"],
+                  "bias": -0.5, "scale": 10.0},
+        "total": {"type": "combine", "inputs": ["correct", "also_correct"], "outputs": ["rewards"],
+                  "weights": {"correct": 1.0, "also_correct": 0.5}},
+        "train": {"type": "train", "role": "actor", "mesh": "1",
+                  "inputs": ["prompt_ids", "output_ids", "behav_logprobs", "rewards"]},
+    }
+    before = {p.pid for p in multiprocessing.active_children()}
+    service = RewardService(build_graph(nodes, ["question", "gold"], 2, ["arith"]).rewards, SandboxConfig())
+
+    async def main():
+        right = "7+8+0=15;#### 15"
+        first = await asyncio.gather(service.score("reward", right, "15"), service.score("short", right, "15"))
+        workers = pool_workers(before)
+        assert len(workers) == 2  # one per reward node
+        for w in workers:
+            os.kill(w.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)  # pebble's manager sees the dead workers: both pools in their error state
+        again = await asyncio.gather(service.score("reward", right, "15"), service.score("short", right, "15"),
+                                     service.score("reward", "#### 16", "15"))
+        return first, again
+
+    try:
+        first, again = asyncio.run(main())
+    finally:
+        service.close()
+    assert [s.reward for s in first] == [1.0, 5.0]
+    assert [s.reward for s in again] == [1.0, 5.0, 0.0]
+    assert all(s.stats["error"] == 0.0 and s.stats["timeout"] == 0.0 for s in again)
+    assert all(s.pools_started == 2 for s in service.scorers.values())
+
+
+def test_a_worker_killed_under_a_sample_has_the_sample_scored_again():
+    before = {p.pid for p in multiprocessing.active_children()}
+    node = scorer("user_rewards:sleeps")
+
+    async def main():
+        await node.score("x", "0")  # the worker is up
+        (worker,) = pool_workers(before)
+        pending = asyncio.ensure_future(node.score("x", "1.5"))
+        await asyncio.sleep(0.7)
+        os.kill(worker.pid, signal.SIGKILL)
+        return await pending
+
+    try:
+        s = asyncio.run(main())
+    finally:
+        node.close()
+    assert (s.raw, s.stats["error"], s.stats["timeout"]) == (1.0, 0.0, 0.0)
+
+
+def test_a_pool_that_cannot_be_rebuilt_raises_naming_the_node_and_the_pool():
+    # "nope" resolves nowhere, so every worker's initializer fails and every pool breaks: an error
+    # that must stop the reward worker, not a reward of 0.
+    node = NodeScorer("my_reward", "nope", 1, 10.0, Shaping(), SandboxConfig())
+    with pytest.raises(RewardPoolError, match=r"the worker pool of reward node 'my_reward' .*'nope'.* could not be rebuilt"):
+        run(node, ("a", "a"))
+    assert node.pools_started == 3

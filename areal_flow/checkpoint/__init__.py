@@ -1,0 +1,1 @@
+"""Resumable checkpoints: their directory layout, completeness and compatibility (docs/reliability.md)."""

@@ -1,0 +1,73 @@
+"""What a resumed run may change, and which checkpoint it continues from."""
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from areal_flow.checkpoint import compat, store
+
+SAVED = {"seed": 1, "total_steps": 10, "model": {"path": None, "arch": {}},
+         "algorithm": {"lr": 1e-4, "lr_schedule": "constant", "lr_decay_steps": None, "eps_clip": 0.2},
+         "graph": {"actor_train": {"type": "train", "mesh": "0", "micro_batch_tokens": 8192}},
+         "dataset": {"name": "tiny_arith", "n_eval": 200}, "rollout": {"workers": 1}, "cluster": {"n_devices": 2}}
+
+
+def changed(**edits):
+    now = OmegaConf.to_container(OmegaConf.merge(SAVED, OmegaConf.from_dotlist([f"{k}={v}" for k, v in edits.items()])))
+    return compat.changed_keys(SAVED, now), compat.lr_schedule_changed(SAVED, now)
+
+
+def test_a_key_of_the_math_is_named():
+    keys, _ = changed(**{"algorithm.eps_clip": 0.3})
+    assert keys == ["algorithm.eps_clip: 0.2 -> 0.3"]
+    assert changed(seed=2)[0] == ["seed: 1 -> 2"]
+    assert changed(**{"graph.actor_train.type": "inference"})[0][0].startswith("graph.actor_train.type")
+
+
+def test_how_the_run_runs_may_change():
+    keys, schedule = changed(total_steps=20, **{"graph.actor_train.mesh": "0-1", "rollout.workers": 2,
+                                                "graph.actor_train.micro_batch_tokens": 4096,
+                                                "cluster.n_devices": 4, "dataset.n_eval": 50})
+    assert keys == [] and schedule is None
+
+
+def test_a_longer_run_with_a_decaying_schedule_needs_its_length():
+    saved = {**SAVED, "algorithm": {**SAVED["algorithm"], "lr_schedule": "cosine"}}
+    now = {**saved, "total_steps": 20}
+    assert "algorithm.lr_decay_steps" in compat.lr_schedule_changed(saved, now)
+    fixed = {**now, "algorithm": {**now["algorithm"], "lr_decay_steps": 100}}
+    assert compat.changed_keys(saved, fixed) == ["algorithm.lr_decay_steps: None -> 100"]
+
+
+def test_check_reads_the_checkpoints_config(tmp_path):
+    tmp = store.begin(str(tmp_path), 2)
+    OmegaConf.save(OmegaConf.create(SAVED), os.path.join(tmp, "config.yaml"))
+    path = store.commit(tmp, 2)
+    compat.check(path, OmegaConf.create(SAVED))
+    with pytest.raises(compat.ResumeError, match=r"algorithm\.lr: 0\.0001 -> 0\.001"):
+        compat.check(path, OmegaConf.merge(SAVED, {"algorithm": {"lr": 1e-3}}))
+
+
+def test_a_path_resumes_its_own_run(tmp_path):
+    tmp = store.begin(str(tmp_path), 2)
+    path = store.commit(tmp, 2)
+    assert compat.find(path, "/elsewhere") == (path, str(tmp_path))
+    with pytest.raises(compat.ResumeError, match="no such checkpoint"):
+        compat.find(str(tmp_path / "nope"), str(tmp_path))
+    os.remove(os.path.join(path, store.MANIFEST))
+    with pytest.raises(compat.ResumeError, match="not a complete checkpoint"):
+        compat.find(path, str(tmp_path))
+
+
+def test_restarts_need_a_checkpoint_to_restart_from():
+    from areal_flow.config import validate
+    from areal_flow.config.schema import CheckpointConfig, LauncherConfig, RecoverConfig, RunConfig
+
+    problems = validate._rollout(RunConfig(recover=RecoverConfig(retries=2)))
+    assert problems == ["recover.retries=2 restarts a run from its last checkpoint, and this run saves none before its "
+                        "end: set checkpoint.every_steps or checkpoint.every_minutes"]
+    assert validate._rollout(RunConfig(recover=RecoverConfig(retries=2), checkpoint=CheckpointConfig(every_minutes=5))) == []
+    slurm = RunConfig(recover=RecoverConfig(retries=1), checkpoint=CheckpointConfig(every_steps=5),
+                      launcher=LauncherConfig(type="slurm"))
+    assert "requeue the job with resume=auto" in validate._rollout(slurm)[0]

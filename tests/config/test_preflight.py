@@ -1,0 +1,72 @@
+"""Checks the launcher runs before any process starts: keys a '+' override adds past the schema,
+and a model.path whose config.json does not load."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from areal_flow.config.validate import ConfigError, check_known_keys, check_model_config, unknown_keys
+from areal_flow.launch import CONF_DIR
+from areal_flow.runtime.spec import typed
+
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def composed(tmp_path, *overrides):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return compose("config", overrides=[f"output_dir={tmp_path}/out", *overrides])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_recipe_has_only_known_keys(tmp_path, recipe):
+    assert unknown_keys(typed(composed(tmp_path, f"recipe={recipe}"))) == []
+
+
+def test_keys_added_with_plus_are_named_with_their_full_path(tmp_path):
+    # typed() kept them (the merge checks no keys of a node that already has the schema's type);
+    # every process, reading config.yaml back untyped, died of them with a traceback.
+    cfg = typed(composed(tmp_path, "+foo.bar=1", "+algorithm.eps_clp=0.1", "+graph.reward.wieght=2"))
+    with pytest.raises(ConfigError) as e:
+        check_known_keys(cfg)
+    assert sorted(e.value.problems) == sorted([
+        "foo: unknown key, the config (RunConfig) has no field 'foo'",
+        "algorithm.eps_clp: unknown key, 'algorithm' (AlgorithmConfig) has no field 'eps_clp'; "
+        "did you mean algorithm.eps_clip?",
+        "graph.reward.wieght: unknown key, 'graph.reward' (NodeConfig) has no field 'wieght'; "
+        "did you mean graph.reward.weights?",
+    ])
+    check_known_keys(typed(composed(tmp_path, "algorithm.eps_clip=0.1")))  # a known key: nothing to say
+
+
+def model_dir(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(text)
+    return tmp_path / "model"
+
+
+def test_a_model_config_that_is_not_json_is_named_with_the_parse_error(tmp_path):
+    model = model_dir(tmp_path, '{"model_type": "qwen2",\n  "hidden_size": 8,\n')
+    with pytest.raises(ConfigError) as e:
+        check_model_config(str(model))
+    (problem,) = e.value.problems
+    assert problem.startswith(f"model.path: {model}/config.json is not valid JSON (")
+    assert "line 3 column 1" in problem
+
+
+def test_a_model_config_transformers_cannot_load_is_named(tmp_path):
+    model = model_dir(tmp_path, json.dumps({"model_type": "no_such_architecture"}))
+    with pytest.raises(ConfigError) as e:
+        check_model_config(str(model))
+    (problem,) = e.value.problems
+    assert problem.startswith(f"model.path: {model}/config.json is not a config transformers.AutoConfig can load")
+    assert "no_such_architecture" in problem
+
+
+def test_a_loadable_model_config_and_no_model_path_pass(tmp_path):
+    check_model_config(None)
+    check_model_config(str(tmp_path))  # no config.json: check_run reports that where the model must be here
+    model = model_dir(tmp_path, json.dumps({"model_type": "qwen2", "hidden_size": 8, "num_attention_heads": 2,
+                                            "num_key_value_heads": 1, "num_hidden_layers": 1}))
+    check_model_config(str(model))
