@@ -244,10 +244,10 @@ def run(raw: DictConfig, console: Console) -> int:
                                  train_path=train_path, eval_path=eval_path, resume=resume)
         if code != 1 or attempt == cfg.recover.retries:
             break
-        if (resume := store.latest(run_dir)) is None:
-            console.print("recover: no complete checkpoint to restart from yet", highlight=False)
-            break
         console.print(f"recover: restart {attempt + 1} of {cfg.recover.retries} (recover.retries)", highlight=False)
+        if (resume := store.latest(run_dir)) is None:
+            console.print("recover: no checkpoint yet: the run starts again", highlight=False)
+            store.rewind(run_dir, None)
     if code:
         return code
     metrics = read_metrics(spec.path("metrics.jsonl"))

@@ -152,20 +152,25 @@ def prune(run_dir: str, keep_last: int) -> list[str]:
     return removed
 
 
-def rewind(run_dir: str, checkpoint: str) -> None:
-    """Cut the run's logs back to what they held when `checkpoint` was saved, before a resumed run's
-    processes start: the ledger and the metrics (lengths in the controller's run state) and each
-    trainer rank's trained-samples log (in the rank's own file). What a resumed run redoes is then
-    logged once; the cut lines are kept aside."""
-    with open(os.path.join(checkpoint, "run_state.json")) as f:
-        state = json.load(f)
-    truncate_log(os.path.join(run_dir, "ledger.jsonl"), state["ledger_bytes"])
-    truncate_log(os.path.join(run_dir, "metrics.jsonl"), state["metrics_bytes"])
-    for entry in os.listdir(checkpoint):
-        if entry.startswith("trainer-rank") and entry.endswith(".json"):
-            with open(os.path.join(checkpoint, entry)) as f:
-                length = json.load(f)["trained_log_bytes"]
-            truncate_log(os.path.join(run_dir, entry.replace("trainer-", "trained-").replace(".json", ".jsonl")), length)
+def rewind(run_dir: str, checkpoint: str | None) -> None:
+    """Cut the run's logs back to what they held when `checkpoint` was saved (None: the run's start),
+    before a resumed run's processes start: the ledger and the metrics (lengths in the controller's
+    run state) and each trainer rank's trained-samples log (in the rank's own file). What a resumed
+    run redoes is then logged once; the cut lines are kept aside."""
+    lengths = {name: 0 for name in os.listdir(run_dir)
+               if name in ("ledger.jsonl", "metrics.jsonl") or (name.startswith("trained-rank") and
+                                                                 name.endswith(".jsonl") and "discarded" not in name)}
+    if checkpoint is not None:
+        with open(os.path.join(checkpoint, "run_state.json")) as f:
+            state = json.load(f)
+        lengths["ledger.jsonl"], lengths["metrics.jsonl"] = state["ledger_bytes"], state["metrics_bytes"]
+        for entry in os.listdir(checkpoint):
+            if entry.startswith("trainer-rank") and entry.endswith(".json"):
+                with open(os.path.join(checkpoint, entry)) as f:
+                    lengths[entry.replace("trainer-", "trained-").replace(".json", ".jsonl")] = \
+                        json.load(f)["trained_log_bytes"]
+    for name, length in lengths.items():
+        truncate_log(os.path.join(run_dir, name), length)
 
 
 def truncate_log(path: str, length: int) -> int:

@@ -28,3 +28,45 @@ class Ledger:
 
     def close(self) -> None:
         self._file.close()
+
+
+def audit(path: str, max_staleness: int) -> dict:
+    """Check a run's ledger (across every resume: a resume cuts the ledger back to its checkpoint):
+    every admitted prompt group is trained exactly once, or filtered or dropped exactly once by a
+    named rule, or still pending (generating or buffered) at the end; every step trains once; no
+    trained group's admission version lies more than `max_staleness` steps behind its step.
+    Returns the counts and `problems`, a list of what is wrong (empty when the audit passes)."""
+    events = [msgspec.json.decode(line) for line in open(path, "rb") if line.strip()]
+    admitted: dict[int, int] = {}  # group -> version of its last admission (a resumed run admits again)
+    finished, outcomes, steps = set(), {}, []
+    problems = []
+    for e in events:
+        kind = e["event"]
+        if kind == "admit":
+            admitted[e["group"]] = e["version"]
+        elif kind == "finish":
+            finished.add(e["group"])
+        elif kind in ("filter", "drop"):
+            if e["group"] in outcomes:
+                problems.append(f"group {e['group']}: {kind} after {outcomes[e['group']][0]}")
+            outcomes[e["group"]] = (kind, e.get("reason", ""))
+        elif kind == "train":
+            steps.append(e["step"])
+            for g in e["groups"]:
+                if g in outcomes:
+                    problems.append(f"group {g}: trained at step {e['step']} after {outcomes[g][0]}")
+                elif g not in finished:
+                    problems.append(f"group {g}: trained at step {e['step']} but never finished")
+                elif e["step"] - admitted.get(g, e["step"]) > max_staleness:
+                    problems.append(f"group {g}: admitted at version {admitted[g]}, trained at step {e['step']} "
+                                    f"(staleness above {max_staleness})")
+                outcomes[g] = ("train", e["step"])
+    if steps != list(range(len(steps))):
+        problems.append(f"steps trained out of order or twice: {steps}")
+    unknown = sorted(set(outcomes) - set(admitted))
+    if unknown:
+        problems.append(f"groups {unknown[:10]} have an outcome but were never admitted")
+    kinds = [kind for kind, _ in outcomes.values()]
+    return {"admitted": len(admitted), "trained": kinds.count("train"), "filtered": kinds.count("filter"),
+            "dropped": kinds.count("drop"), "pending": len(set(admitted) - set(outcomes)), "steps": len(steps),
+            "resumes": sum(e["event"] == "resume" for e in events), "problems": problems}

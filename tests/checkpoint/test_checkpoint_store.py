@@ -95,3 +95,11 @@ def test_auto_without_a_checkpoint_starts_the_run(tmp_path, resume):
     from areal_flow.checkpoint.compat import find
 
     assert find(resume, str(tmp_path)) == (None, str(tmp_path))
+
+
+def test_rewind_to_the_start_empties_every_log(tmp_path):
+    for name in ("ledger.jsonl", "metrics.jsonl", "trained-rank1.jsonl"):
+        (tmp_path / name).write_text('{"x": 1}\n')
+    store.rewind(str(tmp_path), None)
+    assert (tmp_path / "ledger.jsonl").read_text() == "" and (tmp_path / "trained-rank1.jsonl").read_text() == ""
+    assert (tmp_path / "trained-rank1.discarded.jsonl").read_text() == '{"x": 1}\n'

@@ -1,0 +1,44 @@
+"""The ledger audit finds a group trained twice, lost, or too stale, and passes a clean ledger."""
+
+from areal_flow.controller.ledger import Ledger, audit
+
+
+def ledger(tmp_path, *events, name="ledger.jsonl"):
+    path = tmp_path / name
+    led = Ledger(str(path))
+    for kind, fields in events:
+        led.write(kind, **fields)
+    led.close()
+    return str(path)
+
+
+CLEAN = [("admit", {"group": 0, "version": 0}), ("admit", {"group": 1, "version": 0}),
+         ("admit", {"group": 2, "version": 0}), ("finish", {"group": 0}), ("filter", {"group": 1, "reason": "x"}),
+         ("train", {"step": 0, "groups": [0]}), ("admit", {"group": 3, "version": 1})]
+
+
+def test_a_clean_ledger_passes_with_every_group_accounted(tmp_path):
+    result = audit(ledger(tmp_path, *CLEAN), max_staleness=0)
+    assert result == {"admitted": 4, "trained": 1, "filtered": 1, "dropped": 0, "pending": 2, "steps": 1,
+                      "resumes": 0, "problems": []}
+
+
+def test_a_group_trained_twice_or_after_a_filter_is_found(tmp_path):
+    path = ledger(tmp_path, *CLEAN, ("finish", {"group": 2}), ("train", {"step": 1, "groups": [0, 1]}))
+    problems = audit(path, max_staleness=2)["problems"]
+    assert "group 0: trained at step 1 after train" in problems[0]
+    assert "group 1: trained at step 1 after filter" in problems[1]
+
+
+def test_a_step_trained_twice_and_an_unfinished_group_are_found(tmp_path):
+    path = ledger(tmp_path, *CLEAN, ("train", {"step": 0, "groups": [2]}))
+    problems = audit(path, max_staleness=2)["problems"]
+    assert problems == ["group 2: trained at step 0 but never finished", "steps trained out of order or twice: [0, 0]"]
+
+
+def test_staleness_counts_from_the_last_admission(tmp_path):
+    events = [("admit", {"group": 0, "version": 0}), ("finish", {"group": 0}), ("train", {"step": 0, "groups": []}),
+              ("train", {"step": 1, "groups": []}), ("train", {"step": 2, "groups": [0]})]
+    assert "staleness above 1" in audit(ledger(tmp_path, *events), max_staleness=1)["problems"][0]
+    readmitted = events[:1] + [("admit", {"group": 0, "version": 2, "resumed": True})] + events[1:]
+    assert audit(ledger(tmp_path, *readmitted, name="again.jsonl"), max_staleness=1)["problems"] == []

@@ -1,0 +1,28 @@
+"""tools/chaos.py, short: random kill -9s of a run's processes; the run restarts itself from its
+checkpoints and its ledger audit passes: no group lost, none trained twice, none too stale."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from run_helpers import leftover_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import chaos  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_random_kills_lose_and_duplicate_nothing(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    figures = chaos.chaos(str(run_dir), kills=2, steps=24, seed=3, every=(2.0, 4.0),
+                          overrides=[f"cache_dir={run_cache}", "model.bootstrap_steps=30"], timeout=300,
+                          console=Console(quiet=True))
+    out = (run_dir / "launcher.out").read_text()
+    assert figures["launcher_exit"] == 0, out[-3000:]
+    assert figures["kills"] == 2 and figures["restarts"] >= 1, (figures, out[-3000:])
+    audit = figures["audit"]
+    assert audit["problems"] == [] and audit["steps"] == 24
+    assert audit["trained"] == 24 * 2 and audit["admitted"] == audit["trained"] + audit["pending"]
+    assert not leftover_processes(run_dir)

@@ -1,0 +1,158 @@
+"""Chaos: kill -9 random processes of a run, over and over, and audit its ledger after.
+
+Starts a small tiny_arith run with periodic checkpoints and `recover.retries`, then at random
+moments kills a random live process of it (the controller, a trainer rank, a generation server, a
+rollout or reward worker; never the launcher, which is the supervisor). When the run ends, the
+ledger audit (`areal_flow/controller/ledger.py: audit`) must show every admitted prompt group
+trained exactly once, or filtered, dropped or pending, and no trained group staler than η.
+
+    python tools/chaos.py [--kills 50] [--steps 200] [--seed 0] [-- extra overrides]
+
+Prints the audit, the restarts, the seconds from each kill to the next step trained, and the work lost
+per kill (prompt groups generated and then thrown away, in samples); writes them as JSON with --out.
+The test suite runs a short version (tests/test_chaos.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+SMALL = ["algorithm.batch_size=2", "algorithm.group_size=4", "rollout.max_concurrent=8", "dataset.n_train=400",
+         "dataset.n_eval=16", "model.bootstrap_steps=30", "model.bootstrap_batch_size=32", "max_wall_seconds=0",
+         "metrics.plot=false", "algorithm.success_rate_range=null", "eval_at_start=false", "eval_at_end=false",
+         "launcher.start_timeout=90", "step_timeout=120"]
+"""The test suite's small run (tests/run_helpers.py), without evaluations."""
+
+
+def run_processes(run_dir: str) -> dict[str, int]:
+    """Live processes the launcher started for this run (marked with AREAL_FLOW_RUN): name -> pid."""
+    marker = f"AREAL_FLOW_RUN={run_dir}".encode()
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    continue
+            if marker in env:
+                name = next(e for e in env if e.startswith(b"AREAL_FLOW_PROC=")).split(b"=", 1)[1].decode()
+                found[name] = int(pid)
+        except (OSError, StopIteration):
+            continue
+    return found
+
+
+def jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def chaos(run_dir: str, *, kills: int, steps: int, seed: int, every: tuple[float, float], overrides: list[str],
+          timeout: float, console: Console) -> dict:
+    """Run the chaos and return its figures (the audit included)."""
+    from areal_flow.controller.ledger import audit
+
+    rng = random.Random(seed)
+    eta = next((int(o.split("=")[1]) for o in overrides if o.startswith("rollout.max_staleness=")), 2)
+    cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"total_steps={steps}", "checkpoint.every_steps=2",
+           f"recover.retries={kills}", f"rollout.max_staleness={eta}", f"hydra.run.dir={run_dir}", *overrides]
+    os.makedirs(run_dir, exist_ok=True)
+    log = open(os.path.join(run_dir, "launcher.out"), "w")
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(run_dir))
+    killed: list[tuple[float, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while launcher.poll() is None and len(killed) < kills and time.monotonic() < deadline:
+            time.sleep(rng.uniform(*every))
+            alive = run_processes(run_dir)
+            if not alive or not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+                continue  # starting up: let it save its first checkpoint
+            name = rng.choice(sorted(alive))
+            try:
+                os.kill(alive[name], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append((time.time(), name))
+            console.print(f"kill -9 {name} ({len(killed)}/{kills})", highlight=False)
+        launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+            launcher.wait(timeout=60)
+        log.close()
+    metrics = jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    result = audit(os.path.join(run_dir, "ledger.jsonl"), eta)
+    discarded = jsonl(os.path.join(run_dir, "ledger.discarded.jsonl"))
+    lost = sum(e["event"] in ("finish", "filter", "drop") for e in discarded)
+    # Seconds from each kill to the first step the run trained after it (detection, the restart of
+    # every process, the checkpoint's load, and the step itself).
+    step_times = sorted(m["time"] for m in metrics if m["event"] == "step")
+    to_step = [next(t for t in step_times if t > at) - at for at, _ in killed if any(t > at for t in step_times)]
+    with open(os.path.join(run_dir, "launcher.out")) as f:
+        restarts = f.read().count("recover: restart")
+    group_size = 4
+    return {"kills": len(killed), "killed": [n for _, n in killed], "launcher_exit": launcher.returncode,
+            "steps": result["steps"], "audit": result,
+            "restarts": restarts, "kill_to_step_seconds": sorted(to_step),
+            "lost_samples_per_kill": lost * group_size / max(1, len(killed)),
+            "checkpoint_seconds": [m["seconds"] for m in metrics if m["event"] == "checkpoint"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every", type=float, nargs=2, default=(5.0, 20.0), help="seconds between kills: uniform in [a, b]")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole chaos may take")
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of the run")
+    args = ap.parse_args()
+    console = Console()
+    run_dir = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="chaos-"))
+    figures = chaos(run_dir, kills=args.kills, steps=args.steps, seed=args.seed, every=tuple(args.every),
+                    overrides=args.overrides, timeout=args.timeout, console=console)
+    audit = figures["audit"]
+    table = Table(title=f"chaos: {figures['kills']} kills, run {run_dir}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for what, value in [("launcher exit code", figures["launcher_exit"]), ("steps trained", figures["steps"]),
+                        ("restarts", figures["restarts"]), ("groups admitted", audit["admitted"]),
+                        ("trained", audit["trained"]), ("filtered", audit["filtered"]), ("dropped", audit["dropped"]),
+                        ("pending at the end", audit["pending"]),
+                        ("audit problems", len(audit["problems"])),
+                        ("kill to the next step, median s", _median(figures["kill_to_step_seconds"])),
+                        ("samples thrown away per kill", f"{figures['lost_samples_per_kill']:.1f}"),
+                        ("checkpoint, median s", _median(figures["checkpoint_seconds"]))]:
+        table.add_row(what, str(value))
+    console.print(table)
+    for p in audit["problems"][:20]:
+        console.print(f"[red]audit:[/] {p}", highlight=False)
+    console.print("killed: " + ", ".join(figures["killed"]), highlight=False)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=1)
+    sys.exit(0 if not audit["problems"] and figures["launcher_exit"] == 0 else 1)
+
+
+def _median(values: list[float]) -> str:
+    return f"{sorted(values)[len(values) // 2]:.2f}" if values else "-"
+
+
+if __name__ == "__main__":
+    main()
