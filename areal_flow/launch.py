@@ -31,7 +31,7 @@ from areal_flow.generation.sglang_backend import shell_line, sglang_command, sgl
 from areal_flow.graph import GraphError, graph_from_config, place
 from areal_flow.graph.allocation import AllocationError, allocation_problems, apply_allocation, parse_allocation
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.local import ChildFailed, LocalLauncher, python_role
+from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended, python_role
 from areal_flow.launchers.progress import RunProgress, print_summary
 from areal_flow.launchers.slurm import SlurmError
 from areal_flow.metrics.profile import profile_table
@@ -41,6 +41,7 @@ from areal_flow.rewards.sandbox import SandboxUnavailable
 from areal_flow.rewards.service import resolve
 from areal_flow.runtime.security import API_KEY_ENV, LOOPBACK, Security, host_address, is_loopback, security_needed
 from areal_flow.runtime.spec import RunSpec, reachable, typed, write_run
+from areal_flow.weights.files import last_loaded
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Hydra config dir. An installed wheel holds it inside the package, as areal_flow/conf with the
@@ -106,6 +107,8 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
             "--device", device, "--dtype", gen.dtype or "auto"]
     if device == "cpu":  # a CPU server computes on its mesh's cores; a GPU server's threads only feed the GPU
         argv += ["--num-threads", str(max(1, len(proc.devices)))]
+    if gen.deterministic or (gen.deterministic is None and cfg.rollout.max_staleness == 0):
+        argv += ["--enable-deterministic-inference"]  # synchronous runs reproduce bit for bit
     if gen.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(gen.mem_fraction_static)]
     if gen.max_batch_size is not None:
@@ -125,16 +128,28 @@ def server_host(cfg: RunConfig, host: str) -> str:
 
 def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
     # A resumed run's servers start with its checkpoint's actor, at its version.
-    model_path, version = spec.model_path, 0
+    first = (spec.model_path, 0)
     if spec.resume:
-        model_path, version = os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"]
+        first = (os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"])
+    # Processes the local launcher restarts alone when they die (the run goes on): the workers,
+    # and the servers when the weights they must load are files (the last version the controller
+    # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
+    restarts = cfg.recover.worker_restarts if cfg.launcher.type == "local" else 0
+    files = cfg.rollout.weight_update_mode in ("disk", "shm")
     for proc in placement.procs:
         if proc.role == "gen_server":
-            launcher.start(proc, *server_command(cfg, proc, model_path, spec.gen_ports[proc.rank],
-                                                 host=server_host(cfg, spec.host_of(proc.name)), api_key=spec.api_key,
-                                                 version=version))
+            def argv(proc: Proc = proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+                path, version = weights
+                return server_command(cfg, proc, path, spec.gen_ports[proc.rank], api_key=spec.api_key,
+                                      host=server_host(cfg, spec.host_of(proc.name)), version=version)
+            again = (lambda argv=argv: argv(weights=last_loaded(spec.run_dir, first))) if files else None
         else:
-            launcher.start(proc, python_role(proc.role, proc, spec.run_dir))
+            def argv(proc: Proc = proc) -> tuple[list[str], dict[str, str]]:
+                return python_role(proc.role, proc, spec.run_dir), {}
+            again = argv if proc.role in ("rollout", "reward") else None
+        extra = {"again": again, "restarts": restarts} if restarts and again is not None else {}
+        launcher.start(proc, *argv(), **extra)
+
 
 
 def describe_servers(cfg: RunConfig, placement: Placement) -> str:
@@ -280,6 +295,9 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, console: 
     security = Security.new() if security_needed(cfg) else None
     host = host_address() if security is not None else LOOPBACK
     launcher = make_launcher(cfg, run_dir, placement)
+    launcher.on_restart = lambda name, code: console.print(
+        f"process '{name}' {how_it_ended(code)}: restarted, the run goes on (its log: {launcher.log_path(name)})",
+        highlight=False, markup=False)
     # A free port on the node of each process that listens (trainer 0's node twice: its inbox and the
     # trainers' torch.distributed rendezvous), in the order the spec lists them. Secured: free on
     # every address, since servers bind the host's address, loopback (torch.distributed) and maybe a

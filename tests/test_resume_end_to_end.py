@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, run_processes, steps_of
+from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, steps_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from chaos import run_processes  # noqa: E402  (each process itself, not its scoring pool)
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +72,27 @@ def test_a_stopped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, run_cach
     assert [m["event"] for m in jsonl(run_dir / "metrics.jsonl")].count("resume") == 1
     # The optimizer went on: the resumed trainer's weights carry on the versions, published as such.
     assert (run_dir / "weights" / f"v{steps + 2}").is_dir() and not leftover_processes(run_dir)
+
+
+def test_a_dead_server_rollout_or_reward_worker_is_restarted_alone_and_the_run_goes_on(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    victims = ("gen_server0", "rollout0", "reward0")
+    proc = start(run_dir, run_cache, "total_steps=12")
+    try:
+        for victim, step in zip(victims, (2, 5, 8)):
+            wait_for_step(run_dir, step, proc)
+            os.kill(run_processes(str(run_dir))[victim], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    for victim in victims:
+        assert f"process '{victim}' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
+    assert "recover:" not in out  # the run itself was never restarted
+    summary = check_accounting(run_dir, eta=2)
+    assert summary["steps"] == 12 and summary["resumes"] == 0
+    controller = (run_dir / "logs" / "controller.log").read_text()
+    assert "rollout0 restarted; its" in controller and "reward0 restarted; the rollout workers send" in controller
+    assert "generation server gen_server0 is back" in controller
+    assert not leftover_processes(run_dir)

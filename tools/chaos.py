@@ -36,22 +36,23 @@ SMALL = ["algorithm.batch_size=2", "algorithm.group_size=4", "rollout.max_concur
 
 
 def run_processes(run_dir: str) -> dict[str, int]:
-    """Live processes the launcher started for this run (marked with AREAL_FLOW_RUN): name -> pid."""
+    """Live processes the launcher started for this run (marked with AREAL_FLOW_RUN): name -> pid.
+    A process's own children (a reward worker's scoring pool) carry its name too: the one whose
+    parent has another name is the process itself."""
     marker = f"AREAL_FLOW_RUN={run_dir}".encode()
-    found = {}
+    named: dict[int, tuple[str, int]] = {}  # pid -> (name, parent pid)
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":
-                    continue
-            if marker in env:
+                stat = f.read().rsplit(")", 1)[1].split()
+            if marker in env and stat[0] != "Z":
                 name = next(e for e in env if e.startswith(b"AREAL_FLOW_PROC=")).split(b"=", 1)[1].decode()
-                found[name] = int(pid)
+                named[int(pid)] = (name, int(stat[1]))
         except (OSError, StopIteration):
             continue
-    return found
+    return {name: pid for pid, (name, parent) in named.items() if named.get(parent, ("",))[0] != name}
 
 
 def jsonl(path: str) -> list[dict]:
@@ -106,7 +107,8 @@ def chaos(run_dir: str, *, kills: int, steps: int, seed: int, every: tuple[float
         restarts = f.read().count("recover: restart")
     group_size = 4
     return {"kills": len(killed), "killed": [n for _, n in killed], "launcher_exit": launcher.returncode,
-            "steps": result["steps"], "audit": result,
+            "steps": result["steps"], "audit": result, "eta": eta,
+            "staleness_max": max((m["staleness_max"] for m in metrics if m["event"] == "step"), default=0),
             "restarts": restarts, "kill_to_step_seconds": sorted(to_step),
             "lost_samples_per_kill": lost * group_size / max(1, len(killed)),
             "checkpoint_seconds": [m["seconds"] for m in metrics if m["event"] == "checkpoint"]}
@@ -136,6 +138,7 @@ def main() -> None:
                         ("trained", audit["trained"]), ("filtered", audit["filtered"]), ("dropped", audit["dropped"]),
                         ("pending at the end", audit["pending"]),
                         ("audit problems", len(audit["problems"])),
+                        (f"realised staleness, max (η = {figures['eta']})", figures["staleness_max"]),
                         ("kill to the next step, median s", _median(figures["kill_to_step_seconds"])),
                         ("samples thrown away per kill", f"{figures['lost_samples_per_kill']:.1f}"),
                         ("checkpoint, median s", _median(figures["checkpoint_seconds"]))]:

@@ -288,6 +288,10 @@ class GenerationConfig:
     chunked_prefill_size: Optional[int] = doc(None, "sglang: --chunked-prefill-size in tokens; -1 turns chunked "
                                               "prefill off (AReaL's default); null = SGLang's choice", ge=-1)
     disable_radix_cache: bool = doc(False, "sglang: --disable-radix-cache (no prefix cache shared by a group's samples)")
+    deterministic: Optional[bool] = doc(None, "embedded: batch-invariant decoding (--enable-deterministic-inference): a "
+                                        "request's tokens and logprobs do not depend on what it is batched with, "
+                                        "about 20% fewer tokens/s; null = on at rollout.max_staleness=0, where it "
+                                        "makes seeded runs reproducible bit for bit (sglang: add the flag to extra_args)")
     extra_args: List[str] = doc(help="sglang: more launch_server arguments, passed verbatim, e.g. "
                                 "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
 
@@ -371,7 +375,10 @@ class RecoverConfig:
     """What the launcher does when a process of the run dies."""
 
     retries: int = doc(0, "restart the whole run from its last checkpoint this many times after a process dies "
-                       "(local launcher); 0 = the run fails", ge=0)
+                       "that is not restarted alone; 0 = the run fails", ge=0)
+    worker_restarts: int = doc(3, "local launcher: restart a generation server (weight_update_mode disk or shm), "
+                               "rollout worker or reward worker that dies, alone, this many times each, while the "
+                               "run goes on; 0 = its death is the run's", ge=0)
 
 
 @dataclass

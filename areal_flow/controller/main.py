@@ -40,6 +40,7 @@ from areal_flow.data.loading import load_prompts
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.weights import UpdateFlags, make_channel
+from areal_flow.weights.files import record_loaded
 from areal_flow.weights.update import WeightUpdateError
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
@@ -54,10 +55,13 @@ from areal_flow.transport.messages import (
     Admitted,
     GroupMeta,
     Hello,
+    Joined,
     Message,
     PromptGroup,
     Route,
     PublishWeights,
+    Released,
+    Resend,
     Saved,
     SaveCheckpoint,
     StepDone,
@@ -106,6 +110,10 @@ class Controller:
                 prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
             ))
         self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
+        # Groups a restarted rollout worker was running: still admitted (their versions kept), given
+        # to a worker again; a copy that comes back first wins, a later one is refused as not running.
+        self.regenerate: list[int] = []
+        self.reward_workers: set[str] = set()  # the reward workers that have joined
         if spec.resume:
             self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
@@ -126,6 +134,8 @@ class Controller:
         self.clock, self.traffic = RunClock(), Traffic()
         self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=spec.endpoint("controller", spec.controller_port),
                                   security=spec.security)
+        # A restarted worker connects with its old identity: the new connection takes it over.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.ranks: dict[int, bytes] = {}  # trainer rank -> socket identity
         self.replies: asyncio.Queue[Message] = asyncio.Queue()  # Hello, StepDone, Saved from the ranks
         self.slots = RolloutSlots()  # rollout workers' free generation slots
@@ -172,7 +182,9 @@ class Controller:
         while True:
             ident, msg = await recv_from(self.socket, "controller")
             if isinstance(msg, AdmitRequest):
-                self.slots.offer(ident, msg.slots)
+                self.rollout_joined(ident, msg)
+            elif isinstance(msg, Joined):
+                await self.reward_joined(msg.worker)
             elif isinstance(msg, GroupMeta):
                 for proc, n in msg.traffic.items():
                     self.traffic.report(proc, n)
@@ -183,21 +195,52 @@ class Controller:
                 log.error("controller: a %s is not for the controller, dropped", type(msg).__name__)
             await self.grant()
 
+    def rollout_joined(self, ident: bytes, msg: AdmitRequest) -> None:
+        """A rollout worker offers its slots: at start, or again once the launcher restarted it, when
+        the groups it was running are given to a worker again (they keep their admission versions)."""
+        if ident in self.slots.free:
+            lost = sorted(g for g, worker in self.slots.owner.items() if worker == ident)
+            for g in lost:
+                del self.slots.owner[g]
+            self.slots.free[ident] = 0
+            self.regenerate += [g for g in lost if g in self.staleness.running]
+            log.warning("controller: %s restarted; its %d running group(s) are generated again", msg.worker, len(lost))
+        self.slots.offer(ident, msg.slots)
+
+    async def reward_joined(self, worker: str) -> None:
+        """A reward worker starts. Once the launcher restarted it, the groups it held are lost: every
+        rollout worker sends the generated groups it still keeps again (a copy scored twice is
+        refused the second time, as not running)."""
+        if worker in self.reward_workers:
+            log.warning("controller: %s restarted; the rollout workers send their unrouted groups again", worker)
+            for ident in self.slots.free:
+                await send_to(self.socket, ident, Resend())
+        self.reward_workers.add(worker)
+
     async def grant(self) -> None:
         """Fill free rollout slots with prompt groups while the staleness rule admits them; each
-        worker gets its groups in one message."""
+        worker gets its groups in one message. A restarted worker's groups go first: they are
+        admitted already."""
         admitted: dict[bytes, list[PromptGroup]] = {}
         state = self.state
-        while self.slots and not self.closing and self.staleness.can_admit():
-            if self.readmit:  # a resumed run's groups that were generating, first and in order
-                gid = self.readmit.pop(0)
-                again = {"resumed": True}
+        while self.slots and not self.closing:
+            again = {}
+            if self.regenerate:
+                gid = self.regenerate.pop(0)
+                if gid not in self.staleness.running:  # a copy came back meanwhile
+                    continue
+                version, again = self.staleness.running[gid], {"again": "its rollout worker restarted"}
+            elif not self.staleness.can_admit():
+                break
+            elif self.readmit:  # a resumed run's groups that were generating, first and in order
+                gid, again = self.readmit.pop(0), {"resumed": True}
+                version = self.staleness.admit(gid)
             else:
-                gid, again = state.next_group, {}
+                gid = state.next_group
                 state.next_group += 1
                 state.running_prompts[gid] = self.prompts.next_index()
+                version = self.staleness.admit(gid)
             row = self.prompts.rows[state.running_prompts[gid]]
-            version = self.staleness.admit(gid)
             self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version, **again)
             admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time()))
         for ident, groups in admitted.items():
@@ -234,8 +277,9 @@ class Controller:
             self.state.generated_tokens += sum(stats["lengths"])
             self.ledger.write("finish", group=meta.group_id, rank=rank, **stats)
         self.state.running_prompts.pop(meta.group_id, None)
-        self.slots.release(meta.group_id)
+        owner = self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))
+        await send_to(self.socket, owner, Released([meta.group_id]))  # its copy is no longer needed
         self.changed.set()
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -292,6 +336,8 @@ class Controller:
     async def update(self, weights: str, version: int) -> float:
         """Load `version` on the generation servers, then admit at it; the seconds the load took."""
         seconds = await self.publisher.publish(weights, version)
+        if not self.publisher.channel.sent_by_trainers:  # files: a restarted server starts from them
+            record_loaded(self.spec.run_dir, weights, version)
         self.ledger.write("loaded", version=version, seconds=round(seconds, 4))
         self.staleness.set_version(version)
         await self.grant()
@@ -462,6 +508,8 @@ class Controller:
                 self.ranks[msg.rank] = ident
             elif isinstance(msg, AdmitRequest):
                 self.slots.offer(ident, msg.slots)  # filled once training starts
+            elif isinstance(msg, Joined):
+                self.reward_workers.add(msg.worker)
             else:
                 log.error("controller: unexpected %s before start, dropped", type(msg).__name__)
 

@@ -38,6 +38,8 @@ class RolloutSlots:
         self.owner[group_id] = worker
         return worker
 
-    def release(self, group_id: int) -> None:
-        """The group is scored or dropped: its worker's slot is free again."""
-        self.free[self.owner.pop(group_id)] += 1
+    def release(self, group_id: int) -> bytes:
+        """The group is scored or dropped: its worker's slot is free again. Returns the worker."""
+        worker = self.owner.pop(group_id)
+        self.free[worker] += 1
+        return worker

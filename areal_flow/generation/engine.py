@@ -58,7 +58,7 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.decode import DecodeStep, padding_bias
+from areal_flow.generation.decode import GEMM_ROWS, DecodeStep, padding_bias
 from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
@@ -189,7 +189,7 @@ class GenerationEngine:
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
         tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
         fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
-        mem_fraction: float | None = None,
+        mem_fraction: float | None = None, batch_invariant: bool = False,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
@@ -200,7 +200,12 @@ class GenerationEngine:
         weights, the KV cache and the sampling; `dtype` is the weights' and the cache's number format
         (logits are float32 for sampling and logprobs either way). `mem_fraction` (a GPU, no
         max_total_tokens): the KV budget is what remains of that share of the device's memory once
-        the weights are loaded (`kv_budget_tokens`)."""
+        the weights are loaded (`kv_budget_tokens`). `batch_invariant` (the server's
+        --enable-deterministic-inference): a request's tokens and logprobs do not depend on what
+        else is in the batch, so a seeded request answers bit-identically however requests arrive
+        (generation/decode.py: measured on the CPU; only with the engine's own decode step);
+        prefills then take the prompts of one length at a time. It costs about a fifth of the
+        tokens/s of a full batch of many prompt lengths."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -233,7 +238,12 @@ class GenerationEngine:
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model)
         # Decode steps in plain torch ops where the architecture allows (generation/decode.py).
-        self._decode_step = DecodeStep.for_model(self.model) if fast_decode else None
+        self._decode_step = DecodeStep.for_model(self.model, batch_invariant=batch_invariant) if fast_decode else None
+        # Only the engine's own decode step is batch-invariant (the transformers forward pads).
+        self.batch_invariant = self._decode_step is not None and batch_invariant
+        if batch_invariant and not self.batch_invariant:
+            logger.warning("batch-invariant decoding needs the engine's own decode step, which %s does not take: "
+                           "a request's logprobs may depend on the batch", model_path)
         self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
             tokenizer.decode, skip_special_tokens=False)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -319,7 +329,7 @@ class GenerationEngine:
                 stop_ids = frozenset() if request.params.ignore_eos else \
                     frozenset(request.params.stop_token_ids) | self.eos_token_ids
                 self._inflight.add(request.rid)
-                self._waiting.append(_Row(request, future, stop_ids, self._decode, self.device))
+                self._waiting.append(_Row(request, future, stop_ids, self._decode))
             self._cond.notify_all()
         return futures
 
@@ -546,11 +556,7 @@ class GenerationEngine:
                     continue  # woken for an abort, or paused (a batch held in place waits)
                 try:
                     if admitted:
-                        new = self._prefill(admitted)
-                        batch = new if batch is None else _Batch.combine(
-                            [(batch, batch.live()), (new, list(range(len(admitted))))])
-                        self._counts.prefilled([len(q) for q in {row.sequence for row in admitted}],
-                                               time.perf_counter() - started)
+                        batch = self._join(batch, admitted, started)
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
                         batch = _Batch.combine([(batch, batch.live())])  # enough rows dead: compact
                     # A compaction's copy counts with the decode step it comes before.
@@ -642,6 +648,28 @@ class GenerationEngine:
                         hit.append(row)
         return hit
 
+    def _join(self, batch: _Batch | None, admitted: list[_Row], started: float) -> _Batch:
+        """Prefill the admitted rows and add them to the running batch. Batch-invariant, the
+        sequences of each length are prefilled apart, so no prompt is padded. Each prefill is
+        counted; the copy that joins them to the batch counts with the last one."""
+        groups = [admitted]
+        if self.batch_invariant:
+            by_length: dict[int, list[_Row]] = {}
+            for row in admitted:
+                by_length.setdefault(len(row.sequence), []).append(row)
+            groups = list(by_length.values())
+        parts, seconds = [], []
+        for group in groups:
+            begun = time.perf_counter()
+            parts.append(self._prefill(group))
+            seconds.append(time.perf_counter() - begun)
+        joined = parts[0] if batch is None and len(parts) == 1 else _Batch.combine(
+            ([(batch, batch.live())] if batch is not None else []) + [(p, list(range(len(p.rows)))) for p in parts])
+        seconds[-1] = time.perf_counter() - started - sum(seconds[:-1])
+        for group, spent in zip(groups, seconds):
+            self._counts.prefilled([len(q) for q in {row.sequence for row in group}], spent)
+        return joined
+
     def _prefill(self, rows: list[_Row]) -> _Batch:
         """One forward over the rows' prompts (a retracted row: prompt + tokens so far). Identical
         sequences are computed once and their cache rows copied."""
@@ -650,9 +678,11 @@ class GenerationEngine:
         for row in rows:
             row.logits_version = self._version
         width = max(map(len, sequences))
-        ids = torch.zeros(len(sequences), width, dtype=torch.int64)  # pad id 0: masked out, never attended
-        mask = torch.zeros(len(sequences), width, dtype=torch.int64)
-        for i, sequence in enumerate(sequences):
+        # Batch-invariant: copies of the first sequence make the projections' rows a batch-invariant count.
+        extra = self._extra_sequences(len(sequences), width) if self.batch_invariant else 0
+        ids = torch.zeros(len(sequences) + extra, width, dtype=torch.int64)  # pad id 0: masked out, never attended
+        mask = torch.zeros(len(sequences) + extra, width, dtype=torch.int64)
+        for i, sequence in enumerate([*sequences, *[next(iter(sequences))] * extra]):
             ids[i, width - len(sequence):] = torch.tensor(sequence)
             mask[i, width - len(sequence):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host: one copy each
@@ -661,12 +691,17 @@ class GenerationEngine:
         # retracted row has them already.)
         scored = [r for r in rows if r.request.logprob_start_len is not None and not r.output_ids]
         keep = max([1] + [len(r.request.input_ids) - r.request.logprob_start_len for r in scored])
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True, logits_to_keep=keep,
-        )
-        cache, logits = out.past_key_values, out.logits
-        if len(sequences) < len(rows):
+        forward = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True)
+        if self.batch_invariant:  # the output layer as the decode step computes it (padded rows)
+            out = self.model.model(**forward)
+            hidden = out.last_hidden_state[:, -keep:]
+            logits = self._decode_step.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+        else:
+            out = self.model(**forward, logits_to_keep=keep)
+            logits = out.logits
+        cache = out.past_key_values
+        if len(sequences) < len(rows) or extra:
             rows_of = torch.tensor(index, device=self.device)
             cache = Cache(layers=[_GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
                                   for layer in cache.layers])
@@ -674,6 +709,17 @@ class GenerationEngine:
         if scored:
             self._prompt_logprobs(rows, logits)
         return _Batch(rows, cache, mask, logits[:, -1].float())
+
+    @staticmethod
+    def _extra_sequences(sequences: int, width: int) -> int:
+        """How many sequences a batch-invariant prefill of `sequences` × `width` positions adds: a
+        matmul of fewer than GEMM_ROWS rows (on several threads, of a number that is no multiple of
+        it) computes a row differently (generation/decode.py)."""
+        extra = 0
+        while (sequences + extra) * width < GEMM_ROWS or (
+                torch.get_num_threads() > 1 and (sequences + extra) * width % GEMM_ROWS):
+            extra += 1
+        return extra
 
     def _prompt_logprobs(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Fill the prompt logprobs of the rows that asked for them from the prefill's logits
@@ -697,8 +743,9 @@ class GenerationEngine:
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample a token for every live row, set aside the rows that finish, decode one step."""
+        positions = None if batch.seeds is None else [row.next_position for row in batch.rows]
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
-                                              min_p=batch.min_p, row_generators=batch.generators)
+                                              min_p=batch.min_p, seeds=batch.seeds, positions=positions)
         self._top_logprobs(batch)
         alive = 0
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):

@@ -90,7 +90,6 @@ class _Row:
     future: Future
     stop_ids: frozenset[int]
     decode: Callable[[list[int]], str] | None = None  # for stop strings
-    device: torch.device = torch.device("cpu")  # the engine's: a seeded row's generator draws there
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -102,11 +101,6 @@ class _Row:
     # The weights that computed the logits this row samples from next: its next token's version.
     # (Held in place across an update, the first token after it still comes from the old weights.)
     logits_version: int = 0
-    generator: torch.Generator | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        seed = self.request.params.seed
-        self.generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.output_ids.append(token)
@@ -143,6 +137,11 @@ class _Row:
         """Position id of the newest token, which is the next one fed to the model."""
         return len(self.request.input_ids) + len(self.output_ids) - 1
 
+    @property
+    def next_position(self) -> int:
+        """Position of the token the row samples next (a seeded row's random number is keyed by it)."""
+        return len(self.request.input_ids) + len(self.output_ids)
+
 
 @dataclass
 class _Batch:
@@ -160,7 +159,7 @@ class _Batch:
     logits: torch.Tensor
     sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
     min_p: torch.Tensor = field(init=False)
-    generators: list[torch.Generator | None] | None = field(init=False)  # None: no seeded row
+    seeds: list[int | None] | None = field(init=False)  # per row; None: no seeded row
 
     def __post_init__(self) -> None:
         # Built once per membership change, not per step.
@@ -172,8 +171,8 @@ class _Batch:
             torch.tensor([p.top_k for p in params], dtype=torch.int64, device=on),
         )
         self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=on)
-        generators = [row.generator for row in self.rows]
-        self.generators = generators if any(g is not None for g in generators) else None
+        seeds = [p.seed for p in params]
+        self.seeds = seeds if any(seed is not None for seed in seeds) else None
 
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]

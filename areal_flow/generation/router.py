@@ -97,6 +97,7 @@ class ServerPool:
         self._background: set[asyncio.Task] = set()  # aborts of left requests
         # The last version loaded, and how a server that missed it loads it (None: no copy to load).
         self._weights: tuple[Callable[[GenerationClient], Awaitable[Any]] | None, int] | None = None
+        self._newest = -1  # the newest weight version an answer came from (a pool that loads none)
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -136,8 +137,10 @@ class ServerPool:
             try_rid = rid if attempt == 0 else f"{rid}.retry{attempt}"
             server.in_flight += 1
             try:
-                return await server.client.generate(input_ids, sampling_params, rid=try_rid,
-                                                    return_logprob=return_logprob)
+                answer = await server.client.generate(input_ids, sampling_params, rid=try_rid,
+                                                      return_logprob=return_logprob)
+                self._newest = max(self._newest, _version(answer))
+                return answer
             except GenerationError as exc:
                 if exc.status < 500:
                     raise  # the request is wrong: another server would refuse it too
@@ -226,6 +229,17 @@ class ServerPool:
         if not await self._healthy(server):
             return False
         if self._weights is None:
+            # A pool that loads no weights (a rollout worker's) takes a server back only once it
+            # serves the newest version answers came from: a restarted server starts from older
+            # weights, and the pool that loads them (the controller's) brings it up to date.
+            try:
+                version = version_number(await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT))
+            except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
+                server.last_error = f"its weight version is unknown: {_describe(exc)}"
+                return False
+            if version < self._newest:
+                server.last_error = f"it serves weight version {version}, older than version {self._newest} of the others"
+                return False
             return True
         reload, version = self._weights
         try:
@@ -311,6 +325,20 @@ class ServerPool:
                 task.cancel()
         for server in self.servers:
             await server.client.close()
+
+
+def version_number(label: object) -> int:
+    """A weight version label as a number; one that is none (SGLang's first, "default") is 0."""
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _version(answer: dict | list) -> int:
+    """The weight version an answer (or the last of a group's answers) came from."""
+    last = answer[-1] if isinstance(answer, list) and answer else answer
+    return version_number(last.get("meta_info", {}).get("weight_version")) if isinstance(last, dict) else -1
 
 
 def _describe(error: BaseException) -> str:

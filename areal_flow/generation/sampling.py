@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GREEDY_TEMPERATURE = 1e-6
@@ -31,7 +32,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Strings that end the request once the decoded output contains one; its tokens stay in the output."""
     seed: int | None = None
-    """This request's own sampling seed: the same seed, prompt and weights give the same tokens."""
+    """This request's own sampling seed: the same seed, prompt and weights give the same tokens
+    (the token at position p draws its random number from (seed, p): `seeded_uniforms`)."""
 
 
 def sample_next_tokens(
@@ -42,15 +44,18 @@ def sample_next_tokens(
     generator: torch.Generator | None = None,
     *,
     min_p: torch.Tensor | None = None,
-    row_generators: Sequence[torch.Generator | None] | None = None,
+    seeds: Sequence[int | None] | None = None,
+    positions: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (tokens [B] int64, logprobs [B] float32).
 
     logits [B, V] float32; temperature, top_p and min_p [B] float32; top_k [B] int64 (-1 = off).
     The logprob is log_softmax(logits / T) over the full vocabulary, taken before top-p/top-k/min-p
     truncation (SGLang's semantics, and what the trainer recomputes). Rows with T < 1e-6 take the
-    argmax and report log_softmax(logits). A row with its own generator in `row_generators` (a
-    seeded request) samples from it, the others from `generator`.
+    argmax and report log_softmax(logits). The other rows draw from `generator`, except a row with
+    a seed in `seeds` (a seeded request): it inverts its distribution's CDF at a uniform number of
+    its own, drawn from (seed, the position of the token it samples: `positions`), so its draw
+    depends on nothing else in the batch.
     """
     greedy = temperature < GREEDY_TEMPERATURE
     logprobs = scaled_logprobs(logits, temperature)
@@ -60,11 +65,35 @@ def sample_next_tokens(
         kept = _truncate(logprobs[rows], top_p[rows], top_k[rows], None if min_p is None else min_p[rows])
         probs = kept.softmax(dim=-1)
         tokens[rows] = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        own = [(j, row_generators[r]) for j, r in enumerate(rows.tolist())] if row_generators else []
-        for j, row_generator in own:
-            if row_generator is not None:  # its own stream: the draw does not depend on the other rows
-                tokens[rows[j]] = torch.multinomial(probs[j], 1, generator=row_generator)[0]
+        own = [(j, seeds[r], positions[r]) for j, r in enumerate(rows.tolist())
+               if seeds is not None and seeds[r] is not None]
+        if own:  # the seeded rows: the inverse of their CDF at their own uniform number
+            j, row_seeds, row_positions = (list(column) for column in zip(*own))
+            uniform = torch.from_numpy(seeded_uniforms(row_seeds, row_positions)).to(probs.device)
+            cdf = probs[j].double().cumsum(dim=-1)
+            # The first token whose CDF exceeds u·total (u ≤ 1 - 2^-32 keeps that below the total in
+            # float64): never a token of probability 0.
+            tokens[rows[j]] = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def seeded_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """One uniform number in [0, 1 - 2^-32] per (seed, position), float64: a hash of the two
+    (splitmix64's mixer), as SGLang's seeded sampling hashes (seed, position). A request's stream
+    is the same whatever else is decoded, and goes on where it was when the request is resubmitted
+    with its tokens so far (the same positions draw the same numbers)."""
+    seed = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+    position = np.array(positions, dtype=np.uint64)
+    key = _mix64(seed + np.uint64(0x9E3779B97F4A7C15))
+    bits = _mix64(key ^ ((position + np.uint64(1)) * np.uint64(0xC2B2AE3D27D4EB4F)))
+    return (bits >> np.uint64(32)).astype(np.float64) / 2**32
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def scaled_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

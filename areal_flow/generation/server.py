@@ -438,6 +438,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "eos_token_ids": sorted(engine.eos_token_ids),
         "random_seed": engine.seed,
         "num_threads": engine.num_threads,
+        "enable_deterministic_inference": engine.batch_invariant,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
@@ -780,6 +781,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mem-fraction-static", type=float, default=None,
                         help="cuda, without --max-total-tokens: the KV budget is what is left of this share of the "
                              "GPU's memory after the weights (SGLang's flag)")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="batch-invariant decoding (SGLang's flag): a request's tokens and logprobs do not "
+                             "depend on what else is in the batch, so a seeded request answers bit-identically "
+                             "however requests arrive; slower (generation/decode.py)")
     parser.add_argument("--weight-version", default="default",
                         help="label of the initial weights (digits also set the integer token version)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -803,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
         max_total_tokens=args.max_total_tokens, weight_label=args.weight_version, api_key=args.api_key or None,
         device=str(local_device(args.device)), dtype=compute_dtype(args.dtype, args.device),
-        mem_fraction=args.mem_fraction_static,
+        mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
     )
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,

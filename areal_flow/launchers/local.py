@@ -2,8 +2,10 @@
 
 Each child writes stdout and stderr to `logs/<name>.log`, is pinned to the cores of its mesh (CPU)
 or sees only its GPUs (CUDA), and gets SIGKILL from the kernel if the launcher itself dies, so no
-run leaves orphans. When any child exits before the controller has finished, every other child
-is stopped and `ChildFailed` carries the dead process's name, exit code and traceback.
+run leaves orphans. A child started with a way to start it again (a generation server, a rollout or
+reward worker: `recover.worker_restarts`) is restarted when it dies and the run goes on. When any
+other child exits before the controller has finished, every other child is stopped and
+`ChildFailed` carries the dead process's name, exit code and traceback.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ from areal_flow.runtime.spec import free_ports
 _PR_SET_PDEATHSIG = 1
 
 
+def how_it_ended(returncode: int) -> str:
+    return f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+
+
 class ChildFailed(RuntimeError):
     def __init__(self, name: str, returncode: int, traceback: str, log_path: str):
         self.name, self.returncode, self.traceback, self.log_path = name, returncode, traceback, log_path
-        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
-        super().__init__(f"process '{name}' {how}; its log is {log_path}\n{traceback}")
+        super().__init__(f"process '{name}' {how_it_ended(returncode)}; its log is {log_path}\n{traceback}")
+
+
+Restart = Callable[[], tuple[list[str], dict[str, str]]]
+"""How to start a process again: its argv and environment then (a generation server's weights are
+the last ones loaded, not those it first started with)."""
 
 
 @dataclass
@@ -35,6 +45,8 @@ class Child:
     proc: Proc
     popen: subprocess.Popen
     log_path: str
+    again: Restart | None = None  # None: its death ends the run
+    restarts_left: int = 0
 
 
 def _in_child(cores: tuple[int, ...] | None) -> None:
@@ -71,11 +83,23 @@ class Watching:
     def log_path(self, name: str) -> str:
         raise NotImplementedError
 
+    on_restart: Callable[[str, int], None] = staticmethod(lambda name, code: None)
+    """Called with a process's name and exit code when it was restarted (the launcher prints it)."""
+
+    def restart(self, name: str) -> bool:
+        """Start `name` again if it may be; whether it was."""
+        return False
+
     def check(self, finished: str) -> bool:
-        """True once `finished` exited 0; raises ChildFailed if any other process has exited."""
+        """True once `finished` exited 0; restarts a process that may be; raises ChildFailed if any
+        other process has exited."""
         exited = self.exited()
         if exited.get(finished) == 0:
             return True
+        for name, code in list(exited.items()):
+            if name != finished and self.restart(name):
+                self.on_restart(name, code)
+                del exited[name]
         if exited:
             # When several died since the last look, blame one that is not the `finished` process
             # (the controller): its failure is usually the consequence of another's death.
@@ -110,8 +134,10 @@ class LocalLauncher(Watching):
         or on every address with `wildcard`."""
         return [("127.0.0.1", port) for port in free_ports(len(names), "0.0.0.0" if wildcard else "127.0.0.1")]
 
-    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
-        """Start `argv` as `proc`, with `env` on top of this process's environment."""
+    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None, *, again: Restart | None = None,
+              restarts: int = 0) -> None:
+        """Start `argv` as `proc`, with `env` on top of this process's environment; `again` starts it
+        again when it dies, at most `restarts` times."""
         # AREAL_FLOW_RUN marks every process of this run, so tools (and tests) can find them all.
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": proc.name,
                "AREAL_FLOW_RUN": self.run_dir}
@@ -128,7 +154,15 @@ class LocalLauncher(Watching):
             # the run in order (a checkpoint first), not every process at once.
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=lambda: _in_child(cores), start_new_session=True)
-        self.children[proc.name] = Child(proc, popen, log_path)
+        self.children[proc.name] = Child(proc, popen, log_path, again, restarts)
+
+    def restart(self, name: str) -> bool:
+        child = self.children[name]
+        if child.again is None or child.restarts_left <= 0:
+            return False
+        argv, env = child.again()
+        self.start(child.proc, argv, env, again=child.again, restarts=child.restarts_left - 1)
+        return True
 
     def exited(self) -> dict[str, int]:
         codes = {name: c.popen.poll() for name, c in self.children.items()}

@@ -25,6 +25,7 @@ from areal_flow.transport.messages import (
     DROP,
     GeneratedGroup,
     GroupMeta,
+    Joined,
     Route,
     SampleMeta,
     ScoredGroup,
@@ -115,6 +116,7 @@ class RewardWorker:
                 await send(self.ranks[msg.rank], group)
 
     async def run(self) -> None:
+        await send(self.controller, Joined(self.name))  # again after a restart: the controller has the groups resent
         try:
             await asyncio.gather(self.score(), self.forward())
         finally:

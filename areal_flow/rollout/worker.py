@@ -9,6 +9,7 @@ generation runs ahead (controller/staleness.py, controller/slots.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import time
@@ -18,34 +19,61 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.router import ServerPool, version_number
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
-from areal_flow.transport.messages import AdmitRequest, Admitted, Array, Finish, GeneratedGroup, PromptGroup, Sample
+from areal_flow.transport.messages import (
+    AdmitRequest,
+    Admitted,
+    Array,
+    Finish,
+    GeneratedGroup,
+    PromptGroup,
+    Released,
+    Resend,
+    Sample,
+)
 
 log = logging.getLogger("areal_flow.rollout")
 
 
-async def generate_group(pool: ServerPool, prompt_ids: list[int], params: dict, n: int, key: str) -> list[dict]:
+SEED_LIMIT = 2**31 - 1
+"""Sampling seeds stay below this (and a group's seed + n - 1 too): SGLang holds them as int32."""
+
+
+def group_seed(run_seed: int, group_id: int, group_size: int) -> int:
+    """The sampling seed of prompt group `group_id`'s request: sample i of the group draws from
+    seed + i (the server's rule for `n` samples: generation/generate_api.py, as SGLang), so every
+    sample of the run has a seed of its own, whatever server or batch serves it. A hash of the run's
+    seed offsets them, so runs of other seeds draw other streams."""
+    offset = int.from_bytes(hashlib.blake2b(str(run_seed).encode(), digest_size=8).digest(), "little")
+    return (offset + group_id * group_size) % (SEED_LIMIT - group_size + 1)
+
+
+async def generate_group(pool: ServerPool, prompt_ids: list[int], params: dict, n: int, key: str,
+                         seed: int | None = None) -> list[dict]:
     """A group's n samples from one request (`sampling_params.n`, SGLang's parallel sampling): one
     HTTP round trip and one prompt prefill for the group instead of n. An answer aborted by a
-    weight update goes on alone (generate_sample)."""
-    answers = await pool.generate(prompt_ids, {**params, "n": n}, rid=key, key=key)
+    weight update goes on alone (generate_sample). With a `seed`, sample i draws from seed + i."""
+    answers = await pool.generate(prompt_ids, {**params, "n": n, **_seeded(seed)}, rid=key, key=key)
     answers = answers if isinstance(answers, list) else [answers]  # n = 1: one object, not an array
-    return await asyncio.gather(*[generate_sample(pool, prompt_ids, params, f"{key}-{i}", key, first=answer)
+    return await asyncio.gather(*[generate_sample(pool, prompt_ids, params, f"{key}-{i}", key, first=answer,
+                                                  seed=None if seed is None else seed + i)
                                   for i, answer in enumerate(answers)])
 
 
 async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict, rid: str, key: str,
-                          first: dict | None = None) -> dict:
+                          first: dict | None = None, seed: int | None = None) -> dict:
     """One sample (from `first`, its answer so far, when given). When the server aborts it for a
     weight update (finish_reason abort), resubmit prompt + tokens so far with the remaining budget;
     each token keeps the version that made it. Every request names `key` (its prompt group), so the
     pool keeps the sample, its resubmissions and the rest of its group on one server while that
-    server is up (ServerPool affinity)."""
+    server is up (ServerPool affinity). A resubmission keeps the sample's `seed`: a seeded token
+    draws its random number from (seed, its position), so the stream goes on where it stopped and
+    no position reuses one already drawn."""
     out_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -54,8 +82,8 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
         if attempt == 0 and first is not None:
             answer = first
         else:
-            answer = await pool.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids)},
-                                         rid=f"{rid}-{attempt}", key=key)
+            answer = await pool.generate(prompt_ids + out_ids, {**params, "max_new_tokens": budget - len(out_ids),
+                                                                **_seeded(seed)}, rid=f"{rid}-{attempt}", key=key)
         meta = answer["meta_info"]
         out_ids += answer["output_ids"]
         logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -67,6 +95,10 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
             return {"output_ids": out_ids, "behav_logprobs": logprobs, "versions": versions, "finish": finish}
 
 
+def _seeded(seed: int | None) -> dict:
+    return {} if seed is None else {"sampling_seed": seed}
+
+
 def token_versions(meta: dict, n: int) -> list[int]:
     """The weight version of each of an answer's n tokens: areal_flow's `output_token_versions`;
     else SGLang's `weight_versions` spans (0.5.23: a retracted answer spans several); else its
@@ -74,22 +106,16 @@ def token_versions(meta: dict, n: int) -> list[int]:
     (SGLang's initial label is "default"; areal_flow's runs label versions by number)."""
     if (versions := meta.get("output_token_versions")) is not None:
         return list(versions)
-    out = [_number(meta.get("weight_version"))] * n
+    out = [version_number(meta.get("weight_version"))] * n
     for span in meta.get("weight_versions") or ():
-        out[span["start"]:span["end"]] = [_number(span["version"])] * (span["end"] - span["start"])
+        out[span["start"]:span["end"]] = [version_number(span["version"])] * (span["end"] - span["start"])
     return out
-
-
-def _number(label: object) -> int:
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return 0
 
 
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.name = name
+        self.seed = cfg.seed
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
         self.tokenizer = load_tokenizer(spec.model_path)
@@ -107,6 +133,9 @@ class RolloutWorker:
         self.prompt_key = graph.dataset_input(graph.generate)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
+        # Generated groups not yet scored and routed: sent again should a reward worker die with them.
+        self.kept: dict[int, GeneratedGroup] = {}
+        self.released: set[int] = set()  # released before this worker finished them (a copy won)
 
     async def run(self) -> None:
         main_task = asyncio.current_task()
@@ -122,6 +151,16 @@ class RolloutWorker:
         try:
             while True:  # until the launcher stops this process
                 msg = await recv(self.controller, f"{self.name} controller")
+                if isinstance(msg, Released):
+                    for g in msg.group_ids:
+                        if self.kept.pop(g, None) is None:
+                            self.released.add(g)
+                    continue
+                if isinstance(msg, Resend):
+                    log.warning("%s: a reward worker restarted: sending %d group(s) again", self.name, len(self.kept))
+                    for group in list(self.kept.values()):
+                        await send(self.rewards, group)
+                    continue
                 if not isinstance(msg, Admitted):
                     log.error("%s: a %s from the controller is not an admission, dropped", self.name, type(msg).__name__)
                     continue
@@ -145,7 +184,8 @@ class RolloutWorker:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
         # One request for the group: it goes to the least-loaded server, which prefills the prompt once.
         requested = time.time()
-        outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}")
+        outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
+                                    seed=group_seed(self.seed, group.group_id, group.group_size))
         generated = time.time()
         samples = [
             Sample(
@@ -162,7 +202,12 @@ class RolloutWorker:
         ]
         # Stage times: the ledger's account of where a group's time goes (advise/fit.py reads them).
         times = {"requested": requested, "generated": generated}
-        await send(self.rewards, GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}, times=times))
+        if group.group_id in self.released:  # another copy was scored first (this worker restarted)
+            self.released.discard(group.group_id)
+            return
+        generated_group = GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}, times=times)
+        self.kept[group.group_id] = generated_group
+        await send(self.rewards, generated_group)
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

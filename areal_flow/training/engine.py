@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +49,17 @@ gives each of a sequence's n valid tokens 1/n, so the denominator counts sequenc
 TRAIN_STATE = "train_state.pt"
 """The file beside a checkpoint's Hugging Face files that holds what an exact resume needs."""
 
+SHARDED_STATE = "dcp"
+"""A resumable checkpoint's folder (beside its Hugging Face files) of model and optimizer state,
+written by `torch.distributed.checkpoint`: each rank writes its own shards (`__<rank>_0.distcp`)."""
+
+RESUMABLE_META = "meta.pt"
+"""A resumable checkpoint's small state, written by rank 0: the engine, its layout and world size,
+the LR schedule, the version, the non-finite step count and the caller's `extra_state`."""
+
+RANK_RNG = "rng-rank{rank}.pt"
+"""A resumable checkpoint's RNG state of one rank, written by that rank."""
+
 
 @dataclass(frozen=True)
 class OptimSpec:
@@ -75,7 +87,7 @@ class CheckpointError(ValueError):
 
 class Engine(Protocol):
     """One rank of a model role. Collective calls (every rank of the role calls them, in the same
-    order): logprobs, train_step, save, save_weights, export_weights."""
+    order): logprobs, train_step, save, save_resumable, load_resumable, save_weights, export_weights."""
 
     version: int  # the policy version of the current weights (set by the caller, saved and restored)
     device: torch.device  # where this rank's weights, optimizer state and activations live
@@ -97,6 +109,16 @@ class Engine(Protocol):
 
     def save(self, path: str, tokenizer=None) -> None:
         """A Hugging Face directory at `path` (atomically) with TRAIN_STATE beside the weights."""
+
+    def save_resumable(self, path: str, tokenizer=None) -> None:
+        """A resumable checkpoint at `path` (a fresh folder the caller renames when complete): the
+        Hugging Face weights (rank 0), SHARDED_STATE (every rank its own shards), RANK_RNG per rank
+        and RESUMABLE_META. No rank gathers the optimizer state. Returns when every rank has written."""
+
+    def load_resumable(self, path: str) -> None:
+        """Load what `save_resumable` wrote at `path`: weights, optimizer, schedule, version, extra
+        state, and this rank's RNG when the number of ranks is the saved one. A checkpoint that does
+        not fit (missing files, other tensors, another engine or layout) is a CheckpointError."""
 
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory, for the generation servers."""
@@ -154,6 +176,83 @@ def read_train_state(path: str) -> dict | None:
         return torch.load(state_file, weights_only=True)  # a checkpoint cannot run code
     except Exception as exc:
         raise CheckpointError(f"{state_file}: unreadable training state: {exc}") from exc
+
+
+def _read_small(file: str) -> dict:
+    try:
+        return torch.load(file, weights_only=True)  # a checkpoint cannot run code
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing (not a resumable checkpoint written by save_resumable)") from None
+    except Exception as exc:
+        raise CheckpointError(f"{file}: unreadable: {exc}") from exc
+
+
+def read_resumable_meta(path: str, engine: str) -> dict:
+    """RESUMABLE_META of the resumable checkpoint `path`, checked to have been written by `engine`
+    with its SHARDED_STATE present; else a CheckpointError naming the file."""
+    meta = _read_small(os.path.join(path, RESUMABLE_META))
+    if meta.get("engine") != engine:
+        raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: written by the {meta.get('engine')} engine, "
+                              f"this is the {engine} engine")
+    if not os.path.isfile(os.path.join(path, SHARDED_STATE, ".metadata")):
+        raise CheckpointError(f"{os.path.join(path, SHARDED_STATE)}: no .metadata (an incomplete sharded state)")
+    return meta
+
+
+def read_rank_rng(path: str, rank: int) -> dict:
+    return _read_small(os.path.join(path, RANK_RNG.format(rank=rank)))
+
+
+def write_sharded_state(path: str, state: dict, group: dist.ProcessGroup | None, alone: bool) -> None:
+    """`state` into SHARDED_STATE under `path` with `torch.distributed.checkpoint`: each rank of
+    `group` (None: the default one) writes the shards it holds, rank 0 the index (`.metadata`).
+    `alone`: this process is the only rank (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = os.path.join(path, SHARDED_STATE)
+    os.makedirs(folder, exist_ok=True)
+    with warnings.catch_warnings():  # one process alone is what `alone` says; DCP warns of it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=alone)
+
+
+def read_sharded_state(path: str, state: dict, group: dist.ProcessGroup | None, alone: bool) -> None:
+    """Load SHARDED_STATE under `path` into `state` in place (each rank reads the parts of the
+    files its tensors cover: DCP reshards). Check it first with `check_sharded_state`."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=os.path.join(path, SHARDED_STATE), process_group=group, no_dist=alone)
+
+
+def check_sharded_state(path: str, state: dict) -> None:
+    """Fail naming the tensor when the SHARDED_STATE at `path` lacks one of the tensors of `state`
+    (a nested state dict as `torch.distributed.checkpoint.load` takes it) or holds it in another
+    shape, before anything is loaded: `load` copies into the model's own tensors as it goes."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = os.path.join(path, SHARDED_STATE)
+    try:
+        saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: unreadable sharded state: {exc}") from exc
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, torch.Tensor):
+            shape = tuple(value.shape)  # a DTensor's shape is its global one
+            found = saved.get(prefix)
+            if not isinstance(found, TensorStorageMetadata):
+                raise CheckpointError(f"{folder}: tensor {prefix} is missing")
+            if tuple(found.size) != shape:
+                raise CheckpointError(f"{folder}: tensor {prefix} has shape {list(found.size)}, this model wants "
+                                      f"{list(shape)}")
+
+    walk("", state)
 
 
 # ---- packing ------------------------------------------------------------

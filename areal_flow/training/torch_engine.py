@@ -31,7 +31,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
+    RANK_RNG,
+    RESUMABLE_META,
     TRAIN_STATE,
+    CheckpointError,
     LossFn,
     OptimSpec,
     SavedLayout,
@@ -42,6 +45,7 @@ from areal_flow.training.engine import (
     bucketed,
     check_engine_args,
     check_hf_checkpoint,
+    check_sharded_state,
     decays,
     global_counts,
     kept_sequences,
@@ -50,11 +54,15 @@ from areal_flow.training.engine import (
     micro_batch_data,
     non_finite_step,
     pack_row,
+    read_rank_rng,
+    read_resumable_meta,
+    read_sharded_state,
     read_train_state,
     require_config,
     saved_layout,
     seq_lengths,
     write_like,
+    write_sharded_state,
 )
 from areal_flow.training.schedule import lr_factor
 
@@ -444,6 +452,50 @@ class TorchEngine:
         return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), "version": self.version,
                 "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state), "rng": rngs}
 
+    def _sharded_state(self) -> dict:
+        """Model and optimizer state under Hugging Face names, as this rank holds them (DTensor
+        shards under FSDP2): what `torch.distributed.checkpoint` saves and loads into, in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self._optimizer is None:
+            return {"model": get_model_state_dict(self._model)}
+        model, optimizer = get_state_dict(self._model, self._optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def _rng_state(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    def save_resumable(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A resumable checkpoint in the folder `path` (the caller's temporary one, renamed when
+        every rank is done, so it is written in place): the Hugging Face weights (and `tokenizer`)
+        by rank 0, for the generation servers; SHARDED_STATE, the model and optimizer state written
+        with `torch.distributed.checkpoint`, each rank its own shards (no rank holds the whole
+        optimizer state); RANK_RNG by each rank; RESUMABLE_META by rank 0. Collective: every rank
+        calls it and returns once all have written."""
+        weights = self._full_state_dict()  # rank 0 only: the weights, never the optimizer state
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self._model.save_pretrained(path, state_dict=weights)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        del weights
+        write_sharded_state(path, self._sharded_state(), self._group, alone=self._group is None)
+        torch.save(self._rng_state(), os.path.join(path, RANK_RNG.format(rank=self.rank)))
+        if self.rank == 0:
+            torch.save({"engine": "torch", "world_size": self._world_size, "version": self.version,
+                        "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state),
+                        "scheduler": None if self._scheduler is None else self._scheduler.state_dict()},
+                       os.path.join(path, RESUMABLE_META))
+        if self._group is not None:
+            dist.barrier(group=self._group)  # no rank goes on before the checkpoint is whole
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._group is None else dist.get_world_size(self._group)
+
     # ------------------------------------------------------------------ weights in
 
     def load(self, path: str) -> None:
@@ -473,6 +525,38 @@ class TorchEngine:
                 torch.set_rng_state(rngs[self.rank]["cpu"])
                 if "cuda" in rngs[self.rank] and self.device.type == "cuda":
                     torch.cuda.set_rng_state(rngs[self.rank]["cuda"], self.device)
+
+    def load_resumable(self, path: str) -> None:
+        """Load a checkpoint written by `save_resumable`, at any number of ranks: the sharded
+        model and optimizer state (torch.distributed.checkpoint reshards it onto this data-parallel
+        size; each rank reads only what it holds), the LR schedule, version, non-finite count and
+        extra state, and this rank's RNG when the number of ranks is the saved one. Collective
+        under FSDP. A missing file or tensor, or a tensor of another shape, fails naming it
+        before anything is changed."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        meta = read_resumable_meta(path, "torch")
+        trains = self._optimizer is not None
+        if trains and meta.get("scheduler") is None:
+            raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: a frozen role's checkpoint has no "
+                                  "optimizer state to train on from")
+        rng = read_rank_rng(path, self.rank) if meta["world_size"] == self._world_size else None
+        state = self._sharded_state()  # for a fresh optimizer, its state initialised by a step at lr 0
+        check_sharded_state(path, state)
+        read_sharded_state(path, state, self._group, alone=self._group is None)
+        if trains:
+            set_state_dict(self._model, self._optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            self._scheduler.load_state_dict(meta["scheduler"])
+            self._nan_in_a_row = meta["nan_in_a_row"]
+        else:
+            set_model_state_dict(self._model, state["model"])
+        self.version = meta["version"]
+        self.extra_state = dict(meta.get("extra", {}))
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -318,7 +318,8 @@ class ModelWorker:
     def save_checkpoint(self, msg: SaveCheckpoint) -> None:
         """The end of a run (`msg.groups` None): the trained role's Hugging Face directory at
         `msg.path`, with its training state beside it, and a trained critic's in its `critic/`
-        folder. A resumable checkpoint: every trained role's directory under `msg.path/<role>`, the
+        folder. A resumable checkpoint: every trained role's `save_resumable` folder (Hugging Face
+        weights, sharded model and optimizer state) under `msg.path/<role>`, the
         scored groups `msg.groups` this rank holds (waiting for any still on their way) and the
         length of its trained-samples log. Collective: every rank takes part in saving the models."""
         tokenizer = load_tokenizer(self.spec.model_path)
@@ -334,9 +335,9 @@ class ModelWorker:
         with open(os.path.join(msg.path, TRAINER_STATE.format(rank=self.rank)), "w") as f:
             json.dump({"trained_log_bytes": self.trained_log.tell()}, f)
         for node in self.graph.batch_nodes:
-            if node.type == "train":
-                self.engines[node.role].save(os.path.join(msg.path, node.role),
-                                             tokenizer=tokenizer if node.role == self.graph.train.role else None)
+            if node.type == "train":  # sharded: each rank writes its own part of the optimizer state
+                role_tokenizer = tokenizer if node.role == self.graph.train.role else None
+                self.engines[node.role].save_resumable(os.path.join(msg.path, node.role), tokenizer=role_tokenizer)
 
     def resume(self, folder: str) -> None:
         """Continue from the resumable checkpoint `folder`: every trained role's weights and training
@@ -345,7 +346,7 @@ class ModelWorker:
         launcher has cut its trained-samples log back to its length then (checkpoint/store.py `rewind`)."""
         for node in self.graph.batch_nodes:
             if node.type == "train":
-                self.engines[node.role].load(os.path.join(folder, node.role))
+                self.engines[node.role].load_resumable(os.path.join(folder, node.role))
         saved_ranks = store.read_manifest(folder)["n_trainers"]
         for k in range(self.rank, saved_ranks, self.spec.n_trainers):
             with open(os.path.join(folder, HELD.format(rank=k)), "rb") as f:

@@ -137,6 +137,24 @@ class Admitted(msgspec.Struct, tag=True):
     groups: list[PromptGroup]
 
 
+class Released(msgspec.Struct, tag=True):
+    """Controller -> the rollout worker that generated these groups: they are scored and routed, so
+    it no longer keeps its copy (which it keeps to send again should a reward worker die)."""
+
+    group_ids: list[int]
+
+
+class Resend(msgspec.Struct, tag=True):
+    """Controller -> every rollout worker: a reward worker restarted, and the groups it held are
+    lost; send every generated group not yet released to the reward workers again."""
+
+
+class Joined(msgspec.Struct, tag=True):
+    """A reward worker announces itself at start; the same name again means it was restarted."""
+
+    worker: str
+
+
 # ---- rollout worker -> reward worker -> trainer rank (the data plane) -----------------------
 
 
@@ -247,8 +265,8 @@ class Hello(msgspec.Struct, tag=True):
     rank: int
 
 
-Message = (AdmitRequest | Admitted | GeneratedGroup | ScoredGroup | GroupMeta | Route | RunStep | StepDone
-           | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello)
+Message = (AdmitRequest | Admitted | Released | Resend | Joined | GeneratedGroup | ScoredGroup | GroupMeta | Route
+           | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -5,6 +5,7 @@ while the next step trains."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,29 @@ class FileChannel(WeightChannel):
 
     def source(self, location: str) -> str:
         return f"from {location}"
+
+
+LOADED = "weights_loaded.json"
+"""The run directory's record of the last version every server loaded as files: {path, version}."""
+
+
+def record_loaded(run_dir: str, path: str, version: int) -> None:
+    """Every server up has loaded `version` from `path`: a server restarted later starts from it."""
+    tmp = os.path.join(run_dir, f".{LOADED}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"path": path, "version": version}, f)
+    os.replace(tmp, os.path.join(run_dir, LOADED))
+
+
+def last_loaded(run_dir: str, first: tuple[str, int]) -> tuple[str, int]:
+    """(path, version) of the weights a restarted generation server starts from: the last version
+    loaded, or `first` (the run's start) when none was yet."""
+    try:
+        with open(os.path.join(run_dir, LOADED)) as f:
+            loaded = json.load(f)
+        return loaded["path"], loaded["version"]
+    except FileNotFoundError:
+        return first
 
 
 def prune(root: str, keep: int, every: int = 0) -> None:

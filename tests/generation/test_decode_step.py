@@ -39,14 +39,15 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tu
     return out.past_key_values, out.logits[:, -1]
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
 @pytest.mark.parametrize("build", [qwen2_gqa, llama_mha_tied, llama3_biased])
 @torch.inference_mode()
-def test_decode_steps_give_the_logits_of_the_transformers_forward(build):
+def test_decode_steps_give_the_logits_of_the_transformers_forward(build, batch_invariant):
     torch.manual_seed(0)
     model = build().eval()
     reference = build().eval()
     reference.load_state_dict(model.state_dict())  # an untouched copy: DecodeStep re-plumbs `model`
-    step = DecodeStep.for_model(model)
+    step = DecodeStep.for_model(model, batch_invariant=batch_invariant)
     assert step is not None
     # Left-padded rows of different prompt lengths; row 2 stops advancing after two steps, as a
     # finished row that decodes along until the batch is compacted.

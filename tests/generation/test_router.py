@@ -438,3 +438,31 @@ def test_bad_pool_settings_are_refused_naming_the_setting(kw, message):
     kw = {"urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"], **kw}
     with pytest.raises(ValueError, match=message):
         ServerPool(kw.pop("urls"), **kw)
+
+
+def test_a_pool_that_loads_no_weights_takes_a_restarted_server_back_only_at_the_newest_version(start, model_dirs):
+    """A rollout worker's pool: a server restarted from older weights stays out until the pool that
+    loads weights (the controller's) has given it the version the answers came from."""
+    a = start()
+    port = a.server_address[1]
+
+    async def scenario():
+        async with GenerationClient(a.url) as direct:
+            await direct.update_weights_from_disk(model_dirs.a, 2)
+        async with ServerPool([a.url], config=fast(down_timeout=30)) as pool:
+            assert (await pool.generate(PROMPT, GREEDY))["meta_info"]["weight_version"] == "2"
+            await asyncio.to_thread(a.stop)
+            waiting = asyncio.create_task(pool.generate(PROMPT, GREEDY, rid="patient"))
+            await async_wait_until(lambda: pool.down() == ["gen_server0"], "the server to be marked down")
+            again = await asyncio.to_thread(start, model_dirs.a, port=port)  # restarted at version 0
+            await asyncio.sleep(0.5)  # several health checks find it up, at an older version
+            out_while_old = (pool.down(), pool.servers[0].last_error, waiting.done())
+            async with GenerationClient(again.url) as direct:
+                await direct.update_weights_from_disk(model_dirs.a, 2)
+            answer = await asyncio.wait_for(waiting, 10)
+            return out_while_old, answer
+
+    (down, error, done), answer = asyncio.run(scenario())
+    assert down == ["gen_server0"] and not done
+    assert error == "it serves weight version 0, older than version 2 of the others"
+    assert answer["meta_info"]["weight_version"] == "2"

@@ -24,5 +24,6 @@ def test_random_kills_lose_and_duplicate_nothing(tmp_path, run_cache):
     assert figures["kills"] == 2 and figures["restarts"] >= 1, (figures, out[-3000:])
     audit = figures["audit"]
     assert audit["problems"] == [] and audit["steps"] == 24
+    assert figures["staleness_max"] <= figures["eta"]  # the tokens' versions too, across every restart
     assert audit["trained"] == 24 * 2 and audit["admitted"] == audit["trained"] + audit["pending"]
     assert not leftover_processes(run_dir)

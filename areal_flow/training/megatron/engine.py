@@ -47,6 +47,8 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
+    RANK_RNG,
+    RESUMABLE_META,
     TRAIN_STATE,
     CheckpointError,
     LossFn,
@@ -58,6 +60,7 @@ from areal_flow.training.engine import (
     check_budget,
     check_engine_args,
     check_hf_checkpoint,
+    check_sharded_state,
     global_counts,
     kept_sequences,
     loss_masks,
@@ -65,8 +68,12 @@ from areal_flow.training.engine import (
     micro_batch_data,
     non_finite_step,
     pack_row,
+    read_rank_rng,
+    read_resumable_meta,
+    read_sharded_state,
     read_train_state,
     seq_lengths,
+    write_sharded_state,
 )
 from areal_flow.training.layout import Layout, layout_problems
 from areal_flow.training.megatron import convert
@@ -421,6 +428,85 @@ class MegatronEngine:
         dist.all_gather_object(ranks, mine)
         return {"layout": str(self.layout), "ranks": ranks, "step": self._step, "version": self.version,
                 "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state)}
+
+    def save_resumable(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A resumable checkpoint in the folder `path` (the caller's temporary one, renamed when
+        every rank is done, so it is written in place): the Hugging Face weights (and `tokenizer`)
+        by global rank 0, gathered as for `save`; SHARDED_STATE, each rank's own optimizer state
+        under its own key `rank<r>`, written by that rank with `torch.distributed.checkpoint`;
+        RANK_RNG by each rank; RESUMABLE_META (layout, step, version, ...) by rank 0. Collective."""
+        weights = dict(self._hf_tensors())
+        rank = dist.get_rank()
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+            save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            self.hf_config.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        del weights
+        if self._optimizer is not None:
+            with self._compat():
+                write_sharded_state(path, self._sharded_state(), None, alone=False)
+            torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, RANK_RNG.format(rank=rank)))
+            if rank == 0:
+                torch.save({"engine": "megatron", "layout": str(self.layout), "world_size": dist.get_world_size(),
+                            "step": self._step, "version": self.version, "nan_in_a_row": self._nan_in_a_row,
+                            "extra": dict(self.extra_state)}, os.path.join(path, RESUMABLE_META))
+        dist.barrier()  # no rank goes on before the checkpoint is whole
+
+    def _sharded_state(self) -> dict:
+        """This rank's optimizer state under a key of its own (megatron's state is per rank, its
+        parameters this rank's TP shards and PP stage): what DCP saves, and loads into in place."""
+        return {f"rank{dist.get_rank()}": {"optimizer": self._optimizer.state_dict()}}
+
+    def _init_optimizer_state(self) -> None:
+        """Adam's state tensors, which a fresh optimizer creates at its first step, made by a step of
+        zero gradients at LR 0 (which changes no weight), so that DCP has tensors to load into."""
+        # The torch optimizers megatron's wraps (one, or a chain's each).
+        for wrapped in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
+            inner = wrapped.optimizer
+            if inner.state:
+                continue
+            params = [p for group in inner.param_groups for p in group["params"]]
+            lrs = [group["lr"] for group in inner.param_groups]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for group in inner.param_groups:
+                group["lr"] = 0.0
+            inner.step()
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+            for p in params:
+                p.grad = None
+
+    def load_resumable(self, path: str) -> None:
+        """Load a checkpoint written by `save_resumable`: the weights from its Hugging Face files,
+        and when this role trains, this rank's optimizer state, RNG and the schedule's step. The
+        optimizer state is per rank, so it resumes only on the layout that saved it (else
+        CheckpointError naming both, and nothing is changed). Collective."""
+        check_hf_checkpoint(path, self.expected)
+        meta = rng = None
+        if self._optimizer is not None:
+            meta = read_resumable_meta(path, "megatron")
+            if meta.get("layout") != str(self.layout):
+                raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: saved by layout {meta.get('layout')}, "
+                                      f"this run is {self.layout}; the optimizer state resumes only on the same layout")
+            rng = read_rank_rng(path, dist.get_rank())
+        with self._compat():
+            module = self._model.module if isinstance(self._model, DistributedDataParallel) else self._model
+            if meta is not None:
+                self._init_optimizer_state()
+                state = self._sharded_state()
+                check_sharded_state(path, state)
+                read_sharded_state(path, state, None, alone=False)
+            self._load_weights(module, path)
+            if meta is not None:
+                self._optimizer.load_state_dict(state[f"rank{dist.get_rank()}"]["optimizer"])
+                torch.set_rng_state(rng["cpu"])
+                self._step = meta["step"]
+                self.version = meta["version"]
+                self._nan_in_a_row = meta["nan_in_a_row"]
+                self.extra_state = dict(meta.get("extra", {}))
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by `save` (or any Hugging Face directory of this model's

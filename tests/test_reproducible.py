@@ -1,0 +1,63 @@
+"""Exact reproduction: at η = 0 two runs with the same seeds train bit-identical weights.
+
+The batches are the same groups (the controller takes them in group order), each sample draws from
+its own seed (rollout/worker.py: group_seed), and the servers decode batch-invariantly, so a
+sample's tokens and behaviour logprobs do not depend on which requests it was batched with."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from run_helpers import ANSWERS_SOME, jsonl, launch
+from safetensors.torch import load_file
+from test_resume_end_to_end import run_processes, start, wait_for_step
+
+pytestmark = pytest.mark.slow
+
+ETA0 = ("rollout.max_staleness=0", "total_steps=3", "eval_at_start=false", "eval_at_end=false", *ANSWERS_SOME)
+
+
+def test_the_launcher_asks_for_batch_invariant_servers_at_eta_0():
+    from areal_flow.config.schema import RolloutConfig, RunConfig
+    from areal_flow.graph.placement import Proc
+    from areal_flow.launch import server_command
+
+    proc = Proc("gen_server0", "gen_server", (0,))
+    synchronous, _ = server_command(RunConfig(rollout=RolloutConfig(max_staleness=0)), proc, "/m", 31000)
+    assert "--enable-deterministic-inference" in synchronous
+
+
+def test_a_run_killed_and_resumed_at_eta_0_trains_the_weights_of_one_never_stopped(tmp_path, run_cache):
+    """Two runs with the same seeds: one uninterrupted, one whose trainer is killed (kill -9) after its
+    checkpoint of step 2 and which restarts itself from it (recover.retries). Both end with the same
+    weights, bit for bit: runs reproduce, and a resume loses and changes nothing."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    settings = (*ETA0, "total_steps=5", "checkpoint.every_steps=2", "recover.retries=1")
+    r = launch(runs[0], run_cache, *settings)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs[1].mkdir()
+    proc = start(runs[1], run_cache, *settings)
+    try:
+        wait_for_step(runs[1], 3, proc)
+        os.kill(run_processes(str(runs[1]))["trainer0"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "recover: restart 1 of 1" in out, out[-3000:]
+    a, b = (load_file(run_dir / "checkpoint" / "model.safetensors") for run_dir in runs)
+    assert a.keys() == b.keys()
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
+    base = load_file(json.loads((runs[0] / "spec.json").read_text())["model_path"] + "/model.safetensors")
+    assert any(not torch.equal(a[name], base[name]) for name in base)  # the runs did train
+
+    def story(run_dir):
+        ledger = jsonl(run_dir / "ledger.jsonl")
+        trained = [(e["step"], e["groups"]) for e in ledger if e["event"] == "train"]
+        groups = {g for _, step_groups in trained for g in step_groups}
+        lengths = {e["group"]: e["lengths"] for e in ledger if e["event"] == "finish" and e["group"] in groups}
+        return trained, lengths, [r["uids"] for r in jsonl(run_dir / "trained-rank0.jsonl")]
+
+    assert story(runs[0]) == story(runs[1])
+    assert json.loads((runs[1] / "summary.json").read_text())["resumes"] == 1
