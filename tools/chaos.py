@@ -8,7 +8,7 @@ trained exactly once, or filtered, dropped or pending, and no trained group stal
 
     python tools/chaos.py [--kills 50] [--steps 200] [--seed 0] [-- extra overrides]
 
-Prints the audit, the restarts, the seconds from each kill to the next step trained, and the work lost
+Prints the audit, the restarts (of a process alone, or of the whole run from its checkpoint), the seconds from each kill to the next step trained, and the work lost
 per kill (prompt groups generated and then thrown away, in samples); writes them as JSON with --out.
 The test suite runs a short version (tests/test_chaos.py).
 """
@@ -104,12 +104,13 @@ def chaos(run_dir: str, *, kills: int, steps: int, seed: int, every: tuple[float
     step_times = sorted(m["time"] for m in metrics if m["event"] == "step")
     to_step = [next(t for t in step_times if t > at) - at for at, _ in killed if any(t > at for t in step_times)]
     with open(os.path.join(run_dir, "launcher.out")) as f:
-        restarts = f.read().count("recover: restart")
+        out = f.read()
+    restarts, alone = out.count("recover: restart"), out.count("restarted, the run goes on")
     group_size = 4
     return {"kills": len(killed), "killed": [n for _, n in killed], "launcher_exit": launcher.returncode,
             "steps": result["steps"], "audit": result, "eta": eta,
             "staleness_max": max((m["staleness_max"] for m in metrics if m["event"] == "step"), default=0),
-            "restarts": restarts, "kill_to_step_seconds": sorted(to_step),
+            "restarts": restarts, "restarted_alone": alone, "kill_to_step_seconds": sorted(to_step),
             "lost_samples_per_kill": lost * group_size / max(1, len(killed)),
             "checkpoint_seconds": [m["seconds"] for m in metrics if m["event"] == "checkpoint"]}
 
@@ -134,7 +135,8 @@ def main() -> None:
     table.add_column("what")
     table.add_column("value", justify="right")
     for what, value in [("launcher exit code", figures["launcher_exit"]), ("steps trained", figures["steps"]),
-                        ("restarts", figures["restarts"]), ("groups admitted", audit["admitted"]),
+                        ("processes restarted alone", figures["restarted_alone"]),
+                        ("restarts of the whole run", figures["restarts"]), ("groups admitted", audit["admitted"]),
                         ("trained", audit["trained"]), ("filtered", audit["filtered"]), ("dropped", audit["dropped"]),
                         ("pending at the end", audit["pending"]),
                         ("audit problems", len(audit["problems"])),

@@ -16,14 +16,15 @@ pytestmark = pytest.mark.slow
 
 def test_random_kills_lose_and_duplicate_nothing(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    figures = chaos.chaos(str(run_dir), kills=2, steps=24, seed=3, every=(2.0, 4.0),
+    figures = chaos.chaos(str(run_dir), kills=2, steps=16, seed=3, every=(1.5, 3.0),
                           overrides=[f"cache_dir={run_cache}", "model.bootstrap_steps=30"], timeout=300,
                           console=Console(quiet=True))
     out = (run_dir / "launcher.out").read_text()
     assert figures["launcher_exit"] == 0, out[-3000:]
-    assert figures["kills"] == 2 and figures["restarts"] >= 1, (figures, out[-3000:])
+    # Each kill is survived: the process restarted alone (a worker), or the run from its checkpoint.
+    assert figures["kills"] == 2 and figures["restarted_alone"] + figures["restarts"] >= 1, (figures, out[-3000:])
     audit = figures["audit"]
-    assert audit["problems"] == [] and audit["steps"] == 24
+    assert audit["problems"] == [] and audit["steps"] == 16
     assert figures["staleness_max"] <= figures["eta"]  # the tokens' versions too, across every restart
-    assert audit["trained"] == 24 * 2 and audit["admitted"] == audit["trained"] + audit["pending"]
+    assert audit["trained"] == 16 * 2 and audit["admitted"] == audit["trained"] + audit["pending"]
     assert not leftover_processes(run_dir)
