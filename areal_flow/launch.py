@@ -134,7 +134,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     # Processes the local launcher restarts alone when they die (the run goes on): the workers,
     # and the servers when the weights they must load are files (the last version the controller
     # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
-    restarts = cfg.recover.worker_restarts if cfg.launcher.type == "local" else 0
+    restarts = cfg.recover.worker_restarts
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
     for proc in placement.procs:
         if proc.role == "gen_server":

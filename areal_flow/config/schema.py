@@ -376,7 +376,7 @@ class RecoverConfig:
 
     retries: int = doc(0, "restart the whole run from its last checkpoint this many times after a process dies "
                        "that is not restarted alone; 0 = the run fails", ge=0)
-    worker_restarts: int = doc(3, "local launcher: restart a generation server (weight_update_mode disk or shm), "
+    worker_restarts: int = doc(3, "restart a generation server (weight_update_mode disk or shm), "
                                "rollout worker or reward worker that dies, alone, this many times each, while the "
                                "run goes on; 0 = its death is the run's", ge=0)
 

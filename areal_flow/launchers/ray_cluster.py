@@ -11,8 +11,10 @@ shares), and reports its node's address and free ports, which the launcher write
 spec before any process starts.
 
 The launcher watches the actors the way the local launcher watches its children: a process that
-exits, or an actor whose node is lost, stops the run with the process's name; stopping the run
-stops every process and releases the placement groups.
+may be restarted alone (a generation server, a rollout or reward worker) is started again by its
+actor, on its node, with its resources; any other process that exits, or an actor whose node is
+lost, stops the run with the process's name; stopping the run stops every process and releases
+the placement groups.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.local import ChildFailed, Watching, _in_child
+from areal_flow.launchers.local import ChildFailed, Restart, Watching, _in_child
 from areal_flow.runtime.spec import free_ports
 
 
@@ -59,6 +61,10 @@ class ProcessActor:
 
     def poll(self) -> int | None:
         return self.popen.poll() if self.popen is not None else None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
 
     def stop(self, timeout: float) -> int | None:
         if self.popen is None or self.popen.poll() is not None:
@@ -97,6 +103,7 @@ class RayLauncher(Watching):
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.log_paths: dict[str, str] = {}
         self.started: dict[str, dict] = {}
+        self.again: dict[str, tuple[Proc, Restart, int]] = {}  # how to restart a process, and how often yet
         try:
             for node in nodes:
                 procs = [p for p in placement.procs if p.devices and p.node == node]
@@ -150,7 +157,12 @@ class RayLauncher(Watching):
             out.append((host, ports.pop(0)))
         return out
 
-    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, proc: Proc, argv: list[str], env: dict[str, str] | None = None, *, again: Restart | None = None,
+              restarts: int = 0) -> None:
+        """Start `argv` as `proc` through its actor; `again` starts it again when it dies (the same
+        actor: its node and resources), at most `restarts` times."""
+        if again is not None:
+            self.again[proc.name] = (proc, again, restarts)
         env = {**(env or {}), "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": proc.name, "AREAL_FLOW_RUN": self.run_dir}
         if self.device_type == "cpu":  # as the local launcher: a process's threads are its cores, light ones 1
             env["OMP_NUM_THREADS"] = str(max(1, len(proc.devices)))
@@ -177,6 +189,17 @@ class RayLauncher(Watching):
 
     def log_path(self, name: str) -> str:
         return self.log_paths[name]
+
+    def restart(self, name: str) -> bool:
+        proc, again, left = self.again.get(name, (None, None, 0))
+        if again is None or left <= 0:
+            return False
+        argv, env = again()
+        self.start(proc, argv, env, again=again, restarts=left - 1)
+        return True
+
+    def signal(self, name: str, sig: int) -> None:
+        ray.get(self.actors[name].signal.remote(sig), timeout=30)
 
     def stop_all(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after stop_timeout), kill the actors, release the groups."""

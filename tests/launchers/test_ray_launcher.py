@@ -86,11 +86,19 @@ def test_a_process_that_dies_stops_the_run_naming_it_and_releases_the_cluster(tm
     run_dir = tmp_path / "dies"
     p = start(run_dir, run_cache, cluster, "total_steps=50")
     wait_for_a_step(p, run_dir)
+    # A rollout worker that dies is restarted by its actor, on its node, and the run goes on.
+    os.kill(run_processes(run_dir)["rollout0"], signal.SIGKILL)
+    steps = len([m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "step"])
+    deadline = time.time() + 120
+    while len([m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "step"]) < steps + 2:
+        assert p.poll() is None and time.time() < deadline, "the run did not go on after rollout0 died"
+        time.sleep(0.5)
     # An abort, as a crash in native code (torch, a collective library) ends: the report carries
     # the stacks faulthandler wrote into the process's log.
     os.kill(run_processes(run_dir)["trainer0"], signal.SIGABRT)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 1
+    assert "process 'rollout0' was killed by signal 9: restarted, the run goes on" in out
     assert "process 'trainer0' was killed by signal 6" in out
     assert "Fatal Python error: Aborted" in out and "(most recent call first)" in out
     assert not run_processes(run_dir)
