@@ -103,8 +103,11 @@ def test_a_bad_areal_code_row_names_file_line_and_field(tmp_path):
 
 
 def test_multirun_gives_each_run_its_own_directory(tmp_path):
-    r = launch("-m", "dry_run=true", "rollout.max_staleness=0,4", f"cache_dir={tmp_path}/c",
-               f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    # How long a run goes and how it resumes is not in its directory's name: the same multirun with
+    # more steps and resume=auto finds each job's directory again (docs/reliability.md).
+    r = launch("-m", "dry_run=true", "rollout.max_staleness=0,4", f"cache_dir={tmp_path}/c", "total_steps=7",
+               "resume=auto", "checkpoint.every_steps=3", "recover.retries=1", f"hydra.sweep.dir={tmp_path}/sweep",
+               cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert runs == ["rollout.max_staleness=0", "rollout.max_staleness=4"]
