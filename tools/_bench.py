@@ -26,7 +26,10 @@ def machine() -> str:
 
 def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
     """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics)."""
-    cmd = [sys.executable, "-m", "areal_flow.launch", *overrides, f"hydra.run.dir={run_dir}"]
+    # Speed comparisons run every η with the same decoding: batch-invariant decoding, on by default
+    # at η = 0 for reproducibility, costs about a fifth of the tokens/s (docs/generation.md).
+    fixed = [] if any(o.startswith("generation.deterministic=") for o in overrides) else ["generation.deterministic=false"]
+    cmd = [sys.executable, "-m", "areal_flow.launch", *fixed, *overrides, f"hydra.run.dir={run_dir}"]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     return read_run_dir(run_dir)
