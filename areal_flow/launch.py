@@ -7,6 +7,7 @@ the datasets are read once so a bad row is reported with its file and line.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -134,22 +135,22 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     # Processes the local launcher restarts alone when they die (the run goes on): the workers,
     # and the servers when the weights they must load are files (the last version the controller
     # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
-    restarts = cfg.recover.worker_restarts
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
-    for proc in placement.procs:
-        if proc.role == "gen_server":
-            def argv(proc: Proc = proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
-                path, version = weights
-                return server_command(cfg, proc, path, spec.gen_ports[proc.rank], api_key=spec.api_key,
-                                      host=server_host(cfg, spec.host_of(proc.name)), version=version)
-            again = (lambda argv=argv: argv(weights=last_loaded(spec.run_dir, first))) if files else None
-        else:
-            def argv(proc: Proc = proc) -> tuple[list[str], dict[str, str]]:
-                return python_role(proc.role, proc, spec.run_dir), {}
-            again = argv if proc.role in ("rollout", "reward") else None
-        extra = {"again": again, "restarts": restarts} if restarts and again is not None else {}
-        launcher.start(proc, *argv(), **extra)
 
+    def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+        if proc.role != "gen_server":
+            return python_role(proc.role, proc, spec.run_dir), {}
+        path, version = weights
+        return server_command(cfg, proc, path, spec.gen_ports[proc.rank], api_key=spec.api_key,
+                              host=server_host(cfg, spec.host_of(proc.name)), version=version)
+
+    for proc in placement.procs:
+        again = None
+        if proc.role == "gen_server" and files:
+            again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
+        elif proc.role in ("rollout", "reward"):
+            again = functools.partial(command, proc)
+        launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
 
 
 def describe_servers(cfg: RunConfig, placement: Placement) -> str:

@@ -17,7 +17,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import zmq
@@ -545,10 +545,9 @@ class Controller:
         state.ledger_bytes, state.metrics_bytes = self.ledger.tell(), self.metrics.tell()
         state.epoch, state.cursor = self.prompts.epoch, self.prompts.cursor
         state.train_elapsed = self.clock.elapsed()
-        running = dict(state.staleness.running)
-        state.staleness.running.update({g: state.staleness.version for g in self.readmit})  # still to re-admit
-        encoded = msgspec.json.encode(state)
-        state.staleness.running = running
+        # Groups a resumed run has yet to admit again are still running, as far as a later resume goes.
+        running = {**state.staleness.running, **{g: state.staleness.version for g in self.readmit}}
+        encoded = msgspec.json.encode(replace(state, staleness=replace(state.staleness, running=running)))
         tmp = store.begin(self.spec.run_dir, step)
         held = {rank: sorted(g for g, r in state.intake.location.items() if r == rank) for rank in self.ranks}
         for rank, ident in self.ranks.items():

@@ -437,9 +437,7 @@ class TorchEngine:
             dist.barrier(group=self._group)  # no rank goes on before the checkpoint exists
 
     def _train_state(self) -> dict:
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        rng = self._rng_state()
         rngs = [rng]
         if self._group is not None:
             rngs = [None] * dist.get_world_size(self._group)
@@ -467,6 +465,11 @@ class TorchEngine:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return rng
+
+    def _set_rng_state(self, rng: dict) -> None:
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def save_resumable(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """A resumable checkpoint in the folder `path` (the caller's temporary one, renamed when
@@ -521,10 +524,8 @@ class TorchEngine:
             self._nan_in_a_row = train_state["nan_in_a_row"]
             self.extra_state = dict(train_state.get("extra", {}))
             rngs = train_state["rng"]
-            if len(rngs) == (1 if self._group is None else dist.get_world_size(self._group)):
-                torch.set_rng_state(rngs[self.rank]["cpu"])
-                if "cuda" in rngs[self.rank] and self.device.type == "cuda":
-                    torch.cuda.set_rng_state(rngs[self.rank]["cuda"], self.device)
+            if len(rngs) == self._world_size:
+                self._set_rng_state(rngs[self.rank])
 
     def load_resumable(self, path: str) -> None:
         """Load a checkpoint written by `save_resumable`, at any number of ranks: the sharded
@@ -554,9 +555,7 @@ class TorchEngine:
         self.version = meta["version"]
         self.extra_state = dict(meta.get("extra", {}))
         if rng is not None:
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
+            self._set_rng_state(rng)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

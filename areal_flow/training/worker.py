@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from functools import partial
+from functools import cached_property, partial
 
 import msgspec
 import numpy as np
@@ -322,7 +322,7 @@ class ModelWorker:
         weights, sharded model and optimizer state) under `msg.path/<role>`, the
         scored groups `msg.groups` this rank holds (waiting for any still on their way) and the
         length of its trained-samples log. Collective: every rank takes part in saving the models."""
-        tokenizer = load_tokenizer(self.spec.model_path)
+        tokenizer = self.tokenizer
         if msg.groups is None:
             self.engines[self.graph.train.role].save(msg.path, tokenizer=tokenizer)
             if self.graph.critic_train is not None:
@@ -338,6 +338,11 @@ class ModelWorker:
             if node.type == "train":  # sharded: each rank writes its own part of the optimizer state
                 role_tokenizer = tokenizer if node.role == self.graph.train.role else None
                 self.engines[node.role].save_resumable(os.path.join(msg.path, node.role), tokenizer=role_tokenizer)
+
+    @cached_property
+    def tokenizer(self):
+        """The run's tokenizer, saved beside the trained weights; read at the first checkpoint."""
+        return load_tokenizer(self.spec.model_path)
 
     def resume(self, folder: str) -> None:
         """Continue from the resumable checkpoint `folder`: every trained role's weights and training

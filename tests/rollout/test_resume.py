@@ -6,52 +6,31 @@ per-token versions. This stand-in HTTP server does exactly that, so the resume p
 """
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from sglang_standin import StandIn, serving
 
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.worker import generate_sample
 from areal_flow.transport.messages import Finish
 
 
-class AbortingSGLang(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    calls: list[dict] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        AbortingSGLang.calls.append(body)
+class AbortingSGLang(StandIn):
+    def answer(self, body: dict) -> dict:
         first = len(AbortingSGLang.calls) == 1
         out = [7, 8, 9] if first else [10, 1]
-        answer = {"text": "", "output_ids": out, "meta_info": {
+        return {"text": "", "output_ids": out, "meta_info": {
             "id": body["rid"], "weight_version": "default" if first else "3",
             "finish_reason": {"type": "abort"} if first else {"type": "stop", "matched": 1},
             "output_token_logprobs": [[-0.5, t, None] for t in out]}}
-        data = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_an_aborted_sample_is_resumed_with_its_tokens_and_their_versions():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), AbortingSGLang)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    AbortingSGLang.calls = []
-
-    async def run():
-        async with ServerPool([f"http://127.0.0.1:{server.server_address[1]}"]) as pool:
+    async def run(url):
+        async with ServerPool([url]) as pool:
             return await generate_sample(pool, [4, 5], {"max_new_tokens": 10, "temperature": 1.0}, "g0-0", "g0")
 
-    try:
-        out = asyncio.run(run())
-    finally:
-        server.shutdown()
+    with serving(AbortingSGLang) as url:
+        out = asyncio.run(run(url))
     first, second = AbortingSGLang.calls
     assert first["input_ids"] == [4, 5] and first["sampling_params"]["max_new_tokens"] == 10
     # The resubmission carries the tokens so far and only the remaining budget.

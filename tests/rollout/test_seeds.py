@@ -2,9 +2,8 @@
 sent with the group's request and kept by a sample's resubmissions."""
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from sglang_standin import StandIn, serving
 
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.worker import SEED_LIMIT, generate_group, group_seed
@@ -19,49 +18,27 @@ def test_every_sample_of_a_run_has_its_own_seed_fixed_by_run_seed_group_and_inde
     assert all(0 <= group_seed(s, 2**40, 64) <= SEED_LIMIT - 64 for s in range(50))
 
 
-class GroupThenResume(BaseHTTPRequestHandler):
+class GroupThenResume(StandIn):
     """Answers a group request of n = 2 with one finished and one aborted sample, then the resubmission."""
 
-    protocol_version = "HTTP/1.1"
-    calls: list[dict] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        GroupThenResume.calls.append(body)
-
-        def answer(out, reason, version):
+    def answer(self, body: dict) -> object:
+        def one(out, reason, version):
             return {"text": "", "output_ids": out, "meta_info": {
                 "id": "x", "weight_version": version, "finish_reason": {"type": reason},
                 "output_token_logprobs": [[-0.5, t, None] for t in out]}}
 
         if len(GroupThenResume.calls) == 1:
-            payload = [answer([7, 1], "stop", "0"), answer([8], "abort", "0")]
-        else:
-            payload = answer([9, 1], "stop", "1")
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+            return [one([7, 1], "stop", "0"), one([8], "abort", "0")]
+        return one([9, 1], "stop", "1")
 
 
 def test_the_group_request_carries_the_seed_and_a_resubmitted_sample_keeps_its_own():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), GroupThenResume)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    GroupThenResume.calls = []
-
-    async def run():
-        async with ServerPool([f"http://127.0.0.1:{server.server_address[1]}"]) as pool:
+    async def run(url):
+        async with ServerPool([url]) as pool:
             return await generate_group(pool, [4, 5], {"max_new_tokens": 10, "temperature": 1.0}, 2, "g3", seed=1000)
 
-    try:
-        outs = asyncio.run(run())
-    finally:
-        server.shutdown()
+    with serving(GroupThenResume) as url:
+        outs = asyncio.run(run(url))
     group, resumed = GroupThenResume.calls
     assert group["sampling_params"]["n"] == 2 and group["sampling_params"]["sampling_seed"] == 1000
     # Sample 1 draws from seed + 1 (the server's rule for n samples); its resubmission keeps it.
