@@ -11,6 +11,7 @@ setuptools ships nothing that list leaves out.
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -70,6 +71,11 @@ def test_the_wheel_ships_conf_and_recipes_and_launches_outside_the_repository(tm
     r = run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     python = str(venv / "bin" / "python")
+    # Run from a virtual environment, --system-site-packages gives the BASE interpreter's packages,
+    # not that environment's: a .pth file adds this interpreter's own site-packages (after the new
+    # venv's, and without running their .pth files, so the editable install stays out of sight).
+    r = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
+    (Path(r.stdout.strip()) / "outer_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     r = run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", str(wheel), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 

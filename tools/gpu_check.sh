@@ -9,7 +9,7 @@
 #   install           python -m pip install --no-index --find-links .gpu_wheels -r tools/gpu_requirements.txt
 #   pytest_gpu        python -m pytest -m gpu (the tests marked gpu)
 #   gpu_smoke         python -m areal_flow.launch recipe=gpu_smoke total_steps=10 (when the recipe exists)
-#   bench_engine      python tools/bench_engine.py, small settings
+#   bench_engine      python tools/bench_engine.py: HF unpacked, torch and megatron packed, 0.5B and 1.5B
 #   bench_generation  python tools/bench_generation.py --device cuda
 # The project runs from the source tree (PYTHONPATH=the repository): nothing reinstalls torch or
 # transformers. Results go to $OUT, at most 5 files (the lent machine returns 8 files of 16 MiB at
@@ -154,8 +154,10 @@ if [ -d "$OUT/gpu_smoke_run" ]; then  # one file back instead of a folder of the
   rm -rf "$OUT/gpu_smoke_run"
 fi
 
-# About a minute and a half on an H100: a random-weight 0.5B Qwen2, half the default batch, 2 repeats.
-run_step bench_engine 150 "$PY" tools/bench_engine.py --tokens 32768 --micro-batch-tokens 8192 --repeats 2
+# HF's unpacked step, the torch engine and megatron, packed, at the 0.5B and 1.5B shapes (random
+# weights), 2 repeats: a few minutes on an H100.
+run_step bench_engine 240 "$PY" tools/bench_engine.py --device cuda --shapes 0.5b 1.5b --tokens 32768 \
+  --micro-batch-tokens 16384 --repeats 2
 
 run_step bench_generation 120 "$PY" tools/bench_generation.py --device cuda
 

@@ -91,6 +91,7 @@ def decoupled_ppo_loss(
     behav_weight_action: str = "mask",
     token_weights: torch.Tensor | None = None,
     n_valid_tokens: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
 
@@ -142,7 +143,9 @@ def decoupled_ppo_loss(
     micro-batches and ranks: n_tokens, clipped_tokens (PPO: the clipped branch was taken, no gradient;
     CISPO: the weight c(r_t) differs from r_t, the gradient stays), dual_clipped_tokens, capped_tokens
     (w_t outside [floor, cap], masked or clamped), ratio_sum (of r_t), behav_weight_sum and
-    behav_weight_max (of w_t before the cap and floor).
+    behav_weight_max (of w_t before the cap and floor); with `entropy` (the policy's per-token entropy,
+    as the engines pass it in batch["entropy"]), entropy_sum over the valid tokens (divide by n_tokens
+    for the mean). Entropy is only reported: it adds no term to the loss.
     """
     _check_choice("kind", kind, LOSS_KINDS)
     _check_choice("importance_level", importance_level, IMPORTANCE_LEVELS)
@@ -158,7 +161,8 @@ def decoupled_ppo_loss(
         raise ValueError(f"behav_weight_floor ({behav_weight_floor}) > behav_weight_cap ({behav_weight_cap})")
     shape = logprobs.shape
     others = {"behav_logprobs": behav_logprobs, "advantages": advantages, "mask": mask}
-    optional = {"prox_logprobs": prox_logprobs, "seq_ids": seq_ids, "token_weights": token_weights}
+    optional = {"prox_logprobs": prox_logprobs, "seq_ids": seq_ids, "token_weights": token_weights,
+                "entropy": entropy}
     others.update({name: t for name, t in optional.items() if t is not None})
     for name, t in others.items():
         if t.shape != shape:
@@ -244,4 +248,6 @@ def decoupled_ppo_loss(
         # w >= 0, so 0 is a neutral element for an empty micro-batch.
         "behav_weight_max": masked_weight.max() if masked_weight.numel() else zero.sum().detach(),
     }
+    if entropy is not None:
+        stats["entropy_sum"] = torch.where(mask, entropy.detach().to(logp.dtype), zero).sum()
     return loss, stats

@@ -303,9 +303,20 @@ class TrainingConfig:
     dtype: str = doc("auto", "compute dtype of forward and backward (autocast, FSDP2's param_dtype); master weights, "
                      "optimizer state and gradient reductions stay float32 and the loss's logprobs are float32; "
                      "auto = bfloat16 on cuda, float32 on cpu", choices=("auto", "float32", "bfloat16"))
-    activation_checkpointing: bool = doc(False, "torch engine: recompute each decoder layer's activations in "
-                                         "backward instead of keeping them (less GPU memory, about a third more "
-                                         "compute)")
+    activation_checkpointing: bool = doc(False, "recompute each decoder layer's activations in backward instead "
+                                         "of keeping them (less GPU memory, about a third more compute); megatron: "
+                                         "its full, uniform recomputation")
+    attention: str = doc("auto", "attention over packed sequences: varlen (flash kernel over cu_seqlens, CUDA), "
+                         "flex (FlexAttention, document-causal block mask), sdpa (transformers' dense block mask; "
+                         "the reference); auto = the fastest this device has", choices=("auto", "varlen", "flex", "sdpa"))
+    logprob_chunk_tokens: int = doc(1024, "tokens whose logits are computed at once for logprobs and entropy, so "
+                                    "that no [tokens, vocab] float32 logits are held; 0 = a micro-batch at once", ge=0)
+    entropy: bool = doc(True, "compute each trained token's entropy alongside its logprob (chunked, no extra "
+                        "logits held) and log it as train/entropy_sum (divide by train/n_tokens for the mean)")
+    distributed_optimizer: bool = doc(False, "megatron engine: shard the optimizer state over data-parallel ranks "
+                                      "(megatron's DistributedOptimizer)")
+    sequence_parallel: bool = doc(False, "megatron engine, tp > 1: split the activations outside attention and MLP "
+                                  "over the tensor-parallel ranks along the sequence (less memory)")
 
 
 @dataclass

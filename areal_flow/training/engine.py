@@ -15,6 +15,7 @@ is the gradient of the global token mean.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -79,6 +80,38 @@ class OptimSpec:
 
 class NonFiniteLoss(RuntimeError):
     """Too many train steps in a row had a non-finite loss or gradient; none of them changed the model."""
+
+
+class OutOfMemory(RuntimeError):
+    """A micro-batch did not fit the device's memory; the message names the token budget to lower."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's out-of-memory error, or the CPU allocator's failure (a plain RuntimeError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+@contextlib.contextmanager
+def budget_named(key: str, budget: int, device: torch.device) -> Iterator[None]:
+    """Turns an out-of-memory error inside into OutOfMemory naming the config `key` and its
+    `budget` (tokens per micro-batch on one device) and what the device held, so that the run stops
+    with what to change instead of a bare allocator trace. The process then exits; the launcher
+    stops (or, with recover.retries, restarts) the run, so ranks waiting in a collective are not left
+    hanging."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        held = ""
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            held = (f"; {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB peak of "
+                    f"{total / 2**30:.1f} GiB on {device}")
+        raise OutOfMemory(f"{key}={budget}: out of memory in a micro-batch of at most {budget} tokens{held}. "
+                          f"Lower {key}, or set training.activation_checkpointing=true ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200]})") from None
 
 
 class CheckpointError(ValueError):

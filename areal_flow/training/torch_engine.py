@@ -8,20 +8,21 @@ reduce-scatters through the group (gloo on CPU, NCCL on GPU). Gradients are SUMM
 count. With one rank the model is used as it is.
 
 Packing: the sequences of a micro-batch are concatenated into ONE row with no padding, and
-`position_ids` restart at 0 for each sequence. Given `position_ids` and no `attention_mask`,
-transformers (`masking_utils.find_packed_sequence_indices`) detects the sequence boundaries and
-builds the block-diagonal causal mask for the loaded attention implementation (sdpa here;
-flash-attention turns the same inputs into varlen kernels). Tests pin packed == unpacked.
+`position_ids` restart at 0 for each sequence. Attention (`attention`, training/attention.py)
+confines each token to its own sequence: varlen/flex get the sequences' boundaries from those
+positions once per forward (no dense mask); "sdpa" leaves it to transformers, which builds a dense
+block-diagonal causal mask from them. Tests pin packed == unpacked and every attention == sdpa.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.training import attention as attention_impl
 from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
     RANK_RNG,
@@ -64,6 +66,7 @@ from areal_flow.training.engine import (
     write_like,
     write_sharded_state,
 )
+from areal_flow.training.logprobs import chunked_logprobs, full_logprobs
 from areal_flow.training.schedule import lr_factor
 
 
@@ -115,29 +118,41 @@ class TorchEngine:
         device: str = "cpu",
         bf16: bool = False,
         activation_checkpointing: bool = False,
-        attention: str = "sdpa",
+        attention: str = "auto",
         head: str = "lm",
+        logprob_chunk_tokens: int = 1024,
+        entropy: bool = False,
     ) -> None:
         """`optim` None makes a frozen role (ref): logprobs only. `row_tokens` splits each
         micro-batch into rows of at most that many tokens, run as one [rows, length] call (None: one
         row per micro-batch; see `_packed_logprobs`). `bf16` computes in bfloat16 with
         fp32 master weights and fp32 gradient reduction (GPU); `activation_checkpointing` recomputes
         each decoder layer's activations in backward instead of keeping them (GPU memory);
-        `attention` is the transformers attention implementation: sdpa (tested everywhere), or
-        flex_attention, which builds a block mask from the packed sequences instead of a dense one
-        (faster on GPU, docs/benchmarks.md; not yet tested for agreement, it failed to compile for
-        rows under 128 tokens)."""
+        `attention` is how packed sequences attend (training/attention.py): "varlen" (flash
+        attention over the sequences' boundaries on CUDA; a causal SDPA call per sequence
+        elsewhere), "flex" (FlexAttention with a block mask), "sdpa" (transformers' own, a dense
+        block-diagonal mask: the reference) or "auto", the fastest available on the device ("flex_attention",
+        the older name, means flex); varlen and flex build no [T, T] mask.
+        `logprob_chunk_tokens`: the LM head's logprobs are computed that many tokens at a time, never
+        holding the [tokens, vocab] fp32 logits (0: one chunk; training/logprobs.py). `entropy`: train steps also compute each token's entropy and pass it
+        to the loss function as batch["entropy"] (with its gradient)."""
         check_engine_args(micro_batch_tokens, temperature)
+        self.attention = attention_impl.resolve(attention, device)
+        if logprob_chunk_tokens < 0:
+            raise ValueError(f"logprob_chunk_tokens must be >= 0 (0: one chunk), got {logprob_chunk_tokens}")
         # A critic may start from the actor's checkpoint, which has no value head: it starts at 0.
         held = check_hf_checkpoint(model_path, expected_tensors(model_path, head),
                                    optional=(VALUE_HEAD,) if head == "value" else ())
         model = model_class(head).from_pretrained(model_path, config=model_config(model_path, head), dtype=torch.float32,
-                                                  attn_implementation=attention)
+                                                  attn_implementation=attention_impl.hf_implementation(self.attention))
         if head == "value" and not any(k.startswith(VALUE_HEAD) for k in held):
             with torch.no_grad():
                 for p in model.score.parameters():
                     p.zero_()
         self.head = head
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.entropy = entropy
+        self._routable_head = head == "lm" and routable_lm_head(model)
         model.to(device)
         # Always eval mode: dropout would make the trained logprobs differ from the ones that
         # `logprobs` reports and that generation samples from.
@@ -219,12 +234,15 @@ class TorchEngine:
                 if not group:
                     self._idle_pass(backward=False)
                     continue
-                for i, lp in zip(group, self._packed_logprobs([seqs[i] for i in group])):
+                for i, lp in zip(group, self._packed_logprobs([seqs[i] for i in group])[0]):
                     out[i] = lp.float().cpu().numpy()
         return out
 
-    def _packed_logprobs(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)].
+    def _packed_logprobs(self, seqs: Sequence[Seq], entropy: bool = False
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One packed forward over `seqs`. Returns, per sequence, logprobs [len(output_ids)], and with
+        `entropy` the entropy of each of those tokens' distributions (else None). They stay separate
+        tensors: an entropy the loss does not differentiate costs no backward work.
 
         Without `row_tokens` the sequences are one row. With it they are packed first-fit-decreasing
         into rows of at most `row_tokens` (a longer sequence gets a row of its own), stacked into one
@@ -253,36 +271,77 @@ class TorchEngine:
             keep_cols = np.concatenate([r.keep for r in packed])
             columns = np.unique(keep_cols)
         with self.phases("forward"):
-            logits = self._forward(ids, positions, columns)
-            logits = logits[torch.from_numpy(keep_rows), torch.from_numpy(np.searchsorted(columns, keep_cols))]
+            picked = (torch.from_numpy(keep_rows).to(self.device),
+                      torch.from_numpy(np.searchsorted(columns, keep_cols)).to(self.device))
             if self.head == "value":  # the value of the state before each output token
-                lp = logits[:, 0].float()
+                lp, ent = self._forward(ids, positions, columns)[picked][:, 0].float(), None
             else:
-                logits = logits.float() / self.temperature
                 target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
-                # gather - logsumexp avoids materialising a second [T, vocab] log_softmax tensor.
-                lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        by_seq = dict(zip((i for row in rows for i in row), torch.split(lp, [n for r in packed for n in r.n_out])))
-        return [by_seq[i] for i in range(len(seqs))]
+                lp, ent = self._lm_logprobs(ids, positions, columns, picked, target, entropy)
+        order = [i for row in rows for i in row]
+        sizes = [n for r in packed for n in r.n_out]
 
-    def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> torch.Tensor:
+        def by_seq(t: torch.Tensor) -> list[torch.Tensor]:
+            split = dict(zip(order, torch.split(t, sizes)))
+            return [split[i] for i in range(len(seqs))]
+
+        return by_seq(lp), None if ent is None else by_seq(ent)
+
+    def _lm_logprobs(self, ids: np.ndarray, positions: np.ndarray, columns: np.ndarray,
+                     picked: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, entropy: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs [K] of `target` at the kept positions `picked` (row, index into `columns`) under
+        log_softmax(logits / temperature), and with `entropy` the entropy [K] of each (else None).
+
+        The LM head is routed to `chunked_logprobs` for the duration of the model's forward: inside it
+        FSDP has gathered the head's weight (a sharded DTensor outside) and autocast is on, and the
+        gradient reaches the weight (the embedding's, when tied). So the [K, vocab] fp32 logits are
+        never held, only chunks of `logprob_chunk_tokens` (training/logprobs.py). A model that
+        transforms its logits after the head (soft-capping, scaling) takes the full path."""
+        if not self._routable_head:
+            logits = self._forward(ids, positions, columns)[picked]
+            return full_logprobs(logits, target, temperature=self.temperature, entropy=entropy)
+        lm_head = self._model.lm_head
+        made: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def head(hidden: torch.Tensor) -> torch.Tensor:  # hidden [rows, len(columns), H]
+            made.append(chunked_logprobs(hidden[picked], lm_head.weight, target, temperature=self.temperature,
+                                         chunk_tokens=self.logprob_chunk_tokens, entropy=entropy, bias=lm_head.bias))
+            return made[-1][0]  # the model's output; the entropy comes beside it, not through it
+
+        out = self._forward(ids, positions, columns, head=head)
+        if not made or out is not made[-1][0]:  # the model changed what its head returned
+            raise RuntimeError(f"{type(self._model).__name__} transforms the output of its lm_head; the chunked "
+                               "logprobs cannot be routed through it (routable_lm_head should have said so)")
+        return made[-1]
+
+    def _forward(self, ids: np.ndarray, positions: np.ndarray, keep: np.ndarray | None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [rows, len(keep), vocab] of packed rows [rows, length] (all columns when keep is None);
-        the value head's [rows, len(keep), 1]."""
+        the value head's [rows, len(keep), 1]. With `head`, the LM head's forward is `head` for this
+        call: what it returns of the hidden states [rows, len(keep), H] is returned instead."""
         as_tensor = functools.partial(torch.as_tensor, device=self.device)
         # Activation checkpointing in transformers works in train mode only (no dropout here).
         self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
         # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
         autocast = self.bf16 and self._group is None
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast), _routed(self._model, head):
             if self.head == "value":  # one scalar per position: no need to pick the columns first
-                out = self._model(input_ids=as_tensor(ids), position_ids=as_tensor(positions), use_cache=False).logits
+                out = self._model(input_ids=as_tensor(ids), position_ids=as_tensor(positions), use_cache=False,
+                                  **self._attention_kwargs(positions)).logits
                 return out if keep is None else out[:, as_tensor(keep)]
             return self._model(
                 input_ids=as_tensor(ids),
                 position_ids=as_tensor(positions),
                 use_cache=False,  # a cache would also switch off the packed-sequence detection
                 logits_to_keep=0 if keep is None else as_tensor(keep),  # lm_head only where needed
+                **self._attention_kwargs(positions),
             ).logits
+
+    def _attention_kwargs(self, positions: np.ndarray) -> dict:
+        """The packed attention's per-forward metadata (the sequences' boundaries, from the restarted
+        positions; flex: its block mask), built once and handed to every layer; none for sdpa."""
+        return attention_impl.packed_forward_kwargs(positions, self.attention, self.device)
 
     def _idle_pass(self, backward: bool) -> None:
         """A one-token pass with no effect, on a rank with fewer sequences than the agreed number of
@@ -333,9 +392,13 @@ class TorchEngine:
             if not group:
                 self._idle_pass(backward=True)
                 continue
-            logp = torch.cat(self._packed_logprobs([seqs[i] for i in group]))
+            entropy = self.entropy and self.head == "lm"
+            logps, entropies = self._packed_logprobs([seqs[i] for i in group], entropy=entropy)
+            logp = torch.cat(logps)
             with self.phases("forward"):
                 batch, mask = micro_batch_data(group, token_data, masks, self.device)
+                if entropies is not None:  # the loss function reads it (with its gradient) or only reports it
+                    batch["entropy"] = torch.cat(entropies)
                 # Clamped so that a step without valid tokens gives loss 0, not 0/0.
                 loss, stats = loss_fn(logp, batch, mask, max(denominator, 1.0))
             with self.phases("backward"):
@@ -556,6 +619,35 @@ class TorchEngine:
         self.extra_state = dict(meta.get("extra", {}))
         if rng is not None:
             self._set_rng_state(rng)
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config keys of transformers models that change the logits after the LM head (Gemma's
+soft-capping, Cohere's and Granite's scaling): their logprobs take the full path."""
+
+
+def routable_lm_head(model: torch.nn.Module) -> bool:
+    """Whether the causal LM's logits are its `lm_head` (a Linear) applied to the hidden states and
+    nothing more, so that the head's call can be routed to `chunked_logprobs`."""
+    configs = [model.config]
+    if hasattr(model.config, "get_text_config"):
+        configs.append(model.config.get_text_config())
+    transforms = any(getattr(c, key, None) is not None for c in configs for key in LOGIT_TRANSFORMS)
+    return isinstance(getattr(model, "lm_head", None), torch.nn.Linear) and not transforms
+
+
+@contextlib.contextmanager
+def _routed(model: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
+    """The instance's `lm_head.forward` is `head` while entered (nothing changes when it is None)."""
+    if head is None:
+        yield
+        return
+    lm_head = model.lm_head
+    lm_head.forward = head
+    try:
+        yield
+    finally:
+        del lm_head.forward  # the class's forward again
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

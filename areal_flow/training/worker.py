@@ -34,7 +34,7 @@ from areal_flow.runtime.child import torchrun_rank
 from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats
+from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.weights import make_channel
@@ -215,18 +215,20 @@ class ModelWorker:
         ran = []
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
         for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs and values, then train
-            if node.type == "train" and node.role == "critic":
-                stats.update({f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()})
-            elif node.type == "train":
-                stats.update(self.train(node, samples, source, trained.version, kl_coef))
-            elif node.outputs[0] != prox_key:
-                self.infer(node, samples)
-            elif source == "data":  # else π_prox needs no forward pass this step
-                t0 = time.perf_counter()
-                self.infer(node, samples)
+            is_prox = node.type != "train" and node.outputs[0] == prox_key
+            if is_prox and source != "data":
+                continue  # π_prox needs no forward pass this step
+            t0 = time.perf_counter()
+            with budget_named(f"graph.{node.name}.micro_batch_tokens", node.micro_batch_tokens,
+                              self.engines[node.role].device):
+                if node.type == "train" and node.role == "critic":
+                    stats.update({f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()})
+                elif node.type == "train":
+                    stats.update(self.train(node, samples, source, trained.version, kl_coef))
+                else:
+                    self.infer(node, samples)
+            if is_prox:
                 prox_seconds = time.perf_counter() - t0
-            else:
-                continue
             ran.append(node.name)
         if prox_key is not None:
             stats["prox_seconds"] = prox_seconds
@@ -428,15 +430,20 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
         dist.init_process_group(TRAINER_BACKENDS[device_type], **process_group_init(spec, rank))
     engines: dict[str, Engine] = {}
     trained = {n.role for n in graph.batch_nodes if n.type == "train"}
+    training = cfg.training
     for role, node in nodes.items():
         optim = optim_spec(cfg, role) if role in trained else None
+        common = dict(attention=training.attention, activation_checkpointing=training.activation_checkpointing,
+                      logprob_chunk_tokens=training.logprob_chunk_tokens, entropy=training.entropy and optim is not None)
         if node.engine == "megatron":
             from areal_flow.training.megatron.engine import (
                 MegatronEngine,  # imports megatron-core (seconds)
             )
 
             engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
-                                           tp=layout.tp, pp=layout.pp, device=device, bf16=bf16)
+                                           tp=layout.tp, pp=layout.pp, device=device, bf16=bf16,
+                                           distributed_optimizer=training.distributed_optimizer,
+                                           sequence_parallel=training.sequence_parallel, **common)
         else:
             # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
             critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
@@ -444,7 +451,7 @@ def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict
             engines[role] = TorchEngine(path, optim=optim, temperature=cfg.algorithm.temperature,
                                         process_group=dist.group.WORLD if spec.n_trainers > 1 else None,
                                         head="value" if role == "critic" else "lm", device=device, bf16=bf16,
-                                        activation_checkpointing=cfg.training.activation_checkpointing)
+                                        **common)
     return engines
 
 

@@ -70,3 +70,13 @@ def test_a_loadable_model_config_and_no_model_path_pass(tmp_path):
     model = model_dir(tmp_path, json.dumps({"model_type": "qwen2", "hidden_size": 8, "num_attention_heads": 2,
                                             "num_key_value_heads": 1, "num_hidden_layers": 1}))
     check_model_config(str(model))
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray", "slurm"])
+def test_launchers_are_a_config_group_as_a_hydra_user_types_them(tmp_path, launcher):
+    cfg = typed(composed(tmp_path, f"launcher={launcher}"))
+    assert cfg.launcher.type == launcher and unknown_keys(cfg) == []
+    # launcher.type= on its own still works, and a group's keys take overrides on top.
+    assert typed(composed(tmp_path, f"launcher.type={launcher}")).launcher.type == launcher
+    if launcher == "slurm":
+        assert typed(composed(tmp_path, "launcher=slurm", "launcher.slurm_time=1:00:00")).launcher.slurm_time == "1:00:00"

@@ -11,12 +11,22 @@ is entered and nothing else:
 - `torch.cuda.get_rng_state` / `set_rng_state` / `manual_seed` (and megatron's own
   `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) use the CPU generator;
 - a `TorchFunctionMode` rewrites a `device=` argument of "cuda", "cuda:N" or an int to "cpu" in
-  every torch call.
+  every torch call, and answers `tensor.type()` of a CPU tensor with its CUDA name
+  ("torch.cuda.FloatTensor"): megatron's bf16 and distributed optimizers and its gradient clipping
+  accept only those;
+- the backward of custom autograd Functions (`BackwardCFunction.apply`) runs with that mode entered
+  again: a mode is off while it handles a call, and `torch.autograd.backward` is one, but the
+  backward of megatron's sequence-parallel collectives allocates on the CUDA device, and
+  activation recomputation runs a layer's forward there.
 
-What it cannot make work, and what the engine therefore avoids on CPU: the distributed optimizer,
-megatron's gradient clipping (the engine clips by hand), the bf16 mixed-precision optimizer and
-sequence parallel (they require CUDA tensor types or TransformerEngine). On a GPU none of this is
-entered: the engine runs megatron-core as it is (docs/architecture.md, "Training engines").
+`seed_rng_tracker` gives megatron's RNG tracker its states on the CPU (sequence parallelism forks
+them) without reseeding the process's CPU RNG.
+
+With these, everything the engine uses runs on the CPU over gloo (which has the all-gather and
+reduce-scatter into one tensor that the distributed optimizer and sequence parallelism use): the
+bf16 mixed-precision optimizer, the distributed optimizer, megatron's clipping, activation
+recomputation and sequence parallelism. On a GPU none of this is entered: the engine runs
+megatron-core as it is (docs/architecture.md, "Training engines").
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 _PATCHED_CUDA = {
@@ -44,6 +55,13 @@ def _is_cuda(device) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+def _as_cuda_type(tensor: torch.Tensor) -> str:
+    """`tensor.type()` with a CPU tensor named as its CUDA type ("torch.cuda.FloatTensor"): megatron's
+    optimizers and clipping accept only those names."""
+    name = torch.Tensor.type(tensor)
+    return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" else name
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites `device=` CUDA arguments of torch calls to the CPU."""
 
@@ -53,9 +71,39 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _as_cuda_type(args[0])
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _backward_in_cpu_mode(apply):
+    """A custom autograd Function's backward, run with the device rewriting on. It runs inside
+    `torch.autograd.backward`, a torch call the mode handles, and a mode is off while its handler
+    runs; but the backward of megatron's sequence-parallel collectives allocates on the CUDA device,
+    and activation recomputation runs a layer's forward there."""
+
+    def applied(ctx, *args):
+        with _CudaToCpu():
+            return apply(ctx, *args)
+
+    return applied
+
+
+def seed_rng_tracker(seed: int) -> None:
+    """megatron's `model_parallel_cuda_manual_seed` inside `cpu_mode`: its RNG tracker's states
+    (data-, tensor- and expert-parallel) become CPU generator states seeded as on a GPU, and the
+    process's own CPU RNG is left as it was (megatron reseeds the default generator, CUDA's on a
+    GPU). Sequence parallelism needs them: the embedding forks the tensor-parallel state for its
+    dropout (0 here, so nothing is drawn)."""
+    from megatron.core import tensor_parallel
+
+    state = torch.get_rng_state()
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    finally:
+        torch.set_rng_state(state)
 
 
 @contextlib.contextmanager
@@ -65,10 +113,12 @@ def cpu_mode() -> Iterator[None]:
 
     saved = {name: getattr(torch.cuda, name) for name in _PATCHED_CUDA}
     saved_random = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+    saved_backward = BackwardCFunction.apply
     for name, fn in _PATCHED_CUDA.items():
         setattr(torch.cuda, name, fn)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    BackwardCFunction.apply = _backward_in_cpu_mode(saved_backward)
     try:
         with _CudaToCpu():
             yield
@@ -76,3 +126,4 @@ def cpu_mode() -> Iterator[None]:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_random
+        BackwardCFunction.apply = saved_backward

@@ -1,0 +1,484 @@
+"""Packed attention without a dense mask: block-diagonal causal attention over concatenated sequences.
+
+A packed micro-batch holds several sequences ("documents") back to back; each token may attend to
+the tokens of its own document up to itself. transformers turns restarted `position_ids` into a
+DENSE [T, T] block-diagonal mask, which costs the square of the row and, on GPU, loses the flash
+kernel (H100: 30.8k tok/s packed against 65.8k unpacked, docs/benchmarks.md). Here the documents'
+boundaries (`Packing`, built once per forward and shared by every layer) drive one of:
+
+- `varlen`: flash attention over `cu_seqlens` (`torch.nn.attention.varlen.varlen_attn`, CUDA,
+  fp16/bf16). Elsewhere (CPU, fp32, a torch without the kernel) the same contract on causal
+  `scaled_dot_product_attention` per document, documents of similar length batched into one call
+  (each padded at its end, which causal attention never shows its real tokens): exact, no mask.
+- `flex`: FlexAttention with a document-causal block mask, built here from the documents at block
+  granularity (never a [T, T] tensor). The token count is padded up to a multiple of the block
+  size (128) with a padding document, so that short micro-batches find a kernel. Compiled once
+  (and cached) on CUDA, eager on the CPU (unfused: a reference, not fast).
+- `sdpa`: the reference, one `scaled_dot_product_attention` with the explicit dense mask.
+
+Every implementation has one signature: q [T, H, D], k/v [T, KVH, D] (grouped-query attention:
+H a multiple of KVH, head h reading key/value head h // (H / KVH)), the `Packing` and the softmax
+scale (None: 1/sqrt(D)) -> [T, H, D]. `resolve` turns a configured name ("auto" included) into
+one of them for a device. The transformers integration registers them as attention
+implementations ("areal_varlen", "areal_flex") with a mask function that builds no mask; the
+model's forward then takes `packed_forward_kwargs(positions, ...)`, which carries the `Packing` to
+every layer. transformers is imported only there; megatron never.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CHOICES = ("auto", "sdpa", "varlen", "flex")
+"""What a configuration may name: "auto" picks the fastest available on the device."""
+ALIASES = {"flex_attention": "flex"}
+"""Older names still accepted (the torch engine once passed transformers' flex_attention through)."""
+FLEX_BLOCK = 128
+"""FlexAttention's block size: the token count is padded to a multiple of it."""
+CPU_AUTO = "varlen"
+"""What "auto" runs on the CPU. Measured on tools/bench_packing.py's batch (64 tiny_arith samples,
+2,651 tokens, the bootstrapped 4-layer tiny Qwen2; one thread, 4,096-token micro-batches, the
+variants interleaved in one process, 21 repetitions, medians; a busy shared 2-core machine): a
+train step took 0.231 s with varlen (documents grouped by length, GROUP_RATIO) over one row per
+micro-batch, 0.253 s with varlen over rows of 128 tokens, 0.251 s with transformers' sdpa and its
+dense mask over rows of 128 (the tiny_arith recipe), 0.292 s with one SDPA call per document and
+1.29 s with sdpa over one row; logprobs 0.080 s (varlen, one row) against 0.085 s (sdpa, rows)."""
+PACKING_KWARG = "packing"
+"""The forward keyword that carries the `Packing` to the registered transformers attention."""
+HF_NAMES = {"varlen": "areal_varlen", "flex": "areal_flex"}
+"""transformers attention-implementation names of the registered functions ("sdpa": its own)."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the documents of one packed forward start and end, shared by all its layers.
+
+    cu_seqlens: int32 [n_docs + 1] over the flattened tokens (rows concatenated), on the device;
+    max_len: the longest document; total: the token count (cu_seqlens[-1], kept on the host so that
+    no layer reads the device for it); block_mask: flex's block mask over the tokens padded to a
+    multiple of FLEX_BLOCK (flex only); groups: the documents batched by length for the
+    per-document path (varlen off CUDA only). Every field is an init field:
+    FSDP rebuilds dataclass inputs with `dataclasses.replace` when it casts them."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    total: int
+    block_mask: Any = None
+    groups: DocumentGroups | None = None
+
+
+# ---------------------------------------------------------------------------- packing metadata
+
+
+def cu_seqlens_from_positions(positions: np.ndarray | torch.Tensor) -> np.ndarray:
+    """int32 [n_docs + 1] over the flattened [rows, length] tokens: a document starts at each row's
+    start and wherever the position does not continue the previous one (restarts at 0 per
+    sequence; the same rule as transformers' packed-sequence detection)."""
+    pos = positions.detach().cpu().numpy() if torch.is_tensor(positions) else np.asarray(positions)
+    pos = pos.reshape(-1, pos.shape[-1]) if pos.ndim > 1 else pos[None]
+    starts = np.ones(pos.shape, bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    flat = np.flatnonzero(starts.reshape(-1))
+    return np.append(flat, pos.size).astype(np.int32)
+
+
+def packing_from_positions(positions: np.ndarray | torch.Tensor, implementation: str,
+                           device: torch.device | str) -> Packing:
+    """The `Packing` of packed rows [rows, length] whose positions restart per document."""
+    cu = cu_seqlens_from_positions(positions)
+    max_len = int(np.diff(cu).max()) if len(cu) > 1 else 0
+    return _packing(torch.from_numpy(cu).to(device), max_len, int(cu[-1]), implementation, host_cu=cu)
+
+
+def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str) -> Packing:
+    """The `Packing` of `total` tokens with documents at `cu_seqlens` (tokens past its last entry,
+    if any, form one more document); the block mask only where `implementation` is flex."""
+    cu = cu_seqlens.to(torch.int32)
+    if int(cu[-1]) != total:  # trailing tokens: a document of their own (megatron THD padding)
+        cu = torch.cat([cu, cu.new_tensor([total])])
+        max_len = max(max_len, total - int(cu[-2]))
+    return _packing(cu, max_len, total, implementation)
+
+
+def _packing(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str,
+             host_cu: np.ndarray | None = None) -> Packing:
+    mask = document_block_mask(cu_seqlens, total, FLEX_BLOCK) if implementation == "flex" else None
+    # The per-document path's groups, once per forward, where it will run: off CUDA.
+    groups = None
+    if implementation == "varlen" and cu_seqlens.device.type != "cuda":
+        groups = document_groups(host_cu if host_cu is not None else cu_seqlens.tolist())
+    return Packing(cu_seqlens=cu_seqlens, max_len=int(max_len), total=total, block_mask=mask, groups=groups)
+
+
+def document_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """int32 [length]: the document of each token; tokens past the last boundary (padding) get
+    one more id, so they form a document of their own."""
+    arange = torch.arange(length, device=cu_seqlens.device, dtype=torch.int32)
+    return torch.bucketize(arange, cu_seqlens[1:].to(torch.int32), right=True).to(torch.int32)
+
+
+def document_block_mask(cu_seqlens: torch.Tensor, total: int, block: int = FLEX_BLOCK):
+    """FlexAttention's BlockMask of document-causal attention over `total` tokens padded up to a
+    multiple of `block`, computed per block pair from each block's first and last document (the
+    documents are contiguous and in order), never as a [T, T] tensor.
+
+    For query block i and key block j <= i: the pair is needed iff some document spans both, i.e.
+    first_doc(i) <= last_doc(j); it is FULL (no mask_mod needed) iff j < i and both blocks lie in
+    one document (first_doc(j) == last_doc(i)); the diagonal is always partial."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    padded = _round_up(max(total, 1), block)
+    doc = document_ids(cu_seqlens, padded)
+    blocks = doc.view(-1, block)
+    first, last = blocks[:, 0], blocks[:, -1]
+    n = blocks.shape[0]
+    idx = torch.arange(n, device=doc.device)
+    lower = idx[None, :] <= idx[:, None]  # [q block, kv block]
+    touch = lower & (first[:, None] <= last[None, :])
+    full = (idx[None, :] < idx[:, None]) & (first[None, :] == last[:, None])
+    partial = touch & ~full
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    def as_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Needed blocks first, in ascending order (a stable sort of "not needed").
+        order = torch.sort((~m).to(torch.int32), dim=-1, stable=True).indices
+        return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = as_blocks(partial)
+    full_num, full_idx = as_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(padded, padded))
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+# ---------------------------------------------------------------------------- implementations
+
+Implementation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Packing, "float | None"], torch.Tensor]
+
+
+def dense_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool [total, total]: token i may attend to j when both are in one document and j <= i. The
+    reference only: it is what the other implementations avoid building."""
+    doc = document_ids(cu_seqlens, total)
+    pos = torch.arange(total, device=doc.device)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                   scale: float | None = None) -> torch.Tensor:
+    """The reference: one SDPA call with the dense document-causal mask."""
+    mask = dense_mask(packing.cu_seqlens, q.shape[0])
+    out = F.scaled_dot_product_attention(*(_heads_first(x) for x in (q, k, v)), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                     scale: float | None = None) -> torch.Tensor:
+    """Flash attention over `cu_seqlens` where the CUDA kernel runs this dtype; otherwise a causal
+    SDPA call per document (exact; no mask at all)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_kernel_works(q.device):
+        return _varlen_kernel_call(q, k, v, packing, scale)
+    return per_document_attention(q, k, v, packing, scale)
+
+
+def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                           scale: float | None = None) -> torch.Tensor:
+    """Causal `scaled_dot_product_attention` per document, documents of similar length batched
+    into one call (`DocumentGroups`): each padded at its end, which causal attention keeps away
+    from its real tokens, so the result is exact and needs no mask."""
+    groups = packing.groups if packing.groups is not None else document_groups(packing.cu_seqlens.tolist())
+    zero = q.new_zeros(1, *q.shape[1:]), k.new_zeros(1, *k.shape[1:])
+    qz, kz, vz = torch.cat([q, zero[0]]), torch.cat([k, zero[1]]), torch.cat([v, zero[1]])
+    outs = []
+    for index, valid in zip(groups.index, groups.valid):
+        index = index.to(q.device)
+        qs, ks, vs = (x[index].transpose(1, 2) for x in (qz, kz, vz))  # [docs, heads, length, dim]
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(-1, *q.shape[1:])
+        outs.append(out if valid is None else out[valid.to(q.device)])
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out if groups.inverse is None else out[groups.inverse.to(q.device)]
+
+
+@dataclass(frozen=True)
+class DocumentGroups:
+    """Documents batched for `per_document_attention`: per group, `index` [docs, length] gathers
+    its tokens (T, one past the last token, for the padding) and `valid` picks its real rows from
+    the flattened result (None: no padding); `inverse` puts the groups' tokens back in order (None:
+    already in order)."""
+
+    index: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor | None, ...]
+    inverse: torch.Tensor | None
+
+
+GROUP_RATIO = 1.5
+"""Documents share one SDPA call when the longest is at most this many times the shortest."""
+
+
+def document_groups(cu_seqlens: list[int] | np.ndarray, ratio: float = GROUP_RATIO) -> DocumentGroups:
+    """Group the documents at `cu_seqlens` by length (sorted, longest first; a group's shortest
+    is at least 1/ratio of its longest): padding costs at most `ratio` times the attention work."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    total = int(cu[-1])
+    lengths = np.diff(cu)
+    docs = [int(d) for d in np.argsort(-lengths, kind="stable") if lengths[d] > 0]
+    index, valid, order = [], [], []
+    while docs:
+        longest = int(lengths[docs[0]])
+        n = next((i for i, d in enumerate(docs) if lengths[d] * ratio < longest), len(docs))
+        group, docs = docs[:n], docs[n:]
+        steps = np.arange(longest)
+        idx = cu[group][:, None] + steps[None, :]
+        real = steps[None, :] < lengths[group][:, None]
+        index.append(torch.from_numpy(np.where(real, idx, total)))
+        valid.append(None if real.all() else torch.from_numpy(np.flatnonzero(real)))
+        order.append(idx[real])
+    order = np.concatenate(order) if order else np.zeros(0, np.int64)
+    inverse = None if np.array_equal(order, np.arange(total)) else torch.from_numpy(np.argsort(order))
+    return DocumentGroups(tuple(index), tuple(valid), inverse)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                   scale: float | None = None) -> torch.Tensor:
+    """FlexAttention with the `Packing`'s document-causal block mask, over the tokens padded to a
+    multiple of the block size (the padding rows attend to themselves and are dropped)."""
+    if packing.block_mask is None:
+        raise ValueError("flex attention needs a Packing built for 'flex' (it carries the block mask)")
+    total = q.shape[0]
+    padded = packing.block_mask.seq_lengths[0]
+    pad = padded - total
+    if pad < 0:
+        raise ValueError(f"flex attention: {total} tokens but the block mask covers {padded}")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _CpuFlex.apply(q, k, v, packing, scale)
+    return _flex_forward(q, k, v, packing, scale, pad)
+
+
+def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None,
+                  pad: int) -> torch.Tensor:
+    qp, kp, vp = (_heads_first(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x) for x in (q, k, v))
+    out = _flex_function(q.device.type)(qp, kp, vp, block_mask=packing.block_mask, scale=scale, enable_gqa=True)
+    return out[0, :, :q.shape[0]].transpose(0, 1)
+
+
+class _CpuFlex(torch.autograd.Function):
+    """torch's FlexAttention has no backward on the CPU (it refuses inputs that require grad). There
+    the forward is flex's and the backward recomputes the same attention per document and
+    differentiates that: the gradient of the same function, so that a CPU run can train with
+    attention=flex. On CUDA flex's own backward runs (tests/training/test_attention.py, gpu)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, packing, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.packing, ctx.scale = packing, scale
+        pad = packing.block_mask.seq_lengths[0] - q.shape[0]
+        return _flex_forward(q.detach(), k.detach(), v.detach(), packing, scale, pad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [x.detach().requires_grad_() for x in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = per_document_attention(*inputs, ctx.packing, ctx.scale)
+        return (*torch.autograd.grad(out, inputs, grad), None, None)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {"sdpa": sdpa_attention, "varlen": varlen_attention,
+                                               "flex": flex_attention}
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [1, H, T, D]."""
+    return x.transpose(0, 1)[None]
+
+
+@functools.cache
+def _flex_function(device_type: str) -> Callable:
+    """flex_attention, compiled once on CUDA (the fused kernel) and eager elsewhere (its unfused
+    reference path; the warning that says so is silenced)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if device_type == "cuda":
+        return torch.compile(flex)
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention.*")
+            return flex(*args, **kwargs)
+
+    return eager
+
+
+# ---------------------------------------------------------------------------- the CUDA varlen kernel
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable, frozenset[str]] | None:
+    """torch's varlen_attn and the names of its parameters, or None where torch has none. Its
+    signature changed between releases (torch 2.11: scale, window_size, no enable_gqa; 2.13 adds
+    enable_gqa; older ones had is_causal), so the call adapts to what is there."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
+                        scale: float | None) -> torch.Tensor:
+    fn, params = _varlen_kernel()
+    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # expand key/value heads as SDPA's enable_gqa does (query head h reads h // group)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:  # the kernel's own scale is 1/sqrt(D)
+            q = q * (scale * math.sqrt(q.shape[-1]))
+    cu = packing.cu_seqlens
+    # Contiguous: megatron's q/k/v are views into its fused QKV projection.
+    return fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, packing.max_len, packing.max_len, **kwargs)
+
+
+@functools.cache
+def _varlen_probe(device: str) -> bool:
+    fn = _varlen_kernel()
+    if fn is None:
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+                   for h in (4, 2, 2))
+        packing = Packing(torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device), 32, 40)
+        out = _varlen_kernel_call(q, k, v, packing, None)
+        out.float().sum().backward()
+        with torch.no_grad():
+            ref = per_document_attention(q.float(), k.float(), v.float(), packing)
+        return bool((out.float() - ref).abs().max() < 0.05) and k.grad is not None
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use the kernel
+        warnings.warn(f"torch's varlen flash attention does not run on {device} ({type(e).__name__}: {e}); "
+                      "using flex attention (or the per-document loop) instead", stacklevel=2)
+        return False
+
+
+def varlen_kernel_works(device: torch.device | str) -> bool:
+    """Whether torch's CUDA varlen flash attention runs (forward and backward, bf16, grouped-query)
+    and agrees with the per-document reference on `device`: probed once per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _varlen_probe(str(device))
+
+
+def resolve(attention: str, device: torch.device | str) -> str:
+    """The implementation ("sdpa", "varlen" or "flex") that `attention` means on `device`.
+
+    "auto": on CUDA varlen where torch's flash kernel works, else flex; on the CPU `CPU_AUTO`
+    (measured: varlen's per-document SDPA). An unknown name fails, naming the choices."""
+    name = ALIASES.get(attention, attention)
+    if name not in CHOICES:
+        raise ValueError(f"attention must be one of {', '.join(CHOICES)}, got {attention!r}")
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "varlen" if varlen_kernel_works(device) else "flex"
+    return CPU_AUTO
+
+
+# ---------------------------------------------------------------------------- transformers
+
+
+def _hf_attention(implementation: str) -> Callable:
+    """A transformers attention function (AttentionInterface) running `implementation` over the
+    `Packing` that the forward passed as `packing=` (or, without one, that of the layer's
+    position_ids: correct, but built again in every layer)."""
+    run = IMPLEMENTATIONS[implementation]
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        b, h, length, d = query.shape
+        if key.shape[2] != length:
+            raise ValueError(f"packed attention ({implementation}) needs as many keys as queries (no KV cache), "
+                             f"got {key.shape[2]} keys for {length} queries")
+        if attention_mask is not None:
+            raise ValueError(f"packed attention ({implementation}) takes no attention mask")
+        if dropout or sliding_window:
+            raise ValueError(f"packed attention ({implementation}) supports neither attention dropout "
+                             f"({dropout}) nor a sliding window ({sliding_window})")
+        packing = kwargs.get(PACKING_KWARG)
+        if packing is None:
+            positions = kwargs.get("position_ids")
+            positions = (torch.arange(length) if positions is None else positions).expand(b, length)
+            packing = packing_from_positions(positions, implementation, query.device)
+        if packing.total != b * length:
+            raise ValueError(f"packed attention: the Packing covers {packing.total} tokens, "
+                             f"the forward has {b} x {length}")
+        flat = [x.transpose(1, 2).reshape(b * length, x.shape[1], d) for x in (query, key, value)]
+        return run(*flat, packing, scaling).view(b, length, h, d), None
+
+    return attention
+
+
+def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """The mask function of the registered implementations: the `Packing` replaces the mask. A
+    padding mask cannot be honoured, so one that masks anything is refused."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError("packed attention takes no padding mask: pack the sequences instead")
+    return None
+
+
+@functools.cache
+def register_transformers() -> None:
+    """Register the packed implementations with transformers (once): attention function and a
+    mask function that builds no mask, under HF_NAMES."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for implementation, name in HF_NAMES.items():
+        AttentionInterface.register(name, _hf_attention(implementation))
+        AttentionMaskInterface.register(name, _no_mask)
+
+
+def hf_implementation(implementation: str) -> str:
+    """The `attn_implementation` to load a transformers model with for a resolved implementation
+    ("sdpa": transformers' own, which builds the dense block-diagonal mask itself)."""
+    if implementation == "sdpa":
+        return "sdpa"
+    if implementation not in HF_NAMES:
+        raise ValueError(f"implementation must be one of sdpa, {', '.join(HF_NAMES)}, got {implementation!r}")
+    register_transformers()
+    return HF_NAMES[implementation]
+
+
+def packed_forward_kwargs(positions: np.ndarray | torch.Tensor, implementation: str,
+                          device: torch.device | str) -> dict[str, Packing]:
+    """Keyword arguments for a transformers forward over packed rows [rows, length] (positions
+    restarting per document) loaded with `hf_implementation(implementation)`: the `Packing`,
+    built once and passed to every layer; none for sdpa."""
+    if implementation == "sdpa":
+        return {}
+    return {PACKING_KWARG: packing_from_positions(positions, implementation, device)}

@@ -1,0 +1,228 @@
+"""Per-token logprobs and entropy of the LM head without materialising the [T, V] fp32 logits.
+
+The full computation, `log_softmax((hidden @ weight.T + bias).float() / temperature)` gathered at
+the targets, holds a [T, V] fp32 tensor (and its gradient): 10 GB for a 16k-token micro-batch of a
+152k vocabulary. Here the tokens are taken `chunk_tokens` at a time: each chunk's logits are
+computed in the compute dtype (the autocast dtype when autocast is on, else the hidden's), upcast
+to fp32, reduced to per-token statistics, and freed. Forward keeps only O(T) numbers per token (the
+logsumexp and the entropy); backward recomputes each chunk's logits from `hidden` and `weight`
+(which the caller holds anyway) and accumulates the gradients of both. No step reads a value back
+to the host, so a GPU never waits inside the loop.
+
+Memory bound: O(chunk_tokens × V) for the transient chunk buffers (in fp32: the logits, their
+exponentials, and in backward the logit gradient, about 3 × chunk_tokens × V × 4 bytes, plus one
+[chunk_tokens, V] copy in the compute dtype), O(T) saved for backward, and in backward one fp32
+[V, H] accumulator for the weight's gradient (the size of the gradient itself).
+
+`vocab_parallel_logprobs` is the same for a vocabulary split over tensor-parallel ranks (megatron):
+each rank holds the rows [vocab_start, vocab_start + V/tp) of the weight, computes per-token
+statistics of its shard, and the ranks combine them with two all-reduces of [T]-sized tensors per
+call (a max and one sum), not per chunk. The gradient each rank returns for `hidden` is its own
+partial one: the caller sums it over the group exactly once (megatron's
+`copy_to_tensor_model_parallel_region`, or `gather_from_sequence_parallel_region` under sequence
+parallelism, applied to the hidden before this call, as its ColumnParallelLinear does).
+
+Math (z = logits / temperature, p = softmax(z), t the target):
+    logp_t = z_t - lse,   H = lse - Σ_j p_j z_j
+    ∂logp_t/∂z_j = 1[j=t] - p_j,   ∂H/∂z_j = -p_j (log p_j + H)
+and ∂/∂logits = ∂/∂z / temperature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Output = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                  entropy: bool = False) -> Output:
+    """The reference: logprobs [T] (and entropy [T]) from whole logits [T, V], in fp32. What the
+    engines compute when the LM head cannot be routed through the chunked path."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None])[:, 0] - lse
+    if not entropy:
+        return logp, None
+    log_p = z - lse[:, None]
+    return logp, -(log_p.exp() * log_p).sum(-1)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                     temperature: float = 1.0, chunk_tokens: int = 1024, entropy: bool = False,
+                     bias: torch.Tensor | None = None) -> Output:
+    """(logp [T] fp32, entropy [T] fp32 or None) of `targets` [T] under
+    log_softmax((hidden [T, H] @ weight[V, H].T + bias) / temperature), `chunk_tokens` tokens at a
+    time (<= 0: one chunk). Differentiable w.r.t. hidden, weight and bias (both outputs); under
+    no_grad nothing is kept. Memory: O(chunk_tokens × V) transient (module docstring)."""
+    return _apply(hidden, weight, bias, targets, temperature, chunk_tokens, entropy, 0, None)
+
+
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                            vocab_start: int, group: dist.ProcessGroup | None, temperature: float = 1.0,
+                            chunk_tokens: int = 1024, entropy: bool = False,
+                            bias: torch.Tensor | None = None) -> Output:
+    """`chunked_logprobs` with the vocabulary split over the ranks of `group`: `weight` [V/tp, H]
+    (and `bias`) are this rank's rows vocab_start..vocab_start + V/tp, `targets` are global vocabulary
+    ids, and `hidden` is the same on every rank. Every rank returns the same logp and entropy; the
+    gradient w.r.t. `hidden` is this rank's partial one (the caller sums it over the group once).
+    Collective: every rank of `group` calls it with the same T (two [T]-sized all-reduces)."""
+    return _apply(hidden, weight, bias, targets, temperature, chunk_tokens, entropy, vocab_start, group)
+
+
+def _apply(hidden, weight, bias, targets, temperature, chunk_tokens, entropy, vocab_start, group) -> Output:
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [T, H] and weight [V, H], got hidden {tuple(hidden.shape)} "
+                         f"and weight {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, hidden has {hidden.shape[0]} tokens")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    chunk = hidden.shape[0] if chunk_tokens <= 0 else chunk_tokens
+    args = (hidden, weight, bias, targets, float(temperature), max(chunk, 1), bool(entropy), int(vocab_start), group)
+    differentiable = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if torch.is_grad_enabled() and differentiable:
+        return _ChunkedLogprobs.apply(*args)
+    with torch.no_grad():  # inference: no autograd node, nothing saved
+        logp, lse, ent = _forward(*args)
+    return logp, ent
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the LM head's matmul runs in: autocast's when it is on for this device (bf16 on a
+    GPU), else the hidden's."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """fp32 z = (h @ w.T + b) / temperature of one chunk, the matmul in h's (the compute) dtype."""
+    logits = h @ w.T
+    if b is not None:
+        logits = logits + b
+    return logits.float().div_(temperature)  # a fresh tensor either way: scaled in place
+
+
+def _local_targets(targets: torch.Tensor, vocab_start: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets as indices into this rank's rows (clamped), and whether each falls in them."""
+    local = targets - vocab_start
+    in_range = (local >= 0) & (local < n_local)
+    return local.clamp(0, n_local - 1), in_range
+
+
+def _forward(hidden, weight, bias, targets, temperature, chunk, want_entropy, vocab_start, group):
+    """(logp [T], lse [T], entropy [T] or None), all fp32; the chunk loop of the forward pass."""
+    cdtype = _compute_dtype(hidden)
+    n, n_local = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, **f32)
+    target_logit = torch.empty(n, **f32)
+    ent = torch.empty(n, **f32) if want_entropy else None
+    local, in_range = _local_targets(targets, vocab_start, n_local)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen here, explicitly
+        w = weight.to(cdtype)
+        b = None if bias is None else bias.to(cdtype)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = _chunk_logits(hidden[s:e].to(cdtype), w, b, temperature)
+            target_logit[s:e] = z.gather(1, local[s:e, None])[:, 0]
+            m = z.amax(dim=-1, keepdim=True)
+            y = z.sub_(m)  # z - max, in place: the chunk holds one fp32 [c, V] buffer plus exp(y)
+            ex = y.exp()
+            sum_ex = ex.sum(-1)
+            lse[s:e] = m[:, 0] + sum_ex.log()
+            if ent is not None:
+                # H = log Σe^y - Σ e^y·y / Σe^y (shifted by the max: no cancellation); a batched
+                # row-wise dot product, which allocates no second [c, V] buffer.
+                dot = (ex[:, None, :] @ y[:, :, None])[:, 0, 0]
+                ent[s:e] = sum_ex.log() - dot / sum_ex
+            del z, y, ex
+    if group is not None and dist.get_world_size(group) > 1:
+        target_logit = torch.where(in_range, target_logit, torch.zeros_like(target_logit))
+        lse, target_logit, ent = _combine_ranks(lse, target_logit, ent, group)
+    return target_logit - lse, lse, ent
+
+
+def _combine_ranks(lse_r, target_r, ent_r, group):
+    """The global lse, target logit and entropy from each rank's statistics of its vocabulary shard:
+    lse = M + log S with M = max_r lse_r, S = Σ_r exp(lse_r - M); the target logit is on one rank
+    (0 on the others); H = Σ_r w_r (H_r + lse - lse_r) with w_r = exp(lse_r - lse), rewritten with
+    Σ w_r = 1 as log S + Σ_r w_r (H_r - (lse_r - M)). Two all-reduces of [T]-sized tensors."""
+    peak = lse_r.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    weight = (lse_r - peak).exp()
+    parts = [weight, target_r] + ([] if ent_r is None else [weight * (ent_r - (lse_r - peak))])
+    sums = torch.stack(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    log_s = sums[0].log()
+    ent = None if ent_r is None else log_s + sums[2] / sums[0]
+    return peak + log_s, sums[1], ent
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """forward: (logp, entropy or None); backward recomputes each chunk's logits (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, want_entropy, vocab_start, group):
+        logp, lse, ent = _forward(hidden, weight, bias, targets, temperature, chunk, want_entropy, vocab_start, group)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.config = (temperature, chunk, vocab_start, _compute_dtype(hidden))
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, chunk, vocab_start, cdtype = ctx.config
+        grads = _backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature, chunk,
+                          vocab_start, cdtype, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None, None)
+
+
+def _backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperature, chunk, vocab_start, cdtype,
+              needs):
+    """(d hidden, d weight, d bias), each None when not needed. Per chunk:
+    dz = g_logp·(onehot_t - p) - g_ent·p·(log p + H), then d logits = dz / temperature."""
+    if g_logp is None and g_ent is None:
+        return None, None, None
+    n, n_local = hidden.shape[0], weight.shape[0]
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    local, in_range = _local_targets(targets, vocab_start, n_local)
+    onehot_grad = torch.where(in_range, g_logp.float(), torch.zeros_like(lse))  # the target's own term
+    acc = torch.promote_types(weight.dtype, torch.float32)  # chunks add up in fp32 at least
+    d_hidden = torch.empty_like(hidden) if needs[0] else None
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
+    d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and needs[2] else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(cdtype)
+        b = None if bias is None else bias.to(cdtype)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h = hidden[s:e].to(cdtype)
+            log_p = _chunk_logits(h, w, b, temperature).sub_(lse[s:e, None])
+            p = log_p.exp()
+            if g_ent is not None:
+                # coefficient g_logp + g_ent·(log p + H), in place in the log p buffer
+                coef = log_p.add_(ent[s:e, None]).mul_(g_ent[s:e, None].float()).add_(g_logp[s:e, None].float())
+                dz = p.mul_(coef).neg_()
+            else:
+                dz = p.mul_(g_logp[s:e, None].float()).neg_()
+            del log_p
+            dz.scatter_add_(1, local[s:e, None], onehot_grad[s:e, None])
+            d_logits = dz.div_(temperature).to(cdtype)
+            if d_hidden is not None:
+                d_hidden[s:e] = (d_logits @ w).to(hidden.dtype)
+            if d_weight is not None:
+                if d_weight.dtype == cdtype:
+                    d_weight.addmm_(d_logits.T, h)
+                else:  # bf16 compute: the chunk's [V, H] product, added into the fp32 accumulator
+                    d_weight += d_logits.T @ h
+            if d_bias is not None:
+                d_bias += d_logits.sum(0)
+            del dz, d_logits
+    return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+            None if d_bias is None else d_bias.to(bias.dtype))

@@ -1,0 +1,22 @@
+"""tools/bench_engine.py on the CPU at a tiny shape: the same code as on a GPU, every engine in one
+run, a row per engine and pass with its ratio to the Hugging Face baseline."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def test_one_run_compares_hf_unpacked_the_torch_engine_and_megatron_packed():
+    done = subprocess.run([sys.executable, str(TOOLS / "bench_engine.py"), "--device", "cpu", "--shapes", "tiny",
+                           "--tokens", "1536", "--micro-batch-tokens", "768", "--row-length", "256", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=240, cwd=TOOLS.parent)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = re.findall(r"^\| tiny \| (\w+) \| (logprobs|train step) \| ([\d,]+) \| ([\d.]+|—) \|", done.stdout, re.M)
+    assert [(e, p) for e, p, _, _ in rows] == [(e, p) for e in ("hf", "torch", "megatron")
+                                               for p in ("logprobs", "train step")]
+    assert all(int(tps.replace(",", "")) > 0 for _, _, tps, _ in rows)
+    assert {ratio for e, _, _, ratio in rows if e == "hf"} == {"1.00"}
+    assert "command: python tools/bench_engine.py --device cpu --shapes tiny" in done.stdout
