@@ -22,7 +22,7 @@ ETA0 = ("rollout.max_staleness=0", "total_steps=3", "eval_at_start=false", "eval
 def test_the_launcher_asks_for_batch_invariant_servers_at_eta_0():
     from areal_flow.config.schema import RolloutConfig, RunConfig
     from areal_flow.graph.placement import Proc
-    from areal_flow.launch import server_command
+    from areal_flow.launchers.commands import server_command
 
     proc = Proc("gen_server0", "gen_server", (0,))
     synchronous, _ = server_command(RunConfig(rollout=RolloutConfig(max_staleness=0)), proc, "/m", 31000)

@@ -20,9 +20,11 @@ def rows(cls, prefix: str = ""):
             yield from rows(kind, key + ".")
             continue
         args = typing.get_args(kind)
-        if typing.get_origin(kind) is dict and args and dataclasses.is_dataclass(args[1]):
+        # A dict of dataclasses: by its annotation, or by `element` where it is typed Any (the graph).
+        element = f.metadata.get("element") or (args[1] if typing.get_origin(kind) is dict and args else None)
+        if dataclasses.is_dataclass(element):
             yield key, "dict", {}, f.metadata.get("help", "")
-            yield from rows(args[1], key + ".<name>.")  # e.g. the graph's nodes
+            yield from rows(element, key + ".<name>.")  # e.g. the graph's nodes
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         name = getattr(kind, "__name__", str(kind).replace("typing.", ""))

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from areal_flow.config.schema import AlgorithmConfig
 
 
 def kl_k3(
@@ -125,3 +131,26 @@ class FixedKLController:
 
     def load_state_dict(self, d: dict) -> None:
         self.coef = float(d["coef"])
+
+
+def kl_controller(algo: AlgorithmConfig) -> AdaptiveKLController | FixedKLController:
+    """β toward the reference model as the config sets it: adaptive with `kl_target`, else fixed."""
+    if algo.kl_target is None:
+        return FixedKLController(algo.kl_coef)
+    return AdaptiveKLController(coef=algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
+
+
+def behaviour_kl(behav_logprobs: Sequence[np.ndarray], ref_logprobs: Sequence[np.ndarray],
+                 masks: Sequence[np.ndarray], estimator: str, clamp: float | None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """The batch's mean KL estimate of π_behav to π_ref over its valid tokens (per answer: logprobs
+    and loss mask): what an adaptive β steers. `all_reduce` sums the [total, tokens] pair over the
+    data-parallel ranks, so that every rank gets the mean of the global batch."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for b, r, m in zip(behav_logprobs, ref_logprobs, masks):
+        mask = torch.from_numpy(np.asarray(m, dtype=bool))
+        total[0] += kl_estimate(torch.tensor(b), torch.tensor(r), mask, estimator, clamp).double().sum()
+        total[1] += float(mask.sum())
+    if all_reduce is not None:
+        total = all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))

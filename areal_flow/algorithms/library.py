@@ -111,7 +111,7 @@ def padded(rows: Sequence[np.ndarray], dtype=torch.float32) -> torch.Tensor:
     """[N, max_len] from ragged rows, 0 beyond each row's end."""
     out = torch.zeros(len(rows), max((len(r) for r in rows), default=0), dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(np.asarray(r), dtype=dtype)
+        out[i, :len(r)] = torch.tensor(np.asarray(r), dtype=dtype)  # a copy: sample arrays are read-only
     return out
 
 

@@ -7,6 +7,8 @@ One entry point, `decoupled_ppo_loss`, covers clipped PPO (with asymmetric and d
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 Stats = dict[str, torch.Tensor]
@@ -73,6 +75,17 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: to
     return (sums / counts.clamp(min=1))[inverse].reshape(log_ratio.shape)
 
 
+class _Anchored(NamedTuple):
+    """The loss's inputs with masked positions zeroed, in logprobs' dtype (all but `logp` detached)."""
+
+    logp: torch.Tensor  # log π_θ, carries the gradient
+    anchor: torch.Tensor  # log π_prox, or log π_behav without prox: the ratio's denominator
+    adv: torch.Tensor
+    token_weights: torch.Tensor  # the aggregation weight; 1 on valid tokens by default
+    weight: torch.Tensor  # the behaviour weight π_prox/π_behav before its bounds; 1 without prox
+    zero: torch.Tensor
+
+
 def decoupled_ppo_loss(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor | None,
@@ -110,32 +123,11 @@ def decoupled_ppo_loss(
         w_t    = exp(prox_t - behav_t)                                         (stop-gradient; 1 without prox)
         loss   = sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens
 
-    PPO: the gradient flows through exactly one branch; a clipped token has none. Dual clip (Ye et al.
-    2020) bounds the loss of a token with A < 0 whose ratio exceeds c_clip > 1; such a token has no
-    gradient either (A > 0 is never affected, since there pg_t < 0 < c_clip * A_t).
-
-    CISPO (MiniMax-M1, arXiv 2506.13585): the clipped ratio is a constant importance weight, so every
-    valid token keeps the gradient -c(r_t) * A_t * w_t * ∇logp_t, even where PPO would clip it. Its loss
-    value is not PPO's and only its gradient is meaningful. MiniMax sets eps_clip large, which in effect
-    turns the lower bound off and keeps only the upper one. `c_clip` is refused with CISPO.
-
-    GSPO (arXiv 2507.18071, in the "GSPO-token" form that veRL and AReaL use): every token of sequence i
-    has the value r_t = s_i, the geometric mean of its token ratios over its valid tokens, and the
-    gradient s_i * ∇logp_t; clipping is per token but sees the sequence's ratio. `seq_ids` (int, the same
-    shape) says which sequence each token belongs to: a sequence is a maximal run of equal ids in
-    row-major order. Masked tokens do not enter the mean.
-
-    The behaviour weight w_t corrects for the tokens having been sampled by π_behav, not π_prox. It is
-    ALWAYS applied when prox is given; AReaL HEAD silently drops it unless rejection sampling is on, which
-    makes the decoupled objective biased. `behav_weight_cap` / `behav_weight_floor` bound it:
-    `behav_weight_action="mask"` sets w_t = 0 outside [floor, cap] while the token keeps its place in the
-    denominator (dropping it never inflates the others); "clamp" sets w_t = clamp(w_t, floor or 0, cap)
-    and the token keeps its gradient. Without prox (plain PPO against π_behav) w_t = 1 and neither applies.
-
-    `token_weights` (default 1) are per-token aggregation weights, see `aggregation_weight`.
-    `n_valid_tokens` is the denominator of the GLOBAL minibatch (all ranks and micro-batches), so that the
-    micro-batch losses add up to the global loss; it defaults to sum_{mask} token_weights (>= 1), which is
-    right for "token-mean" and "seq-mean-token-mean" on a whole minibatch.
+    The parts, each a function below: `importance_ratio` (GSPO's sequence ratio and `seq_ids`),
+    `ppo_term` (clipping, dual clip), `cispo_term` (MiniMax-M1), `behaviour_weight` (w_t, always
+    applied when prox is given, and `behav_weight_cap` / `behav_weight_floor` /
+    `behav_weight_action`), `aggregate` (`token_weights`, `n_valid_tokens`: see `aggregation_weight`)
+    and `loss_stats`.
 
     Masked positions contribute nothing, to the loss or the gradient, even if their inputs are inf/NaN.
 
@@ -147,6 +139,29 @@ def decoupled_ppo_loss(
     as the engines pass it in batch["entropy"]), entropy_sum over the valid tokens (divide by n_tokens
     for the mean). Entropy is only reported: it adds no term to the loss.
     """
+    _check_options(kind, importance_level, behav_weight_action, c_clip, seq_ids, behav_weight_cap, behav_weight_floor)
+    _check_shapes(logprobs, behav_logprobs=behav_logprobs, advantages=advantages, mask=mask,
+                  prox_logprobs=prox_logprobs, seq_ids=seq_ids, token_weights=token_weights, entropy=entropy)
+    mask = mask.bool()
+    x = _anchored(logprobs, prox_logprobs, behav_logprobs, advantages, token_weights, mask)
+    ratio = importance_ratio(x.logp, x.anchor, mask, importance_level, seq_ids)
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_high is None else eps_clip_high))
+    if kind == "ppo":
+        pg, took_clip, dual = ppo_term(x.adv, ratio, clipped_ratio, mask, c_clip)
+    else:
+        pg, took_clip = cispo_term(x.logp, x.adv, ratio, clipped_ratio, mask)
+        dual = torch.zeros_like(mask)
+    if prox_logprobs is None:
+        applied_weight, capped = x.weight, torch.zeros_like(mask)
+    else:
+        applied_weight, capped = behaviour_weight(x.weight, mask, behav_weight_cap, behav_weight_floor,
+                                                  behav_weight_action)
+    loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
+    return loss, loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy)
+
+
+def _check_options(kind: str, importance_level: str, behav_weight_action: str, c_clip: float | None,
+                   seq_ids: torch.Tensor | None, cap: float | None, floor: float | None) -> None:
     _check_choice("kind", kind, LOSS_KINDS)
     _check_choice("importance_level", importance_level, IMPORTANCE_LEVELS)
     _check_choice("behav_weight_action", behav_weight_action, WEIGHT_ACTIONS)
@@ -157,20 +172,18 @@ def decoupled_ppo_loss(
             raise ValueError(f"c_clip must be > 1, got {c_clip}")
     if importance_level == "sequence" and seq_ids is None:
         raise ValueError("importance_level='sequence' needs seq_ids")
-    if behav_weight_floor is not None and behav_weight_cap is not None and behav_weight_floor > behav_weight_cap:
-        raise ValueError(f"behav_weight_floor ({behav_weight_floor}) > behav_weight_cap ({behav_weight_cap})")
-    shape = logprobs.shape
-    others = {"behav_logprobs": behav_logprobs, "advantages": advantages, "mask": mask}
-    optional = {"prox_logprobs": prox_logprobs, "seq_ids": seq_ids, "token_weights": token_weights,
-                "entropy": entropy}
-    others.update({name: t for name, t in optional.items() if t is not None})
-    for name, t in others.items():
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}")
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
-    mask = mask.bool()
+    if floor is not None and cap is not None and floor > cap:
+        raise ValueError(f"behav_weight_floor ({floor}) > behav_weight_cap ({cap})")
 
+
+def _check_shapes(logprobs: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs has {tuple(logprobs.shape)}")
+
+
+def _anchored(logprobs: torch.Tensor, prox_logprobs: torch.Tensor | None, behav_logprobs: torch.Tensor,
+              advantages: torch.Tensor, token_weights: torch.Tensor | None, mask: torch.Tensor) -> _Anchored:
     # Zero the masked positions first: torch.where alone would still let inf - inf = NaN from the
     # unselected branch poison the backward pass (0 * NaN = NaN).
     zero = torch.zeros_like(logprobs)
@@ -182,72 +195,118 @@ def decoupled_ppo_loss(
     else:
         tok_w = torch.where(mask, token_weights.detach().to(logp.dtype), zero)
     if prox_logprobs is None:
-        anchor = behav
-        weight = torch.ones_like(logp)
-    else:
-        anchor = torch.where(mask, prox_logprobs.detach().to(logp.dtype), zero)
-        weight = torch.exp(anchor - behav)
+        return _Anchored(logp, behav, adv, tok_w, torch.ones_like(logp), zero)
+    anchor = torch.where(mask, prox_logprobs.detach().to(logp.dtype), zero)
+    return _Anchored(logp, anchor, adv, tok_w, torch.exp(anchor - behav), zero)
 
+
+def importance_ratio(logp: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor, importance_level: str,
+                     seq_ids: torch.Tensor | None) -> torch.Tensor:
+    """r_t = π_θ/anchor per token; both log-probabilities already 0 at masked positions.
+
+    GSPO (arXiv 2507.18071, in the "GSPO-token" form that veRL and AReaL use): every token of sequence i
+    has the value r_t = s_i, the geometric mean of its token ratios over its valid tokens, and the
+    gradient s_i * ∇logp_t; clipping is per token but sees the sequence's ratio. `seq_ids` (int, the same
+    shape) says which sequence each token belongs to: a sequence is a maximal run of equal ids in
+    row-major order. Masked tokens do not enter the mean.
+    """
     if importance_level == "token":
-        log_ratio = logp - anchor
-    else:
-        # logp - sg(logp) is 0 in value and 1 in gradient: the value is s_i, the gradient s_i * ∇logp_t.
-        log_ratio = logp - logp.detach() + _sequence_log_ratio(logp - anchor, mask, seq_ids)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+        return torch.exp(logp - anchor)
+    # logp - sg(logp) is 0 in value and 1 in gradient: the value is s_i, the gradient s_i * ∇logp_t.
+    return torch.exp(logp - logp.detach() + _sequence_log_ratio(logp - anchor, mask, seq_ids))
 
+
+def ppo_term(adv: torch.Tensor, ratio: torch.Tensor, clipped_ratio: torch.Tensor, mask: torch.Tensor,
+             c_clip: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pg_t, clipped, dual-clipped) of PPO's pessimistic clipped objective, per token.
+
+    The gradient flows through exactly one branch; a clipped token has none. Dual clip (Ye et al.
+    2020) bounds the loss of a token with A < 0 whose ratio exceeds c_clip > 1; such a token has no
+    gradient either (A > 0 is never affected, since there pg_t < 0 < c_clip * A_t).
+    """
+    unclipped = -adv * ratio
+    clipped = -adv * clipped_ratio
+    # The pessimistic (larger) of the two losses; selecting with `where` instead of `maximum`
+    # makes the gradient flow through exactly one branch.
+    took_clip = mask & (clipped > unclipped)
+    pg = torch.where(took_clip, clipped, unclipped)
     dual = torch.zeros_like(mask)
-    if kind == "ppo":
-        unclipped = -adv * ratio
-        clipped = -adv * clipped_ratio
-        # The pessimistic (larger) of the two losses; selecting with `where` instead of `maximum`
-        # makes the gradient flow through exactly one branch.
-        took_clip = mask & (clipped > unclipped)
-        pg = torch.where(took_clip, clipped, unclipped)
-        if c_clip is not None:
-            # Only A < 0 and r > c_clip can exceed the bound; the bound is a constant, so no gradient.
-            bound = c_clip * adv.abs()
-            dual = mask & (pg > bound)
-            pg = torch.where(dual, bound, pg)
-    else:
-        # The clipped ratio is a constant weight on the REINFORCE term, so clipping never kills a gradient.
-        took_clip = mask & (clipped_ratio != ratio)
-        pg = -clipped_ratio.detach() * adv * logp
+    if c_clip is not None:
+        # Only A < 0 and r > c_clip can exceed the bound; the bound is a constant, so no gradient.
+        bound = c_clip * adv.abs()
+        dual = mask & (pg > bound)
+        pg = torch.where(dual, bound, pg)
+    return pg, took_clip, dual
 
-    if prox_logprobs is None:
-        capped = torch.zeros_like(mask)
-        applied_weight = weight
-    else:
-        outside = torch.zeros_like(mask)
-        if behav_weight_cap is not None:
-            outside = outside | (weight > behav_weight_cap)
-        if behav_weight_floor is not None:
-            outside = outside | (weight < behav_weight_floor)
-        capped = mask & outside
-        if behav_weight_action == "mask":
-            applied_weight = torch.where(capped, zero, weight)
-        else:
-            floor = 0.0 if behav_weight_floor is None else behav_weight_floor
-            applied_weight = torch.clamp(weight, min=floor, max=behav_weight_cap)
 
-    per_token = torch.where(mask, tok_w * applied_weight * pg, zero)
+def cispo_term(logp: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, clipped_ratio: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pg_t, clipped) of CISPO (MiniMax-M1, arXiv 2506.13585), per token.
+
+    The clipped ratio is a constant importance weight on the REINFORCE term, so every valid token keeps
+    the gradient -c(r_t) * A_t * w_t * ∇logp_t, even where PPO would clip it. Its loss value is not
+    PPO's and only its gradient is meaningful. MiniMax sets eps_clip large, which in effect turns the
+    lower bound off and keeps only the upper one. `c_clip` is refused with CISPO.
+    """
+    took_clip = mask & (clipped_ratio != ratio)
+    return -clipped_ratio.detach() * adv * logp, took_clip
+
+
+def behaviour_weight(weight: torch.Tensor, mask: torch.Tensor, cap: float | None, floor: float | None,
+                     action: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the applied w_t, whether w_t is outside [floor, cap]) per token, from w_t = π_prox/π_behav.
+
+    The behaviour weight corrects for the tokens having been sampled by π_behav, not π_prox. It is
+    ALWAYS applied when prox is given; AReaL HEAD silently drops it unless rejection sampling is on,
+    which makes the decoupled objective biased. `action="mask"` sets w_t = 0 outside [floor, cap]
+    while the token keeps its place in the denominator (dropping it never inflates the others);
+    "clamp" sets w_t = clamp(w_t, floor or 0, cap) and the token keeps its gradient. Without prox
+    (plain PPO against π_behav) w_t = 1 and neither applies: the caller does not call this.
+    """
+    outside = torch.zeros_like(mask)
+    if cap is not None:
+        outside = outside | (weight > cap)
+    if floor is not None:
+        outside = outside | (weight < floor)
+    capped = mask & outside
+    if action == "mask":
+        return torch.where(capped, torch.zeros_like(weight), weight), capped
+    return torch.clamp(weight, min=0.0 if floor is None else floor, max=cap), capped
+
+
+def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tensor, mask: torch.Tensor,
+              n_valid_tokens: float | None) -> torch.Tensor:
+    """sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens.
+
+    `token_weights` are per-token aggregation weights (`aggregation_weight`). `n_valid_tokens` is the
+    denominator of the GLOBAL minibatch (all ranks and micro-batches), so that the micro-batch losses
+    add up to the global loss; it defaults to sum_{mask} token_weights (>= 1), which is right for
+    "token-mean" and "seq-mean-token-mean" on a whole minibatch.
+    """
+    per_token = torch.where(mask, token_weights * weight * pg, torch.zeros_like(pg))
     if n_valid_tokens is None:
-        denom = tok_w.sum().detach().clamp(min=1)
+        denom = token_weights.sum().detach().clamp(min=1)
     else:
-        denom = torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=logp.dtype, device=logp.device)
-    loss = per_token.sum() / denom
+        denom = torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=pg.dtype, device=pg.device)
+    return per_token.sum() / denom
 
+
+def loss_stats(mask: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, took_clip: torch.Tensor,
+               dual: torch.Tensor, capped: torch.Tensor, entropy: torch.Tensor | None) -> Stats:
+    """The loss's detached 0-d statistics over the valid tokens (see `decoupled_ppo_loss`)."""
+    zero = torch.zeros_like(ratio)
+    dtype = ratio.dtype
     masked_weight = torch.where(mask, weight, zero).detach()
     stats: Stats = {
-        "n_tokens": mask.sum().detach().to(logp.dtype),
-        "clipped_tokens": took_clip.sum().detach().to(logp.dtype),
-        "dual_clipped_tokens": dual.sum().detach().to(logp.dtype),
-        "capped_tokens": capped.sum().detach().to(logp.dtype),
+        "n_tokens": mask.sum().detach().to(dtype),
+        "clipped_tokens": took_clip.sum().detach().to(dtype),
+        "dual_clipped_tokens": dual.sum().detach().to(dtype),
+        "capped_tokens": capped.sum().detach().to(dtype),
         "ratio_sum": torch.where(mask, ratio, zero).sum().detach(),
         "behav_weight_sum": masked_weight.sum(),
         # w >= 0, so 0 is a neutral element for an empty micro-batch.
         "behav_weight_max": masked_weight.max() if masked_weight.numel() else zero.sum().detach(),
     }
     if entropy is not None:
-        stats["entropy_sum"] = torch.where(mask, entropy.detach().to(logp.dtype), zero).sum()
-    return loss, stats
+        stats["entropy_sum"] = torch.where(mask, entropy.detach().to(dtype), zero).sum()
+    return stats

@@ -1,8 +1,14 @@
-"""A cheaper proximal policy for decoupled PPO: interpolate instead of recomputing π_prox."""
+"""Where a step's proximal policy for decoupled PPO comes from, and a cheaper one: interpolate
+instead of recomputing π_prox."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from areal_flow.config.schema import AlgorithmConfig
 
 
 def loglinear_prox(
@@ -44,3 +50,20 @@ def prox_is_behav(versions: torch.Tensor, mask: torch.Tensor, prox_version: int)
     if versions.shape != mask.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}, versions has {tuple(versions.shape)}")
     return bool(((versions == prox_version) | ~mask.bool()).all())
+
+
+def prox_source(algo: AlgorithmConfig, *, reads_prox: bool, all_current: bool) -> str | None:
+    """Where this step's π_prox comes from (library.PROX_SOURCES); None: the train node reads no
+    prox_logprobs (`reads_prox` false) or algorithm.decoupled is false, and the loss is naive PPO
+    against π_behav.
+
+    The shortcuts are exact: an update of one optimizer step runs its every forward with the
+    weights from before it, which are π_prox; tokens all sampled by those weights (`all_current`,
+    which every trainer rank must agree on: the prox forward is collective) have π_behav = π_prox."""
+    if not reads_prox or not algo.decoupled:
+        return None
+    if algo.prox_shortcut and algo.n_minibatches * algo.ppo_epochs == 1:
+        return "current"
+    if algo.prox_shortcut and all_current:
+        return "behav"
+    return "loglinear" if algo.prox_logp == "loglinear" else "data"

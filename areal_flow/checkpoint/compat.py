@@ -10,11 +10,13 @@ is per rank).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from omegaconf import DictConfig, OmegaConf
 
 from areal_flow.checkpoint import store
+from areal_flow.config.schema import node_config
 
 SAME = ("seed", "model", "dataset", "graph", "algorithm", "training.dtype")
 """Config keys (and everything under them) that a resumed run keeps: they change the math."""
@@ -71,10 +73,18 @@ def lr_schedule_changed(saved: dict, now: dict) -> str | None:
     return None
 
 
+def with_typed_graph(conf: dict) -> dict:
+    """`conf` with each graph node given NodeConfig's defaults: the config holds nodes as written,
+    so a key written out at its default and one left out are the same node."""
+    graph = {name: dataclasses.asdict(node_config(name, node)) for name, node in (conf.get("graph") or {}).items()
+             if node is not None}
+    return {**conf, "graph": graph}
+
+
 def check(checkpoint: str, cfg: DictConfig) -> None:
     """Raise ResumeError naming every key of the math that this run changes from `checkpoint`'s."""
-    saved = OmegaConf.to_container(OmegaConf.load(os.path.join(checkpoint, "config.yaml")), resolve=True)
-    now = OmegaConf.to_container(cfg, resolve=True)
+    saved = with_typed_graph(OmegaConf.to_container(OmegaConf.load(os.path.join(checkpoint, "config.yaml")), resolve=True))
+    now = with_typed_graph(OmegaConf.to_container(cfg, resolve=True))
     problems = changed_keys(saved, now)
     if (why := lr_schedule_changed(saved, now)) is not None:
         problems.append(why)

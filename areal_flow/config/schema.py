@@ -3,8 +3,8 @@
 Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides onto `RunConfig`;
 OmegaConf rejects unknown keys and wrongly typed values with the full key path. A field's value
 range is declared on the field itself (`ge`, `gt`, `le`, `choices`) and checked by one generic
-checker (`config/validate.py: check_ranges`); cross-field and machine rules live there too, and the
-graph's rules in `graph/dag.py`. Every process receives this typed config (`runtime/spec.py`).
+checker (`config/validate.py: check_ranges`); cross-field and machine rules live beside the
+launcher (`run/checks.py`), and the graph's rules in `graph/dag.py`. Every process receives this typed config (`runtime/spec.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 
 def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, *, ge: float | None = None,
@@ -68,6 +70,29 @@ class NodeConfig:
     clip: Optional[float] = doc(None, "reward nodes: bound of the shaped reward's magnitude; null = none", gt=0)
     weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
                                     factory=dict)
+
+
+def node_config(name: str, node: Any) -> NodeConfig:
+    """Node `name` of the graph as written (a mapping) typed as NodeConfig: NodeConfig's defaults
+    under it, each value converted to its field's type or refused by OmegaConf naming
+    `graph.<name>.<key>`. A key NodeConfig does not declare is kept as an extra attribute, as
+    OmegaConf keeps a key added with '+' anywhere in the config, for `config/validate.py:
+    check_known_keys` to name with the others."""
+    from areal_flow.config.validate import ConfigError  # here: validate.py imports this module
+
+    if isinstance(node, NodeConfig):
+        return node
+    if not isinstance(node, dict) and not OmegaConf.is_dict(node):
+        raise ConfigError([f"graph.{name}={node!r}: a node is a mapping of its keys (type, inputs, outputs, ...), "
+                           "or null to remove it"])
+    root = OmegaConf.create({"graph": {name: OmegaConf.structured(NodeConfig)}})  # errors name graph.<name>.<key>
+    typed = root.graph[name]
+    try:
+        with open_dict(typed):
+            typed.merge_with(node)
+    except OmegaConfBaseException as e:  # a value of the wrong type, as Hydra would have said while composing
+        raise ConfigError([f"{e.full_key}: {str(e).splitlines()[0]}"]) from None
+    return OmegaConf.to_object(typed)
 
 
 @dataclass
@@ -423,7 +448,14 @@ class RunConfig:
     cluster: ClusterConfig = doc(help="devices", factory=ClusterConfig)
     model: ModelConfig = doc(help="the starting model", factory=ModelConfig)
     dataset: DatasetConfig = doc(help="prompts", factory=DatasetConfig)
-    graph: Dict[str, NodeConfig] = doc(help="the MFC nodes, by name", factory=dict)
+    # Any, not NodeConfig: OmegaConf refuses to assign a dict to a NodeConfig-typed node, and Hydra's
+    # `+graph.<name>={...}` assigns one (a recipe's nodes are merged, which it allows). Each node gets
+    # NodeConfig's type, defaults and checks in __post_init__, whenever the config is typed
+    # (runtime/spec.py: typed); the composed config holds the nodes as written. `element` names the
+    # type for readers of the schema (tools/config_reference.py).
+    graph: Dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "the MFC nodes, by name; `+graph.<name>={...}` adds one, `~graph.<name>` (or null in a recipe) "
+                "removes one", "element": NodeConfig})
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
     rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
     generation: GenerationConfig = doc(help="generation servers: backend and SGLang flags", factory=GenerationConfig)
@@ -437,7 +469,16 @@ class RunConfig:
                                 "start it when it has none; a checkpoint's path: continue that checkpoint's run, in "
                                 "its directory; null = a new run")
 
+    def __post_init__(self) -> None:
+        # A node set to null is removed: the way a recipe drops a node of the recipe it extends.
+        self.graph = {name: node_config(name, node) for name, node in self.graph.items() if node is not None}
+
 
 def register_configs() -> None:
     """Put the schema in Hydra's ConfigStore; conf/config.yaml extends it as `base_config`."""
-    ConfigStore.instance().store(name="base_config", node=RunConfig)
+    schema = OmegaConf.structured(RunConfig)
+    # The composed nodes are untyped (RunConfig.graph): not in struct mode either, so that an
+    # `allocation` can write a node key the recipe left out. A key NodeConfig lacks is still named
+    # when the config is typed (node_config) and checked (check_known_keys).
+    OmegaConf.set_struct(schema.graph, False)
+    ConfigStore.instance().store(name="base_config", node=schema)

@@ -1,28 +1,23 @@
-"""Checks of a composed run config, before anything starts.
+"""Checks of a composed run config that need nothing but the schema, and the error they raise.
 
-OmegaConf already rejects unknown keys and wrong types. `check_ranges` checks every field against
-the bounds declared on it in `schema.py`; `check_run` adds the rules that span several fields or
-depend on the machine. Every problem names the key to change; all of them are reported at once.
+OmegaConf already rejects wrong types. `check_ranges` checks every field against the bounds
+declared on it in `schema.py`, `check_known_keys` the keys Hydra's `+key=value` adds past it, and
+`check_model_config` the model directory's config.json. The rules that span several fields or
+depend on the graph, the machine or other packages are the launcher's (`run/checks.py: check_run`):
+this module imports no other package of areal_flow, so every package may use `ConfigError` and
+`check_ranges`. Every problem names the key to change; all of them are reported at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import math
 import os
 from typing import Any
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.generation.sglang_backend import generation_problems
-from areal_flow.graph.dag import Graph, format_mesh
-from areal_flow.launchers.slurm import sbatch_missing
-from areal_flow.training.layout import layout_problems
-
-SHARED_MEMORY = "/dev/shm"
-"""Where rollout.weight_update_mode=shm puts the published weights."""
 
 
 class ConfigError(ValueError):
@@ -135,166 +130,3 @@ def check_model_config(model_path: str | None) -> None:
     config.json (check_run reports that where the model must be here)."""
     if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
         load_model_config(model_path)
-
-
-def _machine(cfg: RunConfig) -> list[str]:
-    problems = []
-    kind, n = cfg.cluster.device_type, cfg.cluster.n_devices
-    local = cfg.launcher.type not in ("ray", "slurm")  # processes on this host (ray and slurm: on their nodes)
-    if kind == "cuda" and local and not cfg.dry_run:
-        from areal_flow.runtime.devices import cuda_problems, visible_gpus  # imports torch
-
-        # Found here, before any process starts, rather than as a crash in each process's log.
-        problems += cuda_problems(n, visible_gpus())
-    if kind == "cuda" and cfg.generation.backend == "embedded" and cfg.generation.tp_size > 1:
-        problems.append(f"generation.tp_size={cfg.generation.tp_size} with cluster.device_type='cuda': the embedded "
-                        "engine runs on one GPU (tensor parallel generation needs generation.backend=sglang)")
-    if cfg.cluster.n_nodes > 1 and local and not cfg.dry_run:
-        problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: launcher.type=local starts processes on this host "
-                        "only; use launcher.type=ray or slurm, or dry_run=true to see the placement on several nodes")
-    elif kind == "cpu" and local and not cfg.dry_run and cfg.launcher.pin_cpus and n > len(os.sched_getaffinity(0)):
-        problems.append(f"cluster.n_devices={n} but this process may use {len(os.sched_getaffinity(0))} cores "
-                        "(lower cluster.n_devices, or set launcher.pin_cpus=false)")
-    if cfg.launcher.type == "ray" and importlib.util.find_spec("ray") is None:
-        problems.append("launcher.type=ray needs Ray, an optional extra: pip install -e '.[ray]'")
-    if cfg.launcher.type == "slurm" and not cfg.dry_run and (problem := sbatch_missing()):
-        problems.append(problem)  # found before anything is prepared or written
-    if cfg.launcher.type == "slurm" and cfg.rollout.weight_update_mode == "shm":
-        # /dev/shm is one host's RAM: the job's nodes could not read what trainer 0 publishes there, and
-        # the launcher, which would remove it at the end, has left before the job runs.
-        problems.append("rollout.weight_update_mode='shm' publishes weights in one host's RAM, which a Slurm job's "
-                        "other nodes cannot read: use rollout.weight_update_mode=disk with launcher.type=slurm")
-    if cfg.rollout.weight_update_mode == "shm" and not os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
-        problems.append(f"rollout.weight_update_mode='shm' needs a writable {SHARED_MEMORY} (a RAM file system), which "
-                        "this machine does not have; use rollout.weight_update_mode=disk")
-    if cfg.model.path and not cfg.dry_run and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        problems.append(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
-    return problems
-
-
-def _rollout(cfg: RunConfig) -> list[str]:
-    problems = []
-    if cfg.rollout.weight_update_mode in ("distributed", "ipc") and not cfg.rollout.interrupt:
-        # A bucket is loaded as it arrives (SGLang's semantics). Without a pause a server would admit
-        # requests between two buckets and decode them on a mix of old and new weights.
-        problems.append(f"rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' needs rollout.interrupt=true: "
-                        "the weights arrive in several buckets, and only paused servers take no request between two "
-                        "of them")
-    if cfg.rollout.keep_weights_every and cfg.rollout.weight_update_mode != "disk":
-        problems.append(f"rollout.keep_weights_every={cfg.rollout.keep_weights_every} keeps published weights on disk, "
-                        f"which rollout.weight_update_mode='{cfg.rollout.weight_update_mode}' does not write (or removes "
-                        "at the end): use rollout.weight_update_mode=disk")
-    if cfg.recover.retries and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
-        problems.append(f"recover.retries={cfg.recover.retries} restarts a run from its last checkpoint, and this run "
-                        "saves none before its end: set checkpoint.every_steps or checkpoint.every_minutes")
-    if cfg.recover.retries and cfg.launcher.type == "slurm":
-        problems.append("recover.retries restarts the processes the launcher watches, and a Slurm job runs on its own: "
-                        "requeue the job with resume=auto instead (docs/reliability.md)")
-    return problems
-
-
-def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
-    problems = []
-    bounds = cfg.algorithm.success_rate_range
-    if bounds is not None and (len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] <= 1):
-        problems.append(f"algorithm.success_rate_range={list(bounds)} must be [low, high] with 0 ≤ low ≤ high ≤ 1")
-    if graph.colocated and not cfg.rollout.interrupt:
-        # The servers are paused for the trainer's turn; the update that follows it continues them.
-        problems.append(f"generation and training share mesh {format_mesh(graph.trainer_mesh)} (colocated), which "
-                        "needs rollout.interrupt=true: the servers pause for each train step and go on at the "
-                        "weight update that follows it")
-    if cfg.rollout.weight_update_mode == "ipc" and not graph.colocated:
-        # A handle opens memory of the sender's own devices, on its own host.
-        problems.append(f"rollout.weight_update_mode='ipc' hands the servers handles to trainer rank 0's memory: it "
-                        f"needs generation on the trainer's devices (colocated: graph.{graph.generate.name}.mesh equal "
-                        f"to the batch nodes' mesh, or '|' in the allocation); use disk, shm or distributed")
-    if graph.colocated and cfg.cluster.device_type == "cuda" and cfg.rollout.weight_update_mode == "distributed":
-        # NCCL refuses a communicator with two ranks on one GPU, which trainer 0 and a server there would be.
-        problems.append("rollout.weight_update_mode='distributed' with generation and training colocated on cuda: NCCL "
-                        "cannot broadcast between two processes on one GPU; use rollout.weight_update_mode=ipc, shm or "
-                        "disk")
-    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
-    dp = layout.dp if layout is not None else len(graph.trainer_mesh)  # TP/PP ranks share their data
-    most = math.ceil(cfg.algorithm.batch_size / max(dp, 1))
-    if cfg.algorithm.n_minibatches > most:
-        problems.append(f"algorithm.n_minibatches={cfg.algorithm.n_minibatches} exceeds the {most} prompt group(s) "
-                        f"a trainer rank can get from algorithm.batch_size={cfg.algorithm.batch_size} over {dp} rank(s)")
-    for node in graph.batch_nodes:
-        if node.micro_batch_tokens <= cfg.algorithm.max_new_tokens:
-            # A sequence is a prompt plus up to max_new_tokens answer tokens and is never split.
-            problems.append(f"graph.{node.name}.micro_batch_tokens={node.micro_batch_tokens} cannot hold one sequence of "
-                            f"a prompt and algorithm.max_new_tokens={cfg.algorithm.max_new_tokens} answer tokens")
-    if cfg.algorithm.kl_coef > 0 and graph.input(graph.train, "ref_logprobs") is None:
-        problems.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef} needs the train node '{graph.train.name}' to read "
-                        "ref_logprobs from an inference node with role ref")
-    critic = graph.critic_train
-    if critic is not None and graph.input(critic, "values") is None:
-        problems.append(f"the critic's train node '{critic.name}' must read values, from an inference node with role "
-                        "critic (its values before the update, for the clipped value loss)")
-    for node in graph.batch_nodes:
-        if node.role == "critic" and node.engine != "torch":
-            problems.append(f"node '{node.name}': the critic runs on engine torch only in this version "
-                            f"(graph.{node.name}.engine={node.engine})")
-    if cfg.algorithm.prox_logp == "loglinear":
-        for meaning in ("prox_logprobs", "versions"):
-            if graph.input(graph.train, meaning) is None:
-                problems.append(f"algorithm.prox_logp=loglinear needs the train node '{graph.train.name}' to read "
-                                f"{meaning} (without prox_logprobs the loss is naive PPO, with no π_prox to approximate)")
-    return problems + algorithm_problems(cfg)
-
-
-def algorithm_problems(cfg: RunConfig) -> list[str]:
-    """Rules between the algorithm's fields, and the names of losses, estimators and shapers."""
-    from areal_flow.algorithms.registry import name_problem
-
-    algo, problems = cfg.algorithm, []
-    for key in ("reward_norm", "adv_norm"):
-        norm = getattr(algo, key)
-        if norm.leave_one_out and norm.mean_level != "group":
-            problems.append(f"algorithm.{key}.leave_one_out=true needs algorithm.{key}.mean_level=group, "
-                            f"not {norm.mean_level}")
-    if algo.c_clip is not None and algo.policy_loss == "cispo":
-        problems.append(f"algorithm.c_clip={algo.c_clip}: the dual clip is PPO's; cispo has no clipped branch to bound")
-    floor, cap = algo.behav_weight_floor, algo.behav_weight_cap
-    if floor is not None and cap is not None and floor > cap:
-        problems.append(f"algorithm.behav_weight_floor={floor} exceeds algorithm.behav_weight_cap={cap}")
-    if algo.kl_target is not None and algo.kl_coef == 0:
-        problems.append(f"algorithm.kl_target={algo.kl_target} adapts algorithm.kl_coef, which is 0: set its "
-                        "initial value")
-    if algo.overlong_tokens is not None and algo.overlong_tokens > algo.max_new_tokens:
-        problems.append(f"algorithm.overlong_tokens={algo.overlong_tokens} exceeds algorithm.max_new_tokens="
-                        f"{algo.max_new_tokens}")
-    for kind, key in (("policy_loss", "policy_loss"), ("adv_estimator", "adv_estimator")):
-        if (why := name_problem(kind, getattr(algo, key), f"algorithm.{key}")) is not None:
-            problems.append(why)
-    for i, name in enumerate(algo.reward_shapers):
-        if (why := name_problem("reward_shaper", name, f"algorithm.reward_shapers[{i}]")) is not None:
-            problems.append(why)
-    return problems
-
-
-def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
-    """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
-    heads, PP its layers), or generation's tensor parallel its attention heads: found before any
-    process starts, not in a trainer rank's or a server's log."""
-    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
-    if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
-        return
-    model = load_model_config(model_path)
-    problems = []
-    if layout is not None:
-        where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
-        problems += layout_problems(layout, n_devices=None, model=model, where=where)
-    if model.num_attention_heads % gen_tp:
-        problems.append(f"generation.tp_size={gen_tp} with model {model_path}: does not divide the model's "
-                        f"{model.num_attention_heads} attention heads")
-    if problems:
-        raise ConfigError(problems)
-
-
-def check_run(cfg: RunConfig, graph: Graph) -> None:
-    """Raise ConfigError listing every problem of a composed config whose graph is valid."""
-    problems = check_ranges(cfg) + _machine(cfg) + _rollout(cfg) + graph_problems(cfg, graph)
-    problems += generation_problems(cfg.generation, len(graph.generate.mesh or ()))
-    if problems:
-        raise ConfigError(problems)

@@ -59,7 +59,7 @@ from transformers.cache_utils import Cache
 
 from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.decode import GEMM_ROWS, DecodeStep, padding_bias
-from areal_flow.generation.kv_batch import _Batch, _GrowingLayer, _Row
+from areal_flow.generation.kv_batch import Batch, GrowingLayer, Row
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
     SamplingParams,
@@ -250,13 +250,13 @@ class GenerationEngine:
         self._version = version_for_label(weight_label, -1)
         self._label = weight_label
         self._cond = threading.Condition()
-        self._waiting: deque[_Row] = deque()
+        self._waiting: deque[Row] = deque()
         self._updates: deque[_WeightUpdate] = deque()
         self._aborts: list[_Abort] = []
         self._paused = False
         self._inflight: set[str] = set()
         self._stopping = False
-        self._running: list[_Row] = []  # the live rows after the last decode step
+        self._running: list[Row] = []  # the live rows after the last decode step
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         self._load_seconds = 0.0  # copying weight updates in (decoding stops meanwhile)
@@ -265,7 +265,7 @@ class GenerationEngine:
         self._idle_from: float | None = None  # when the decode thread began to wait for work, while it waits
         # Rows a step finished, answered once the step's counts and busy time are in the stats:
         # whoever reads an answer may read the stats next.
-        self._step_finished: list[_Row] = []
+        self._step_finished: list[Row] = []
         self._finished_reqs = 0
         self._finished_prompt_tokens = 0
         self._thread = threading.Thread(target=self._run, name="generation-engine", daemon=True)
@@ -323,13 +323,13 @@ class GenerationEngine:
                 future: Future[GenerationResult] = Future()
                 futures.append(future)
                 if request.params.max_new_tokens == 0 and request.logprob_start_len is None:
-                    future.set_result(self._result(_Row(request, future, frozenset()), ("length", None)))
+                    future.set_result(self._result(Row(request, future, frozenset()), ("length", None)))
                     continue
                 # As SGLang: ignore_eos also ignores stop_token_ids (the request answers "length").
                 stop_ids = frozenset() if request.params.ignore_eos else \
                     frozenset(request.params.stop_token_ids) | self.eos_token_ids
                 self._inflight.add(request.rid)
-                self._waiting.append(_Row(request, future, stop_ids, self._decode))
+                self._waiting.append(Row(request, future, stop_ids, self._decode))
             self._cond.notify_all()
         return futures
 
@@ -511,7 +511,7 @@ class GenerationEngine:
     # ---- the decode thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch: _Batch | None = None
+        batch: Batch | None = None
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -558,7 +558,7 @@ class GenerationEngine:
                     if admitted:
                         batch = self._join(batch, admitted, started)
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
-                        batch = _Batch.combine([(batch, batch.live())])  # enough rows dead: compact
+                        batch = Batch.combine([(batch, batch.live())])  # enough rows dead: compact
                     # A compaction's copy counts with the decode step it comes before.
                     decoding = time.perf_counter() if admitted else started
                     rows, width = len(batch.live()), batch.mask.shape[1] + 1  # the step's forward adds a column
@@ -585,7 +585,7 @@ class GenerationEngine:
         for update in updates:
             update.done.set_exception(EngineShutdownError("the generation engine shut down before the update"))
 
-    def _admit(self, batch: _Batch | None) -> list[_Row]:
+    def _admit(self, batch: Batch | None) -> list[Row]:
         """Take the requests that join the running batch off the queue, in order (caller holds the lock)."""
         live = [batch.rows[i] for i in batch.live()] if batch is not None else []
         room = self.max_batch_size - len(live)
@@ -595,7 +595,7 @@ class GenerationEngine:
             return []
         budget = self.max_total_tokens
         free = math.inf if budget is None else budget - sum(row.kv_tokens for row in live)
-        admitted: list[_Row] = []
+        admitted: list[Row] = []
         while self._waiting and len(admitted) < room:
             row = self._waiting[0]
             if row.kv_tokens > free:
@@ -606,7 +606,7 @@ class GenerationEngine:
                 free -= row.kv_tokens
         return admitted
 
-    def _claim(self, row: _Row) -> bool:
+    def _claim(self, row: Row) -> bool:
         """Mark a queued row's future as running; False (and the rid freed) if it was cancelled.
         A retracted row's future is running already."""
         if row.future.running() or row.future.set_running_or_notify_cancel():
@@ -614,18 +614,18 @@ class GenerationEngine:
         self._inflight.discard(row.request.rid)
         return False
 
-    def _retract(self, batch: _Batch) -> None:
+    def _retract(self, batch: Batch) -> None:
         """Queue the live rows of `batch` again, first in line, with their tokens so far (caller holds the lock)."""
         rows = [batch.rows[i] for i in batch.live()]
         for row in rows:
             row.retractions += 1
         self._waiting.extendleft(reversed(rows))
 
-    def _count_running(self, batch: _Batch | None) -> None:
+    def _count_running(self, batch: Batch | None) -> None:
         # The rows only: stats() sums their tokens when asked, not every decode step.
         self._running = [batch.rows[i] for i in batch.live()] if batch is not None else []
 
-    def _take_aborted(self, aborts: list[_Abort], batch: _Batch | None) -> list[_Row]:
+    def _take_aborted(self, aborts: list[_Abort], batch: Batch | None) -> list[Row]:
         """Mark the rows that `aborts` match as finished by abort and take queued ones off the
         queue (caller holds the lock); returns them, to be answered outside the lock."""
         if not aborts:
@@ -648,13 +648,13 @@ class GenerationEngine:
                         hit.append(row)
         return hit
 
-    def _join(self, batch: _Batch | None, admitted: list[_Row], started: float) -> _Batch:
+    def _join(self, batch: Batch | None, admitted: list[Row], started: float) -> Batch:
         """Prefill the admitted rows and add them to the running batch. Batch-invariant, the
         sequences of each length are prefilled apart, so no prompt is padded. Each prefill is
         counted; the copy that joins them to the batch counts with the last one."""
         groups = [admitted]
         if self.batch_invariant:
-            by_length: dict[int, list[_Row]] = {}
+            by_length: dict[int, list[Row]] = {}
             for row in admitted:
                 by_length.setdefault(len(row.sequence), []).append(row)
             groups = list(by_length.values())
@@ -663,14 +663,14 @@ class GenerationEngine:
             begun = time.perf_counter()
             parts.append(self._prefill(group))
             seconds.append(time.perf_counter() - begun)
-        joined = parts[0] if batch is None and len(parts) == 1 else _Batch.combine(
+        joined = parts[0] if batch is None and len(parts) == 1 else Batch.combine(
             ([(batch, batch.live())] if batch is not None else []) + [(p, list(range(len(p.rows)))) for p in parts])
         seconds[-1] = time.perf_counter() - started - sum(seconds[:-1])
         for group, spent in zip(groups, seconds):
             self._counts.prefilled([len(q) for q in {row.sequence for row in group}], spent)
         return joined
 
-    def _prefill(self, rows: list[_Row]) -> _Batch:
+    def _prefill(self, rows: list[Row]) -> Batch:
         """One forward over the rows' prompts (a retracted row: prompt + tokens so far). Identical
         sequences are computed once and their cache rows copied."""
         sequences: dict[tuple[int, ...], int] = {}
@@ -692,7 +692,7 @@ class GenerationEngine:
         scored = [r for r in rows if r.request.logprob_start_len is not None and not r.output_ids]
         keep = max([1] + [len(r.request.input_ids) - r.request.logprob_start_len for r in scored])
         forward = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True)
+                       past_key_values=Cache(layer_class_to_replicate=GrowingLayer), use_cache=True)
         if self.batch_invariant:  # the output layer as the decode step computes it (padded rows)
             out = self.model.model(**forward)
             hidden = out.last_hidden_state[:, -keep:]
@@ -703,12 +703,12 @@ class GenerationEngine:
         cache = out.past_key_values
         if len(sequences) < len(rows) or extra:
             rows_of = torch.tensor(index, device=self.device)
-            cache = Cache(layers=[_GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
+            cache = Cache(layers=[GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
                                   for layer in cache.layers])
             mask, logits = mask[rows_of], logits[rows_of]
         if scored:
             self._prompt_logprobs(rows, logits)
-        return _Batch(rows, cache, mask, logits[:, -1].float())
+        return Batch(rows, cache, mask, logits[:, -1].float())
 
     @staticmethod
     def _extra_sequences(sequences: int, width: int) -> int:
@@ -721,7 +721,7 @@ class GenerationEngine:
             extra += 1
         return extra
 
-    def _prompt_logprobs(self, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _prompt_logprobs(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Fill the prompt logprobs of the rows that asked for them from the prefill's logits
         [B, keep, V] (the last `keep` positions); answer the rows that only wanted those."""
         keep = logits.shape[1]
@@ -741,7 +741,7 @@ class GenerationEngine:
                 row.finish = ("length", None)
                 self._step_finished.append(row)
 
-    def _step(self, batch: _Batch) -> _Batch | None:
+    def _step(self, batch: Batch) -> Batch | None:
         """Sample a token for every live row, set aside the rows that finish, decode one step."""
         positions = None if batch.seeds is None else [row.next_position for row in batch.rows]
         tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
@@ -775,7 +775,7 @@ class GenerationEngine:
             batch.logits = out.logits[:, -1].float()
         return batch
 
-    def _top_logprobs(self, batch: _Batch) -> None:
+    def _top_logprobs(self, batch: Batch) -> None:
         """Append the most likely tokens of this step to the live rows that asked for them, from the
         distribution they sample from (temperature-scaled, as their output logprobs)."""
         rows = [i for i, row in enumerate(batch.rows) if row.finish is None and row.request.top_logprobs_num]
@@ -786,7 +786,7 @@ class GenerationEngine:
             row = batch.rows[i]
             row.top_logprobs.append(top_logprobs(row_logprobs, row.request.top_logprobs_num))
 
-    def _report(self, row: _Row) -> None:
+    def _report(self, row: Row) -> None:
         try:
             row.request.on_token(self._result(row, (None, None)))
         except Exception:  # a faulty listener must not fail the batch
@@ -813,7 +813,7 @@ class GenerationEngine:
             logger.info("weights from %s loaded, version %d", update.source, update.version)
             update.done.set_result(None)
 
-    def _result(self, row: _Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:
+    def _result(self, row: Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:
         return GenerationResult(
             rid=row.request.rid, prompt_tokens=len(row.request.input_ids), output_ids=row.output_ids,
             output_logprobs=row.logprobs, output_versions=row.versions, finish_reason=finish[0],
@@ -822,7 +822,7 @@ class GenerationEngine:
             input_top_logprobs=row.input_top_logprobs,
         )
 
-    def _finish(self, row: _Row) -> None:
+    def _finish(self, row: Row) -> None:
         assert row.finish is not None
         # Free the rid first: a client may reuse it as soon as it reads the answer.
         with self._cond:
@@ -837,7 +837,7 @@ class GenerationEngine:
         for row in rows:
             self._finish(row)
 
-    def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:
+    def _fail(self, rows: Sequence[Row], exc: BaseException) -> None:
         # Rows already answered are skipped: their rid may already belong to a new request.
         # (A row can be listed twice: admitted, and already combined into the batch.)
         unanswered = list({id(row): row for row in rows if not row.future.done()}.values())

@@ -1,6 +1,6 @@
 """The running decode batch: per-request rows and a KV cache that grows in place.
 
-Rows of finished requests stay in the batch until the next join or compaction (`_Batch.combine`),
+Rows of finished requests stay in the batch until the next join or compaction (`Batch.combine`),
 so most decode steps copy nothing.
 """
 
@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 if TYPE_CHECKING:
     from areal_flow.generation.engine import GenerationRequest
 
-class _GrowingLayer(DynamicLayer):
+class GrowingLayer(DynamicLayer):
     """One layer's KV cache in a buffer with room to spare at the end.
 
     transformers' DynamicLayer appends with torch.cat, re-copying the whole cache every decode step;
@@ -54,7 +54,7 @@ class _GrowingLayer(DynamicLayer):
 
     @classmethod
     def gather(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], width: int
-               ) -> _GrowingLayer:
+               ) -> GrowingLayer:
         """A layer holding rows `index` of each part's (keys, values) from column `start` on,
         right-aligned to `width` columns (left padding is zeros, masked by the caller: zeros rather
         than garbage, because a masked score must stay finite before the mask makes it -inf)."""
@@ -83,7 +83,7 @@ def _spacious_like(like: torch.Tensor, length: int, rows: int | None = None) -> 
 
 
 @dataclass
-class _Row:
+class Row:
     """One request while it waits or decodes."""
 
     request: GenerationRequest
@@ -144,7 +144,7 @@ class _Row:
 
 
 @dataclass
-class _Batch:
+class Batch:
     """Rows decoding together. The KV cache is left-padded to one width; `mask` [B, width] marks the
     real positions; `logits` [B, V] are what each row samples its next token from.
 
@@ -153,7 +153,7 @@ class _Batch:
     enough rows are dead.
     """
 
-    rows: list[_Row]
+    rows: list[Row]
     cache: Cache
     mask: torch.Tensor
     logits: torch.Tensor
@@ -178,7 +178,7 @@ class _Batch:
         return [i for i, row in enumerate(self.rows) if row.finish is None]
 
     @staticmethod
-    def combine(parts: Sequence[tuple[_Batch, list[int]]]) -> _Batch | None:
+    def combine(parts: Sequence[tuple[Batch, list[int]]]) -> Batch | None:
         """The rows `keep` of each batch in one batch, with one copy of the cache: each part is
         right-aligned to the widest, and columns that no kept row attends to are dropped."""
         parts = [(batch, keep) for batch, keep in parts if keep]
@@ -191,13 +191,13 @@ class _Batch:
         kept_rows = [batch.rows[i] for batch, keep in parts for i in keep]
         width = max(batch.mask.shape[1] - start for batch, _, start in pieces)
         layers = [
-            _GrowingLayer.gather(
+            GrowingLayer.gather(
                 [(b.cache.layers[i].keys, b.cache.layers[i].values, index, start) for b, index, start in pieces], width)
             for i in range(len(pieces[0][0].cache.layers))
         ]
         mask = torch.cat([F.pad(b.mask[index, start:], (width - (b.mask.shape[1] - start), 0))
                           for b, index, start in pieces])
-        return _Batch(
+        return Batch(
             kept_rows,
             Cache(layers=layers),
             mask,

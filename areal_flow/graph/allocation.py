@@ -24,7 +24,7 @@ from typing import Any
 
 from lark import Lark, Token, Transformer, UnexpectedInput, UnexpectedToken
 
-from areal_flow.training.layout import Layout
+from areal_flow.graph.layout import Layout
 
 GRAMMAR = r"""
     allocation: component ("+" component)*
@@ -232,7 +232,7 @@ def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
         put(raw["generation"], "backend", alloc.generation_backend, "generation.backend")
     put(raw["generation"], "tp_size", gen.layout.tp, "generation.tp_size")
     for name, node in raw["graph"].items():
-        kind = node.get("type")
+        kind = node.get("type") if node is not None else None  # a node set to null is removed (schema.py)
         if kind == "generate":
             put(node, "mesh", _mesh(alloc.generation_mesh), f"graph.{name}.mesh")
         elif kind in ("inference", "train"):

@@ -4,7 +4,8 @@ A key that no node writes comes from the dataset. What a key means is declared b
 writes it (`graph/keys.py`), and every node finds its inputs by meaning, so the runtime follows the
 declared keys whatever the recipe names them. `build_graph` checks everything that can be checked
 before a process starts and reports every problem at once, each naming the node and the recipe key
-(`graph.<node>.<field>`) to change.
+(`graph.<node>.<field>`) to change. What a node of each type must read and write, and whether it
+streams or fires on a batch, comes from its kind's registered spec (`graph/keys.py: register`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from areal_flow.graph.keys import NODE_KINDS, ROLES, TEXT, WRITER_ROLE
-from areal_flow.training.layout import Layout, layout_problems, parse_layout
-
-NODE_TYPES = tuple(NODE_KINDS)
+from areal_flow.graph.keys import ROLES, RUNTIME_KINDS, TEXT, NodeKind, node_kinds
+from areal_flow.graph.layout import Layout, layout_problems, parse_layout
 
 
 class GraphError(ValueError):
@@ -48,13 +47,18 @@ class Node:
     weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
 
     @property
+    def kind(self) -> NodeKind | None:
+        """Its type's registered spec (graph/keys.py), None for an unknown type."""
+        return node_kinds().get(self.type)
+
+    @property
     def streaming(self) -> bool:
-        return self.type in NODE_KINDS and NODE_KINDS[self.type].streaming
+        return self.kind is not None and self.kind.streaming
 
     def meaning_of_output(self, key: str) -> str:
         """What an output of this node is: the well-known key it stands for."""
-        if self.type in ("reward", "combine"):
-            return "rewards"
+        if self.kind is not None and self.kind.outputs_mean is not None:
+            return self.kind.outputs_mean
         return next((known for known, name in self.keys if name == key), key)
 
 
@@ -82,8 +86,8 @@ class Graph:
 
     @property
     def scorers(self) -> list[Node]:
-        """reward and combine nodes, in the order they run on each sample."""
-        return [self.nodes[n] for n in self.order if self.nodes[n].type in ("reward", "combine")]
+        """reward and combine nodes (whose outputs are rewards), in the order they run on each sample."""
+        return [self.nodes[n] for n in self.order if (kind := self.nodes[n].kind) and kind.outputs_mean == "rewards"]
 
     @property
     def rewards(self) -> list[Node]:
@@ -199,9 +203,9 @@ def build_graph(
     for name, c in nodes_cfg.items():
         key = f"graph.{name}"
         ntype, role = _field(c, "type", ""), _field(c, "role")
-        kind = NODE_KINDS.get(ntype)
+        kind = node_kinds().get(ntype)
         if kind is None:
-            problems.append(f"node '{name}': unknown type {ntype!r} ({key}.type); expected one of {', '.join(NODE_TYPES)}")
+            problems.append(f"node '{name}': unknown type {ntype!r} ({key}.type); expected one of {', '.join(node_kinds())}")
         elif kind.roles and role not in ROLES:
             problems.append(f"node '{name}': unknown model role {role!r} ({key}.role); expected one of {', '.join(ROLES)}")
         elif kind.roles and role not in kind.roles:
@@ -253,8 +257,8 @@ def build_graph(
     meaning = {k: TEXT for k in dataset_keys} | {k: nodes[p].meaning_of_output(k) for k, p in producers.items()}
     order = _topological_order(nodes, producers, problems)
     for n in nodes.values():
-        if n.type in NODE_KINDS:
-            _check_node(n, nodes, producers, meaning, problems)
+        if n.kind is not None:
+            _check_node(n, n.kind, nodes, producers, meaning, problems)
     _check_shape(nodes, problems)
     _check_meshes(nodes, problems)
     _check_engines(nodes, problems)
@@ -282,15 +286,25 @@ def _check_keys(nodes: dict[str, Node], dataset_keys: Sequence[str], problems: l
                     f"node '{n.name}' reads key '{k}' (graph.{n.name}.inputs) but no node writes it "
                     f"and the dataset has no such field (dataset fields: {', '.join(dataset_keys) or 'none'})"
                 )
+    read = {k for n in nodes.values() for k in n.inputs}
+    for n in nodes.values():
+        if n.outputs and not read & set(n.outputs):  # it would run for nothing, e.g. a ref node nobody reads
+            them = "it" if len(n.outputs) == 1 else "them"
+            problems.append(f"node '{n.name}' writes {', '.join(map(repr, n.outputs))} (graph.{n.name}.outputs) but no "
+                            f"node reads {them}: list {them} in the inputs of the node that uses {them}, or remove "
+                            f"the node (~graph.{n.name})")
     return producers
 
 
-def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], meaning: dict[str, str],
+def _check_node(n: Node, kind: NodeKind, nodes: dict[str, Node], producers: dict[str, str], meaning: dict[str, str],
                 problems: list[str]) -> None:
-    """The keys one node reads and writes, by meaning, against what its type needs."""
-    kind, where = NODE_KINDS[n.type], f"graph.{n.name}"
+    """The keys one node reads and writes, by meaning, against its kind's spec."""
+    where = f"graph.{n.name}"
+    if n.type not in RUNTIME_KINDS:
+        problems.append(f"node '{n.name}': type {n.type!r} ({where}.type) is a registered node kind that no process "
+                        f"of this version runs (they run {', '.join(RUNTIME_KINDS)})")
     for known, name in n.keys:
-        if known not in kind.writes or n.type in ("reward", "combine"):
+        if known not in kind.writes or kind.outputs_mean is not None:
             problems.append(f"node '{n.name}': {where}.keys maps {known!r}, which a {n.type} node does not write "
                             f"(it writes {', '.join(kind.writes) or 'nothing'})")
         elif name not in n.outputs:
@@ -300,11 +314,12 @@ def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], mean
                         f"{list(n.outputs)})")
     written = [n.meaning_of_output(k) for k in n.outputs]
     for k, m in zip(n.outputs, written):
+        owner = dict(kind.role_writes).get(m)
         if m not in kind.writes:
             problems.append(f"node '{n.name}': a {n.type} node writes {' or '.join(kind.writes) or 'nothing'}, not {k!r} "
                             f"({where}.outputs; name a well-known key differently with {where}.keys)")
-        elif m in WRITER_ROLE and n.role != WRITER_ROLE[m]:
-            problems.append(f"node '{n.name}': {m} come from an inference node with role {WRITER_ROLE[m]}, "
+        elif owner is not None and n.role != owner:
+            problems.append(f"node '{n.name}': {m} come from an {n.type} node with role {owner}, "
                             f"not {n.role!r} ({where}.role)")
     if len(set(written)) < len(written):
         problems.append(f"node '{n.name}': writes one meaning twice ({where}.outputs={list(n.outputs)})")
@@ -314,10 +329,9 @@ def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], mean
 
     read = [meaning[k] for k in n.inputs if k in meaning]
     n_fields = read.count(TEXT)
-    if kind.dataset_fields != n_fields:
-        what = {"generate": "its prompt", "reward": "the reference answer"}.get(n.type)
+    if n_fields != (1 if kind.dataset_field else 0):
         problems.append(f"node '{n.name}': a {n.type} node reads "
-                        + (f"exactly one dataset field, {what}" if what else "no dataset field")
+                        + (f"exactly one dataset field, {kind.dataset_field}" if kind.dataset_field else "no dataset field")
                         + f" ({where}.inputs has {[k for k in n.inputs if meaning.get(k) == TEXT] or 'none'})")
     for k in n.inputs:
         m = meaning.get(k)
@@ -327,10 +341,11 @@ def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], mean
     if missing:
         names = ["the output of a reward node" if m == "rewards" else m for m in missing]
         problems.append(f"node '{n.name}': a {n.type} node must read {', '.join(names)} ({where}.inputs)")
-    if n.type == "combine":
+    if kind.weighted:
         weights = dict(n.weights)
         if len(n.inputs) < 2 or set(weights) != set(n.inputs):
-            problems.append(f"node '{n.name}': a combine node reads two or more rewards and gives each a weight "
+            problems.append(f"node '{n.name}': a {n.type} node reads two or more {' or '.join(kind.reads + kind.may_read)} "
+                            "and gives each a weight "
                             f"({where}.weights must have exactly the keys of {where}.inputs)")
     else:
         twice = sorted({m for m in read if m != TEXT and read.count(m) > 1})
@@ -341,9 +356,11 @@ def _check_node(n: Node, nodes: dict[str, Node], producers: dict[str, str], mean
         for k in n.inputs:
             src = producers.get(k)
             if src and not nodes[src].streaming:
+                streaming = [t for t, spec in node_kinds().items() if spec.streaming]
+                batch = [t for t in node_kinds() if t not in streaming]
                 problems.append(
                     f"node '{n.name}' ({n.type}) reads '{k}' from batch node '{src}' ({where}.inputs): "
-                    "streaming nodes (generate, reward, combine) run before batch nodes (inference, train)"
+                    f"streaming nodes ({', '.join(streaming)}) run before batch nodes ({', '.join(batch)})"
                 )
 
 
@@ -383,7 +400,7 @@ def _find_cycle(stuck: list[str], nodes: dict[str, Node], producers: dict[str, s
 
 def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
     """What this runtime can run: one generate node, one train node of the actor."""
-    by_type = {t: [n for n in nodes.values() if n.type == t] for t in NODE_TYPES}
+    by_type = {t: [n for n in nodes.values() if n.type == t] for t in node_kinds()}
     if len(by_type["generate"]) != 1:
         problems.append(f"the graph needs exactly one generate node, found {len(by_type['generate'])}")
     if not by_type["reward"]:
@@ -440,7 +457,7 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
     """A role's batch nodes share one model, so they name one engine, and one that exists."""
     by_role: dict[str, Node] = {}
     for n in nodes.values():
-        if n.type not in ("inference", "train"):
+        if n.kind is None or n.kind.streaming:  # engines are the batch nodes'
             continue
         if n.engine not in ENGINES:
             problems.append(f"node '{n.name}': unknown engine {n.engine!r} (graph.{n.name}.engine); "
@@ -458,16 +475,16 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
         if first.engine != n.engine:
             problems.append(f"nodes '{first.name}' and '{n.name}' run role {n.role!r} on different engines "
                             f"({first.engine!r}, {n.engine!r}; graph.{n.name}.engine): a role has one model")
-    batch = [n for n in nodes.values() if n.type in ("inference", "train") and n.layout is not None]
+    batch = [n for n in nodes.values() if n.layout is not None]  # a batch node's, placed on a mesh
     for n in batch[1:]:
         if n.layout != batch[0].layout:
             problems.append(f"batch nodes '{batch[0].name}' ({batch[0].layout}) and '{n.name}' ({n.layout}) have "
                             f"different layouts (graph.{n.name}.parallel): the trainer ranks hold one layout")
 
 
-def graph_from_config(cfg: Any) -> Graph:
-    """The validated graph of a run config."""
-    from areal_flow.rewards.service import builtin_names
-
+def graph_from_config(cfg: Any, reward_fns: Sequence[str] = ()) -> Graph:
+    """The validated graph of a run config. `reward_fns`: the built-in reward functions a reward
+    node may name, checked when given; the launcher passes them (`rewards/` sits above `graph/`),
+    so the processes of a run, whose config it checked, need not."""
     n_devices = cfg.cluster.n_nodes * cfg.cluster.n_devices
-    return build_graph(cfg.graph, list(cfg.dataset.fields), n_devices, builtin_names())
+    return build_graph(cfg.graph, list(cfg.dataset.fields), n_devices, reward_fns)

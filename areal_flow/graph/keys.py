@@ -1,4 +1,4 @@
-"""The well-known keys of the graph and what each node type reads and writes.
+"""The well-known keys of the graph, and the node kinds: what each node type reads and writes.
 
 A key's meaning is declared by the node that writes it, never guessed from a role: a generate or
 inference node writes a well-known key under its own name, or under another name given by the
@@ -6,10 +6,17 @@ node's `keys` map (`keys: {prox_logprobs: old_logp}` makes its output `old_logp`
 `prox_logprobs`); whatever a reward or combine node writes is a reward. A consumer finds its inputs
 by meaning, so a recipe may rename any key and the runtime follows. docs/architecture.md explains
 how the keys travel.
+
+The node kinds are a registry, as the losses are (`algorithms/registry.py`): each kind is a name and
+a `NodeKind` spec, registered with `register("node", name)(spec)`, and graph validation
+(`graph/dag.py`) reads a node's rules from its kind's spec alone. The five built-ins are registered
+below. A kind of your own is validated against its spec, then refused: no process of this version
+would run it (`RUNTIME_KINDS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TEXT = "text"
@@ -39,32 +46,70 @@ KEYS: dict[str, KeySpec] = {
 
 @dataclass(frozen=True)
 class NodeKind:
-    """What a node type reads and writes, by meaning."""
+    """A node kind's spec: what its nodes read and write, by meaning, and how they run."""
 
-    streaming: bool  # works on single groups as they come (else: fires on a batch)
+    streaming: bool  # works on single groups as they come (else: a batch node, which fires on a batch)
     reads: tuple[str, ...] = ()  # meanings it must read
     may_read: tuple[str, ...] = ()  # meanings it may read
     writes: tuple[str, ...] = ()  # meanings it may write under a chosen name
     must_write: tuple[str, ...] = ()
-    dataset_fields: int = 0  # dataset fields it reads: generate its prompt, reward the reference answer
+    dataset_field: str = ""  # the one dataset field it reads, in words (generate: its prompt); "" = none
     n_outputs: int | None = None  # exact number of outputs, when fixed
-    roles: tuple[str, ...] = ()  # model roles it may run on (none: no model)
+    roles: tuple[str, ...] = ()  # model roles it may run on; a node with a role needs a mesh (none: no model)
+    outputs_mean: str | None = None  # what every output means, whatever its name (reward, combine: rewards)
+    weighted: bool = False  # reads two or more inputs and weighs each (graph.<node>.weights): combine
+    role_writes: tuple[tuple[str, str], ...] = ()  # (meaning, the one role whose node may write it)
 
 
-NODE_KINDS: dict[str, NodeKind] = {
-    "generate": NodeKind(streaming=True, writes=("prompt_ids", "output_ids", "behav_logprobs", "versions"),
-                         must_write=("output_ids",), dataset_fields=1, roles=("actor",)),
-    "reward": NodeKind(streaming=True, reads=("output_ids",), writes=("rewards",), must_write=("rewards",),
-                       dataset_fields=1, n_outputs=1),
-    "combine": NodeKind(streaming=True, may_read=("rewards",), writes=("rewards",), must_write=("rewards",), n_outputs=1),
-    "inference": NodeKind(streaming=False, reads=("prompt_ids", "output_ids"),
-                          writes=("prox_logprobs", "ref_logprobs", "values"), n_outputs=1,
-                          roles=("actor", "ref", "critic")),
-    "train": NodeKind(streaming=False, reads=("prompt_ids", "output_ids", "behav_logprobs", "rewards"),
-                      may_read=("prox_logprobs", "ref_logprobs", "versions", "values"), roles=("actor", "critic")),
-}
+NODE_KINDS: dict[str, NodeKind] = {}
+"""The registered node kinds by name, in the order they were registered."""
 
-WRITER_ROLE = {"prox_logprobs": "actor", "ref_logprobs": "ref", "values": "critic"}
-"""The model role whose inference node may write a key: π_prox is the trained actor's, values the critic's."""
+RUNTIME_KINDS = ("generate", "reward", "combine", "inference", "train")
+"""The kinds this version's processes run: generate (rollout/worker.py), reward and combine
+(rewards/worker.py), inference and train (training/worker.py)."""
+
+
+def register(registry: str, name: str) -> Callable[[NodeKind], NodeKind]:
+    """`register("node", "my_kind")(NodeKind(...))`: `graph.<node>.type: my_kind` then names it. The
+    same call as `algorithms.registry.register("policy_loss", ...)`, here because a spec is the
+    graph's data (and `algorithms/` sits below `graph/`)."""
+    if registry != "node":
+        raise ValueError(f"unknown registry {registry!r}: this one holds node kinds ('node'); policy losses, "
+                         "advantage estimators and reward shapers are in areal_flow.algorithms.registry")
+
+    def add(spec: NodeKind) -> NodeKind:
+        if not isinstance(spec, NodeKind):
+            raise TypeError(f"node kind {name!r}: a spec is a NodeKind, not {type(spec).__name__}")
+        known = NODE_KINDS.get(name)
+        if known is not None and known != spec:
+            raise ValueError(f"node kind {name!r} is already registered, with another spec")
+        NODE_KINDS[name] = spec
+        return spec
+
+    return add
+
+
+def node_kinds() -> dict[str, NodeKind]:
+    """Every registered kind, by name (read at each call: a kind registered later counts)."""
+    return NODE_KINDS
+
+
+register("node", "generate")(NodeKind(
+    streaming=True, writes=("prompt_ids", "output_ids", "behav_logprobs", "versions"), must_write=("output_ids",),
+    dataset_field="its prompt", roles=("actor",)))
+register("node", "reward")(NodeKind(
+    streaming=True, reads=("output_ids",), writes=("rewards",), must_write=("rewards",),
+    dataset_field="the reference answer", n_outputs=1, outputs_mean="rewards"))
+register("node", "combine")(NodeKind(
+    streaming=True, may_read=("rewards",), writes=("rewards",), must_write=("rewards",), n_outputs=1,
+    outputs_mean="rewards", weighted=True))
+# π_prox is the trained actor's, ref_logprobs the reference model's, values the critic's.
+register("node", "inference")(NodeKind(
+    streaming=False, reads=("prompt_ids", "output_ids"), writes=("prox_logprobs", "ref_logprobs", "values"),
+    n_outputs=1, roles=("actor", "ref", "critic"),
+    role_writes=(("prox_logprobs", "actor"), ("ref_logprobs", "ref"), ("values", "critic"))))
+register("node", "train")(NodeKind(
+    streaming=False, reads=("prompt_ids", "output_ids", "behav_logprobs", "rewards"),
+    may_read=("prox_logprobs", "ref_logprobs", "versions", "values"), roles=("actor", "critic")))
 
 ROLES = ("actor", "ref", "critic")

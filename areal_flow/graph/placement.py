@@ -37,14 +37,14 @@ class Placement:
 
 
 def _on_node(name: str, role: str, devices: tuple[int, ...], rank: int, per_node: int) -> Proc:
-    # Callers keep a process's devices on one node (config/validate.py checks the groups).
+    # Callers keep a process's devices on one node (run/checks.py checks the groups).
     node = devices[0] // per_node
     return Proc(name, role, devices, rank, node, tuple(d - node * per_node for d in devices))
 
 
 def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: int | None = None) -> Placement:
     """One generation server per `gen_tp_size` consecutive generate-mesh devices (which must divide
-    the mesh: config/validate.py), one trainer rank per trainer-mesh device, the reward pool,
+    the mesh: run/checks.py), one trainer rank per trainer-mesh device, the reward pool,
     rollout workers and one controller; on nodes of `per_node` devices (default: one node), with the
     light processes on node 0."""
     per_node = per_node or max((*(graph.generate.mesh or ()), *graph.trainer_mesh, 0)) + 1

@@ -14,7 +14,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -49,7 +48,7 @@ class Child:
     restarts_left: int = 0
 
 
-def _in_child(cores: tuple[int, ...] | None) -> None:
+def child_preexec(cores: tuple[int, ...] | None) -> None:
     """Runs in the forked child before exec: die with the launcher, stay on our cores."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if cores:
@@ -153,7 +152,7 @@ class LocalLauncher(Watching):
             # A session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
             # the run in order (a checkpoint first), not every process at once.
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, preexec_fn=lambda: _in_child(cores), start_new_session=True)
+                                     env=env, preexec_fn=lambda: child_preexec(cores), start_new_session=True)
         self.children[proc.name] = Child(proc, popen, log_path, again, restarts)
 
     def restart(self, name: str) -> bool:
@@ -187,7 +186,3 @@ class LocalLauncher(Watching):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def python_role(role: str, proc: Proc, run_dir: str) -> list[str]:
-    return [sys.executable, "-m", "areal_flow.runtime.child", role, proc.name, str(proc.rank), run_dir]

@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.local import ChildFailed, Restart, Watching, _in_child
+from areal_flow.launchers.local import ChildFailed, Restart, Watching, child_preexec
 from areal_flow.runtime.spec import free_ports
 
 
@@ -54,7 +54,7 @@ class ProcessActor:
         # then the run's variables.
         with open(log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **env}, preexec_fn=lambda: _in_child(None))
+                                          env={**os.environ, **env}, preexec_fn=lambda: child_preexec(None))
         context = ray.get_runtime_context()
         return {"pid": self.popen.pid, "node_id": context.get_node_id(), "address": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in context.get_accelerator_ids().get("GPU", [])]}

@@ -22,6 +22,7 @@ import sys
 from areal_flow.graph import graph_from_config, place
 from areal_flow.graph.dag import parse_mesh
 from areal_flow.graph.placement import Placement
+from areal_flow.launchers.commands import python_role, server_command, server_host
 from areal_flow.runtime.security import host_address, is_loopback
 from areal_flow.runtime.spec import reachable, read_run, write_spec
 
@@ -88,10 +89,6 @@ def prepare(run_dir: str, hostnames: list[str]) -> dict[str, str]:
     spec.hosts = {p.name: addresses[p.node] for p in placement.procs}
     # The light processes run on the first node: anything not named in `hosts` is there.
     spec.host = addresses[0]
-    from areal_flow.launch import (
-        server_host,  # the launch module's rule for the servers' address
-    )
-
     spec.gen_host = reachable(server_host(cfg, spec.host))
     write_spec(run_dir, spec)
     where = {p.name: {"node": p.node, "hostname": hostnames[p.node], "address": addresses[p.node],
@@ -119,9 +116,6 @@ def step_command(run_dir: str, name: str, devices: tuple[int, ...], argv: list[s
     cfg, spec = read_run(run_dir)
     env = {**environ, "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": name, "AREAL_FLOW_RUN": run_dir}
     if not argv:
-        from areal_flow.launch import server_command, server_host
-        from areal_flow.launchers.local import python_role
-
         procs = {p.name: p for p in placement_of(cfg).procs}
         if name not in procs:
             raise SlurmJobError(f"no process {name!r} in the placement of {run_dir}; it has {', '.join(procs)}")

@@ -23,10 +23,12 @@ import torch.distributed as dist
 import zmq
 
 from areal_flow.algorithms import library
-from areal_flow.algorithms.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from areal_flow.algorithms.inputs import TrainInputs, train_inputs
+from areal_flow.algorithms.kl import behaviour_kl, kl_controller
 from areal_flow.algorithms.library import AllReduce
+from areal_flow.algorithms.prox import prox_source
 from areal_flow.checkpoint import store
-from areal_flow.config.schema import AlgorithmConfig, RunConfig
+from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
@@ -40,7 +42,6 @@ from areal_flow.transport.channels import make_socket, recv_blocking, send_block
 from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
-    Finish,
     Hello,
     PublishWeights,
     RunStep,
@@ -62,66 +63,6 @@ HELD = "held-rank{rank}.msgpack"
 
 TRAINER_STATE = "trainer-rank{rank}.json"
 """A resumable checkpoint's file of a rank's own state: its trained-samples log's length."""
-
-
-def ppo_inputs(samples: list[Sample], graph: Graph, node: Node, algo: AlgorithmConfig, *, prox_source: str | None = "data",
-               kl_coef: float = 0.0, all_reduce: AllReduce | None = None
-               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, list[np.ndarray]]]:
-    """The train node's sequences and per-answer-token data, from samples sorted by (group, index).
-
-    Every input is found by its declared meaning (graph/keys.py), whatever the recipe named it.
-    Advantages come from the configured pipeline (algorithms/library.py: shaping, normalisation,
-    KL as a reward, the estimator); with `mask_truncated`, answers cut at the length limit get a
-    zero loss mask. prox_logprobs is passed on only when the step uses the prox node's output.
-    """
-    key = partial(graph.input, node)
-    scores = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
-    seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
-    truncated = [s.finish != Finish.STOP for s in samples]
-    masks = [np.full(len(out), not (algo.mask_truncated and cut)) for (_, out), cut in zip(seqs, truncated)]
-    token_data: dict[str, list[np.ndarray]] = {"behav_logprobs": [s.array(key("behav_logprobs")) for s in samples]}
-    meanings = ["ref_logprobs", "versions", "values"] + (["prox_logprobs"] if prox_source == "data" else [])
-    for meaning in meanings:
-        if key(meaning) is not None:
-            token_data[meaning] = [s.array(key(meaning)) for s in samples]
-    kl = None
-    if algo.kl_in == "reward" and kl_coef and "ref_logprobs" in token_data:
-        kl = [kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
-                          algo.kl_estimator, algo.kl_clamp).numpy()
-              for b, r in zip(token_data["behav_logprobs"], token_data["ref_logprobs"])]
-    # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
-    token_data["advantages"], returns = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
-                                                           values=token_data.get("values"), all_reduce=all_reduce)
-    if "values" in token_data:
-        token_data["returns"] = returns  # the critic's targets
-    token_data["seq_ids"] = [np.full(len(out), i, dtype=np.int64) for i, (_, out) in enumerate(seqs)]
-    if algo.loss_agg != "token-mean":
-        token_data["token_weights"], token_data[LOSS_SHARE_KEY] = library.aggregation(masks, algo)
-    if algo.mask_truncated:
-        token_data[LOSS_MASK_KEY] = masks
-    return seqs, token_data
-
-
-def prox_source(graph: Graph, node: Node, algo: AlgorithmConfig, all_current: bool) -> str | None:
-    """Where this step's π_prox comes from (library.PROX_SOURCES); None: the train node reads no
-    prox_logprobs (or algorithm.decoupled is false), and the loss is naive PPO against π_behav.
-
-    The shortcuts are exact: an update of one optimizer step runs its every forward with the
-    weights from before it, which are π_prox; tokens all sampled by those weights (`all_current`,
-    which every trainer rank must agree on: the prox forward is collective) have π_behav = π_prox."""
-    if graph.input(node, "prox_logprobs") is None or not algo.decoupled:
-        return None
-    if algo.prox_shortcut and algo.n_minibatches * algo.ppo_epochs == 1:
-        return "current"
-    if algo.prox_shortcut and all_current:
-        return "behav"
-    return "loglinear" if algo.prox_logp == "loglinear" else "data"
-
-
-def kl_controller(algo: AlgorithmConfig) -> AdaptiveKLController | FixedKLController:
-    if algo.kl_target is None:
-        return FixedKLController(algo.kl_coef)
-    return AdaptiveKLController(coef=algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
 
 
 class ModelWorker:
@@ -207,9 +148,9 @@ class ModelWorker:
         # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
         # union of what the controller gave each of them; one of them logs it.
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
-        train = self.graph.train
-        source = prox_source(self.graph, train, self.cfg.algorithm, self.all_current(samples, trained.version))
-        prox_key = self.graph.input(train, "prox_logprobs")
+        prox_key = self.graph.input(self.graph.train, "prox_logprobs")
+        source = prox_source(self.cfg.algorithm, reads_prox=prox_key is not None,
+                             all_current=self.all_current(samples, trained.version))
         stats: dict[str, float] = {}
         prox_seconds = 0.0
         ran = []
@@ -281,14 +222,16 @@ class ModelWorker:
         engine = self.engine(node)
         reduce = all_reduce_over(engine.data_parallel_group)
         with self.phases("inputs"):
-            seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=source, kl_coef=kl_coef,
-                                          all_reduce=reduce)
+            inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=source,
+                                  kl_coef=kl_coef, all_reduce=reduce)
         loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
-        kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and "ref_logprobs" in token_data
-        skip = library.zero_gradient(token_data["advantages"], algo, kl_in_loss=kl_in_loss)
-        stats = self.update(engine, samples, seqs, token_data, loss_fn, skip)
-        if "ref_logprobs" in token_data and algo.kl_coef:
-            kl = behaviour_kl(token_data, algo, reduce)
+        has_ref = "ref_logprobs" in inputs.token_data
+        kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and has_ref
+        skip = library.zero_gradient(inputs.advantages, algo, kl_in_loss=kl_in_loss)
+        stats = self.update(engine, samples, inputs, loss_fn, skip)
+        if has_ref and algo.kl_coef:
+            kl = behaviour_kl(inputs.token_data["behav_logprobs"], inputs.token_data["ref_logprobs"],
+                              inputs.valid_masks(), algo.kl_estimator, algo.kl_clamp, reduce)
             stats.update(kl_mean=kl, kl_coef=kl_coef)
             group = engine.data_parallel_group
             self.kl.update(kl, len(samples) * (dist.get_world_size(group) if group is not None else 1))
@@ -299,17 +242,16 @@ class ModelWorker:
         """The clipped value loss toward the estimator's targets (GAE: A + V), token mean."""
         algo = self.cfg.algorithm
         engine = self.engine(node)
-        seqs, token_data = ppo_inputs(samples, self.graph, node, algo, prox_source=None, kl_coef=kl_coef,
-                                      all_reduce=all_reduce_over(engine.data_parallel_group))
-        for key in ("token_weights", LOSS_SHARE_KEY):  # the policy's aggregation is not the critic's
-            token_data.pop(key, None)
-        return self.update(engine, samples, seqs, token_data, partial(library.critic_objective, algo=algo))
+        inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=None, kl_coef=kl_coef,
+                              all_reduce=all_reduce_over(engine.data_parallel_group))
+        return self.update(engine, samples, inputs.without_aggregation(), partial(library.critic_objective, algo=algo))
 
-    def update(self, engine: Engine, samples: list[Sample], seqs, token_data: dict[str, list[np.ndarray]],
-               loss_fn, skip: list[bool] | None = None) -> dict[str, float]:
+    def update(self, engine: Engine, samples: list[Sample], inputs: TrainInputs, loss_fn,
+               skip: list[bool] | None = None) -> dict[str, float]:
         """n_minibatches optimizer steps per epoch over the batch, their stats added up; the
         sequences marked in `skip` are not run (Engine.train_step)."""
         algo = self.cfg.algorithm
+        seqs, token_data = inputs.seqs, engine_data(inputs)
         stats: dict[str, float] = {}
         for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
             accumulate_stats(stats, engine.train_step(
@@ -377,19 +319,15 @@ def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
     return reduce
 
 
-def behaviour_kl(token_data: dict[str, list[np.ndarray]], algo: AlgorithmConfig, reduce: AllReduce | None) -> float:
-    """The batch's mean KL estimate of π_behav to π_ref over its valid tokens (over all ranks):
-    what an adaptive β steers."""
-    masks = token_data.get(LOSS_MASK_KEY) or [np.ones(len(b), dtype=bool) for b in token_data["behav_logprobs"]]
-    total = torch.zeros(2, dtype=torch.float64)
-    for b, r, m in zip(token_data["behav_logprobs"], token_data["ref_logprobs"], masks):
-        mask = torch.from_numpy(np.asarray(m, dtype=bool))
-        total[0] += kl_estimate(torch.tensor(b), torch.tensor(r), mask, algo.kl_estimator,
-                                algo.kl_clamp).double().sum()
-        total[1] += float(mask.sum())
-    if reduce is not None:
-        total = reduce(total)
-    return float(total[0] / total[1].clamp(min=1))
+def engine_data(inputs: TrainInputs) -> dict[str, list[np.ndarray]]:
+    """The per-token data Engine.train_step takes: the loss function's, and the loss mask and
+    denominator shares under the keys the engine reads them by."""
+    data = dict(inputs.token_data)
+    if inputs.loss_share is not None:
+        data[LOSS_SHARE_KEY] = inputs.loss_share
+    if inputs.loss_mask is not None:
+        data[LOSS_MASK_KEY] = inputs.loss_mask
+    return data
 
 
 def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:

@@ -1,6 +1,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,9 +11,12 @@ from areal_flow.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    behaviour_kl,
+    kl_controller,
     kl_estimate,
     kl_k3,
 )
+from areal_flow.config.schema import AlgorithmConfig
 
 logps = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 
@@ -149,3 +153,22 @@ def test_adaptive_controller_validates_its_settings():
         AdaptiveKLController(coef=0.1, target=0.0, horizon=10)
     with pytest.raises(ValueError, match="horizon"):
         AdaptiveKLController(coef=0.1, target=0.1, horizon=0)
+
+
+def test_the_config_picks_a_fixed_or_an_adaptive_beta():
+    fixed = kl_controller(AlgorithmConfig(kl_coef=0.1))
+    assert isinstance(fixed, FixedKLController) and fixed.coef == 0.1
+    adaptive = kl_controller(AlgorithmConfig(kl_coef=0.1, kl_target=0.05, kl_horizon=100))
+    assert isinstance(adaptive, AdaptiveKLController) and (adaptive.target, adaptive.horizon) == (0.05, 100)
+
+
+def test_behaviour_kl_is_the_mean_over_valid_tokens_of_the_global_batch():
+    behav = [np.array([-1.0, -1.0, -9.0], dtype=np.float32), np.array([-2.0], dtype=np.float32)]
+    ref = [np.array([-1.5, -1.5, 0.0], dtype=np.float32), np.array([-2.5], dtype=np.float32)]
+    masks = [np.array([True, True, False]), np.array([True])]
+    # k1 = behav − ref = 0.5 on each of the 3 valid tokens; the masked token's −9 does not count.
+    assert behaviour_kl(behav, ref, masks, "k1", None) == pytest.approx(0.5)
+    # Another rank's [sum, tokens] = [3.5, 1] added by the all-reduce: (1.5 + 3.5) / 4.
+    other = torch.tensor([3.5, 1.0], dtype=torch.float64)
+    assert behaviour_kl(behav, ref, masks, "k1", None, all_reduce=lambda t: t + other) == pytest.approx(1.25)
+    assert behaviour_kl([], [], [], "k3", 10.0) == 0.0  # no tokens: 0, not NaN

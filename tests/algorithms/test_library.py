@@ -11,7 +11,7 @@ from areal_flow.algorithms import registry
 from areal_flow.algorithms.library import objective, zero_gradient
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
-from areal_flow.config.validate import algorithm_problems
+from areal_flow.run.checks import algorithm_problems
 
 
 def batch(seed=0, n=12):
@@ -123,7 +123,7 @@ def test_a_critic_reads_its_old_values_and_runs_on_the_torch_engine():
     import yaml
     from omegaconf import OmegaConf
 
-    from areal_flow.config.validate import graph_problems
+    from areal_flow.run.checks import graph_problems
     from areal_flow.graph.dag import graph_from_config
 
     recipe = yaml.safe_load(open("recipes/tiny_arith_ppo.yaml"))

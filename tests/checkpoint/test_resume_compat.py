@@ -49,6 +49,16 @@ def test_check_reads_the_checkpoints_config(tmp_path):
         compat.check(path, OmegaConf.merge(SAVED, {"algorithm": {"lr": 1e-3}}))
 
 
+def test_a_node_key_written_at_its_default_is_the_node_that_leaves_it_out(tmp_path):
+    # The config holds graph nodes as written: a default spelled out must not read as a change.
+    tmp = store.begin(str(tmp_path), 2)
+    OmegaConf.save(OmegaConf.create(SAVED), os.path.join(tmp, "config.yaml"))
+    path = store.commit(tmp, 2)
+    compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"scale": 1.0, "inputs": []}}}))
+    with pytest.raises(compat.ResumeError, match=r"graph\.actor_train\.scale: 1\.0 -> 2\.0"):
+        compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"scale": 2.0}}}))
+
+
 def test_a_path_resumes_its_own_run(tmp_path):
     tmp = store.begin(str(tmp_path), 2)
     path = store.commit(tmp, 2)
@@ -61,13 +71,13 @@ def test_a_path_resumes_its_own_run(tmp_path):
 
 
 def test_restarts_need_a_checkpoint_to_restart_from():
-    from areal_flow.config import validate
+    from areal_flow.run import checks
     from areal_flow.config.schema import CheckpointConfig, LauncherConfig, RecoverConfig, RunConfig
 
-    problems = validate._rollout(RunConfig(recover=RecoverConfig(retries=2)))
+    problems = checks._rollout(RunConfig(recover=RecoverConfig(retries=2)))
     assert problems == ["recover.retries=2 restarts a run from its last checkpoint, and this run saves none before its "
                         "end: set checkpoint.every_steps or checkpoint.every_minutes"]
-    assert validate._rollout(RunConfig(recover=RecoverConfig(retries=2), checkpoint=CheckpointConfig(every_minutes=5))) == []
+    assert checks._rollout(RunConfig(recover=RecoverConfig(retries=2), checkpoint=CheckpointConfig(every_minutes=5))) == []
     slurm = RunConfig(recover=RecoverConfig(retries=1), checkpoint=CheckpointConfig(every_steps=5),
                       launcher=LauncherConfig(type="slurm"))
-    assert "requeue the job with resume=auto" in validate._rollout(slurm)[0]
+    assert "requeue the job with resume=auto" in checks._rollout(slurm)[0]

@@ -181,31 +181,31 @@ def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(t
 
 
 def test_weights_in_shared_memory_need_a_writable_dev_shm(monkeypatch, tmp_path):
-    from areal_flow.config import validate
+    from areal_flow.run import checks
     from areal_flow.config.schema import RolloutConfig, RunConfig
 
     cfg = RunConfig(rollout=RolloutConfig(weight_update_mode="shm"))
-    assert not any("shm" in p for p in validate._machine(cfg))  # this machine has /dev/shm
-    monkeypatch.setattr(validate, "SHARED_MEMORY", str(tmp_path / "missing"))
+    assert not any("shm" in p for p in checks._machine(cfg))  # this machine has /dev/shm
+    monkeypatch.setattr(checks, "SHARED_MEMORY", str(tmp_path / "missing"))
     assert any(p.startswith("rollout.weight_update_mode='shm' needs a writable ") and "/missing" in p
-               for p in validate._machine(cfg))
+               for p in checks._machine(cfg))
 
 
 def test_weights_by_broadcast_need_interrupting_updates():
     """Buckets load as they arrive: without a pause, requests admitted between two buckets would
     decode on a mix of old and new weights."""
-    from areal_flow.config import validate
+    from areal_flow.run import checks
     from areal_flow.config.schema import RolloutConfig, RunConfig
 
     cfg = RunConfig(rollout=RolloutConfig(weight_update_mode="distributed", interrupt=False))
     assert any(p.startswith("rollout.weight_update_mode='distributed' needs rollout.interrupt=true")
-               for p in validate._rollout(cfg))
+               for p in checks._rollout(cfg))
     kept = RunConfig(rollout=RolloutConfig(weight_update_mode="shm", keep_weights_every=10))
-    assert validate._rollout(kept) == [
+    assert checks._rollout(kept) == [
         "rollout.keep_weights_every=10 keeps published weights on disk, which rollout.weight_update_mode='shm' does "
         "not write (or removes at the end): use rollout.weight_update_mode=disk"]
     for mode, interrupt in (("distributed", True), ("disk", False)):
-        assert validate._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []
+        assert checks._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []
 
 
 def test_a_colocated_allocation_places_both_on_one_device_and_refuses_what_cannot_take_turns(tmp_path):

@@ -1,4 +1,4 @@
-"""From `dataset.*` to rows: the shipped sample sets, `launch.prepare_data` for every
+"""From `dataset.*` to rows: the shipped sample sets, `run.prepare.prepare_data` for every
 dataset.name, and the one loader the controller uses."""
 
 import json
@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 
 from areal_flow.data.dataset import DatasetError, load_rows
 from areal_flow.data.loading import SAMPLES, SAMPLES_DIR, dataset_paths, load_prompts
-from areal_flow.launch import CONF_DIR, prepare_data
+from areal_flow.launch import CONF_DIR
+from areal_flow.run.prepare import prepare_data
 from areal_flow.runtime.spec import typed
 
 MATH = ["prompt", "solutions"]
@@ -92,7 +93,7 @@ def test_tiny_arith_scores_an_external_held_out_file(tmp_path):
     assert [r["prompt"] for r in load_prompts(cfg.dataset, held_out, "test", "prompt")] == ["2+3=", "40+2="]
 
 
-# ---- launch.prepare_data ---------------------------------------------------------------------
+# ---- run.prepare.prepare_data ---------------------------------------------------------------
 
 
 def test_prepare_data_tiny_arith_is_unchanged(tmp_path):

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from areal_flow.generation.decode import DecodeStep, padding_bias
 from areal_flow.generation.engine import GenerationEngine
-from areal_flow.generation.kv_batch import _GrowingLayer
+from areal_flow.generation.kv_batch import GrowingLayer
 
 SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              max_position_embeddings=128, eos_token_id=1, pad_token_id=0)
@@ -35,7 +35,7 @@ def llama3_biased() -> torch.nn.Module:  # Llama 3 rope scaling, attention and M
 def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Cache, torch.Tensor]:
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                past_key_values=Cache(layer_class_to_replicate=_GrowingLayer), use_cache=True)
+                past_key_values=Cache(layer_class_to_replicate=GrowingLayer), use_cache=True)
     return out.past_key_values, out.logits[:, -1]
 
 

@@ -130,7 +130,7 @@ def test_clients_reach_the_servers_at_generation_host(host, url):
 
 def test_the_embedded_server_command_maps_the_budget_keys_and_labels_version_0():
     from areal_flow.graph.placement import Proc
-    from areal_flow.launch import server_command
+    from areal_flow.launchers.commands import server_command
 
     cfg = RunConfig(seed=5, generation=GenerationConfig(max_batch_size=16, max_total_tokens=4096))
     argv, env = server_command(cfg, Proc("gen_server1", "gen_server", (2, 3), rank=1), "/m", 31000)
@@ -146,7 +146,7 @@ def test_the_embedded_server_command_maps_the_budget_keys_and_labels_version_0()
 def test_the_embedded_server_command_on_cuda_takes_the_device_dtype_and_memory_share():
     from areal_flow.config.schema import ClusterConfig
     from areal_flow.graph.placement import Proc
-    from areal_flow.launch import server_command
+    from areal_flow.launchers.commands import server_command
 
     cfg = RunConfig(cluster=ClusterConfig(device_type="cuda"),
                     generation=GenerationConfig(dtype="bfloat16", mem_fraction_static=0.4))
@@ -159,7 +159,7 @@ def test_the_embedded_server_command_on_cuda_takes_the_device_dtype_and_memory_s
 def test_a_secured_run_gives_each_server_the_hosts_address_and_its_key_off_the_embedded_command_line():
     from areal_flow.config.schema import LauncherConfig
     from areal_flow.graph.placement import Proc
-    from areal_flow.launch import server_command, server_host
+    from areal_flow.launchers.commands import server_command, server_host
     from areal_flow.runtime.security import API_KEY_ENV, security_needed
 
     proc = Proc("gen_server0", "gen_server", (0,))

@@ -5,7 +5,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from areal_flow.graph.allocation import AllocationError, allocation_problems, apply_allocation, parse_allocation
-from areal_flow.training.layout import Layout
+from areal_flow.graph.layout import Layout
 
 
 def test_the_papers_7b_allocation_gives_generation_then_training_devices():

@@ -3,7 +3,7 @@ import copy
 import pytest
 
 from areal_flow.graph import GraphError, build_graph, place
-from areal_flow.training.layout import Layout
+from areal_flow.graph.layout import Layout
 
 NODES = {
     "generate": {"type": "generate", "role": "actor", "inputs": ["prompt"],

@@ -16,8 +16,8 @@ from engine_helpers import (EXACT, assert_all_close, assert_decayed_matrices_onl
                             make_seqs, make_token_data, ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2,
                             zero_loss)
 
+from areal_flow.graph.layout import Layout, layout_problems, parse_layout
 from areal_flow.training.engine import TRAIN_STATE, CheckpointError
-from areal_flow.training.layout import Layout, layout_problems, parse_layout
 from areal_flow.training.megatron import convert
 from areal_flow.training.torch_engine import TorchEngine
 

@@ -65,6 +65,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.graph.layout import Layout, layout_problems
 from areal_flow.metrics.profile import Phases
 from areal_flow.training.engine import (
     RANK_RNG,
@@ -95,7 +96,6 @@ from areal_flow.training.engine import (
     seq_lengths,
     write_sharded_state,
 )
-from areal_flow.training.layout import Layout, layout_problems
 from areal_flow.training.logprobs import vocab_parallel_logprobs
 from areal_flow.training.megatron import convert
 from areal_flow.training.megatron.cpu_compat import cpu_mode, seed_rng_tracker

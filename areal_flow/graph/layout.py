@@ -3,7 +3,8 @@
 Written in a recipe as `parallel: {dp: 2, tp: 2, pp: 2}` or compactly as `d2p2t2` (the letters in
 any order, each at most once, a missing one is 1). Checked against the node's mesh (dp·tp·pp
 devices) and the model's config (TP divides the attention heads, the key/value heads, the FFN
-width and the vocabulary; PP divides the layers). Imports nothing heavy: config validation uses it.
+width and the vocabulary; PP divides the layers). Imports nothing: the graph checks a node's layout
+against its mesh, the launcher (`run/checks.py`) and the Megatron engine against the model.
 """
 
 from __future__ import annotations

@@ -1,0 +1,140 @@
+"""Start a run the launcher watches (launcher.type local or ray): from its checkpoint with resume,
+every process of the placement, watched until the controller finishes, and the run restarted
+from its last checkpoint when a process dies (recover.retries; docs/reliability.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import signal
+import uuid
+
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.markup import escape
+
+from areal_flow.checkpoint import compat, store
+from areal_flow.config.schema import RunConfig
+from areal_flow.graph.placement import Placement, Proc
+from areal_flow.launchers.commands import python_role, server_command, server_host
+from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
+from areal_flow.launchers.progress import RunProgress
+from areal_flow.run.checks import SHARED_MEMORY
+from areal_flow.run.ports import watched_spec
+from areal_flow.run.prepare import Prepared
+from areal_flow.run.stop import interrupt, stop_with_checkpoint
+from areal_flow.runtime.spec import RunSpec, write_run
+from areal_flow.weights.files import last_loaded
+
+
+def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
+    """The launcher launcher.type names: this host's processes, or actors on a Ray cluster."""
+    lc = cfg.launcher
+    if lc.type == "ray":
+        from areal_flow.launchers.ray_cluster import RayLauncher  # ray is an optional extra
+
+        return RayLauncher(run_dir, placement, address=lc.ray_address, device_type=cfg.cluster.device_type,
+                           start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
+    return LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=lc.pin_cpus,
+                         stop_timeout=lc.stop_timeout)
+
+
+def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
+    # A resumed run's servers start with its checkpoint's actor, at its version.
+    first = (spec.model_path, 0)
+    if spec.resume:
+        first = (os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"])
+    # Processes the local launcher restarts alone when they die (the run goes on): the workers,
+    # and the servers when the weights they must load are files (the last version the controller
+    # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
+    files = cfg.rollout.weight_update_mode in ("disk", "shm")
+
+    def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+        if proc.role != "gen_server":
+            return python_role(proc.role, proc, spec.run_dir), {}
+        path, version = weights
+        return server_command(cfg, proc, path, spec.gen_ports[proc.rank], api_key=spec.api_key,
+                              host=server_host(cfg, spec.host_of(proc.name)), version=version)
+
+    for proc in placement.procs:
+        again = None
+        if proc.role == "gen_server" and files:
+            again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
+        elif proc.role in ("rollout", "reward"):
+            again = functools.partial(command, proc)
+        launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
+
+
+def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared: Prepared, console: Console,
+                resume: str | None) -> tuple[int, RunSpec]:
+    """Start every process of the run (from the checkpoint `resume`, when given) and watch them
+    until the controller finishes: (0, spec) when it did; 1 when a process died; 130 when stopped
+    (SIGINT or SIGTERM), after the controller saved a checkpoint at the end of its step when
+    checkpoint.at_stop."""
+    # Made by trainer rank 0 at its first publish; removed when the run ends (shared memory is RAM).
+    weights_dir = os.path.join(SHARED_MEMORY, f"areal_flow-{uuid.uuid4().hex[:12]}") \
+        if cfg.rollout.weight_update_mode == "shm" else ""
+    launcher = make_launcher(cfg, prepared.run_dir, placement)
+    launcher.on_restart = lambda name, code: console.print(
+        f"process '{name}' {how_it_ended(code)}: restarted, the run goes on (its log: {launcher.log_path(name)})",
+        highlight=False, markup=False)
+    spec = watched_spec(cfg, placement, launcher, prepared, weights_dir=weights_dir, resume=resume)
+    write_run(prepared.run_dir, raw, spec)
+    console.print(f"run directory: {prepared.run_dir}", highlight=False)
+    if spec.security is not None:
+        console.print(f"secured: servers listen on {spec.host}; ZeroMQ is CURVE-encrypted and the generation "
+                      "servers take the run's API key (in spec.json, owner-only)", highlight=False)
+    previous = signal.signal(signal.SIGTERM, interrupt)  # a scheduler's SIGTERM stops the run as Ctrl-C does
+    try:
+        start_processes(launcher, placement, spec, cfg)
+        with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
+            launcher.wait("controller", on_tick=progress.tick)
+    except ChildFailed as e:
+        console.print(f"[bold red]run failed:[/] {escape(str(e))}", highlight=False)
+        return 1, spec
+    except KeyboardInterrupt:
+        stop_with_checkpoint(launcher, cfg, console)
+        return 130, spec
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        launcher.stop_all()
+        if weights_dir:
+            shutil.rmtree(weights_dir, ignore_errors=True)
+    return 0, spec
+
+
+def find_resume(raw: DictConfig, cfg: RunConfig, prepared: Prepared, console: Console) -> tuple[str | None, Prepared]:
+    """The checkpoint `resume` names (None: a new run), checked against the composed config, and
+    the run's inputs in the checkpoint's own run directory; raise ResumeError when it does not fit."""
+    if not cfg.resume:
+        return None, prepared
+    resume, run_dir = compat.find(cfg.resume, prepared.run_dir)
+    if resume is None:
+        console.print(f"resume=auto: {store.folder(run_dir)} holds no complete checkpoint: starting the run",
+                      highlight=False, markup=False)
+        return None, prepared
+    compat.check(resume, raw)
+    raw.output_dir = run_dir  # the run goes on in its own directory
+    return resume, dataclasses.replace(prepared, run_dir=run_dir)
+
+
+def start_watched(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared: Prepared,
+                  console: Console) -> tuple[int, RunSpec]:
+    """Run to the end, restarting from the last checkpoint up to recover.retries times when a
+    process dies: the exit code of the last attempt, and its spec."""
+    resume, prepared = find_resume(raw, cfg, prepared, console)
+    run_dir = prepared.run_dir
+    for attempt in range(cfg.recover.retries + 1):
+        if resume is not None:
+            console.print(f"resuming from {resume} (step {store.read_manifest(resume)['step']})", highlight=False)
+            store.rewind(run_dir, resume)
+        code, spec = launch_once(raw, cfg, placement, prepared, console, resume)
+        if code != 1 or attempt == cfg.recover.retries:
+            break
+        console.print(f"recover: restart {attempt + 1} of {cfg.recover.retries} (recover.retries)", highlight=False)
+        if (resume := store.latest(run_dir)) is None:
+            console.print("recover: no checkpoint yet: the run starts again", highlight=False)
+            store.rewind(run_dir, None)
+    return code, spec
