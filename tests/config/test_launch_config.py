@@ -128,6 +128,7 @@ def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
         assert expected in r.stdout
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_without_a_gpu_and_several_local_nodes_are_refused_but_a_dry_run_places_them(tmp_path):
     r = launch("cluster.device_type=cuda", "cluster.n_nodes=2", "generation.tp_size=2", cwd=tmp_path)

@@ -14,6 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 from generation_helpers import ModelDirs, http_call, wait_until
 
 from areal_flow.generation.client import GenerationClient, GenerationError
@@ -214,6 +215,7 @@ class SlowServer(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 def test_client_timeout_counts_from_when_a_call_has_a_connection():
     """A call queued behind busy connections is not timed while it waits (rollout workers queue
     hundreds of calls behind their pool): each of these calls needs DELAY of its 1.6 * DELAY."""

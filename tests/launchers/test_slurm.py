@@ -198,6 +198,7 @@ wait
 """
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 @pytest.mark.parametrize("fail,code", [("gen_server1", 3), ("none", 0)])
 def test_the_job_stops_every_step_when_one_fails_and_exits_with_its_code(tmp_path, fail, code):
     _, cfg, placement = config(2, 8, "sglang:d4t2 + megatron:d2p2t2")

@@ -131,6 +131,7 @@ def test_slow_but_correct_program_within_the_limit_passes(sandbox):
     assert (r.status, r.stdout) == ("ok", "slow\n")
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 def test_infinite_loop_is_stopped_by_the_cpu_or_wall_limit(sandbox):
     t0 = time.monotonic()
     r = run1(sandbox, "while True: pass")
@@ -138,6 +139,7 @@ def test_infinite_loop_is_stopped_by_the_cpu_or_wall_limit(sandbox):
     assert time.monotonic() - t0 < LIMITS.wall_seconds + 3
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 def test_sleeping_past_the_deadline_is_a_timeout(sandbox):
     t0 = time.monotonic()
     r = run1(sandbox, "import time; print('started', flush=True); time.sleep(60)")

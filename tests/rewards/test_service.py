@@ -43,6 +43,7 @@ def test_a_user_function_by_import_path_with_its_statistics():
     assert s1.stats["timeout"] == s1.stats["error"] == 0.0
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 def test_a_sample_past_its_timeout_scores_zero_and_the_worker_is_replaced():
     node = scorer("user_rewards:spins", timeout=1.0)
     t0 = time.monotonic()
@@ -148,6 +149,7 @@ def test_every_pool_of_the_service_is_rebuilt_after_its_idle_worker_is_killed():
     assert all(s.pools_started == 2 for s in service.scorers.values())
 
 
+@pytest.mark.slow  # seconds of waiting on a timeout or a process: the full suite runs it
 def test_a_worker_killed_under_a_sample_has_the_sample_scored_again():
     before = {p.pid for p in multiprocessing.active_children()}
     node = scorer("user_rewards:sleeps")

@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+pytestmark = pytest.mark.slow  # three engines built and timed in a subprocess: about 9 s
 
 
 def test_one_run_compares_hf_unpacked_the_torch_engine_and_megatron_packed():
