@@ -1,0 +1,69 @@
+"""The controller built in this process, as its process builds it: from a composed config, the
+prepared datasets and a tokenizer. What it decides before any other process talks to it: when it
+checkpoints, and what a resumed run admits again."""
+
+import os
+import socket
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from areal_flow.checkpoint import store
+from areal_flow.controller import state as run_state
+from areal_flow.controller.main import Controller
+from areal_flow.launch import CONF_DIR
+from areal_flow.models.tokenizer import build_char_tokenizer
+from areal_flow.run.prepare import prepare_data
+from areal_flow.runtime.spec import RunSpec, typed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def make_controller(tmp_path):
+    made = []
+
+    def make(*overrides: str, resume: str = "") -> Controller:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            raw = compose("config", overrides=[f"output_dir={tmp_path}/run", f"cache_dir={tmp_path}/cache", *overrides])
+        cfg = typed(raw)
+        train, evaluation = prepare_data(cfg)
+        model = tmp_path / "model"
+        if not model.exists():
+            build_char_tokenizer().save_pretrained(model)
+        os.makedirs(tmp_path / "run", exist_ok=True)
+        spec = RunSpec(run_dir=str(tmp_path / "run"), model_path=str(model), train_path=train, eval_path=evaluation,
+                       gen_ports=[free_port()], controller_port=free_port(), rollout_ports=[free_port()],
+                       trainer_ports=[free_port()], dist_port=free_port(), n_trainers=1, n_rollout=1, resume=resume)
+        made.append(Controller(cfg, spec))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.socket.close(linger=0)
+
+
+def test_it_checkpoints_every_n_steps_and_a_stop_request_wakes_the_step_loop(make_controller):
+    c = make_controller("checkpoint.every_steps=3", "algorithm.batch_size=4")
+    assert (c.B, c.state.step, c.state.resumes) == (4, 0, 0)
+    assert [s for s in range(1, 10) if c.checkpoint_due(s)] == [3, 6, 9]
+    assert not c.stop_requested and not c.changed.is_set()
+    c.request_stop()
+    assert c.stop_requested and c.changed.is_set()
+
+
+def test_a_resumed_controller_admits_again_the_groups_that_were_generating(make_controller, tmp_path):
+    first = make_controller()
+    for group in (5, 2, 9):
+        first.state.staleness.admit(group)  # admitted at version 0, still generating
+    first.state.step = 4
+    tmp = store.begin(str(tmp_path / "run"), 4)
+    run_state.save(first.state, tmp)
+    folder = store.commit(tmp, 4, n_trainers=1)
+    resumed = make_controller(resume=folder)
+    assert resumed.readmit == [2, 5, 9]  # in order, each regenerated from its prompt
+    assert resumed.state.staleness.running == {} and resumed.state.step == 4 and resumed.state.resumes == 1
