@@ -82,6 +82,18 @@ class NonFiniteLoss(RuntimeError):
     """Too many train steps in a row had a non-finite loss or gradient; none of them changed the model."""
 
 
+@contextlib.contextmanager
+def routed_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    """`module.forward` is `forward` on this instance while entered, the class's again on exit.
+    How the engines put chunked logprobs in place of the LM head inside the model's own forward,
+    where FSDP and megatron have the weight at hand."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
 class OutOfMemory(RuntimeError):
     """A micro-batch did not fit the device's memory; the message names the token budget to lower."""
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
-from areal_flow.training import attention as attention_impl
 from areal_flow.metrics.profile import Phases
+from areal_flow.training import attention as attention_impl
 from areal_flow.training.engine import (
     RANK_RNG,
     RESUMABLE_META,
@@ -61,6 +61,7 @@ from areal_flow.training.engine import (
     read_sharded_state,
     read_train_state,
     require_config,
+    routed_forward,
     saved_layout,
     seq_lengths,
     write_like,
@@ -325,7 +326,8 @@ class TorchEngine:
         self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
         # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
         autocast = self.bf16 and self._group is None
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast), _routed(self._model, head):
+        routed = contextlib.nullcontext() if head is None else routed_forward(self._model.lm_head, head)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast), routed:
             if self.head == "value":  # one scalar per position: no need to pick the columns first
                 out = self._model(input_ids=as_tensor(ids), position_ids=as_tensor(positions), use_cache=False,
                                   **self._attention_kwargs(positions)).logits
@@ -634,20 +636,6 @@ def routable_lm_head(model: torch.nn.Module) -> bool:
         configs.append(model.config.get_text_config())
     transforms = any(getattr(c, key, None) is not None for c in configs for key in LOGIT_TRANSFORMS)
     return isinstance(getattr(model, "lm_head", None), torch.nn.Linear) and not transforms
-
-
-@contextlib.contextmanager
-def _routed(model: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
-    """The instance's `lm_head.forward` is `head` while entered (nothing changes when it is None)."""
-    if head is None:
-        yield
-        return
-    lm_head = model.lm_head
-    lm_head.forward = head
-    try:
-        yield
-    finally:
-        del lm_head.forward  # the class's forward again
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ from areal_flow.training.engine import (
     read_resumable_meta,
     read_sharded_state,
     read_train_state,
+    routed_forward,
     seq_lengths,
     write_sharded_state,
 )
@@ -384,26 +385,13 @@ class MegatronEngine:
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
                                  max_seqlen_q=mb["max_len"], max_seqlen_kv=mb["max_len"])
         positions = torch.arange(total, device=self.device)[None]  # unused by RoPE in THD (it restarts per sequence)
-        with self._routed_output_layer(model, mb):
+        # On the last stage the output layer's place is taken by the logprobs of this micro-batch.
+        routed = routed_forward(self._gpt.output_layer, partial(self._output_logprobs, self._gpt.output_layer, mb)) \
+            if self._last else contextlib.nullcontext()
+        with routed:
             output = model(input_ids=mb["ids"][None], position_ids=positions, attention_mask=None,
                            packed_seq_params=packed)
         return output, partial(self._loss, mb, loss_fn=loss_fn, n_valid=n_valid)
-
-    @contextlib.contextmanager
-    def _routed_output_layer(self, model: torch.nn.Module, mb: dict) -> Iterator[None]:
-        """On the last stage, the output layer's forward is `_output_logprobs` of this micro-batch
-        while entered (an attribute of the instance; the class's forward again on exit)."""
-        if not self._last:
-            yield
-            return
-        while hasattr(model, "module"):  # DistributedDataParallel, Float16Module around the GPTModel
-            model = model.module
-        layer = model.output_layer
-        layer.forward = partial(self._output_logprobs, layer, mb)
-        try:
-            yield
-        finally:
-            del layer.forward
 
     def _output_logprobs(self, layer: torch.nn.Module, mb: dict, hidden: torch.Tensor,
                          weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
