@@ -296,10 +296,10 @@ class GenerationConfig:
                        "embedded: the server's torch threads", ge=1)
     max_batch_size: Optional[int] = doc(None, "most requests a server decodes at once; null = 128 (embedded), "
                                         "SGLang's own choice (sglang: --max-running-requests)", ge=1)
-    max_total_tokens: Optional[int] = doc(None, "KV cache budget of a server in tokens; requests wait while the running "
-                                          "ones would exceed it (embedded: prompt + max_new_tokens reserved per "
-                                          "request); null = no budget (embedded), SGLang's choice (sglang: "
-                                          "--max-total-tokens)", ge=1)
+    max_total_tokens: Optional[int] = doc(None, "KV cache budget of a server in tokens; requests wait while the blocks "
+                                          "they need now are taken, and the newest are retracted when the running "
+                                          "ones outgrow it (embedded); null = no budget (embedded), SGLang's choice "
+                                          "(sglang: --max-total-tokens)", ge=1)
     mem_fraction_static: Optional[float] = doc(None, "share of the GPU's memory for the server's weights and KV cache "
                                                "(sglang: --mem-fraction-static); embedded on cuda: sets the KV budget "
                                                "when max_total_tokens is null; null = SGLang's choice, or no budget",
@@ -310,8 +310,13 @@ class GenerationConfig:
                                choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
     attention_backend: Optional[str] = doc(None, "sglang: --attention-backend (e.g. fa3, flashinfer, triton, "
                                            "intel_amx on CPU); null = SGLang's choice")
-    chunked_prefill_size: Optional[int] = doc(None, "sglang: --chunked-prefill-size in tokens; -1 turns chunked "
-                                              "prefill off (AReaL's default); null = SGLang's choice", ge=-1)
+    chunked_prefill_size: Optional[int] = doc(None, "prompt tokens prefilled per forward beside the decoding rows "
+                                              "(--chunked-prefill-size); -1 turns chunked prefill off (AReaL's "
+                                              "default); null = whole prompts (embedded), SGLang's choice", ge=-1)
+    page_size: Optional[int] = doc(None, "tokens per block of the paged KV cache (--page-size); null = 16 (embedded), "
+                                   "SGLang's choice", ge=1)
+    disable_cuda_graph: bool = doc(False, "run decode steps eagerly instead of replaying CUDA graphs "
+                                   "(--disable-cuda-graph); embedded: graphs only on cuda")
     disable_radix_cache: bool = doc(False, "sglang: --disable-radix-cache (no prefix cache shared by a group's samples)")
     deterministic: Optional[bool] = doc(None, "embedded: batch-invariant decoding (--enable-deterministic-inference): a "
                                         "request's tokens and logprobs do not depend on what it is batched with, "

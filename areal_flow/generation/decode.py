@@ -1,15 +1,19 @@
-"""The decode step of Llama/Qwen2-family models in plain torch ops: the engine's hot loop.
+"""The forward of Llama/Qwen2-family models over the paged KV cache in plain torch ops: the engine's hot loop.
 
-A decode step feeds one token per row. Through `transformers` it costs about 2 ms of fixed overhead
-(mask building, output dataclasses, config lookups, three projections where one would do) and runs
-attention through SDPA's CPU kernel, which is slow for a single query row. This module computes the
-same step directly: fused q/k/v and gate/up projections, rotary embeddings from a table built once,
-and grouped-query attention as two matmuls over the engine's KV cache with an additive padding bias.
-Prefill still runs the `transformers` forward, so a prompt's cache is exactly Hugging Face's.
-(`tools/bench_generation.py` measures the engine; docs/generation.md says what this is worth.)
+One forward feeds the engine's running rows together: a token for each decoding row and a chunk of
+prompt for rows being prefilled (chunked prefill mixed with decode steps, as SGLang does), packed
+into one [N] stream with no padding. Through `transformers` a decode step costs about 2 ms of fixed
+overhead (mask building, output dataclasses, three projections where one would do); this computes
+the same step directly: fused q/k/v and gate/up projections over all N tokens at once, rotary
+embeddings from a table built once, each token's keys and values written to its slot of the paged
+cache (generation/paged.py), then attention: decode rows as two matmuls over their context's slots
+(grouped-query heads as the query rows of one matmul, padded columns masked), prefill chunks through
+SDPA with a causal mask offset by the tokens already cached. (`tools/bench_generation.py` measures
+the engine; docs/generation.md says what this is worth.)
 
-Only architectures whose decode this reproduces exactly are taken (`DecodeStep.for_model` returns
-None for the rest, and the engine keeps the `transformers` forward for them).
+Only architectures whose forward this reproduces exactly are taken (`DecodeStep.for_model` returns
+None for the rest, and the engine keeps the `transformers` forward and a left-padded cache for them:
+generation/kv_batch.py).
 
 **Batch invariance** (`batch_invariant`: the server's --enable-deterministic-inference): a row's
 logits are then bit-identical whatever else is in the batch, so a seeded request draws the same
@@ -18,18 +22,21 @@ its ratio π_θ/π_behav: a last-bit difference changes the trained weights). Tw
 depend on the batch on the CPU (measured with torch 2.13's MKL; tests/generation/test_batch_invariance.py):
 a matmul computes a row differently when it has fewer than 4 rows (and, on several threads, some
 row counts that are no multiple of 4), so every projection's rows are padded to a multiple of
-`GEMM_ROWS`; and attention over a left-padded cache sums a row's scores in an order that depends on
-the padding, so each run of rows that start at the same column (a group's answers join together)
-attends over its own columns only, with no padding. That costs a few small matmuls per run and
-layer: about a fifth of the tokens/s of a full batch of many prompt lengths.
+`GEMM_ROWS`; and attention over padded columns sums a row's scores in an order that depends on
+the padding, so each run of decode rows with the same context length (a group's answers) attends
+over its own columns only. Prompts are then prefilled whole, never split into chunks whose bounds
+depend on the other rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache
+
+from areal_flow.generation.paged import BlockPool
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # cos/sin depend on the position only
@@ -37,8 +44,34 @@ GEMM_ROWS = 4
 """Batch-invariant matmuls have a multiple of this many rows (module docstring)."""
 
 
+@dataclass
+class Chunk:
+    """A prefill chunk: `length` tokens of one row from `start` in the step's tokens."""
+
+    start: int
+    length: int
+    slots: torch.Tensor  # [C] int64: the row's context (its earlier tokens and these), in order
+    mask: torch.Tensor  # [length, C] bool: causal, offset by the C - length tokens before the chunk
+
+
+@dataclass
+class Forward:
+    """One forward over new tokens of several rows, decode rows first (one token each), then
+    prefill chunks. Each token's keys and values are written to its slot, then attended to."""
+
+    tokens: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    write: torch.Tensor  # [N] int64: the slot of each token's keys and values
+    decode: int  # the first `decode` tokens are the decode rows'
+    decode_slots: torch.Tensor  # [decode, W] int64: each decode row's context slots (padded with slot 0)
+    decode_bias: torch.Tensor  # [decode, W]: 0 on a row's context, -inf on its padding
+    spans: list[tuple[int, int, int]] | None  # batch-invariant: (first row, end row, width) of equal contexts
+    chunks: list[Chunk]
+    logits_at: torch.Tensor  # [L] int64: the tokens whose logits are wanted
+
+
 class DecodeStep:
-    """`step(tokens [B], positions [B], cache, bias [B, W+1]) -> logits [B, V]` (float32).
+    """`forward(step, pool) -> logits` (float32): decode rows and prefill chunks over the paged cache.
 
     `batch_invariant`: a row's logits do not depend on the other rows (module docstring)."""
 
@@ -72,39 +105,65 @@ class DecodeStep:
             return None
         return cls(model, batch_invariant=batch_invariant)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache, bias: torch.Tensor
-                 ) -> torch.Tensor:
-        rows = tokens.shape[0]
-        hidden = self.embed(tokens[:, None])[:, 0]  # [B, hidden]; the embedding sees [B, 1] ids, as in a forward
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, head_dim]
+    def forward(self, step: Forward, pool: BlockPool) -> torch.Tensor:
+        """Feed `step`'s tokens: write their keys and values into `pool` and return the logits
+        [len(step.logits_at), V] (float32) at the tokens `step.logits_at`."""
+        n = step.tokens.shape[0]
+        hidden = self.embed(step.tokens[:, None])[:, 0]  # [N, hidden]; the embedding sees [N, 1] ids
+        cos, sin = self.cos[step.positions][:, None], self.sin[step.positions][:, None]  # [N, 1, head_dim]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        spans = _spans(bias) if self.batch_invariant else None
-        bias = bias[:, None, None]  # [B, 1, 1, W]
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = self.linear(_rms_norm(hidden, layer.input_layernorm), *self.qkv[i])
             # q and k side by side in one tensor: one rotation for both.
-            qk = _rotate(qkv[:, : q_size + kv_size].view(rows, -1, self.head_dim), cos, sin)
+            qk = _rotate(qkv[:, : q_size + kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads:]
-            v = qkv[:, q_size + kv_size:].view(rows, self.kv_heads, 1, self.head_dim)
-            keys, values = cache.layers[i].update(k[:, :, None], v)
-            # Grouped-query attention without repeating the cache: the heads that share a KV head
-            # are the query rows of one matmul.
-            q = q.reshape(rows, self.kv_heads, -1, self.head_dim)
-            if spans is None:
-                scores = torch.matmul(q, keys.transpose(-1, -2))
-                out = torch.matmul(torch.softmax(scores.mul_(self.scaling).add_(bias), dim=-1), values)
-            else:  # each span of rows over its own columns: no padding in any row's sums
-                out, q = q.new_empty(q.shape), q * self.scaling
-                keys_t = keys.transpose(-1, -2)
-                for a, b, start in spans:  # batched over the span's rows and KV heads
-                    scores = torch.bmm(q[a:b].flatten(0, 1), keys_t[a:b, :, :, start:].flatten(0, 1))
-                    torch.bmm(torch.softmax(scores, dim=-1), values[a:b, :, start:].flatten(0, 1),
-                              out=out[a:b].view(-1, *q.shape[2:]))
-            hidden = hidden + self.linear(out.reshape(rows, q_size), attn.o_proj.weight, attn.o_proj.bias)
+            v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim)
+            keys, values = pool.k[i], pool.v[i]  # [kv_heads, slots, head_dim]
+            keys.index_copy_(1, step.write, k.transpose(0, 1))
+            values.index_copy_(1, step.write, v.transpose(0, 1))
+            outs = [self._decode_attention(q[: step.decode], keys, values, step)] if step.decode else []
+            for chunk in step.chunks:  # a prefill chunk of one row: its queries over its context
+                outs.append(F.scaled_dot_product_attention(
+                    q[chunk.start: chunk.start + chunk.length].transpose(0, 1)[None],
+                    keys.index_select(1, chunk.slots)[None], values.index_select(1, chunk.slots)[None],
+                    attn_mask=chunk.mask, scale=self.scaling, enable_gqa=True)[0].transpose(0, 1))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden = hidden + self.linear(out.reshape(n, q_size), attn.o_proj.weight, attn.o_proj.bias)
             gate, up = self.linear(_rms_norm(hidden, layer.post_attention_layernorm), *self.gate_up[i]).chunk(2, dim=-1)
             hidden = hidden + self.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return self.logits(_rms_norm(hidden, self.norm))
+        return self.logits(_rms_norm(hidden[step.logits_at], self.norm))
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Forward
+                          ) -> torch.Tensor:
+        """One query per row [D, heads, head_dim] over its context's slots: [D, heads, head_dim].
+        Grouped-query attention without repeating the cache: the heads that share a KV head are the
+        query rows of one matmul."""
+        rows, width = step.decode_slots.shape
+        # KV heads first, rows second: the gathered context is contiguous for the batched matmuls,
+        # and only the (small) queries are transposed.
+        q = q.view(rows, self.kv_heads, -1, self.head_dim).transpose(0, 1)  # [kv_heads, D, group, head_dim]
+        if step.spans is None:
+            k, v = self._gather(keys, values, step.decode_slots)
+            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling).add_(step.decode_bias[:, None])
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        else:
+            # Batch-invariant: each run of rows with the same context gathers exactly its own
+            # columns, so that no row's sums (nor its matmul's layout) depend on the other rows.
+            out, q = q.new_empty(q.shape), q * self.scaling
+            for a, b, used in step.spans:
+                k, v = self._gather(keys, values, step.decode_slots[a:b, :used])
+                scores = torch.matmul(q[:, a:b], k.transpose(-1, -2))
+                out[:, a:b] = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.transpose(0, 1).reshape(rows, self.heads, self.head_dim)
+
+    def _gather(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at `slots` [rows, W]: [kv_heads, rows, W, head_dim] each, contiguous."""
+        rows, width = slots.shape
+        flat = slots.reshape(-1)
+        return (keys.index_select(1, flat).view(self.kv_heads, rows, width, self.head_dim),
+                values.index_select(1, flat).view(self.kv_heads, rows, width, self.head_dim))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer over final hidden states [N, hidden]: logits [N, V] (float32)."""
@@ -119,26 +178,9 @@ class DecodeStep:
         return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
 
 
-def _spans(bias: torch.Tensor) -> list[tuple[int, int, int]]:
-    """The runs of consecutive rows whose first attended column (0 in the padding bias [B, W]) is
-    the same: (first row, end row, column)."""
-    starts = (bias == 0).to(torch.uint8).argmax(dim=1).tolist()
-    spans, first = [], 0
-    for row in range(1, len(starts) + 1):
-        if row == len(starts) or starts[row] != starts[first]:
-            spans.append((first, row, starts[first]))
-            first = row
-    return spans
-
-
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """The model's RMSNorm as one fused op (its weight and epsilon)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-def padding_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive attention bias of an attend mask [B, W]: 0 where attended, -inf at padding."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

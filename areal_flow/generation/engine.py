@@ -58,11 +58,16 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.decode import GEMM_ROWS, DecodeStep, padding_bias
+from areal_flow.generation.cuda_graphs import GraphRunner
+from areal_flow.generation.decode import DecodeStep
 from areal_flow.generation.kv_batch import Batch, GrowingLayer, Row
+from areal_flow.generation.paged import BlockPool
+from areal_flow.generation.paged_batch import PagedBatch
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
+    RowSampling,
     SamplingParams,
+    sample,
     sample_next_tokens,
     scaled_logprobs,
     top_logprobs,
@@ -189,7 +194,8 @@ class GenerationEngine:
         self, model_path: str, *, max_batch_size: int = 128, seed: int = 0, num_threads: int | None = None,
         tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
         fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
-        mem_fraction: float | None = None, batch_invariant: bool = False,
+        mem_fraction: float | None = None, batch_invariant: bool = False, page_size: int = 16,
+        chunked_prefill_size: int | None = None, cuda_graphs: bool = True,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
@@ -204,8 +210,12 @@ class GenerationEngine:
         --enable-deterministic-inference): a request's tokens and logprobs do not depend on what
         else is in the batch, so a seeded request answers bit-identically however requests arrive
         (generation/decode.py: measured on the CPU; only with the engine's own decode step);
-        prefills then take the prompts of one length at a time. It costs about a fifth of the
-        tokens/s of a full batch of many prompt lengths."""
+        prompts are then prefilled whole. It costs about a fifth of the tokens/s of a full batch of
+        many prompt lengths. `page_size`: tokens per block of the paged KV cache
+        (generation/paged.py). `chunked_prefill_size`: prompt tokens prefilled per forward, beside
+        the decoding rows' tokens (SGLang's --chunked-prefill-size); None or -1: whole prompts.
+        `cuda_graphs` (on CUDA, not batch-invariant): decode steps replay captured graphs
+        (generation/cuda_graphs.py); False runs them eagerly (SGLang's --disable-cuda-graph)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -241,6 +251,25 @@ class GenerationEngine:
         self._decode_step = DecodeStep.for_model(self.model, batch_invariant=batch_invariant) if fast_decode else None
         # Only the engine's own decode step is batch-invariant (the transformers forward pads).
         self.batch_invariant = self._decode_step is not None and batch_invariant
+        # The paged cache serves the models the engine's own forward takes; the others keep the
+        # transformers forward over a left-padded cache (kv_batch.Batch).
+        self._pool: BlockPool | None = None
+        if self._decode_step is not None:
+            if page_size < 1:
+                raise ValueError(f"page_size must be at least 1, got {page_size}")
+            step = self._decode_step
+            self._pool = BlockPool(
+                layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=page_size,
+                num_blocks=None if max_total_tokens is None else -(-max_total_tokens // page_size),
+                dtype=dtype, device=self.device)
+        # The graphs that replay decode steps (None: eager).
+        self.cuda_graphs = GraphRunner(self._decode_step, max_rows=max_batch_size, capture=True) if (
+            self._pool is not None and cuda_graphs and self.device.type == "cuda" and not self.batch_invariant) else None
+        self._chunk_tokens = None if batch_invariant or chunked_prefill_size in (None, -1) else chunked_prefill_size
+        if self._chunk_tokens is not None and self._chunk_tokens < 1:
+            raise ValueError(f"chunked_prefill_size must be -1 or at least 1, got {chunked_prefill_size}")
+        self.page_size = page_size if self._pool is not None else None  # None: the left-padded cache
+        self.chunked_prefill_size = self._chunk_tokens
         if batch_invariant and not self.batch_invariant:
             logger.warning("batch-invariant decoding needs the engine's own decode step, which %s does not take: "
                            "a request's logprobs may depend on the batch", model_path)
@@ -381,6 +410,8 @@ class GenerationEngine:
         can step in it (SGLang's /release_memory_occupation of the kv_cache). Stays paused."""
         self.pause(mode="retract")
         self._memory_releases += 1
+        if self._pool is not None:  # paused: the decode thread holds no block, and takes them back when it goes on
+            self._pool.free_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # to the driver: the trainer is another process
 
@@ -419,6 +450,9 @@ class GenerationEngine:
             "kv_tokens_used": sum(row.last_position + 1 for row in running),  # prompt + tokens so far
             "kv_tokens_reserved": sum(row.kv_tokens for row in running),
             "kv_tokens_budget": self.max_total_tokens or 0,
+            # The paged cache's blocks (0 over the transformers path; a total of 0: it grows).
+            "kv_blocks_used": 0 if self._pool is None else self._pool.used_blocks,
+            "kv_blocks_total": 0 if self._pool is None or self._pool.growable else self._pool.num_blocks,
             "paused": self._paused,
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
@@ -511,7 +545,7 @@ class GenerationEngine:
     # ---- the decode thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        batch: Batch | None = None
+        batch: Batch | PagedBatch | None = None
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -546,7 +580,7 @@ class GenerationEngine:
                     abort.done.set_result(None)
                 if aborts:  # some rows may have been aborted or retracted
                     if batch is not None and not batch.live():
-                        batch = None  # every row aborted: the old weights' cache is dropped with it
+                        batch = self._discard(batch)  # every row aborted: the old weights' cache goes with it
                     self._count_running(batch)
                 started = time.perf_counter()
                 if update is not None:
@@ -555,20 +589,23 @@ class GenerationEngine:
                 if (batch is None and not admitted) or self._paused:
                     continue  # woken for an abort, or paused (a batch held in place waits)
                 try:
-                    if admitted:
+                    if self._pool is not None:
+                        batch = self._paged_step(batch, admitted, started)
+                    elif admitted:
                         batch = self._join(batch, admitted, started)
                     elif len(batch.live()) <= self._compact_at * len(batch.rows):
                         batch = Batch.combine([(batch, batch.live())])  # enough rows dead: compact
                     # A compaction's copy counts with the decode step it comes before.
                     decoding = time.perf_counter() if admitted else started
-                    rows, width = len(batch.live()), batch.mask.shape[1] + 1  # the step's forward adds a column
-                    batch = self._step(batch)
-                    self._counts.decoded(rows, width, time.perf_counter() - decoding)
+                    if self._pool is None:
+                        rows, width = len(batch.live()), batch.mask.shape[1] + 1  # the forward adds a column
+                        batch = self._step(batch)
+                        self._counts.decoded(rows, rows * width, time.perf_counter() - decoding)
                 except Exception as exc:
                     logger.exception("decode step failed; failing the requests in it")
                     self._answer_step_finished()  # rows finished before the failure keep their answers
                     self._fail([*(batch.rows if batch else ()), *admitted], exc)
-                    batch = None
+                    batch = self._discard(batch)
                 # Time spent computing, for the generator's busy fraction in the run metrics.
                 self._busy_seconds += time.perf_counter() - started
                 self._answer_step_finished()
@@ -582,6 +619,7 @@ class GenerationEngine:
         for abort in aborts:  # the requests it was for fail below, which answers them too
             abort.done.set_result(None)
         self._fail([*(batch.rows if batch else ()), *waiting], EngineShutdownError("the generation engine shut down"))
+        self._discard(batch)
         for update in updates:
             update.done.set_exception(EngineShutdownError("the generation engine shut down before the update"))
 
@@ -589,21 +627,36 @@ class GenerationEngine:
         """Take the requests that join the running batch off the queue, in order (caller holds the lock)."""
         live = [batch.rows[i] for i in batch.live()] if batch is not None else []
         room = self.max_batch_size - len(live)
-        # New requests join in groups: each join costs a prefill forward and a copy of the cache,
-        # so only a short queue may join one request at a time.
-        if batch is not None and room < min(self._join_group, len(self._waiting)):
-            return []
-        budget = self.max_total_tokens
-        free = math.inf if budget is None else budget - sum(row.kv_tokens for row in live)
+        if self._pool is None:
+            # New requests join in groups: each join costs a prefill forward and a copy of the
+            # left-padded cache, so only a short queue may join one request at a time.
+            if batch is not None and room < min(self._join_group, len(self._waiting)):
+                return []
+            budget = self.max_total_tokens
+            # A reservation for the longest each request may grow: nothing is evicted mid-answer.
+            free = math.inf if budget is None else budget - sum(row.kv_tokens for row in live)
+        else:
+            # Paged: the blocks a request needs now, with one block kept free for each running
+            # row's next (a request that runs out later is retracted: paged_batch.make_room).
+            free = self._pool.free_blocks - len(live)
+            prefilling = {row.sequence for row in live if row.computed < len(row.sequence)}
         admitted: list[Row] = []
         while self._waiting and len(admitted) < room:
             row = self._waiting[0]
-            if row.kv_tokens > free:
+            if self._pool is None:
+                need = row.kv_tokens
+            elif row.sequence in prefilling:  # forks a prompt being prefilled: its own last block
+                need = 2
+            else:
+                need = self._pool.blocks_for(len(row.sequence) + 1) + 1
+            if need > free:
                 break  # it waits for running requests to finish; the ones behind it wait their turn
             self._waiting.popleft()
             if self._claim(row):
                 admitted.append(row)
-                free -= row.kv_tokens
+                free -= need
+                if self._pool is not None:
+                    prefilling.add(row.sequence)
         return admitted
 
     def _claim(self, row: Row) -> bool:
@@ -614,9 +667,22 @@ class GenerationEngine:
         self._inflight.discard(row.request.rid)
         return False
 
-    def _retract(self, batch: Batch) -> None:
-        """Queue the live rows of `batch` again, first in line, with their tokens so far (caller holds the lock)."""
+    def _retract(self, batch: Batch | PagedBatch) -> None:
+        """Queue the live rows of `batch` again, first in line, with their tokens so far (caller holds
+        the lock); their KV cache is dropped."""
         rows = [batch.rows[i] for i in batch.live()]
+        self._discard(batch)
+        self._requeue(rows)
+
+    def _discard(self, batch: Batch | PagedBatch | None) -> None:
+        """Drop a batch and its KV cache (the paged one's blocks back to the pool); returns None."""
+        if isinstance(batch, PagedBatch):
+            batch.release_all()
+        if self._pool is not None:  # and whatever a failed step left taken
+            self._pool.reset()
+
+    def _requeue(self, rows: list[Row]) -> None:
+        """Queue rows again, first in line, to be prefilled anew with their tokens so far (caller holds the lock)."""
         for row in rows:
             row.retractions += 1
         self._waiting.extendleft(reversed(rows))
@@ -649,25 +715,13 @@ class GenerationEngine:
         return hit
 
     def _join(self, batch: Batch | None, admitted: list[Row], started: float) -> Batch:
-        """Prefill the admitted rows and add them to the running batch. Batch-invariant, the
-        sequences of each length are prefilled apart, so no prompt is padded. Each prefill is
-        counted; the copy that joins them to the batch counts with the last one."""
-        groups = [admitted]
-        if self.batch_invariant:
-            by_length: dict[int, list[Row]] = {}
-            for row in admitted:
-                by_length.setdefault(len(row.sequence), []).append(row)
-            groups = list(by_length.values())
-        parts, seconds = [], []
-        for group in groups:
-            begun = time.perf_counter()
-            parts.append(self._prefill(group))
-            seconds.append(time.perf_counter() - begun)
-        joined = parts[0] if batch is None and len(parts) == 1 else Batch.combine(
-            ([(batch, batch.live())] if batch is not None else []) + [(p, list(range(len(p.rows)))) for p in parts])
-        seconds[-1] = time.perf_counter() - started - sum(seconds[:-1])
-        for group, spent in zip(groups, seconds):
-            self._counts.prefilled([len(q) for q in {row.sequence for row in group}], spent)
+        """Prefill the admitted rows and add them to the running batch (the left-padded cache of the
+        transformers forward); the copy that joins them counts with the prefill."""
+        part = self._prefill(admitted)
+        joined = part if batch is None else Batch.combine(
+            [(batch, batch.live()), (part, list(range(len(part.rows))))])
+        lengths = [len(q) for q in {row.sequence for row in admitted}]
+        self._counts.prefilled(sum(lengths), len(lengths) * max(lengths), time.perf_counter() - started)
         return joined
 
     def _prefill(self, rows: list[Row]) -> Batch:
@@ -678,11 +732,9 @@ class GenerationEngine:
         for row in rows:
             row.logits_version = self._version
         width = max(map(len, sequences))
-        # Batch-invariant: copies of the first sequence make the projections' rows a batch-invariant count.
-        extra = self._extra_sequences(len(sequences), width) if self.batch_invariant else 0
-        ids = torch.zeros(len(sequences) + extra, width, dtype=torch.int64)  # pad id 0: masked out, never attended
-        mask = torch.zeros(len(sequences) + extra, width, dtype=torch.int64)
-        for i, sequence in enumerate([*sequences, *[next(iter(sequences))] * extra]):
+        ids = torch.zeros(len(sequences), width, dtype=torch.int64)  # pad id 0: masked out, never attended
+        mask = torch.zeros(len(sequences), width, dtype=torch.int64)
+        for i, sequence in enumerate(sequences):
             ids[i, width - len(sequence):] = torch.tensor(sequence)
             mask[i, width - len(sequence):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host: one copy each
@@ -691,17 +743,11 @@ class GenerationEngine:
         # retracted row has them already.)
         scored = [r for r in rows if r.request.logprob_start_len is not None and not r.output_ids]
         keep = max([1] + [len(r.request.input_ids) - r.request.logprob_start_len for r in scored])
-        forward = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=Cache(layer_class_to_replicate=GrowingLayer), use_cache=True)
-        if self.batch_invariant:  # the output layer as the decode step computes it (padded rows)
-            out = self.model.model(**forward)
-            hidden = out.last_hidden_state[:, -keep:]
-            logits = self._decode_step.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
-        else:
-            out = self.model(**forward, logits_to_keep=keep)
-            logits = out.logits
-        cache = out.past_key_values
-        if len(sequences) < len(rows) or extra:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=Cache(layer_class_to_replicate=GrowingLayer), use_cache=True,
+                         logits_to_keep=keep)
+        cache, logits = out.past_key_values, out.logits
+        if len(sequences) < len(rows):
             rows_of = torch.tensor(index, device=self.device)
             cache = Cache(layers=[GrowingLayer.gather([(layer.keys, layer.values, rows_of, 0)], width)
                                   for layer in cache.layers])
@@ -709,17 +755,6 @@ class GenerationEngine:
         if scored:
             self._prompt_logprobs(rows, logits)
         return Batch(rows, cache, mask, logits[:, -1].float())
-
-    @staticmethod
-    def _extra_sequences(sequences: int, width: int) -> int:
-        """How many sequences a batch-invariant prefill of `sequences` × `width` positions adds: a
-        matmul of fewer than GEMM_ROWS rows (on several threads, of a number that is no multiple of
-        it) computes a row differently (generation/decode.py)."""
-        extra = 0
-        while (sequences + extra) * width < GEMM_ROWS or (
-                torch.get_num_threads() > 1 and (sequences + extra) * width % GEMM_ROWS):
-            extra += 1
-        return extra
 
     def _prompt_logprobs(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Fill the prompt logprobs of the rows that asked for them from the prefill's logits
@@ -741,14 +776,80 @@ class GenerationEngine:
                 row.finish = ("length", None)
                 self._step_finished.append(row)
 
+    def _paged_step(self, batch: PagedBatch | None, admitted: list[Row], started: float) -> PagedBatch | None:
+        """Sample a token for every ready row, then one forward: their new tokens and the next
+        chunk of the rows being prefilled (generation/paged_batch.py). Counts the step's time as
+        decode and prefill, split by tokens."""
+        if batch is None:
+            batch = PagedBatch(self._pool, self._decode_step, self._chunk_tokens, self.cuda_graphs)
+        self._pool.ensure()
+        batch.add(admitted)
+        batch.drop_finished()
+        sampled, kv = len(batch.ready), 0
+        if sampled:
+            if batch.sampling is None:
+                batch.sampling = RowSampling.of([row.request.params for row in batch.ready], self.device)
+            self._sample(batch.ready, batch.logits, batch.sampling)
+            kv = sum(row.computed + 1 for row in batch.ready)  # what their forward reads, as if all went on
+            batch.drop_finished()
+        decode_tokens, prefill_tokens = 0, 0
+        if batch.rows:
+            retracted = batch.make_room()
+            if retracted:
+                with self._cond:
+                    self._requeue(retracted)
+            keep = {id(leader): self._prompt_positions(leader, batch.followers.get(id(leader), ()))
+                    for leader in batch.pending}
+            decode_tokens, prefill_tokens, completed = batch.forward(keep)
+            for prefilled in completed:
+                rows = [prefilled.leader, *prefilled.followers]
+                if prefilled.prompt_logits is not None:
+                    self._prompt_logprobs(rows, prefilled.prompt_logits[None].expand(len(rows), -1, -1))
+            for row in batch.ready:
+                row.logits_version = self._version  # the forward computed its next logits
+        seconds = time.perf_counter() - started
+        share = prefill_tokens / max(1, decode_tokens + prefill_tokens)
+        if sampled:
+            self._counts.decoded(sampled, kv, seconds * (1 - share))
+        if prefill_tokens:
+            self._counts.prefilled(prefill_tokens, prefill_tokens, seconds * share)
+        return batch if batch.rows else None
+
+    @staticmethod
+    def _prompt_positions(leader: Row, followers: Sequence[Row]) -> int:
+        """How many of the last positions of a sequence the rows prefilling it need logits of: for
+        prompt logprobs from logprob_start_len (1: the last one only)."""
+        starts = [len(row.request.input_ids) - row.request.logprob_start_len for row in (leader, *followers)
+                  if row.request.logprob_start_len is not None and not row.output_ids]
+        return max(starts, default=0)
+
     def _step(self, batch: Batch) -> Batch | None:
         """Sample a token for every live row, set aside the rows that finish, decode one step."""
-        positions = None if batch.seeds is None else [row.next_position for row in batch.rows]
-        tokens, logprobs = sample_next_tokens(batch.logits, *batch.sampling, generator=self._generator,
-                                              min_p=batch.min_p, seeds=batch.seeds, positions=positions)
-        self._top_logprobs(batch)
-        alive = 0
-        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
+        alive, tokens = self._sample(batch.rows, batch.logits, batch.sampling)
+        if alive == 0:
+            return None
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
+        # A dead row's position stops advancing, so it never runs past the context length.
+        positions = torch.tensor([row.last_position for row in batch.rows], device=self.device)
+        out = self.model(
+            input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions[:, None],
+            past_key_values=batch.cache, use_cache=True,
+        )
+        batch.logits = out.logits[:, -1].float()
+        return batch
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor, sampling: RowSampling) -> tuple[int, torch.Tensor]:
+        """Sample a token for every live row of `rows` from `logits` [len(rows), V] and append it;
+        set aside the rows that finish. Returns how many rows are still live, and the tokens."""
+        positions = None if sampling.seeded is None else torch.tensor(
+            [row.next_position for row in rows], dtype=torch.int64).to(logits.device)
+        tokens, logprobs = sample(logits, sampling, positions, self._generator)
+        self._top_logprobs(rows, logits, sampling.temperature)
+        alive, logprobs = 0, logprobs.tolist()  # the step's one wait for the device
+        if any(math.isnan(lp) for lp in logprobs):
+            bad = next(row.request.rid for row, lp in zip(rows, logprobs) if math.isnan(lp))
+            raise FloatingPointError(f"the model's logits for request {bad} hold NaN (broken weights?)")
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs):
             if row.finish is not None:
                 continue  # dead row: decodes along, unused, until the next compaction
             row.append(token, logprob, row.logits_version)
@@ -760,30 +861,17 @@ class GenerationEngine:
                     self._report(row)
             else:
                 self._step_finished.append(row)
-        if alive == 0:
-            return None
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
-        # A dead row's position stops advancing, so it never runs past the context length.
-        positions = torch.tensor([row.last_position for row in batch.rows], device=self.device)
-        if self._decode_step is not None:
-            batch.logits = self._decode_step(tokens, positions, batch.cache, padding_bias(batch.mask, self.dtype))
-        else:
-            out = self.model(
-                input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=positions[:, None],
-                past_key_values=batch.cache, use_cache=True,
-            )
-            batch.logits = out.logits[:, -1].float()
-        return batch
+        return alive, tokens
 
-    def _top_logprobs(self, batch: Batch) -> None:
+    def _top_logprobs(self, rows: list[Row], logits: torch.Tensor, temperature: torch.Tensor) -> None:
         """Append the most likely tokens of this step to the live rows that asked for them, from the
         distribution they sample from (temperature-scaled, as their output logprobs)."""
-        rows = [i for i, row in enumerate(batch.rows) if row.finish is None and row.request.top_logprobs_num]
-        if not rows:
+        asked = [i for i, row in enumerate(rows) if row.finish is None and row.request.top_logprobs_num]
+        if not asked:
             return
-        logprobs = scaled_logprobs(batch.logits[rows], batch.sampling[0][rows])
-        for i, row_logprobs in zip(rows, logprobs):
-            row = batch.rows[i]
+        logprobs = scaled_logprobs(logits[asked], temperature[asked])
+        for i, row_logprobs in zip(asked, logprobs):
+            row = rows[i]
             row.top_logprobs.append(top_logprobs(row_logprobs, row.request.top_logprobs_num))
 
     def _report(self, row: Row) -> None:

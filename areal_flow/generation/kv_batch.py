@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
+from areal_flow.generation.sampling import RowSampling
+
 if TYPE_CHECKING:
     from areal_flow.generation.engine import GenerationRequest
 
@@ -101,6 +103,10 @@ class Row:
     # The weights that computed the logits this row samples from next: its next token's version.
     # (Held in place across an update, the first token after it still comes from the old weights.)
     logits_version: int = 0
+    # The paged cache (generation/paged_batch.py): the row's blocks, and how many of its sequence's
+    # tokens have their keys and values there.
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.output_ids.append(token)
@@ -157,22 +163,10 @@ class Batch:
     cache: Cache
     mask: torch.Tensor
     logits: torch.Tensor
-    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
-    min_p: torch.Tensor = field(init=False)
-    seeds: list[int | None] | None = field(init=False)  # per row; None: no seeded row
+    sampling: RowSampling = field(init=False)  # built once per membership change, not per step
 
     def __post_init__(self) -> None:
-        # Built once per membership change, not per step.
-        params = [row.request.params for row in self.rows]
-        on = self.logits.device
-        self.sampling = (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=on),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=on),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=on),
-        )
-        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=on)
-        seeds = [p.seed for p in params]
-        self.seeds = seeds if any(seed is not None for seed in seeds) else None
+        self.sampling = RowSampling.of([row.request.params for row in self.rows], self.logits.device)
 
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]

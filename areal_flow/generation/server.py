@@ -439,6 +439,9 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "random_seed": engine.seed,
         "num_threads": engine.num_threads,
         "enable_deterministic_inference": engine.batch_invariant,
+        "page_size": engine.page_size,
+        "chunked_prefill_size": engine.chunked_prefill_size,
+        "disable_cuda_graph": engine.cuda_graphs is None,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
@@ -770,8 +773,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000, help="port to bind (0: any free port)")
     parser.add_argument("--max-batch-size", type=int, default=128, help="most requests decoded together")
     parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="KV cache budget in tokens: requests wait while the running ones' prompt + "
-                             "max_new_tokens would exceed it (default: no budget)")
+                        help="KV cache budget in tokens: requests wait while the blocks they need are taken, and "
+                             "the newest are retracted when the running ones outgrow it (default: no budget)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per block of the paged KV cache")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                        help="prompt tokens prefilled per forward beside the decoding rows (-1 or unset: whole prompts)")
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="cuda: run decode steps eagerly instead of replaying captured CUDA graphs")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -809,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         max_total_tokens=args.max_total_tokens, weight_label=args.weight_version, api_key=args.api_key or None,
         device=str(local_device(args.device)), dtype=compute_dtype(args.dtype, args.device),
         mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
+        page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
+        cuda_graphs=not args.disable_cuda_graph,
     )
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,

@@ -39,19 +39,21 @@ VALUE_FLAGS = {
     "dtype": "--dtype",
     "attention_backend": "--attention-backend",
     "chunked_prefill_size": "--chunked-prefill-size",
+    "page_size": "--page-size",
 }
 """generation.* keys passed as `FLAG VALUE` when not null."""
 
-SWITCHES = {"disable_radix_cache": "--disable-radix-cache"}
+SWITCHES = {"disable_radix_cache": "--disable-radix-cache", "disable_cuda_graph": "--disable-cuda-graph"}
 """generation.* booleans passed as a bare flag when true."""
 
 ALIASES = {"--model": "--model-path", "--tensor-parallel-size": "--tp-size"}
 """SGLang's other spellings of mapped flags."""
 
-EMBEDDED_TOO = ("max_batch_size", "max_total_tokens", "mem_fraction_static", "dtype")
+EMBEDDED_TOO = ("max_batch_size", "max_total_tokens", "mem_fraction_static", "dtype", "chunked_prefill_size",
+                "page_size", "disable_cuda_graph")
 """generation.* keys both backends read."""
 
-SGLANG_ONLY = tuple(k for k in VALUE_FLAGS if k not in EMBEDDED_TOO) + tuple(SWITCHES) + ("extra_args",)
+SGLANG_ONLY = tuple(k for k in {**VALUE_FLAGS, **SWITCHES} if k not in EMBEDDED_TOO) + ("extra_args",)
 """generation.* keys that mean nothing to the embedded engine."""
 
 DEVICES = {"cpu": "cpu", "cuda": "cuda"}

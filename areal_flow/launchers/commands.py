@@ -46,6 +46,12 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
         argv += ["--max-batch-size", str(gen.max_batch_size)]
     if gen.max_total_tokens is not None:
         argv += ["--max-total-tokens", str(gen.max_total_tokens)]
+    if gen.chunked_prefill_size is not None:
+        argv += ["--chunked-prefill-size", str(gen.chunked_prefill_size)]
+    if gen.page_size is not None:
+        argv += ["--page-size", str(gen.page_size)]
+    if gen.disable_cuda_graph:
+        argv += ["--disable-cuda-graph"]
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.
     return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})

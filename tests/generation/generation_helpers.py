@@ -119,6 +119,19 @@ def generate_ok(server: GenerationServer, body: dict) -> Any:
     return payload
 
 
+def two_prompts_together(model_dir: str, **engine_kw: Any) -> dict[str, float]:
+    """The engine's stats after prompts of 2 and 5 tokens, admitted together, make 3 tokens each."""
+    engine = GenerationEngine(model_dir, max_batch_size=8, **engine_kw)
+    try:
+        engine.pause()  # queued while paused, both join the batch together
+        futures = [engine.submit(ids, max_new_tokens=3, ignore_eos=True) for ids in ([2, 3], [2, 3, 4, 5, 6])]
+        engine.continue_generation()
+        assert all(len(f.result(timeout=60).output_ids) == 3 for f in futures)
+        return engine.stats()
+    finally:
+        engine.shutdown()
+
+
 def before_every_forward(engine: GenerationEngine, hook: Callable[..., object]) -> object:
     """Call `hook(module, args)` before every forward of the engine's model, prefill or decode step
     (the decode step does not go through the model's own forward, but every forward embeds its

@@ -1,16 +1,20 @@
-"""The engine's own decode step (generation/decode.py) against the transformers forward it replaces."""
+"""The engine's own forward over the paged cache (generation/decode.py, paged_batch.py) against the
+transformers forward it replaces."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 import torch
 from generation_helpers import VOCAB_SIZE, before_every_forward, greedy_reference, save_model_dir, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2ForCausalLM
-from transformers.cache_utils import Cache
 
-from areal_flow.generation.decode import DecodeStep, padding_bias
-from areal_flow.generation.engine import GenerationEngine
-from areal_flow.generation.kv_batch import GrowingLayer
+from areal_flow.generation.decode import DecodeStep
+from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.kv_batch import Row
+from areal_flow.generation.paged import BlockPool
+from areal_flow.generation.paged_batch import PagedBatch
 
 SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              max_position_embeddings=128, eos_token_id=1, pad_token_id=0)
@@ -32,41 +36,56 @@ def llama3_biased() -> torch.nn.Module:  # Llama 3 rope scaling, attention and M
                                         attention_bias=True, mlp_bias=True, rope_parameters=rope))
 
 
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Cache, torch.Tensor]:
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                past_key_values=Cache(layer_class_to_replicate=GrowingLayer), use_cache=True)
-    return out.past_key_values, out.logits[:, -1]
+def rows(*prompts: tuple[int, ...]) -> list[Row]:
+    return [Row(GenerationRequest(p, SamplingParams()), Future(), frozenset()) for p in prompts]
+
+
+def reference_logits(model: torch.nn.Module, sequence: tuple[int, ...]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([sequence])).logits[0, -1]
+
+
+def paged(step: DecodeStep, page_size: int, chunk: int | None) -> PagedBatch:
+    pool = BlockPool(layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=page_size,
+                     num_blocks=None, dtype=torch.float32, device=torch.device("cpu"))
+    return PagedBatch(pool, step, chunk)
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
 @pytest.mark.parametrize("build", [qwen2_gqa, llama_mha_tied, llama3_biased])
+@pytest.mark.parametrize("page_size, chunk", [(3, 4), (16, None)])
 @torch.inference_mode()
-def test_decode_steps_give_the_logits_of_the_transformers_forward(build, batch_invariant):
+def test_paged_forwards_give_the_logits_of_the_transformers_forward(build, batch_invariant, page_size, chunk):
+    """Rows of different prompt lengths prefilled in chunks mixed with decode rows, two answers of
+    one prompt forking its blocks, a row joining later: every row's logits at every step are those
+    of the transformers forward over its whole sequence, and the cache holds its keys."""
     torch.manual_seed(0)
     model = build().eval()
     reference = build().eval()
     reference.load_state_dict(model.state_dict())  # an untouched copy: DecodeStep re-plumbs `model`
     step = DecodeStep.for_model(model, batch_invariant=batch_invariant)
     assert step is not None
-    # Left-padded rows of different prompt lengths; row 2 stops advancing after two steps, as a
-    # finished row that decodes along until the batch is compacted.
-    ids = torch.randint(2, VOCAB_SIZE, (3, 9))
-    mask = torch.ones(3, 9, dtype=torch.int64)
-    mask[0, :4] = mask[2, :7] = 0
-    ours, _ = prefill(model, ids, mask)
-    theirs, logits = prefill(reference, ids, mask)
-    positions = mask.sum(dim=1) - 1
-    for i in range(6):
-        tokens = logits.argmax(dim=-1)
-        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.int64)], dim=1)
-        positions = positions + torch.tensor([1, 1, int(i < 2)])
-        logits = reference(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                           past_key_values=theirs, use_cache=True).logits[:, -1]
-        got = step(tokens, positions, ours, padding_bias(mask, torch.float32))
-        torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
-        for a, b in zip(ours.layers, theirs.layers):  # the cache it writes is the one transformers writes
-            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+    batch = paged(step, page_size, chunk)
+    prompts = [tuple(torch.randint(2, VOCAB_SIZE, (n,)).tolist()) for n in (9, 2, 5)]
+    first, other, twin = rows(prompts[0], prompts[1], prompts[0])
+    batch.add([first, other, twin])  # the twin follows the first
+    late = rows(prompts[2])
+    for i in range(8):
+        if i == 3:
+            batch.add(late)
+        for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
+            row.output_ids.append(int(logits.argmax()))
+        batch.make_room()
+        batch.forward({})
+        for row, logits in zip(batch.ready, batch.logits):
+            torch.testing.assert_close(logits, reference_logits(reference, row.sequence), atol=1e-5, rtol=0)
+    assert len(batch.ready) == 4 and not batch.pending
+    assert first.output_ids == twin.output_ids  # greedy: the fork answers as its leader
+    shared = first.blocks[: len(prompts[0]) // page_size]
+    assert shared == twin.blocks[: len(shared)] and first.blocks[len(shared)] != twin.blocks[len(shared)]
+    theirs = reference(input_ids=torch.tensor([first.sequence]), use_cache=True).past_key_values
+    slots = torch.tensor([first.blocks[p // page_size] * page_size + p % page_size for p in range(first.computed)])
+    for i, layer in enumerate(theirs.layers):  # the keys it wrote are the ones transformers computes
+        torch.testing.assert_close(batch.pool.k[i][:, slots], layer.keys[0], atol=1e-5, rtol=0)
 
 
 @torch.inference_mode()
@@ -77,15 +96,10 @@ def test_a_weight_update_written_into_the_parameters_reaches_the_fused_projectio
     params = model.state_dict()
     for name, tensor in other.state_dict().items():  # as the engine loads new weights: in place
         params[name].copy_(tensor)
-    ids, mask = torch.randint(2, VOCAB_SIZE, (2, 5)), torch.ones(2, 5, dtype=torch.int64)
-    cache, logits = prefill(model, ids, mask)
-    other_cache, _ = prefill(other, ids, mask)
-    tokens, positions = logits.argmax(dim=-1), torch.tensor([5, 5])
-    mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.int64)], dim=1)
-    expected = other(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                     past_key_values=other_cache, use_cache=True).logits[:, -1]
-    torch.testing.assert_close(step(tokens, positions, cache, padding_bias(mask, torch.float32)), expected,
-                               atol=1e-5, rtol=0)
+    batch = paged(step, 4, None)
+    batch.add(rows((2, 5, 7, 3, 9)))
+    batch.forward({})
+    torch.testing.assert_close(batch.logits[0], reference_logits(other, (2, 5, 7, 3, 9)), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("config, why", [

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference
+from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference, two_prompts_together
 
 from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, sample_next_tokens
 
@@ -105,21 +105,21 @@ def test_the_engine_counts_its_waits_for_work_and_the_answers_it_hands_back(mode
     assert stats["waited"] + stats["busy_seconds"] <= time.perf_counter() - started
 
 
-def test_a_prefill_counts_its_padding_and_a_decode_step_the_widest_rows_kv(model_dirs: ModelDirs):
-    """Prompts of 2 and 5 tokens prefilled together are left-padded to 5: 10 positions computed for
-    7 tokens; each decode step reads the padded width for both rows."""
-    engine = GenerationEngine(model_dirs.a, max_batch_size=8)
-    try:
-        engine.pause()
-        futures = [engine.submit(ids, max_new_tokens=3, ignore_eos=True) for ids in ([2, 3], [2, 3, 4, 5, 6])]
-        engine.continue_generation()
-        assert all(len(f.result(timeout=60).output_ids) == 3 for f in futures)
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
+def test_a_prefill_counts_its_tokens_and_a_decode_step_each_rows_own_kv(model_dirs: ModelDirs):
+    """Prompts of 2 and 5 tokens prefilled together: 7 positions for 7 tokens (the paged cache pads
+    nothing); each decode step reads each row's own context."""
+    stats = two_prompts_together(model_dirs.a)
+    assert (stats["prefills"], stats["prefill_tokens"], stats["prefill_positions"]) == (1, 7, 7)
+    assert stats["prefill_positions_sq"] == 49
+    assert stats["prefill_position_seconds"] == pytest.approx(7 * stats["prefill_seconds"])
+    assert stats["decode_kv"] == sum((2 + i + 1) + (5 + i + 1) for i in range(3))
+
+
+def test_the_transformers_path_counts_the_padding_of_its_left_padded_cache(model_dirs: ModelDirs):
+    """Without the engine's own forward (fast_decode=False) the prompts are left-padded to 5: 10
+    positions computed for 7 tokens; each decode step reads the padded width for both rows."""
+    stats = two_prompts_together(model_dirs.a, fast_decode=False)
     assert (stats["prefills"], stats["prefill_tokens"], stats["prefill_positions"]) == (1, 7, 10)
-    assert stats["prefill_positions_sq"] == 100
-    assert stats["prefill_position_seconds"] == pytest.approx(10 * stats["prefill_seconds"])
     assert stats["decode_kv"] == sum(2 * (5 + i + 1) for i in range(3))
 
 

@@ -1,0 +1,238 @@
+"""The running rows over the paged KV cache, and the plan of each forward.
+
+A row is either **ready** (its logits say what it samples next) or **pending** (its sequence is
+being prefilled, a chunk per forward); a pending row may lead **followers**, rows of the same
+sequence (the G answers of a prompt) that wait for its prefill and then fork its blocks: one
+prefill per prompt. A forward feeds every ready row its newest token and the pending rows up to
+`chunk_tokens` tokens of prompt, in order (SGLang's chunked prefill, mixed with the decode rows).
+
+Blocks are taken before each forward; when the pool has too few, the newest rows are retracted
+(`make_room` returns them, blocks freed, to be queued again with their tokens so far and
+prefilled anew): the oldest row always goes on. The engine samples and answers; this module
+only keeps the cache and runs the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from areal_flow.generation.cuda_graphs import GraphRunner
+from areal_flow.generation.decode import Chunk, DecodeStep, Forward
+from areal_flow.generation.kv_batch import Row
+from areal_flow.generation.paged import BlockPool, block_table, slots
+from areal_flow.generation.sampling import RowSampling
+
+
+@dataclass
+class Prefilled:
+    """A row whose prefill a forward completed, with the rows that forked it."""
+
+    leader: Row
+    followers: list[Row]
+    prompt_logits: torch.Tensor | None  # [keep, V]: the last `keep` positions' logits, if a row asked
+
+
+@dataclass
+class PagedBatch:
+    pool: BlockPool
+    model: DecodeStep
+    chunk_tokens: int | None = None  # prompt tokens per forward; None: whole sequences
+    runner: GraphRunner | None = None  # replays decode steps as CUDA graphs; None: eager
+    ready: list[Row] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [len(ready), V] float32
+    pending: list[Row] = field(default_factory=list)
+    followers: dict[int, list[Row]] = field(default_factory=dict)  # id(leader) -> rows waiting for it
+    sampling: RowSampling | None = None  # the ready rows' settings, kept while they stay the same rows
+    _prompt_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [*self.ready, *self.pending, *(row for rows in self.followers.values() for row in rows)]
+
+    def live(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row.finish is None]
+
+    def add(self, rows: list[Row]) -> None:
+        """Rows to prefill: the first of each sequence leads, the others follow it."""
+        leaders = {row.sequence: row for row in self.pending if row.finish is None}
+        for row in rows:
+            row.blocks, row.computed = [], 0
+            leader = leaders.get(row.sequence)
+            if leader is None:
+                leaders[row.sequence] = row
+                self.pending.append(row)
+            else:
+                self.followers.setdefault(id(leader), []).append(row)
+
+    def drop_finished(self) -> None:
+        """Free the blocks of finished rows; a finished leader hands its work to its first live follower."""
+        keep = [i for i, row in enumerate(self.ready) if row.finish is None]
+        if len(keep) < len(self.ready):
+            for row in self.ready:
+                if row.finish is not None:
+                    self._free(row)
+            self.ready = [self.ready[i] for i in keep]
+            index = torch.tensor(keep, dtype=torch.int64).to(self.logits.device)
+            self.logits = self.logits[index] if keep else None
+            self.sampling = self.sampling.select(index) if keep and self.sampling is not None else None
+        pending = []
+        for leader in self.pending:
+            followers = [row for row in self.followers.pop(id(leader), []) if row.finish is None]
+            if leader.finish is not None and followers:  # the first follower takes over the cache
+                heir = followers.pop(0)
+                heir.blocks, heir.computed, leader.blocks = leader.blocks, leader.computed, []
+                if id(leader) in self._prompt_logits:
+                    self._prompt_logits[id(heir)] = self._prompt_logits.pop(id(leader))
+                leader = heir
+            if leader.finish is None:
+                pending.append(leader)
+                if followers:
+                    self.followers[id(leader)] = followers
+            else:
+                self._free(leader)
+                self._prompt_logits.pop(id(leader), None)
+        self.pending = pending
+
+    def release_all(self) -> list[Row]:
+        """Free every block; returns the live rows (all without cache now), ready ones first."""
+        rows = [row for row in self.rows if row.finish is None]
+        for row in self.rows:
+            self._free(row)
+        self.ready, self.pending, self.logits, self.sampling = [], [], None, None
+        self.followers.clear()
+        self._prompt_logits.clear()
+        return rows
+
+    def _free(self, row: Row) -> None:
+        self.pool.release(row.blocks)
+        row.blocks, row.computed = [], 0
+
+    # ---- one forward ----------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[list[tuple[Row, int]], int]:
+        """The pending rows' chunks of this forward (row, tokens) and the blocks the forward needs."""
+        budget = self.chunk_tokens if self.chunk_tokens is not None else float("inf")
+        chunks = []
+        for row in self.pending:
+            if budget <= 0:
+                break
+            n = min(len(row.sequence) - row.computed, budget)
+            chunks.append((row, int(n)))
+            budget -= n
+        need = sum(self.pool.blocks_for(row.computed + 1) - len(row.blocks) for row in self.ready)
+        need += sum(self.pool.blocks_for(row.computed + n) - len(row.blocks) for row, n in chunks)
+        # A leader's followers each copy its last block when it completes.
+        need += sum(len(self.followers.get(id(row), ())) for row, n in chunks
+                    if row.computed + n == len(row.sequence) and (row.computed + n) % self.pool.block_size)
+        return chunks, need
+
+    def make_room(self) -> list[Row]:
+        """Retract the newest rows until the next forward's blocks are free; returns them (live,
+        blocks freed), oldest first. The oldest row is never retracted: alone it always fits."""
+        retracted: list[Row] = []
+        while self._plan()[1] > self.pool.free_blocks:
+            waiting = next((rows for rows in reversed(self.followers.values()) if rows), None)
+            if waiting is not None:  # a follower holds nothing yet, but would copy a block
+                retracted.insert(0, waiting.pop())
+                continue
+            if len(self.pending) > (0 if self.ready else 1):
+                victim = self.pending.pop()
+                self._prompt_logits.pop(id(victim), None)
+            elif len(self.ready) > 1:
+                victim = self.ready.pop()
+                self.logits, self.sampling = self.logits[:-1], None
+            else:
+                raise RuntimeError("the KV pool cannot hold a single request: it is smaller than its budget says")
+            retracted.insert(0, victim)
+            self._free(victim)
+        return retracted
+
+    def forward(self, keep: dict[int, int]) -> tuple[int, int, list[Prefilled]]:
+        """Feed the ready rows their newest token and the pending rows their next chunk (after
+        `make_room`). `keep`: id(leader) -> how many of its sequence's last positions' logits to
+        return (prompt logprobs). Sets `logits`; returns the decode rows' and the prefill chunks'
+        token counts, and the rows whose prefill completed."""
+        chunks, _ = self._plan()
+        pool, size, device = self.pool, self.pool.block_size, self.pool.device
+        for row in self.ready:
+            row.blocks += pool.allocate(pool.blocks_for(row.computed + 1) - len(row.blocks))
+        for row, n in chunks:
+            row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
+        tokens, positions, write = [], [], []
+        for row in self.ready:
+            p = row.computed  # its newest token's position: the last output (a ready row has sampled one)
+            tokens.append(row.output_ids[-1])
+            positions.append(p)
+            write.append(row.blocks[p // size] * size + p % size)
+        decode = len(self.ready)
+        contexts = [row.computed + 1 for row in self.ready]
+        width = max(contexts, default=0)
+        table = block_table([row.blocks for row in self.ready], device)
+        decode_slots = slots(table, width, size)
+        lengths = torch.tensor(contexts, dtype=torch.int64).to(device)
+        decode_bias = torch.zeros(decode, width, dtype=pool.dtype, device=device).masked_fill_(
+            torch.arange(width, device=device) >= lengths[:, None], float("-inf"))
+        logits_at, wanted, chunk_list = list(range(decode)), [], []
+        for row, n in chunks:
+            start, first = len(tokens), row.computed
+            tokens += row.sequence[first: first + n]
+            positions += range(first, first + n)
+            context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
+            write += context[first:]
+            mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
+            chunk_list.append(Chunk(start, n, torch.tensor(context, dtype=torch.int64).to(device), mask))
+            # Logits of the positions a prompt's logprobs need; the last one's if it completes.
+            total, last_kept = len(row.sequence), keep.get(id(row), 0)
+            scored = [p for p in range(max(first, total - last_kept), first + n)]
+            if scored:
+                wanted.append((row, len(logits_at), len(scored)))
+                logits_at += [start + p - first for p in scored]
+            if first + n == total and total - 1 not in scored:
+                wanted.append((row, len(logits_at), 0))
+                logits_at.append(start + n - 1)
+        step = Forward(
+            tokens=torch.tensor(tokens, dtype=torch.int64).to(device),
+            positions=torch.tensor(positions, dtype=torch.int64).to(device),
+            write=torch.tensor(write, dtype=torch.int64).to(device),
+            decode=decode, decode_slots=decode_slots, decode_bias=decode_bias,
+            spans=_spans(contexts) if self.model.batch_invariant else None, chunks=chunk_list,
+            logits_at=torch.tensor(logits_at, dtype=torch.int64).to(device))
+        logits = (self.runner or self.model).forward(step, pool)
+        for row in self.ready:
+            row.computed += 1
+        for row, n in chunks:
+            row.computed += n
+        for row, at, count in wanted:
+            if count:
+                self._prompt_logits.setdefault(id(row), []).append(logits[at: at + count])
+        completed = self._complete(logits[:decode], {id(row): logits[at + max(count - 1, 0)] for row, at, count in wanted},
+                                   [row for row, _ in chunks if row.computed == len(row.sequence)])
+        return decode, len(tokens) - decode, completed
+
+    def _complete(self, decoded: torch.Tensor, last: dict[int, torch.Tensor], done: list[Row]) -> list[Prefilled]:
+        """Ready rows' new logits, and the completed leaders and their forks joining them."""
+        completed, joining = [], [decoded]
+        for leader in done:
+            followers = self.followers.pop(id(leader), [])
+            for row in followers:
+                row.blocks, row.computed = self.pool.fork(leader.blocks, leader.computed), leader.computed
+            parts = self._prompt_logits.pop(id(leader), None)
+            completed.append(Prefilled(leader, followers, None if parts is None else torch.cat(parts)))
+            joining.append(last[id(leader)].expand(1 + len(followers), -1))
+            self.ready += [leader, *followers]
+            self.sampling = None
+        self.pending = [row for row in self.pending if row.computed < len(row.sequence)]
+        self.logits = torch.cat(joining) if len(joining) > 1 else decoded
+        return completed
+
+
+def _spans(contexts: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows with the same context length: (first row, end row, length)."""
+    spans, first = [], 0
+    for row in range(1, len(contexts) + 1):
+        if row == len(contexts) or contexts[row] != contexts[first]:
+            spans.append((first, row, contexts[first]))
+            first = row
+    return spans

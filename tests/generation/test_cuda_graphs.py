@@ -1,0 +1,88 @@
+"""Decode steps padded to CUDA-graph buckets (generation/cuda_graphs.py): on the CPU the padding
+runs eagerly (`capture=False`) and must change no row's logits nor any row's cache; on a GPU the
+captured graphs must give the eager logits."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+
+import pytest
+import torch
+from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference, tiny_config
+from transformers import Qwen2ForCausalLM
+
+from areal_flow.generation.cuda_graphs import GraphRunner, _width_bucket
+from areal_flow.generation.decode import DecodeStep
+from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.kv_batch import Row
+from areal_flow.generation.paged import BlockPool
+from areal_flow.generation.paged_batch import PagedBatch
+
+
+def test_widths_round_up_by_at_most_a_quarter():
+    for blocks in range(1, 300):
+        bucket = _width_bucket(blocks * 16, 16) // 16
+        assert blocks <= bucket <= max(blocks, 1.25 * (blocks - 1) + 1)
+    assert _width_bucket(1, 16) == 16 and _width_bucket(17, 16) == 32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.inference_mode()
+def test_padded_decode_steps_give_every_row_its_own_logits(device):
+    """Rows join and finish, so steps move between row buckets (8 → 4 → 8 rows) and widths: each
+    row's logits equal the transformers forward over its sequence, though padded rows write into
+    the null block and padded columns read it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval().to(device)
+    reference = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval().to(device)
+    reference.load_state_dict(model.state_dict())
+    step = DecodeStep.for_model(model)
+    pool = BlockPool(layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=4,
+                     num_blocks=64, dtype=torch.float32, device=torch.device(device))
+    runner = GraphRunner(step, max_rows=8, capture=device == "cuda")
+    batch = PagedBatch(pool, step, None, runner)
+    rng = random.Random(0)
+
+    def rows(n: int) -> list[Row]:
+        prompts = [tuple(rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(1, 9))) for _ in range(n)]
+        return [Row(GenerationRequest(p, SamplingParams()), Future(), frozenset()) for p in prompts]
+
+    batch.add(rows(7))
+    for i in range(12):
+        if i == 4:  # four rows finish: the next steps pad 3 rows to 4
+            for row in batch.ready[:4]:
+                row.finish = ("stop", None)
+            batch.drop_finished()
+        if i == 8:
+            batch.add(rows(3))
+        for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
+            row.output_ids.append(int(logits.argmax()))
+        batch.make_room()
+        batch.forward({})
+        for row, logits in zip(batch.ready, batch.logits):
+            expected = reference(input_ids=torch.tensor([row.sequence], device=device)).logits[0, -1]
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert runner.bucketed >= 9  # the steps without a prefill
+    assert runner.replays > 0 if device == "cuda" else runner.replays == 0
+    assert len(batch.ready) == 6
+
+
+@pytest.mark.gpu
+def test_the_engine_on_cuda_replays_graphs_and_its_logprobs_are_exact(model_dirs: ModelDirs):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = GenerationEngine(model_dirs.a, max_batch_size=16, device="cuda", dtype=torch.float32)
+    reference = load_reference(model_dirs.a)
+    try:
+        prompts = [[2 + (i * 7 + j) % 15 for j in range(1 + i % 6)] for i in range(12)]
+        futures = [engine.submit(p, max_new_tokens=20, temperature=1.0, ignore_eos=True) for p in prompts]
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.shutdown()
+    assert engine.cuda_graphs is not None and engine.cuda_graphs.replays > 0
+    for prompt, result in zip(prompts, results):
+        expected = full_forward_logprobs(reference, prompt, result.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
