@@ -37,6 +37,8 @@ class _Static:
     write: torch.Tensor
     decode_slots: torch.Tensor
     decode_bias: torch.Tensor
+    decode_table: torch.Tensor
+    decode_lengths: torch.Tensor
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -48,7 +50,7 @@ class GraphRunner:
         self.model, self.capture = model, capture
         self.row_buckets = [b for b in ROW_BUCKETS if b < max_rows] + [max_rows]
         self._static: dict[tuple[int, int], _Static] = {}
-        self._pool_id: int | None = None  # the cache tensors the graphs were captured over
+        self._storage: int | None = None  # the cache tensors the graphs were captured over (BlockPool.storage)
         self._memory = None  # the graphs' shared memory pool
         self.bucketed = 0  # decode steps padded to a bucket (replayed, or eager without capture)
         self.replays = 0
@@ -59,9 +61,9 @@ class GraphRunner:
     def forward(self, step: Forward, pool: BlockPool) -> torch.Tensor:
         if not self.eligible(step):
             return self.model.forward(step, pool)
-        if self._pool_id != id(pool.k[0]):  # the cache was reallocated (grown, or freed and taken again)
+        if self._storage != pool.storage:  # the cache was reallocated (grown, or freed and taken again)
             self._static.clear()
-            self._pool_id = id(pool.k[0])
+            self._storage = pool.storage
         self.bucketed += 1
         rows, width = step.decode_slots.shape
         bucket = (self.row_buckets[bisect.bisect_left(self.row_buckets, rows)], _width_bucket(width, pool.block_size))
@@ -79,6 +81,10 @@ class GraphRunner:
         static.decode_bias.fill_(float("-inf"))
         static.decode_bias[:rows, :width] = step.decode_bias
         static.decode_bias[rows:, 0] = 0  # a padded row attends to slot 0 alone: a finite softmax, never NaN
+        static.decode_table.zero_()
+        static.decode_table[:rows, : step.decode_table.shape[1]] = step.decode_table
+        static.decode_lengths.fill_(1)
+        static.decode_lengths[:rows] = step.decode_lengths
         if static.graph is None:
             logits = self.model.forward(self._step(static), pool)
             if self.capture:
@@ -98,13 +104,18 @@ class GraphRunner:
             write=torch.zeros(rows, dtype=torch.int64, device=device),
             decode_slots=torch.zeros(rows, width, dtype=torch.int64, device=device),
             decode_bias=torch.empty(rows, width, dtype=pool.dtype, device=device),
+            decode_table=torch.zeros(rows, width // pool.block_size, dtype=torch.int64, device=device),
+            decode_lengths=torch.ones(rows, dtype=torch.int64, device=device),
         )
 
     @staticmethod
     def _step(static: _Static) -> Forward:
         rows = static.tokens.shape[0]
+        block_size = static.decode_slots.shape[1] // static.decode_table.shape[1]
         return Forward(tokens=static.tokens, positions=static.positions, write=static.write, decode=rows,
-                       decode_slots=static.decode_slots, decode_bias=static.decode_bias, spans=None, chunks=[],
+                       decode_slots=static.decode_slots, decode_bias=static.decode_bias,
+                       decode_table=static.decode_table, decode_lengths=static.decode_lengths,
+                       block_size=block_size, spans=None, chunks=[],
                        logits_at=torch.arange(rows, device=static.tokens.device))
 
     def _capture(self, static: _Static, pool: BlockPool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

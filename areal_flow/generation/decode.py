@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areal_flow.generation import triton_decode
 from areal_flow.generation.paged import BlockPool
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
@@ -65,6 +66,9 @@ class Forward:
     decode: int  # the first `decode` tokens are the decode rows'
     decode_slots: torch.Tensor  # [decode, W] int64: each decode row's context slots (padded with slot 0)
     decode_bias: torch.Tensor  # [decode, W]: 0 on a row's context, -inf on its padding
+    decode_table: torch.Tensor  # [decode, blocks] int64: each decode row's block table (padded with block 0)
+    decode_lengths: torch.Tensor  # [decode] int64: each decode row's context length
+    block_size: int  # the pool's: positions per block of the tables
     spans: list[tuple[int, int, int]] | None  # batch-invariant: (first row, end row, width) of equal contexts
     chunks: list[Chunk]
     logits_at: torch.Tensor  # [L] int64: the tokens whose logits are wanted
@@ -90,6 +94,10 @@ class DecodeStep:
         self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                     for layer in self.layers]
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        # Decode attention through the Triton kernel on CUDA (each row's own blocks read once, no
+        # gathered copy nor padding: generation/triton_decode.py); torch's matmuls elsewhere.
+        device = self.embed.weight.device
+        self.paged_kernel = device.type == "cuda" and triton_decode.available(device) and not batch_invariant
         positions = torch.arange(model.config.max_position_embeddings)[None]
         probe = torch.zeros(1, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
         cos, sin = inner.rotary_emb(probe, positions.to(probe.device))
@@ -139,6 +147,9 @@ class DecodeStep:
         """One query per row [D, heads, head_dim] over its context's slots: [D, heads, head_dim].
         Grouped-query attention without repeating the cache: the heads that share a KV head are the
         query rows of one matmul."""
+        if self.paged_kernel:
+            return triton_decode.paged_decode_attention(q, keys, values, step.decode_table, step.decode_lengths,
+                                                        step.block_size, self.scaling)
         rows, width = step.decode_slots.shape
         # KV heads first, rows second: the gathered context is contiguous for the batched matmuls,
         # and only the (small) queries are transposed.

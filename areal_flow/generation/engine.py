@@ -625,7 +625,7 @@ class GenerationEngine:
 
     def _admit(self, batch: Batch | None) -> list[Row]:
         """Take the requests that join the running batch off the queue, in order (caller holds the lock)."""
-        live = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        live = batch.live_rows() if batch is not None else []
         room = self.max_batch_size - len(live)
         if self._pool is None:
             # New requests join in groups: each join costs a prefill forward and a copy of the
@@ -639,7 +639,8 @@ class GenerationEngine:
             # Paged: the blocks a request needs now, with one block kept free for each running
             # row's next (a request that runs out later is retracted: paged_batch.make_room).
             free = self._pool.free_blocks - len(live)
-            prefilling = {row.sequence for row in live if row.computed < len(row.sequence)}
+            prefilling = {row.sequence for row in live
+                          if row.computed < len(row.request.input_ids) + len(row.output_ids)}
         admitted: list[Row] = []
         while self._waiting and len(admitted) < room:
             row = self._waiting[0]
@@ -670,7 +671,7 @@ class GenerationEngine:
     def _retract(self, batch: Batch | PagedBatch) -> None:
         """Queue the live rows of `batch` again, first in line, with their tokens so far (caller holds
         the lock); their KV cache is dropped."""
-        rows = [batch.rows[i] for i in batch.live()]
+        rows = batch.live_rows()
         self._discard(batch)
         self._requeue(rows)
 
@@ -689,7 +690,7 @@ class GenerationEngine:
 
     def _count_running(self, batch: Batch | None) -> None:
         # The rows only: stats() sums their tokens when asked, not every decode step.
-        self._running = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        self._running = batch.live_rows() if batch is not None else []
 
     def _take_aborted(self, aborts: list[_Abort], batch: Batch | None) -> list[Row]:
         """Mark the rows that `aborts` match as finished by abort and take queued ones off the
@@ -697,7 +698,7 @@ class GenerationEngine:
         if not aborts:
             return []
         hit = []
-        running = [batch.rows[i] for i in batch.live()] if batch is not None else []
+        running = batch.live_rows() if batch is not None else []
         for abort in aborts:
             if abort.in_place:
                 continue

@@ -171,6 +171,9 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]
 
+    def live_rows(self) -> list[Row]:
+        return [row for row in self.rows if row.finish is None]
+
     @staticmethod
     def combine(parts: Sequence[tuple[Batch, list[int]]]) -> Batch | None:
         """The rows `keep` of each batch in one batch, with one copy of the cache: each part is

@@ -45,6 +45,7 @@ class BlockPool:
         self.v = [self._empty(blocks) for _ in range(layers)]
         self.refs = [0] * blocks
         self._free = list(range(blocks - 1, 0, -1))  # a stack: the lowest ids first
+        self.storage = 0  # counts the (re)allocations of k and v: what captured CUDA graphs were built over
 
     def reset(self) -> None:
         """Every block free again (the engine dropped all its rows)."""
@@ -61,6 +62,7 @@ class BlockPool:
         if not self.k:
             self.k = [self._empty(len(self.refs)) for _ in range(self._layers)]
             self.v = [self._empty(len(self.refs)) for _ in range(self._layers)]
+            self.storage += 1
 
     def _empty(self, blocks: int) -> torch.Tensor:
         # Zeros, not garbage: a padded column's score is masked to -inf after it is computed, and
@@ -133,6 +135,7 @@ class BlockPool:
                 cache[i] = grown
         self._free = list(range(blocks - 1, len(self.refs) - 1, -1)) + self._free
         self.refs += [0] * (blocks - len(self.refs))
+        self.storage += 1
 
 
 def block_table(tables: Sequence[Sequence[int]], device: torch.device, width: int | None = None) -> torch.Tensor:

@@ -54,6 +54,9 @@ class PagedBatch:
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]
 
+    def live_rows(self) -> list[Row]:
+        return [row for row in self.rows if row.finish is None]
+
     def add(self, rows: list[Row]) -> None:
         """Rows to prefill: the first of each sequence leads, the others follow it."""
         leaders = {row.sequence: row for row in self.pending if row.finish is None}
@@ -121,7 +124,8 @@ class PagedBatch:
             n = min(len(row.sequence) - row.computed, budget)
             chunks.append((row, int(n)))
             budget -= n
-        need = sum(self.pool.blocks_for(row.computed + 1) - len(row.blocks) for row in self.ready)
+        size = self.pool.block_size
+        need = sum(len(row.blocks) * size <= row.computed for row in self.ready)  # a row's next token starts a block
         need += sum(self.pool.blocks_for(row.computed + n) - len(row.blocks) for row, n in chunks)
         # A leader's followers each copy its last block when it completes.
         need += sum(len(self.followers.get(id(row), ())) for row, n in chunks
@@ -157,26 +161,27 @@ class PagedBatch:
         chunks, _ = self._plan()
         pool, size, device = self.pool, self.pool.block_size, self.pool.device
         for row in self.ready:
-            row.blocks += pool.allocate(pool.blocks_for(row.computed + 1) - len(row.blocks))
+            if len(row.blocks) * size <= row.computed:  # its newest token starts a block
+                row.blocks += pool.allocate(1)
         for row, n in chunks:
             row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
-        tokens, positions, write = [], [], []
-        for row in self.ready:
-            p = row.computed  # its newest token's position: the last output (a ready row has sampled one)
-            tokens.append(row.output_ids[-1])
-            positions.append(p)
-            write.append(row.blocks[p // size] * size + p % size)
+        # The decode rows' inputs as tensors: each feeds its newest token (the last output: a
+        # ready row has sampled one) at position `computed`, its context's length.
         decode = len(self.ready)
         contexts = [row.computed + 1 for row in self.ready]
         width = max(contexts, default=0)
         table = block_table([row.blocks for row in self.ready], device)
-        decode_slots = slots(table, width, size)
         lengths = torch.tensor(contexts, dtype=torch.int64).to(device)
+        position = lengths - 1
+        feed = [torch.tensor([row.output_ids[-1] for row in self.ready], dtype=torch.int64).to(device)]
+        at = [position]
+        into = [table.gather(1, (position // size)[:, None])[:, 0] * size + position % size]
         decode_bias = torch.zeros(decode, width, dtype=pool.dtype, device=device).masked_fill_(
             torch.arange(width, device=device) >= lengths[:, None], float("-inf"))
+        tokens, positions, write = [], [], []  # the prefill chunks'
         logits_at, wanted, chunk_list = list(range(decode)), [], []
         for row, n in chunks:
-            start, first = len(tokens), row.computed
+            start, first = decode + len(tokens), row.computed
             tokens += row.sequence[first: first + n]
             positions += range(first, first + n)
             context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
@@ -192,11 +197,13 @@ class PagedBatch:
             if first + n == total and total - 1 not in scored:
                 wanted.append((row, len(logits_at), 0))
                 logits_at.append(start + n - 1)
+        if tokens:
+            for parts, values in ((feed, tokens), (at, positions), (into, write)):
+                parts.append(torch.tensor(values, dtype=torch.int64).to(device))
         step = Forward(
-            tokens=torch.tensor(tokens, dtype=torch.int64).to(device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(device),
-            write=torch.tensor(write, dtype=torch.int64).to(device),
-            decode=decode, decode_slots=decode_slots, decode_bias=decode_bias,
+            tokens=torch.cat(feed), positions=torch.cat(at), write=torch.cat(into),
+            decode=decode, decode_slots=slots(table, width, size), decode_bias=decode_bias, decode_table=table,
+            decode_lengths=lengths, block_size=size,
             spans=_spans(contexts) if self.model.batch_invariant else None, chunks=chunk_list,
             logits_at=torch.tensor(logits_at, dtype=torch.int64).to(device))
         logits = (self.runner or self.model).forward(step, pool)
@@ -209,7 +216,7 @@ class PagedBatch:
                 self._prompt_logits.setdefault(id(row), []).append(logits[at: at + count])
         completed = self._complete(logits[:decode], {id(row): logits[at + max(count - 1, 0)] for row, at, count in wanted},
                                    [row for row, _ in chunks if row.computed == len(row.sequence)])
-        return decode, len(tokens) - decode, completed
+        return decode, len(tokens), completed
 
     def _complete(self, decoded: torch.Tensor, last: dict[int, torch.Tensor], done: list[Row]) -> list[Prefilled]:
         """Ready rows' new logits, and the completed leaders and their forks joining them."""

@@ -80,9 +80,15 @@ def test_the_engine_on_cuda_replays_graphs_and_its_logprobs_are_exact(model_dirs
         prompts = [[2 + (i * 7 + j) % 15 for j in range(1 + i % 6)] for i in range(12)]
         futures = [engine.submit(p, max_new_tokens=20, temperature=1.0, ignore_eos=True) for p in prompts]
         results = [f.result(timeout=120) for f in futures]
+        replays = engine.cuda_graphs.replays
+        engine.release_memory()  # the cache is freed and taken again: the graphs are captured anew over it
+        engine.continue_generation()
+        futures = [engine.submit(p, max_new_tokens=20, temperature=1.0, ignore_eos=True) for p in prompts]
+        results += [f.result(timeout=120) for f in futures]
+        prompts += prompts
     finally:
         engine.shutdown()
-    assert engine.cuda_graphs is not None and engine.cuda_graphs.replays > 0
+    assert engine.cuda_graphs is not None and 0 < replays < engine.cuda_graphs.replays
     for prompt, result in zip(prompts, results):
         expected = full_forward_logprobs(reference, prompt, result.output_ids, 1.0)
         torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)

@@ -3,7 +3,11 @@ transformers forward it replaces."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +135,39 @@ def test_the_engine_decodes_an_unsupported_architecture_through_transformers(tmp
     assert engine._decode_step is None
     assert [r.output_ids for r in results] == [greedy_reference(model, list(p), 8, stop_ids=()) for p in prompts]
     assert (2, 1) in forwards  # decode steps ran, through the model's forward
+
+
+KERNEL_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_decode_step import qwen2_gqa, reference_logits, rows, paged
+from areal_flow.generation.decode import DecodeStep
+torch.manual_seed(0)
+model, reference = qwen2_gqa().eval(), qwen2_gqa().eval()
+reference.load_state_dict(model.state_dict())
+step = DecodeStep.for_model(model)
+step.paged_kernel = True  # the GPU's decode attention, here through Triton's interpreter
+batch = paged(step, 3, 4)
+batch.add(rows((2, 5, 7, 3, 9, 4, 4), (6, 2), (2, 5, 7, 3, 9, 4, 4)))
+with torch.inference_mode():
+    for _ in range(6):
+        for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
+            row.output_ids.append(int(logits.argmax()))
+        batch.make_room()
+        batch.forward({{}})
+        for row, logits in zip(batch.ready, batch.logits):
+            torch.testing.assert_close(logits, reference_logits(reference, row.sequence), atol=1e-5, rtol=0)
+print("ok", len(batch.ready))
+"""
+
+
+@pytest.mark.slow  # Triton's interpreter takes ~10 s
+def test_the_triton_decode_kernel_in_the_paged_forward_gives_the_transformers_logits():
+    """The forward with its decode attention through the Triton kernel (the CUDA path), run by Triton's
+    interpreter on the CPU: the block tables and lengths it is handed give every row its logits."""
+    pytest.importorskip("triton")
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK.format(tests=tests)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0 and "ok 3" in done.stdout, done.stderr[-3000:]

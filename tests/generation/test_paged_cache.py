@@ -119,3 +119,14 @@ def test_an_aborted_leader_hands_its_prefill_to_a_follower():
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     assert batch.pool.used_blocks == 4  # two shared full blocks, and a last block each
     assert max(prompt) < VOCAB_SIZE
+
+
+def test_the_cache_memory_is_given_back_and_taken_again_as_new_storage():
+    p = pool(4)
+    held, storage = p.allocate(2), p.storage
+    p.free_memory()  # a colocated trainer's turn: nothing is held any more
+    assert p.k == [] and p.used_blocks == 0 and held
+    p.ensure()
+    assert len(p.k) == 2 and p.k[0].shape == (2, 5 * 4, 3) and p.storage == storage + 1
+    p.ensure()
+    assert p.storage == storage + 1  # already there: nothing reallocated
