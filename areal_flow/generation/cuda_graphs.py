@@ -39,6 +39,7 @@ class _Static:
     decode_bias: torch.Tensor
     decode_table: torch.Tensor
     decode_lengths: torch.Tensor
+    logits_at: torch.Tensor  # kept here: a graph reads its inputs' memory, which must outlive the capture
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -106,6 +107,7 @@ class GraphRunner:
             decode_bias=torch.empty(rows, width, dtype=pool.dtype, device=device),
             decode_table=torch.zeros(rows, width // pool.block_size, dtype=torch.int64, device=device),
             decode_lengths=torch.ones(rows, dtype=torch.int64, device=device),
+            logits_at=torch.arange(rows, device=device),
         )
 
     @staticmethod
@@ -116,7 +118,7 @@ class GraphRunner:
                        decode_slots=static.decode_slots, decode_bias=static.decode_bias,
                        decode_table=static.decode_table, decode_lengths=static.decode_lengths,
                        block_size=block_size, spans=None, chunks=[],
-                       logits_at=torch.arange(rows, device=static.tokens.device))
+                       logits_at=static.logits_at)
 
     def _capture(self, static: _Static, pool: BlockPool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the bucket's forward (its inputs already in the buffers: the eager run before
