@@ -109,7 +109,8 @@ def test_two_servers_in_one_process_keep_their_own_metrics(server_a, model_dirs)
 def test_kv_usage_is_the_running_requests_tokens_over_the_budget(model_dirs):
     with running_server(model_dirs.a, step_delay=0.005, max_total_tokens=400) as server:
         server.engine.submit(PROMPT, max_new_tokens=200, ignore_eos=True)
-        wait_until(lambda: server.engine.stats()["num_running_reqs"] == 1, "decoding")
+        # Running and past its first token (admitted, a request is running while its prompt is prefilled).
+        wait_until(lambda: server.engine.stats()["generated_tokens"] >= 1, "decoding")
         load, scraped = loads(server)["loads"][0], metrics(server)
         server.engine.abort()
     assert load["max_total_num_tokens"] == 400 and len(PROMPT) < load["num_used_tokens"] <= len(PROMPT) + 200
