@@ -5,7 +5,9 @@ metrics go) but not what it computes: a changed key of the model, the graph's ma
 the training data or the seed would make the resumed run a different run, so it is refused by name.
 A changed parallel layout is not refused here: the torch engine reshards its full-state checkpoint
 onto any layout, and the megatron engine refuses another layout when it loads (its optimizer state
-is per rank).
+is per rank). A node moved from the trainer mesh onto a mesh of its own is: the scored groups the
+checkpoint holds were waiting for a trainer rank to compute its key, and no inference process ever
+gets them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import node_config
+from areal_flow.graph.dag import parse_mesh
 
 SAME = ("seed", "model", "dataset", "graph", "algorithm", "training.dtype")
 """Config keys (and everything under them) that a resumed run keeps: they change the math."""
@@ -81,8 +84,26 @@ def with_typed_graph(conf: dict) -> dict:
     return {**conf, "graph": graph}
 
 
+def own_mesh(conf: dict) -> set[str]:
+    """The inference nodes of a typed config's graph that run on a mesh of their own: not the
+    actor's train node's (the graph has checked that only a frozen role's may)."""
+    graph = conf.get("graph", {})
+    train = next((n for n in graph.values() if n["type"] == "train" and n["role"] == "actor"), None)
+    if train is None or train["mesh"] is None:
+        return set()
+    trainer = parse_mesh(train["mesh"], "")[0]
+    return {name for name, n in graph.items()
+            if n["type"] == "inference" and n["mesh"] is not None and parse_mesh(n["mesh"], "")[0] != trainer}
+
+
+def moved_off_trainer(saved: dict, now: dict) -> list[str]:
+    """Nodes the checkpoint's run ran on its trainer ranks and this run runs on a mesh of their own."""
+    return sorted(n for n in own_mesh(now) - own_mesh(saved) if n in saved.get("graph", {}))
+
+
 def check(checkpoint: str, cfg: DictConfig) -> None:
-    """Raise ResumeError naming every key of the math that this run changes from `checkpoint`'s."""
+    """Raise ResumeError naming every key of the math that this run changes from `checkpoint`'s, or
+    a node it moves off the trainer mesh."""
     saved = with_typed_graph(OmegaConf.to_container(OmegaConf.load(os.path.join(checkpoint, "config.yaml")), resolve=True))
     now = with_typed_graph(OmegaConf.to_container(cfg, resolve=True))
     problems = changed_keys(saved, now)
@@ -91,6 +112,13 @@ def check(checkpoint: str, cfg: DictConfig) -> None:
     if problems:
         raise ResumeError(f"resume from {checkpoint}: this run changes what the checkpoint's run computes:\n  "
                           + "\n  ".join(problems) + "\n(start a new run to change them)")
+    for name in moved_off_trainer(saved, now):
+        node = now["graph"][name]
+        raise ResumeError(f"resume from {checkpoint}: node '{name}' ran on the trainer ranks (graph.{name}.mesh="
+                          f"{saved['graph'][name]['mesh']!r}) and this run puts it on a mesh of its own "
+                          f"({node['mesh']!r}): the scored groups the checkpoint holds have no "
+                          f"{', '.join(node['outputs'])} yet, which only the trainer ranks would have computed; "
+                          f"resume with graph.{name}.mesh={saved['graph'][name]['mesh']!r}, or start a new run")
 
 
 def find(resume: str, run_dir: str) -> tuple[str | None, str]:

@@ -43,6 +43,7 @@ from areal_flow.weights import UpdateFlags, make_channel
 from areal_flow.weights.files import record_loaded
 from areal_flow.weights.update import WeightUpdateError
 from areal_flow.graph.dag import graph_from_config
+from areal_flow.graph.placement import infer_name
 from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
@@ -58,6 +59,7 @@ from areal_flow.transport.messages import (
     Joined,
     Message,
     PromptGroup,
+    Ready,
     Route,
     PublishWeights,
     Released,
@@ -114,6 +116,7 @@ class Controller:
         # to a worker again; a copy that comes back first wins, a later one is refused as not running.
         self.regenerate: list[int] = []
         self.reward_workers: set[str] = set()  # the reward workers that have joined
+        self.replicas: set[str] = set()  # the inference processes (nodes on a mesh of their own) that are ready
         if spec.resume:
             self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
@@ -191,6 +194,8 @@ class Controller:
                 await self.route(ident, msg)
             elif isinstance(msg, (Hello, StepDone, WeightsPublished, Saved)):
                 self.replies.put_nowait(msg)
+            elif isinstance(msg, Ready):
+                self.replicas.add(msg.worker)
             else:
                 log.error("controller: a %s is not for the controller, dropped", type(msg).__name__)
             await self.grant()
@@ -496,16 +501,21 @@ class Controller:
         await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout, self.spec.api_key)
                                for url in self.spec.gen_urls])
         deadline = time.monotonic() + timeout
-        while len(self.ranks) < self.spec.n_trainers:
+        replicas = {infer_name(node, i) for node, ports in self.spec.infer_ports.items() for i in range(len(ports))}
+        while len(self.ranks) < self.spec.n_trainers or replicas - self.replicas:
             try:
                 ident, msg = await asyncio.wait_for(recv_from(self.socket, "controller"),
                                                     max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                missing = sorted(set(range(self.spec.n_trainers)) - set(self.ranks))
-                raise TimeoutError(f"trainer ranks {missing} did not report within {timeout:.0f} s "
+                missing = [f"trainer ranks {sorted(set(range(self.spec.n_trainers)) - set(self.ranks))}"] \
+                    if len(self.ranks) < self.spec.n_trainers else []
+                missing += [f"inference processes {sorted(replicas - self.replicas)}"] if replicas - self.replicas else []
+                raise TimeoutError(f"{' and '.join(missing)} did not report within {timeout:.0f} s "
                                    "(launcher.start_timeout)") from None
             if isinstance(msg, Hello):
                 self.ranks[msg.rank] = ident
+            elif isinstance(msg, Ready):
+                self.replicas.add(msg.worker)
             elif isinstance(msg, AdmitRequest):
                 self.slots.offer(ident, msg.slots)  # filled once training starts
             elif isinstance(msg, Joined):

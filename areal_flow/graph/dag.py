@@ -100,7 +100,21 @@ class Graph:
 
     @property
     def trainer_mesh(self) -> tuple[int, ...]:
-        return self.batch_nodes[0].mesh or ()
+        """The trainer ranks' devices: the actor's train node's mesh (not the first batch node's, which
+        may be a ref node on a mesh of its own)."""
+        train = _actor_train(self.nodes)
+        return (train.mesh if train is not None else None) or ()
+
+    @property
+    def trainer_nodes(self) -> list[Node]:
+        """The batch nodes the trainer ranks run in each step, in graph order."""
+        return [n for n in self.batch_nodes if n.mesh == self.trainer_mesh]
+
+    @property
+    def own_mesh_nodes(self) -> list[Node]:
+        """Inference nodes of a frozen role (ref) on a mesh of their own: each device of it runs a
+        replica in an inference process, and the trainer ranks join its output to their groups by group id."""
+        return [n for n in self.batch_nodes if n.mesh != self.trainer_mesh]
 
     @property
     def colocated(self) -> bool:
@@ -110,7 +124,7 @@ class Graph:
     @property
     def roles(self) -> list[str]:
         """Model roles the trainer ranks hold, in firing order."""
-        return list(dict.fromkeys(n.role for n in self.batch_nodes))
+        return list(dict.fromkeys(n.role for n in self.trainer_nodes))
 
     def input(self, node: Node, meaning: str) -> str | None:
         """The key `node` reads for a well-known meaning (e.g. its 'prox_logprobs'), or None."""
@@ -146,6 +160,9 @@ class Graph:
                 lines.append(f"      <- {k} (from {src}){_as(k, self.meaning.get(k))}")
             for k in n.outputs:
                 lines.append(f"      -> {k}{_as(k, self.meaning.get(k))}")
+        for n in self.own_mesh_nodes:
+            lines.append(f"{n.name}: on a mesh of its own, one inference process per device; the trainer ranks "
+                         f"join its {', '.join(n.outputs)} to their groups")
         if self.colocated:
             lines.append(f"colocated: generation and training take turns on mesh {format_mesh(self.trainer_mesh)} (the "
                          "generation servers free their KV cache for each train step and go on at its weight update)")
@@ -413,26 +430,61 @@ def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
                         f"({', '.join(trains['critic'])}): at most one")
 
 
+def _actor_train(nodes: Mapping[str, Node]) -> Node | None:
+    """The actor's train node, whose mesh is the trainer ranks'; None in a graph without one (refused)."""
+    return next((n for n in nodes.values() if n.type == "train" and n.role == "actor"), None)
+
+
+def _own_mesh(nodes: Mapping[str, Node]) -> list[Node]:
+    """The batch nodes placed off the trainer mesh that may be: inference nodes of a role no train
+    node trains (ref), whose weights never change, so a replica elsewhere computes what a trainer
+    rank would."""
+    train = _actor_train(nodes)
+    if train is None or train.mesh is None:
+        return []
+    trained = {n.role for n in nodes.values() if n.type == "train"}
+    return [n for n in nodes.values() if n.type == "inference" and n.role not in trained
+            and n.mesh is not None and n.mesh != train.mesh]
+
+
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
     """Generation and training share devices only as a whole (the same mesh: colocated, taking
-    turns); batch nodes share one trainer mesh."""
+    turns); batch nodes share one trainer mesh, but for an inference node of a frozen role, which
+    may run on a mesh of its own that no other node uses."""
     placed = [n for n in nodes.values() if n.mesh is not None]
+    own = {n.name for n in _own_mesh(nodes)}
     for i, a in enumerate(placed):
         for b in placed[i + 1:]:
             shared = set(a.mesh) & set(b.mesh)
-            if not shared and (a.streaming or b.streaming):
-                continue
-            if a.streaming != b.streaming and shared and a.mesh != b.mesh:
+            if shared and (a.name in own or b.name in own):
+                mine, other = (a, b) if a.name in own else (b, a)
+                problems.append(
+                    f"node '{mine.name}': mesh {format_mesh(mine.mesh)} (graph.{mine.name}.mesh) shares device(s) "
+                    f"{format_mesh(sorted(shared))} with '{other.name}' ({format_mesh(other.mesh)}): an inference "
+                    f"node on a mesh of its own needs devices that no other node uses"
+                )
+            elif a.streaming != b.streaming and shared and a.mesh != b.mesh:
                 problems.append(
                     f"meshes of '{a.name}' ({format_mesh(a.mesh)}) and '{b.name}' ({format_mesh(b.mesh)}) overlap "
                     f"on device(s) {format_mesh(sorted(shared))}: generation and training share devices only when "
                     f"their meshes are the same (colocated), otherwise each needs its own (graph.{b.name}.mesh)"
                 )
-            elif not a.streaming and not b.streaming and a.mesh != b.mesh:
-                problems.append(
-                    f"meshes of batch nodes '{a.name}' ({format_mesh(a.mesh)}) and '{b.name}' ({format_mesh(b.mesh)}) "
-                    f"differ (graph.{b.name}.mesh): batch nodes run on one trainer mesh in this version"
-                )
+    train = _actor_train(nodes)
+    if train is None or train.mesh is None:
+        return
+    for n in placed:
+        if not n.streaming and n.name not in own and n.mesh != train.mesh:
+            problems.append(
+                f"meshes of batch nodes '{n.name}' ({format_mesh(n.mesh)}) and '{train.name}' "
+                f"({format_mesh(train.mesh)}) differ (graph.{n.name}.mesh): {_why_on_trainer(n)}"
+            )
+
+
+def _why_on_trainer(n: Node) -> str:
+    if n.type == "inference":
+        return (f"role {n.role!r} is trained, so its inference node runs on the trainer ranks, with the weights they "
+                "train; only an inference node of a frozen role (ref) may have a mesh of its own")
+    return "train nodes run on the trainer ranks, on one mesh"
 
 
 ENGINES = {"torch": None, "megatron": None}
@@ -456,6 +508,7 @@ def _layout(name: str, spec: Any, mesh_size: int, problems: list[str]) -> Layout
 def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
     """A role's batch nodes share one model, so they name one engine, and one that exists."""
     by_role: dict[str, Node] = {}
+    own = {n.name for n in _own_mesh(nodes)}
     for n in nodes.values():
         if n.kind is None or n.kind.streaming:  # engines are the batch nodes'
             continue
@@ -465,6 +518,13 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
         elif ENGINES[n.engine]:
             problems.append(f"node '{n.name}': engine {n.engine!r} (graph.{n.name}.engine) is not implemented in "
                             f"this version: {ENGINES[n.engine]}")
+        elif n.name in own and n.engine != "torch":
+            problems.append(f"node '{n.name}': engine {n.engine!r} (graph.{n.name}.engine) on a mesh of its own: its "
+                            "inference processes run engine 'torch', one replica per device")
+        elif n.name in own and n.layout is not None and (n.layout.tp > 1 or n.layout.pp > 1):
+            problems.append(f"node '{n.name}': layout {n.layout} (graph.{n.name}.parallel) splits the model on a mesh "
+                            "of its own: its inference processes are independent replicas, one per device (data "
+                            "parallel only)")
         elif n.engine != "megatron" and n.layout is not None and (n.layout.tp > 1 or n.layout.pp > 1):
             problems.append(f"node '{n.name}': layout {n.layout} (graph.{n.name}.parallel) splits the model, which "
                             f"engine {n.engine!r} cannot: tensor and pipeline parallel need engine: megatron")
@@ -475,7 +535,8 @@ def _check_engines(nodes: dict[str, Node], problems: list[str]) -> None:
         if first.engine != n.engine:
             problems.append(f"nodes '{first.name}' and '{n.name}' run role {n.role!r} on different engines "
                             f"({first.engine!r}, {n.engine!r}; graph.{n.name}.engine): a role has one model")
-    batch = [n for n in nodes.values() if n.layout is not None]  # a batch node's, placed on a mesh
+    # A batch node's, placed on the trainer mesh (a node on a mesh of its own has replicas, not ranks).
+    batch = [n for n in nodes.values() if n.layout is not None and n.name not in own]
     for n in batch[1:]:
         if n.layout != batch[0].layout:
             problems.append(f"batch nodes '{batch[0].name}' ({batch[0].layout}) and '{n.name}' ({n.layout}) have "

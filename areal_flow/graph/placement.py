@@ -12,11 +12,27 @@ class Proc:
     """One OS process of the run."""
 
     name: str
-    role: str  # controller | gen_server | rollout | reward | trainer
+    role: str  # controller | gen_server | rollout | reward | trainer | inference
     devices: tuple[int, ...] = ()  # cores (CPU) or GPUs it owns, numbered across nodes; () = floats
-    rank: int = 0
+    rank: int = 0  # an inference process: its replica's index among the node's
     node: int = 0  # the node (host) it runs on
     local_devices: tuple[int, ...] = ()  # `devices` as numbered on its node (what CUDA_VISIBLE_DEVICES lists)
+    graph_node: str = ""  # an inference process: the graph node on a mesh of its own that it runs
+
+
+LISTENERS = ("gen_server", "rollout", "trainer", "inference")
+"""The roles whose processes listen, in the order a run spec lists their ports."""
+
+
+def infer_name(node: str, replica: int) -> str:
+    """The process name of replica `replica` of graph node `node` on a mesh of its own."""
+    return f"{node}_infer{replica}"
+
+
+def replica_of(group_id: int, replicas: int) -> int:
+    """The replica of a node on a mesh of its own that computes a group's key: by group id, which
+    the reward worker that sends the request and the trainer rank that waits for it both know."""
+    return group_id % replicas
 
 
 @dataclass
@@ -36,18 +52,19 @@ class Placement:
         return "\n".join(lines)
 
 
-def _on_node(name: str, role: str, devices: tuple[int, ...], rank: int, per_node: int) -> Proc:
+def _on_node(name: str, role: str, devices: tuple[int, ...], rank: int, per_node: int, graph_node: str = "") -> Proc:
     # Callers keep a process's devices on one node (run/checks.py checks the groups).
     node = devices[0] // per_node
-    return Proc(name, role, devices, rank, node, tuple(d - node * per_node for d in devices))
+    return Proc(name, role, devices, rank, node, tuple(d - node * per_node for d in devices), graph_node)
 
 
 def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: int | None = None) -> Placement:
     """One generation server per `gen_tp_size` consecutive generate-mesh devices (which must divide
     the mesh: run/checks.py), one trainer rank per trainer-mesh device, the reward pool,
-    rollout workers and one controller; on nodes of `per_node` devices (default: one node), with the
-    light processes on node 0."""
-    per_node = per_node or max((*(graph.generate.mesh or ()), *graph.trainer_mesh, 0)) + 1
+    rollout workers, one inference process per device of each node on a mesh of its own, and one
+    controller; on nodes of `per_node` devices (default: one node), with the light processes on node 0."""
+    own = [d for n in graph.own_mesh_nodes for d in n.mesh or ()]
+    per_node = per_node or max((*(graph.generate.mesh or ()), *graph.trainer_mesh, *own, 0)) + 1
     procs = [Proc("controller", "controller")]
     gen_mesh = graph.generate.mesh or ()
     for i, start in enumerate(range(0, len(gen_mesh), gen_tp_size)):
@@ -58,4 +75,7 @@ def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: in
     procs += [Proc("reward0", "reward", (), 0)] if graph.rewards else []
     for rank, dev in enumerate(graph.trainer_mesh):
         procs.append(_on_node(f"trainer{rank}", "trainer", (dev,), rank, per_node))
+    for node in graph.own_mesh_nodes:  # independent replicas: one device each, no process group
+        for replica, dev in enumerate(node.mesh or ()):
+            procs.append(_on_node(infer_name(node.name, replica), "inference", (dev,), replica, per_node, node.name))
     return Placement(procs)

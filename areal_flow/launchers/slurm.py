@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import format_mesh
-from areal_flow.graph.placement import Placement, Proc
+from areal_flow.graph.placement import LISTENERS, Placement, Proc
 
 
 class SlurmError(RuntimeError):
@@ -45,7 +45,7 @@ class Step:
 def port_names(placement: Placement) -> list[str]:
     """The processes that listen, in the order the spec lists their ports, then the trainers'
     torch.distributed rendezvous ("dist"), which torchrun hosts on the first trainer node."""
-    listeners = [p.name for r in ("gen_server", "rollout", "trainer") for p in placement.of_role(r)]
+    listeners = [p.name for r in LISTENERS for p in placement.of_role(r)]
     return [*listeners, "controller", "dist"]
 
 

@@ -3,6 +3,8 @@ chooses. It runs the graph's reward and combine nodes in graph order on every sa
 functions in the reward service's worker processes, many samples and groups at once), reports the
 scored group's metadata to the controller, and holds the samples until the controller answers with
 a Route: the samples go to that rank's inbox, or are dropped (the controller's ledger says why).
+For each inference node on a mesh of its own, a routed group's inputs to that node also go to one
+of its replicas, which sends the node's key to the same rank (training/inference.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.dag import Graph, graph_from_config
+from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
 from areal_flow.runtime.spec import RunSpec
@@ -25,6 +28,7 @@ from areal_flow.transport.messages import (
     DROP,
     GeneratedGroup,
     GroupMeta,
+    InferRequest,
     Joined,
     Route,
     SampleMeta,
@@ -57,6 +61,13 @@ async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: R
     return ScoredGroup(group.group_id, group.samples)
 
 
+def infer_requests(group: ScoredGroup, rank: int, nodes: list[Node]) -> list[InferRequest]:
+    """For each node on a mesh of its own, what its replica needs to compute the node's key for a
+    group routed to trainer rank `rank`: only the arrays the node reads."""
+    return [InferRequest(group.group_id, rank, n.name, [s.index for s in group.samples],
+                         [{k: s.arrays[k] for k in n.inputs} for s in group.samples]) for n in nodes]
+
+
 class RewardWorker:
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str):
         self.name = name
@@ -70,6 +81,10 @@ class RewardWorker:
                                       security=spec.security)
         self.ranks = [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
                       for r, p in enumerate(spec.trainer_ports)]
+        # Each node on a mesh of its own -> its replicas' inboxes.
+        self.replicas = {node: [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(infer_name(node, i), p),
+                                            security=spec.security) for i, p in enumerate(ports)]
+                         for node, ports in spec.infer_ports.items()}
         self.held: dict[int, ScoredGroup] = {}  # scored, waiting for the controller's Route
         self.service = RewardService(self.graph.rewards, cfg.sandbox)
         self.tasks: set[asyncio.Task] = set()
@@ -114,6 +129,9 @@ class RewardWorker:
                 log.info("%s: the controller dropped group %d (its ledger says why)", self.name, msg.group_id)
             else:
                 await send(self.ranks[msg.rank], group)
+                for request in infer_requests(group, msg.rank, self.graph.own_mesh_nodes):
+                    replicas = self.replicas[request.node]
+                    await send(replicas[replica_of(group.group_id, len(replicas))], request)
 
     async def run(self) -> None:
         await send(self.controller, Joined(self.name))  # again after a restart: the controller has the groups resent

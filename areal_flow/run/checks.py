@@ -104,7 +104,7 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
         problems.append("rollout.weight_update_mode='distributed' with generation and training colocated on cuda: NCCL "
                         "cannot broadcast between two processes on one GPU; use rollout.weight_update_mode=ipc, shm or "
                         "disk")
-    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
+    layout = graph.train.layout  # the trainer ranks' (a node on a mesh of its own has replicas)
     dp = layout.dp if layout is not None else len(graph.trainer_mesh)  # TP/PP ranks share their data
     most = math.ceil(cfg.algorithm.batch_size / max(dp, 1))
     if cfg.algorithm.n_minibatches > most:
@@ -168,13 +168,13 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
     heads, PP its layers), or generation's tensor parallel its attention heads: found before any
     process starts, not in a trainer rank's or a server's log."""
-    layout = graph.batch_nodes[0].layout if graph.batch_nodes else None
+    layout = graph.train.layout  # the trainer nodes' one layout; a node on a mesh of its own is data parallel
     if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
         return
     model = load_model_config(model_path)
     problems = []
     if layout is not None:
-        where = f"graph.{graph.batch_nodes[0].name}.parallel with model {model_path}"
+        where = f"graph.{graph.trainer_nodes[0].name}.parallel with model {model_path}"
         problems += layout_problems(layout, n_devices=None, model=model, where=where)
     if model.num_attention_heads % gen_tp:
         problems.append(f"generation.tp_size={gen_tp} with model {model_path}: does not divide the model's "

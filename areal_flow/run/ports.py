@@ -5,7 +5,7 @@ that listens, the hosts of processes placed on other nodes, and the run's secret
 from __future__ import annotations
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.placement import Placement
+from areal_flow.graph.placement import LISTENERS, Placement
 from areal_flow.launchers.commands import server_host
 from areal_flow.run.prepare import Prepared
 from areal_flow.runtime.security import LOOPBACK, Security, host_address, is_loopback, security_needed
@@ -16,9 +16,13 @@ def spec_with_ports(placement: Placement, ports: dict[str, int], **fields) -> Ru
     """The run spec with the port of each listening process (`ports`: process name -> port, and
     'dist' for the trainers' torch.distributed rendezvous) and `fields`."""
     names = {r: [p.name for p in placement.of_role(r)] for r in ("gen_server", "rollout", "trainer")}
+    infer_ports: dict[str, list[int]] = {}  # graph node -> its replicas' ports, in replica order
+    for p in placement.of_role("inference"):
+        infer_ports.setdefault(p.graph_node, []).append(ports[p.name])
     return RunSpec(gen_ports=[ports[n] for n in names["gen_server"]], rollout_ports=[ports[n] for n in names["rollout"]],
-                   trainer_ports=[ports[n] for n in names["trainer"]], controller_port=ports["controller"],
-                   dist_port=ports["dist"], n_trainers=len(names["trainer"]), n_rollout=len(names["rollout"]), **fields)
+                   trainer_ports=[ports[n] for n in names["trainer"]], infer_ports=infer_ports,
+                   controller_port=ports["controller"], dist_port=ports["dist"], n_trainers=len(names["trainer"]),
+                   n_rollout=len(names["rollout"]), **fields)
 
 
 def watched_spec(cfg: RunConfig, placement: Placement, launcher, prepared: Prepared, *, weights_dir: str,
@@ -31,7 +35,7 @@ def watched_spec(cfg: RunConfig, placement: Placement, launcher, prepared: Prepa
     # trainers' torch.distributed rendezvous), in the order the spec lists them. Secured: free on
     # every address, since servers bind the host's address, loopback (torch.distributed) and maybe a
     # wildcard (generation.host).
-    listeners = [p.name for r in ("gen_server", "rollout", "trainer") for p in placement.of_role(r)]
+    listeners = [p.name for r in LISTENERS for p in placement.of_role(r)]
     names = [*listeners, "controller", "trainer0"]
     reserved = launcher.reserve(names, wildcard=security is not None)
     ports = dict(zip([*listeners, "controller", "dist"], (port for _, port in reserved)))

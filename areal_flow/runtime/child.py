@@ -21,6 +21,7 @@ ROLES = {
     "rollout": "areal_flow.rollout.worker",
     "reward": "areal_flow.rewards.worker",
     "trainer": "areal_flow.training.worker",
+    "inference": "areal_flow.training.inference",  # a replica of a node on a mesh of its own
 }
 
 

@@ -28,6 +28,8 @@ class RunSpec(msgspec.Struct, kw_only=True):
     controller_port: int  # controller ROUTER: every other process's control messages
     rollout_ports: list[int]  # each rollout worker's PUSH to the reward pool
     trainer_ports: list[int]  # each trainer rank's PULL inbox for scored groups
+    # Each inference node on a mesh of its own -> its replicas' PULL inboxes for InferRequests.
+    infer_ports: dict[str, list[int]] = {}
     dist_port: int  # torch.distributed rendezvous of the trainer ranks
     n_trainers: int
     n_rollout: int

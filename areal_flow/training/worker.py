@@ -1,11 +1,13 @@
 """A model worker: one rank of the trainer mesh, where the batch data lives.
 
 Scored groups arrive on the rank's inbox straight from the reward workers (the controller chose
-the rank). For each step the controller sends only ids: "train these groups; first send those to
-rank k". The rank moves what it must, waits for its share, and runs the graph's batch nodes in
-graph order on it (inference nodes write their key into the samples it holds, then the train node
-updates the model). Only statistics and the new weights' location go back. docs/architecture.md
-has the whole life of a sample.
+the rank), and with them the keys of inference nodes on a mesh of their own, from the inference
+processes (training/inference.py), which the rank joins to its groups (training/join.py). For each
+step the controller sends only ids: "train these groups; first send those to rank k". The rank
+moves what it must, waits for its share, and runs the graph's trainer-mesh nodes in graph order on
+it (inference nodes write their key into the samples it holds, then the train node updates the
+model). Only statistics and the new weights' location go back. docs/architecture.md has the whole
+life of a sample.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from functools import cached_property, partial
 
 import msgspec
@@ -37,12 +40,14 @@ from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_de
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
+from areal_flow.training.join import DuplicateResult, Join, Remote
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
     Hello,
+    Inferred,
     PublishWeights,
     RunStep,
     Sample,
@@ -70,7 +75,10 @@ class ModelWorker:
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
         self.engines = make_engines(cfg, spec, self.graph, rank)
-        self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, not yet trained
+        self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, complete, not yet trained
+        # Groups waiting for the key of a node on a mesh of its own, and such keys waiting for their group.
+        self.join = Join([Remote(n.name, n.outputs[0], self.graph.input(n, "output_ids"))
+                          for n in self.graph.own_mesh_nodes])
         self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
         ctx = zmq.Context()
         self.control = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
@@ -112,13 +120,23 @@ class ModelWorker:
     def receive(self) -> None:
         with self.phases("transport"):  # counted in the next step's profile, wherever it arrives
             msg = recv_blocking(self.inbox, f"{self.name} inbox")
-        if not isinstance(msg, ScoredGroup):
+        if isinstance(msg, Inferred):
+            try:
+                self.hold(self.join.result(msg))
+            except DuplicateResult as e:  # a result that does not fit its group (JoinError) stops the rank
+                log.error("%s: %s", self.name, e)
+        elif not isinstance(msg, ScoredGroup):
             if msg is not None:
                 log.error("%s: a %s on the inbox is not a scored group, dropped", self.name, type(msg).__name__)
-        elif msg.group_id in self.held:
+        elif msg.group_id in self.held or msg.group_id in self.join.pending:
             log.error("%s: group %d arrived twice, the second copy dropped", self.name, msg.group_id)
         else:
-            self.held[msg.group_id] = msg
+            self.hold(self.join.group(msg))
+
+    def hold(self, group: ScoredGroup | None) -> None:
+        """Keep a complete group until a step trains it or moves it (None: it waits for a key)."""
+        if group is not None:
+            self.held[group.group_id] = group
 
     def wait_for(self, groups: list[int], what: str) -> None:
         """Receive until this rank holds every group of its share of `what` (e.g. 'step 3'), or fail
@@ -128,8 +146,9 @@ class ModelWorker:
         while missing := [g for g in groups if g not in self.held]:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self.name}: {what} waited {timeout:.0f} s (step_timeout) for groups "
-                                   f"{missing}, which never arrived on its inbox")
+                replicas = {node: len(ports) for node, ports in self.spec.infer_ports.items()}
+                raise TimeoutError(f"{self.name}: {what} waited {timeout:.0f} s (step_timeout) for "
+                                   + "; ".join(self.join.lacking(missing, replicas)))
             with self.phases("wait"):
                 ready = self.inbox.poll(min(left, 1.0) * 1000)
             if ready:
@@ -155,7 +174,7 @@ class ModelWorker:
         prox_seconds = 0.0
         ran = []
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
-        for node in self.graph.batch_nodes:  # graph order: prox/ref logprobs and values, then train
+        for node in self.graph.trainer_nodes:  # graph order: prox/ref logprobs and values, then train
             is_prox = node.type != "train" and node.outputs[0] == prox_key
             if is_prox and source != "data":
                 continue  # π_prox needs no forward pass this step
@@ -173,6 +192,8 @@ class ModelWorker:
             ran.append(node.name)
         if prox_key is not None:
             stats["prox_seconds"] = prox_seconds
+        for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
+            stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
         version = plan.step + 1
         trained.version = version
         with self.phases("publish"):  # "" when the trainers send it later, once the servers are paused
@@ -203,16 +224,11 @@ class ModelWorker:
 
     def engine(self, node: Node) -> Engine:
         """The role's model, packing micro-batches under this node's own token budgets."""
-        engine = self.engines[node.role]
-        engine.micro_batch_tokens = node.micro_batch_tokens
-        if node.engine == "torch":  # the megatron engine packs one THD row (the graph refuses row_tokens)
-            engine.row_tokens = node.row_tokens
-        return engine
+        return configured(self.engines[node.role], node)
 
     def infer(self, node: Node, samples: list[Sample]) -> None:
         """Write the node's output key into every sample: it stays on this rank."""
-        prompt, output = self.graph.input(node, "prompt_ids"), self.graph.input(node, "output_ids")
-        lps = self.engine(node).logprobs([(s.array(prompt), s.array(output)) for s in samples])
+        lps = node_outputs(self.engines[node.role], self.graph, node, [s.arrays for s in samples])
         for s, lp in zip(samples, lps):
             s.arrays[node.outputs[0]] = Array.of(lp)
 
@@ -356,41 +372,69 @@ def process_group_init(spec: RunSpec, rank: int) -> dict[str, object]:
 
 
 def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict[str, Engine]:
-    """One engine per model role on this trainer rank, as the graph's batch nodes name them."""
-    nodes = {n.role: n for n in graph.batch_nodes}
-    layout = graph.batch_nodes[0].layout
+    """One engine per model role on this trainer rank, as the graph's trainer-mesh nodes name them
+    (a node on a mesh of its own has its model in its inference processes)."""
+    nodes = {n.role: n for n in graph.trainer_nodes}
+    layout = graph.train.layout
     megatron = any(n.engine == "megatron" for n in nodes.values())
     device_type = cfg.cluster.device_type
-    device = str(local_device(device_type))  # the launcher made this rank's GPU the only one it sees
-    bf16 = compute_dtype(cfg.training.dtype, device_type) == torch.bfloat16
     # megatron's parallel state needs a process group even for one rank.
     if spec.n_trainers > 1 or megatron:
         dist.init_process_group(TRAINER_BACKENDS[device_type], **process_group_init(spec, rank))
     engines: dict[str, Engine] = {}
-    trained = {n.role for n in graph.batch_nodes if n.type == "train"}
+    trained = {n.role for n in graph.trainer_nodes if n.type == "train"}
     training = cfg.training
     for role, node in nodes.items():
         optim = optim_spec(cfg, role) if role in trained else None
-        common = dict(attention=training.attention, activation_checkpointing=training.activation_checkpointing,
-                      logprob_chunk_tokens=training.logprob_chunk_tokens, entropy=training.entropy and optim is not None)
         if node.engine == "megatron":
             from areal_flow.training.megatron.engine import (
                 MegatronEngine,  # imports megatron-core (seconds)
             )
 
-            engines[role] = MegatronEngine(spec.model_path, optim=optim, temperature=cfg.algorithm.temperature,
-                                           tp=layout.tp, pp=layout.pp, device=device, bf16=bf16,
+            engines[role] = MegatronEngine(spec.model_path, optim=optim, tp=layout.tp, pp=layout.pp,
                                            distributed_optimizer=training.distributed_optimizer,
-                                           sequence_parallel=training.sequence_parallel, **common)
+                                           sequence_parallel=training.sequence_parallel,
+                                           **engine_options(cfg, trained=optim is not None))
         else:
-            # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
-            critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
-            path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
-            engines[role] = TorchEngine(path, optim=optim, temperature=cfg.algorithm.temperature,
-                                        process_group=dist.group.WORLD if spec.n_trainers > 1 else None,
-                                        head="value" if role == "critic" else "lm", device=device, bf16=bf16,
-                                        **common)
+            engines[role] = torch_engine(cfg, spec, role, optim,
+                                         process_group=dist.group.WORLD if spec.n_trainers > 1 else None)
     return engines
+
+
+def engine_options(cfg: RunConfig, trained: bool) -> dict[str, object]:
+    """What every engine takes from the config: this process's device (the launcher made its GPU
+    the only one it sees), number format, attention, and the chunked logprobs' settings."""
+    training, device_type = cfg.training, cfg.cluster.device_type
+    return dict(temperature=cfg.algorithm.temperature, device=str(local_device(device_type)),
+                bf16=compute_dtype(training.dtype, device_type) == torch.bfloat16, attention=training.attention,
+                activation_checkpointing=training.activation_checkpointing,
+                logprob_chunk_tokens=training.logprob_chunk_tokens, entropy=training.entropy and trained)
+
+
+def torch_engine(cfg: RunConfig, spec: RunSpec, role: str, optim: OptimSpec | None,
+                 process_group: dist.ProcessGroup | None) -> TorchEngine:
+    """A role's torch engine from the run's model (`optim` None: frozen, logprobs only), over
+    `process_group`'s ranks, or alone (a trainer rank of one, an inference process's replica)."""
+    # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
+    critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
+    path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
+    return TorchEngine(path, optim=optim, process_group=process_group, head="value" if role == "critic" else "lm",
+                       **engine_options(cfg, trained=optim is not None))
+
+
+def configured(engine: Engine, node: Node) -> Engine:
+    """`engine` packing micro-batches under `node`'s own token budgets."""
+    engine.micro_batch_tokens = node.micro_batch_tokens
+    if node.engine == "torch":  # the megatron engine packs one THD row (the graph refuses row_tokens)
+        engine.row_tokens = node.row_tokens
+    return engine
+
+
+def node_outputs(engine: Engine, graph: Graph, node: Node, arrays: Sequence[Mapping[str, Array]]) -> list[np.ndarray]:
+    """An inference node's output for each sample (`arrays`: a sample's arrays by key): per-token
+    logprobs of its answer (values, for a critic) under `engine`, packed under the node's budgets."""
+    prompt, output = graph.input(node, "prompt_ids"), graph.input(node, "output_ids")
+    return configured(engine, node).logprobs([(a[prompt].numpy(), a[output].numpy()) for a in arrays])
 
 
 def optim_spec(cfg: RunConfig, role: str = "actor") -> OptimSpec:

@@ -175,6 +175,40 @@ class ScoredGroup(msgspec.Struct, tag=True):
     samples: list[Sample]
 
 
+# ---- reward worker -> inference process -> trainer rank (a node on a mesh of its own) -------
+
+
+class InferRequest(msgspec.Struct, tag=True):
+    """Reward worker -> one replica of an inference node on a mesh of its own (graph.<node>.mesh):
+    compute the node's output for a routed group, for the trainer rank `rank` that holds it. Only
+    the arrays the node reads travel."""
+
+    group_id: int
+    rank: int
+    node: str
+    indices: list[int]  # each sample's index in its group
+    inputs: list[dict[str, Array]]  # per sample, in `indices` order: the node's input arrays by key
+
+
+class Inferred(msgspec.Struct, tag=True):
+    """An inference process -> the trainer rank of an InferRequest: the node's output key for each
+    sample of the group, which the rank joins to the group (training/join.py)."""
+
+    group_id: int
+    node: str
+    key: str  # the key the node writes
+    indices: list[int]
+    arrays: list[Array]  # per sample, in `indices` order
+    worker: str  # the inference process that computed it
+    seconds: float = 0.0  # the group's share of the forward call that computed it
+
+
+class Ready(msgspec.Struct, tag=True):
+    """An inference process announces itself to the controller once its model is loaded."""
+
+    worker: str
+
+
 # ---- reward worker <-> controller (the control plane) -------------------------------------
 
 
@@ -266,7 +300,8 @@ class Hello(msgspec.Struct, tag=True):
 
 
 Message = (AdmitRequest | Admitted | Released | Resend | Joined | GeneratedGroup | ScoredGroup | GroupMeta | Route
-           | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello)
+           | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello | InferRequest
+           | Inferred | Ready)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -59,6 +59,25 @@ def test_a_node_key_written_at_its_default_is_the_node_that_leaves_it_out(tmp_pa
         compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"scale": 2.0}}}))
 
 
+def test_a_ref_node_moved_off_the_trainer_mesh_is_refused_since_the_saved_groups_lack_its_key(tmp_path):
+    train = {"type": "train", "role": "actor", "mesh": "1", "inputs": ["ref_logprobs"]}
+    ref = {"type": "inference", "role": "ref", "mesh": "1", "outputs": ["ref_logprobs"]}
+    on_trainer = {**SAVED, "graph": {"ref": ref, "actor_train": train}}
+    tmp = store.begin(str(tmp_path), 2)
+    OmegaConf.save(OmegaConf.create(on_trainer), os.path.join(tmp, "config.yaml"))
+    path = store.commit(tmp, 2)
+    own = OmegaConf.merge(on_trainer, {"graph": {"ref": {"mesh": "2"}}})
+    with pytest.raises(compat.ResumeError) as e:
+        compat.check(path, own)
+    assert ("node 'ref' ran on the trainer ranks (graph.ref.mesh='1') and this run puts it on a mesh of its own ('2'): "
+            "the scored groups the checkpoint holds have no ref_logprobs yet") in str(e.value)
+    assert "resume with graph.ref.mesh='1', or start a new run" in str(e.value)
+    compat.check(path, OmegaConf.create(on_trainer))  # where it was: as before
+    # The other way, the saved groups have the key already and the trainer ranks compute it again.
+    assert compat.moved_off_trainer(compat.with_typed_graph(OmegaConf.to_container(own)),
+                                    compat.with_typed_graph(on_trainer)) == []
+
+
 def test_a_path_resumes_its_own_run(tmp_path):
     tmp = store.begin(str(tmp_path), 2)
     path = store.commit(tmp, 2)

@@ -48,7 +48,8 @@ def test_graph_errors_name_node_and_key_and_exit_non_zero(tmp_path):
     assert r.returncode == 2
     assert "meshes of 'generate' (0) and 'actor_train' (0,1) overlap on device(s) 0: generation and training share " \
            "devices only when their meshes are the same (colocated)" in r.stdout
-    assert "batch nodes 'actor_prox' (1) and 'actor_train' (0,1) differ (graph.actor_train.mesh)" in r.stdout
+    # The trainer mesh is the train node's: the node that differs from it is named.
+    assert "batch nodes 'actor_prox' (1) and 'actor_train' (0,1) differ (graph.actor_prox.mesh)" in r.stdout
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
 
 
