@@ -78,8 +78,11 @@ def normalize(
         # and shifted sums lose less precision than raw ones.
         flat = (shape3[0], shape3[1] * shape3[2])  # not -1: that is ambiguous for an empty batch
         flat_v, flat_m = v3.reshape(flat), m3.reshape(flat)
-        first = flat_m.argmax(dim=1, keepdim=True)  # index of the first valid entry (0 when none)
-        ref = flat_v.gather(1, first).reshape(-1, 1, 1)  # masked entries are 0, so an empty group gets 0
+        if flat[1] == 0:  # no entries at all (a trainer rank with no samples: [0, 0]): nothing to shift by
+            ref = torch.zeros((shape3[0], 1, 1), dtype=torch.float64, device=x.device)
+        else:
+            first = flat_m.argmax(dim=1, keepdim=True)  # index of the first valid entry (0 when none)
+            ref = flat_v.gather(1, first).reshape(-1, 1, 1)  # masked entries are 0, so an empty group gets 0
         dev = (v3 - ref) * m3
         s_g = dev.sum(dim=(1, 2), keepdim=True)
         group_mean = ref + s_g / n_g.clamp(min=1)

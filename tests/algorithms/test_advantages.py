@@ -338,3 +338,21 @@ def test_token_rewards_through_undiscounted_gae_give_every_valid_token_the_score
     adv, _ = gae(token_rewards(scores, mask), torch.zeros(mask.shape, dtype=torch.float64), mask, 1.0, 1.0)
     expected = scores[:, None].expand_as(adv)
     assert torch.equal(adv[mask], expected[mask])
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (0, 0), (8, 0)])
+@pytest.mark.parametrize("mean_level, std_level, loo", [("group", "group", False), ("group", "batch", True),
+                                                        ("batch", "batch", False), ("none", "none", False)])
+def test_a_rank_with_no_samples_or_no_tokens_gets_an_empty_result(shape, mean_level, std_level, loo):
+    """A trainer rank that holds no group of a step (or whose answers have no tokens) still normalises,
+    as a collective must: an empty result of its shape, and the batch sums it adds are zeros."""
+    sums = []
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        sums.append(t.clone())
+        return t
+
+    out = normalize(torch.zeros(shape), group_size=4, mean_level=mean_level, std_level=std_level,
+                    leave_one_out=loo, all_reduce=all_reduce)
+    assert out.shape == shape and out.numel() == 0
+    assert all(bool((s == 0).all()) for s in sums) and bool(sums) == ("batch" in (mean_level, std_level))
