@@ -46,7 +46,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model_dirs
     before_every_forward(engine, lambda module, args: tokens_per_forward.append(args[0].shape[0]))
     long_prompt = tuple(2 + i % 15 for i in range(30))
     try:
-        short = engine.submit_many(requests(2, max_new_tokens=40, ignore_eos=True))
+        # Long enough to be still decoding whenever the long prompt comes, on a slow machine too.
+        short = engine.submit_many(requests(2, max_new_tokens=150, ignore_eos=True))
         while engine.stats()["generated_tokens"] < 4:
             time.sleep(0.001)
         long = engine.submit(long_prompt, max_new_tokens=5, ignore_eos=True)
