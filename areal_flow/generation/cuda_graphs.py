@@ -32,11 +32,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384,
 class _Static:
     """A bucket's input buffers, its output, and its graph (None: eager)."""
 
+    width: int  # the bucket's context columns
+    block_size: int
     tokens: torch.Tensor
     positions: torch.Tensor
     write: torch.Tensor
-    decode_slots: torch.Tensor
-    decode_bias: torch.Tensor
     decode_table: torch.Tensor
     decode_lengths: torch.Tensor
     logits_at: torch.Tensor  # kept here: a graph reads its inputs' memory, which must outlive the capture
@@ -66,8 +66,9 @@ class GraphRunner:
             self._static.clear()
             self._storage = pool.storage
         self.bucketed += 1
-        rows, width = step.decode_slots.shape
-        bucket = (self.row_buckets[bisect.bisect_left(self.row_buckets, rows)], _width_bucket(width, pool.block_size))
+        rows = step.decode
+        bucket = (self.row_buckets[bisect.bisect_left(self.row_buckets, rows)],
+                  _width_bucket(step.decode_width, pool.block_size))
         static = self._static.get(bucket)
         if static is None:
             static = self._static[bucket] = self._buffers(*bucket, pool)
@@ -77,14 +78,9 @@ class GraphRunner:
                                (static.write, step.write)):
             buffer[:rows] = values
             buffer[rows:] = 0
-        static.decode_slots.zero_()
-        static.decode_slots[:rows, :width] = step.decode_slots
-        static.decode_bias.fill_(float("-inf"))
-        static.decode_bias[:rows, :width] = step.decode_bias
-        static.decode_bias[rows:, 0] = 0  # a padded row attends to slot 0 alone: a finite softmax, never NaN
         static.decode_table.zero_()
         static.decode_table[:rows, : step.decode_table.shape[1]] = step.decode_table
-        static.decode_lengths.fill_(1)
+        static.decode_lengths.fill_(1)  # a padded row attends to slot 0 alone: a finite softmax, never NaN
         static.decode_lengths[:rows] = step.decode_lengths
         if static.graph is None:
             logits = self.model.forward(self._step(static), pool)
@@ -100,11 +96,10 @@ class GraphRunner:
     def _buffers(self, rows: int, width: int, pool: BlockPool) -> _Static:
         device = pool.device
         return _Static(
+            width=width, block_size=pool.block_size,
             tokens=torch.zeros(rows, dtype=torch.int64, device=device),
             positions=torch.zeros(rows, dtype=torch.int64, device=device),
             write=torch.zeros(rows, dtype=torch.int64, device=device),
-            decode_slots=torch.zeros(rows, width, dtype=torch.int64, device=device),
-            decode_bias=torch.empty(rows, width, dtype=pool.dtype, device=device),
             decode_table=torch.zeros(rows, width // pool.block_size, dtype=torch.int64, device=device),
             decode_lengths=torch.ones(rows, dtype=torch.int64, device=device),
             logits_at=torch.arange(rows, device=device),
@@ -113,11 +108,9 @@ class GraphRunner:
     @staticmethod
     def _step(static: _Static) -> Forward:
         rows = static.tokens.shape[0]
-        block_size = static.decode_slots.shape[1] // static.decode_table.shape[1]
         return Forward(tokens=static.tokens, positions=static.positions, write=static.write, decode=rows,
-                       decode_slots=static.decode_slots, decode_bias=static.decode_bias,
-                       decode_table=static.decode_table, decode_lengths=static.decode_lengths,
-                       block_size=block_size, spans=None, chunks=[],
+                       decode_table=static.decode_table, decode_lengths=static.decode_lengths, decode_width=static.width,
+                       block_size=static.block_size, spans=None, chunks=[],
                        logits_at=static.logits_at)
 
     def _capture(self, static: _Static, pool: BlockPool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_flow.generation import triton_decode
-from areal_flow.generation.paged import BlockPool
+from areal_flow.generation.paged import BlockPool, slots
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # cos/sin depend on the position only
@@ -64,10 +64,9 @@ class Forward:
     positions: torch.Tensor  # [N] int64
     write: torch.Tensor  # [N] int64: the slot of each token's keys and values
     decode: int  # the first `decode` tokens are the decode rows'
-    decode_slots: torch.Tensor  # [decode, W] int64: each decode row's context slots (padded with slot 0)
-    decode_bias: torch.Tensor  # [decode, W]: 0 on a row's context, -inf on its padding
     decode_table: torch.Tensor  # [decode, blocks] int64: each decode row's block table (padded with block 0)
     decode_lengths: torch.Tensor  # [decode] int64: each decode row's context length
+    decode_width: int  # the columns a decode row's attention spans: the longest context (or a graph's bucket)
     block_size: int  # the pool's: positions per block of the tables
     spans: list[tuple[int, int, int]] | None  # batch-invariant: (first row, end row, width) of equal contexts
     chunks: list[Chunk]
@@ -120,6 +119,9 @@ class DecodeStep:
         hidden = self.embed(step.tokens[:, None])[:, 0]  # [N, hidden]; the embedding sees [N, 1] ids
         cos, sin = self.cos[step.positions][:, None], self.sin[step.positions][:, None]  # [N, 1, head_dim]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # The decode rows' context slots and padding bias, for every layer's torch attention (the
+        # Triton kernel reads the block tables and lengths itself).
+        context = self._context(step) if step.decode and not self.paged_kernel else None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = self.linear(_rms_norm(hidden, layer.input_layernorm), *self.qkv[i])
@@ -130,7 +132,7 @@ class DecodeStep:
             keys, values = pool.k[i], pool.v[i]  # [kv_heads, slots, head_dim]
             keys.index_copy_(1, step.write, k.transpose(0, 1))
             values.index_copy_(1, step.write, v.transpose(0, 1))
-            outs = [self._decode_attention(q[: step.decode], keys, values, step)] if step.decode else []
+            outs = [self._decode_attention(q[: step.decode], keys, values, step, context)] if step.decode else []
             for chunk in step.chunks:  # a prefill chunk of one row: its queries over its context
                 outs.append(F.scaled_dot_product_attention(
                     q[chunk.start: chunk.start + chunk.length].transpose(0, 1)[None],
@@ -142,28 +144,38 @@ class DecodeStep:
             hidden = hidden + self.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         return self.logits(_rms_norm(hidden[step.logits_at], self.norm))
 
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Forward
-                          ) -> torch.Tensor:
+    def _context(self, step: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' context slots [D, W] (padded with slot 0) and attention bias [D, W]
+        (0 on a row's context, -inf on its padding), from their block tables and lengths."""
+        width, device = step.decode_width, step.decode_table.device
+        columns = torch.arange(width, device=device)
+        bias = torch.zeros(step.decode, width, dtype=self.embed.weight.dtype, device=device).masked_fill_(
+            columns >= step.decode_lengths[:, None], float("-inf"))
+        return slots(step.decode_table, width, step.block_size), bias
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Forward,
+                          context: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """One query per row [D, heads, head_dim] over its context's slots: [D, heads, head_dim].
         Grouped-query attention without repeating the cache: the heads that share a KV head are the
         query rows of one matmul."""
         if self.paged_kernel:
             return triton_decode.paged_decode_attention(q, keys, values, step.decode_table, step.decode_lengths,
                                                         step.block_size, self.scaling)
-        rows, width = step.decode_slots.shape
+        decode_slots, decode_bias = context
+        rows = decode_slots.shape[0]
         # KV heads first, rows second: the gathered context is contiguous for the batched matmuls,
         # and only the (small) queries are transposed.
         q = q.view(rows, self.kv_heads, -1, self.head_dim).transpose(0, 1)  # [kv_heads, D, group, head_dim]
         if step.spans is None:
-            k, v = self._gather(keys, values, step.decode_slots)
-            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling).add_(step.decode_bias[:, None])
+            k, v = self._gather(keys, values, decode_slots)
+            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling).add_(decode_bias[:, None])
             out = torch.matmul(torch.softmax(scores, dim=-1), v)
         else:
             # Batch-invariant: each run of rows with the same context gathers exactly its own
             # columns, so that no row's sums (nor its matmul's layout) depend on the other rows.
             out, q = q.new_empty(q.shape), q * self.scaling
             for a, b, used in step.spans:
-                k, v = self._gather(keys, values, step.decode_slots[a:b, :used])
+                k, v = self._gather(keys, values, decode_slots[a:b, :used])
                 scores = torch.matmul(q[:, a:b], k.transpose(-1, -2))
                 out[:, a:b] = torch.matmul(torch.softmax(scores, dim=-1), v)
         return out.transpose(0, 1).reshape(rows, self.heads, self.head_dim)

@@ -265,11 +265,11 @@ class GenerationEngine:
         # The graphs that replay decode steps (None: eager).
         self.cuda_graphs = GraphRunner(self._decode_step, max_rows=max_batch_size, capture=True) if (
             self._pool is not None and cuda_graphs and self.device.type == "cuda" and not self.batch_invariant) else None
-        self._chunk_tokens = None if batch_invariant or chunked_prefill_size in (None, -1) else chunked_prefill_size
-        if self._chunk_tokens is not None and self._chunk_tokens < 1:
+        if chunked_prefill_size is not None and chunked_prefill_size != -1 and chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be -1 or at least 1, got {chunked_prefill_size}")
+        # Prompt tokens per forward (None: whole prompts, as batch-invariant decoding needs).
+        self.chunked_prefill_size = None if batch_invariant or chunked_prefill_size == -1 else chunked_prefill_size
         self.page_size = page_size if self._pool is not None else None  # None: the left-padded cache
-        self.chunked_prefill_size = self._chunk_tokens
         if batch_invariant and not self.batch_invariant:
             logger.warning("batch-invariant decoding needs the engine's own decode step, which %s does not take: "
                            "a request's logprobs may depend on the batch", model_path)
@@ -782,7 +782,7 @@ class GenerationEngine:
         chunk of the rows being prefilled (generation/paged_batch.py). Counts the step's time as
         decode and prefill, split by tokens."""
         if batch is None:
-            batch = PagedBatch(self._pool, self._decode_step, self._chunk_tokens, self.cuda_graphs)
+            batch = PagedBatch(self._pool, self._decode_step, self.chunked_prefill_size, self.cuda_graphs)
         self._pool.ensure()
         batch.add(admitted)
         batch.drop_finished()

@@ -21,7 +21,7 @@ import torch
 from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import Chunk, DecodeStep, Forward
 from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool, block_table, slots
+from areal_flow.generation.paged import BlockPool, block_table
 from areal_flow.generation.sampling import RowSampling
 
 
@@ -176,8 +176,6 @@ class PagedBatch:
         feed = [torch.tensor([row.output_ids[-1] for row in self.ready], dtype=torch.int64).to(device)]
         at = [position]
         into = [table.gather(1, (position // size)[:, None])[:, 0] * size + position % size]
-        decode_bias = torch.zeros(decode, width, dtype=pool.dtype, device=device).masked_fill_(
-            torch.arange(width, device=device) >= lengths[:, None], float("-inf"))
         tokens, positions, write = [], [], []  # the prefill chunks'
         logits_at, wanted, chunk_list = list(range(decode)), [], []
         for row, n in chunks:
@@ -202,8 +200,7 @@ class PagedBatch:
                 parts.append(torch.tensor(values, dtype=torch.int64).to(device))
         step = Forward(
             tokens=torch.cat(feed), positions=torch.cat(at), write=torch.cat(into),
-            decode=decode, decode_slots=slots(table, width, size), decode_bias=decode_bias, decode_table=table,
-            decode_lengths=lengths, block_size=size,
+            decode=decode, decode_table=table, decode_lengths=lengths, decode_width=width, block_size=size,
             spans=_spans(contexts) if self.model.batch_invariant else None, chunks=chunk_list,
             logits_at=torch.tensor(logits_at, dtype=torch.int64).to(device))
         logits = (self.runner or self.model).forward(step, pool)
