@@ -64,6 +64,9 @@ class GraphRunner:
             return self.model.forward(step, pool)
         if self._storage != pool.storage:  # the cache was reallocated (grown, or freed and taken again)
             self._static.clear()
+            # A fresh pool too: the dropped graphs took their pool's last use, and capturing into a
+            # pool whose graphs are all gone fails an assertion in torch's caching allocator.
+            self._memory = None
             self._storage = pool.storage
         self.bucketed += 1
         rows = step.decode

@@ -45,6 +45,9 @@ ALIASES = {"flex_attention": "flex"}
 """Older names still accepted (the torch engine once passed transformers' flex_attention through)."""
 FLEX_BLOCK = 128
 """FlexAttention's block size: the token count is padded to a multiple of it."""
+FLEX_CUDA_MIN_HEAD_DIM = 16
+"""Compiled FlexAttention on CUDA refuses smaller heads ("embedding dimension ... must be at least 16",
+torch 2.11 on an H200): those run the per-document loop, which is exact."""
 CPU_AUTO = "varlen"
 """What "auto" runs on the CPU. Measured on tools/bench_packing.py's batch (64 tiny_arith samples,
 2,651 tokens, the bootstrapped 4-layer tiny Qwen2; one thread, 4,096-token micro-batches, the
@@ -266,6 +269,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: P
     pad = padded - total
     if pad < 0:
         raise ValueError(f"flex attention: {total} tokens but the block mask covers {padded}")
+    if q.is_cuda and q.shape[-1] < FLEX_CUDA_MIN_HEAD_DIM:  # compiled flex refuses it: the exact loop instead
+        return per_document_attention(q, k, v, packing, scale)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return _CpuFlex.apply(q, k, v, packing, scale)
     return _flex_forward(q, k, v, packing, scale, pad)
@@ -365,20 +370,26 @@ def _varlen_probe(device: str) -> bool:
     fn = _varlen_kernel()
     if fn is None:
         return False
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16, requires_grad=True)
-                   for h in (4, 2, 2))
-        packing = Packing(torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device), 32, 40)
-        out = _varlen_kernel_call(q, k, v, packing, None)
-        out.float().sum().backward()
-        with torch.no_grad():
-            ref = per_document_attention(q.float(), k.float(), v.float(), packing)
-        return bool((out.float() - ref).abs().max() < 0.05) and k.grad is not None
+    try:  # with gradients on: the first forward to ask may be a logprob pass under no_grad
+        with torch.inference_mode(False), torch.enable_grad():
+            return _varlen_agrees(device)
     except Exception as e:  # noqa: BLE001 - any failure means: do not use the kernel
         warnings.warn(f"torch's varlen flash attention does not run on {device} ({type(e).__name__}: {e}); "
                       "using flex attention (or the per-document loop) instead", stacklevel=2)
         return False
+
+
+def _varlen_agrees(device: str) -> bool:
+    """One bf16 grouped-query forward and backward of the kernel against the per-document reference."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    packing = Packing(torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device), 32, 40)
+    out = _varlen_kernel_call(q, k, v, packing, None)
+    out.float().sum().backward()
+    with torch.no_grad():
+        ref = per_document_attention(q.float(), k.float(), v.float(), packing)
+    return bool((out.float() - ref).abs().max() < 0.05) and k.grad is not None
 
 
 def varlen_kernel_works(device: torch.device | str) -> bool:

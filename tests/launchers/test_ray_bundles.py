@@ -1,6 +1,10 @@
 """The Ray launcher's resource requests, without a cluster: what each process's bundle asks for."""
 
-from areal_flow.launchers.ray_cluster import _bundle, _sharers
+import pytest
+
+pytest.importorskip("ray", reason="ray is optional (the GPU image has none)")
+
+from areal_flow.launchers.ray_cluster import _bundle, _sharers  # noqa: E402
 
 
 def test_colocated_processes_each_ask_ray_for_their_share_of_the_gpu_they_share():

@@ -235,8 +235,9 @@ def test_cuda_kernels_match_the_dense_mask(implementation, case, dtype, no_tf32)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         if dtype == torch.float32:
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=name)
-        else:  # bf16 keeps ~3 significant digits: the error relative to the largest value
-            assert float((g - w).abs().max() / w.abs().max()) < 0.03, name
+        else:  # bf16 keeps ~3 significant digits: the error relative to the largest value (a
+            # one-token document's q and k get no gradient at all: there the error itself stays tiny)
+            assert float((g - w).abs().max()) < 0.03 * max(float(w.abs().max()), 1e-2), name
 
 
 @pytest.mark.gpu
@@ -250,3 +251,25 @@ def test_auto_on_cuda_resolves_to_a_working_kernel_and_the_engine_agrees_with_sd
     assert_all_close(auto.logprobs(seqs), sdpa.logprobs(seqs), atol=1e-5)
     bf16 = TorchEngine(model_dir, micro_batch_tokens=10_000, device="cuda", attention="auto", bf16=True)
     assert_all_close(bf16.logprobs(seqs), sdpa.logprobs(seqs), atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_the_varlen_probe_gives_the_same_answer_when_first_asked_without_gradients(context):
+    """Megatron's first forward on the H200 was a logprob pass under no_grad: the probe's backward
+    failed there and "auto" fell back to flex. The probe turns gradients on for itself."""
+    with_grad = A._varlen_probe.__wrapped__("cuda:0")
+    with getattr(torch, context)():
+        assert A._varlen_probe.__wrapped__("cuda:0") == with_grad
+
+
+@pytest.mark.gpu
+def test_flex_on_cuda_with_heads_narrower_than_compiled_flex_takes_matches_sdpa(no_tf32):
+    """Compiled flex refuses head dims under 16 on CUDA (the tiny test models have 8): the
+    per-document loop runs instead, with the same result."""
+    lengths = CASES["short_and_long"]
+    q, k, v = (x[..., :8].detach().requires_grad_() for x in _qkv(sum(lengths), device="cuda"))
+    cu = _cu(lengths).cuda()
+    got = A.flex_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "flex"))
+    want = A.sdpa_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "sdpa"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
