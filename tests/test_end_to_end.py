@@ -18,7 +18,7 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     # The SMALL model answers nothing right, so every advantage is 0 and the train step would run
     # no answer: skipping is switched off here, where every phase of a step is timed.
     r = launch(run_dir, run_cache, "rollout.max_staleness=1", "rollout.keep_weights_every=2", "metrics.plot=true",
-               "algorithm.skip_zero_advantage=false")
+               "algorithm.skip_zero_advantage=false", "dump.every_steps=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = check_accounting(run_dir, eta=1)
     assert summary["steps"] == 4 and summary["trained_samples"] == 4 * 2 * 4
@@ -53,6 +53,9 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
         assert 0.9 * busy - 1e-3 <= compute <= busy + 1e-6, m
         assert m["gen/decode_rows"] >= m["gen/decode_steps"] > 0, m
     assert sum(m["gen/prefill_tokens"] for m in steps) > 0
+    assert all(m["train/skipped_tokens"] == 0 for m in steps)
+    check_step_diagnostics(steps)
+    check_dumps(run_dir, every=2, steps=4, samples_per_step=2 * 4, eta=1)
     profile = (run_dir / "profile.md").read_text()
     for phase in ("| trainer | forward |", "| trainer | optimizer |", "| trainer | idle |", "| generator | decode |",
                   "| generator | prefill |", "| generator | load weights |"):
@@ -68,6 +71,49 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     assert model.config.vocab_size >= len(tok) and tok.decode(tok.encode("#### 12")) == "#### 12"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     assert not leftover_processes(run_dir)
+
+
+def check_step_diagnostics(steps: list[dict]) -> None:
+    """Each step row's length-bias, staleness and behaviour-weight metrics (run_metrics.train_metrics)."""
+    for m in steps:
+        n = sum(m[f"by_length/samples/q{k}"] for k in range(1, 5))
+        assert n == 2 * 4 and sum(m["staleness_seq_hist"]) == n, m
+        for k in range(1, 5):  # every answer has a token in the loss: with the trainer ranks' sums added up,
+            empty = m[f"by_length/samples/q{k}"] == 0  # a bucket has an advantage wherever it has answers
+            assert (m[f"by_length/reward/q{k}"] is None) == empty == (m[f"by_length/advantage/q{k}"] is None), m
+            assert f"by_length/loss_share/q{k}" in m, m
+        shares = [m[f"by_length/loss_share/q{k}"] for k in range(1, 5)]
+        assert all(s is None for s in shares) or sum(shares) == pytest.approx(1.0), m
+        assert not any(k.startswith(("train/behav_weight_bin", "train/by_length")) for k in m)
+        # Every answer token the loss ran (not skipped for all-zero advantages), in every minibatch and epoch.
+        ran = m["train/n_valid_tokens"] - m["train/skipped_tokens"]
+        if not ran:  # the loss ran on no micro-batch: it gave no statistics
+            assert not any(k in m for k in ("train/behav_weight_hist", "train/capped_fraction", "train/ess_fraction"))
+            continue
+        hist, edges = m["train/behav_weight_hist"], m["train/behav_weight_hist_edges"]
+        assert len(edges) == len(hist) + 1 and edges[0] == 0 and 5.0 in edges  # the recipe's cap
+        assert sum(hist) == ran, m
+        assert 0 <= m["train/capped_fraction"] <= 1 and 0 < m["train/ess_fraction"] <= 1 + 1e-9, m
+
+
+def check_dumps(run_dir, every: int, steps: int, samples_per_step: int, eta: int, ranks: int = 1) -> None:
+    """Every `every`-th step's trained samples in dumps/, one file per trainer rank, whole, as the
+    ledger says they were trained (each group on one rank)."""
+    dumped = sorted(p.name for p in (run_dir / "dumps").iterdir())
+    assert dumped == [f"step-{s:08d}-rank{k}.jsonl" for s in range(every, steps + 1, every) for k in range(ranks)]
+    trained = {e["step"]: sorted(e["groups"]) for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "train"}
+    for s in range(every, steps + 1, every):
+        per_rank = [jsonl(run_dir / "dumps" / f"step-{s:08d}-rank{k}.jsonl") for k in range(ranks)]
+        groups = [{r["group_id"] for r in rows} for rows in per_rank]
+        assert all(groups) and sum(map(len, groups)) == len(set().union(*groups))  # whole groups per rank
+        records = [r for rows in per_rank for r in rows]
+        assert len(records) == samples_per_step and all(r["step"] == s for r in records)
+        assert sorted(set().union(*groups)) == trained[s - 1]
+        for r in records:
+            assert r["prompt"] and r["lengths"]["answer"] == len(r["advantages"]) >= 1, r
+            assert sum(r["versions"].values()) == r["lengths"]["answer"] and 0 <= r["staleness"] <= eta, r
+            assert r["staleness"] == s - 1 - min(int(v) for v in r["versions"]), r
+            assert r["finish"] in ("stop", "length") and isinstance(r["reward"], float), r
 
 
 def test_eta_zero_trains_each_batch_on_the_current_policy(tmp_path, run_cache):
@@ -133,9 +179,12 @@ def test_two_trainer_ranks_share_each_batch_and_train_it_once_in_a_secured_run(t
     run_dir = tmp_path / "dp"
     r = launch(run_dir, run_cache, "rollout.max_staleness=1", "eval_at_start=false", "cluster.n_devices=3",
                "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2", "graph.actor_train.mesh=1-2",
-               "launcher.secure=true")
+               "launcher.secure=true", "dump.every_steps=1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_secured(run_dir, r)
+    # The step's statistics summed over both ranks, and each rank's own samples dumped.
+    check_step_diagnostics(steps_of(run_dir))
+    check_dumps(run_dir, every=1, steps=4, samples_per_step=2 * 4, eta=1, ranks=2)
     per_rank = [jsonl(run_dir / f"trained-rank{k}.jsonl") for k in (0, 1)]
     for step in range(4):
         uids = [set(rows[step]["uids"]) for rows in per_rank]

@@ -184,7 +184,7 @@ def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float,
         _, metrics = run_recipe(out, [
             "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000",
             f"seed={seed}", f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false",
-            "eval_every=0", "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false",
+            "eval.every_versions=0", "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false",
             *overrides])
     steps = {m["step"]: m for m in metrics if m["event"] == "step"}  # step N published version N
     weights = os.path.join(out, "weights")

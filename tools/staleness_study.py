@@ -39,7 +39,7 @@ STUDY = [
     "algorithm.lr=1e-4", "algorithm.n_minibatches=4",
     # Interruption on: an update mid-answer leaves tokens of several versions in one answer.
     "rollout.interrupt=true", "rollout.max_concurrent=64",
-    "max_wall_seconds=0", "eval_every=0", "metrics.plot=false",
+    "max_wall_seconds=0", "eval.every_versions=0", "metrics.plot=false",
     # Every η decodes alike: batch-invariant decoding (on by default at η = 0) costs a fifth of the tokens/s.
     "generation.deterministic=false",
 ]

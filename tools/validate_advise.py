@@ -87,7 +87,7 @@ def main() -> None:
             return read_run_dir(run_dir)
         return run_recipe(run_dir, overrides)
 
-    base = ["eval_at_start=false", "eval_at_end=false", "eval_every=0", "max_wall_seconds=0", "metrics.plot=false",
+    base = ["eval_at_start=false", "eval_at_end=false", "eval.every_versions=0", "max_wall_seconds=0", "metrics.plot=false",
             *args.overrides]
     profile_configs = [
         ("profile_eta1", ["rollout.interrupt=false", "rollout.max_staleness=1"]),  # the sides in lockstep

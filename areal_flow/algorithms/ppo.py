@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from areal_flow.algorithms.diagnostics import BEHAV_WEIGHT_BIN, behav_weight_bins, behav_weight_edges
+
 Stats = dict[str, torch.Tensor]
 
 LOSS_KINDS = ("ppo", "cispo")
@@ -157,7 +159,8 @@ def decoupled_ppo_loss(
         applied_weight, capped = behaviour_weight(x.weight, mask, behav_weight_cap, behav_weight_floor,
                                                   behav_weight_action)
     loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
-    return loss, loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy)
+    return loss, loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy,
+                            edges=behav_weight_edges(behav_weight_cap, behav_weight_floor))
 
 
 def _check_options(kind: str, importance_level: str, behav_weight_action: str, c_clip: float | None,
@@ -292,8 +295,12 @@ def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tenso
 
 
 def loss_stats(mask: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, took_clip: torch.Tensor,
-               dual: torch.Tensor, capped: torch.Tensor, entropy: torch.Tensor | None) -> Stats:
-    """The loss's detached 0-d statistics over the valid tokens (see `decoupled_ppo_loss`)."""
+               dual: torch.Tensor, capped: torch.Tensor, entropy: torch.Tensor | None, *,
+               edges: list[float] | None = None) -> Stats:
+    """The loss's detached 0-d statistics over the valid tokens (see `decoupled_ppo_loss`), and for
+    the step's diagnostics (algorithms/diagnostics.py): behav_weight_sq_sum (Σw², for the effective
+    sample size) and the histogram of w_t over `edges` (default: behav_weight_edges(None)), one
+    count per bin under diagnostics.BEHAV_WEIGHT_BIN, all before the cap and floor."""
     zero = torch.zeros_like(ratio)
     dtype = ratio.dtype
     masked_weight = torch.where(mask, weight, zero).detach()
@@ -306,7 +313,10 @@ def loss_stats(mask: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, to
         "behav_weight_sum": masked_weight.sum(),
         # w >= 0, so 0 is a neutral element for an empty micro-batch.
         "behav_weight_max": masked_weight.max() if masked_weight.numel() else zero.sum().detach(),
+        "behav_weight_sq_sum": (masked_weight * masked_weight).sum(),
     }
+    bins = behav_weight_bins(weight, mask, behav_weight_edges(None) if edges is None else edges)
+    stats.update({BEHAV_WEIGHT_BIN.format(i): count for i, count in enumerate(bins.unbind())})
     if entropy is not None:
         stats["entropy_sum"] = torch.where(mask, entropy.detach().to(dtype), zero).sum()
     return stats

@@ -422,13 +422,52 @@ class RecoverConfig:
                                "run goes on; 0 = its death is the run's", ge=0)
 
 
+METRICS_BACKENDS = ("jsonl", "tensorboard", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, when metrics.backends has wandb."""
+
+    mode: str = doc("offline", "online (needs a wandb login or WANDB_API_KEY), offline (files under run_dir/wandb, "
+                    "`wandb sync` later) or disabled", choices=WANDB_MODES)
+    project: str = doc("areal_flow", "wandb project")
+    entity: Optional[str] = doc(None, "wandb team or user; null = the login's default")
+    group: Optional[str] = doc(None, "wandb group; null = one group per Hydra multirun (its sweep directory's name), "
+                               "none for a single run")
+    tags: List[str] = doc(help="wandb tags", factory=list)
+    name: Optional[str] = doc(None, "wandb run name; null = the recipe and the run directory's name")
+
+
 @dataclass
 class MetricsConfig:
     """Where per-step metrics go."""
 
-    wandb: bool = doc(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
-    wandb_project: str = doc("areal_flow", "wandb project name")
+    backends: List[str] = doc(help="where every step's metrics go: jsonl (metrics.jsonl, always: the progress display, "
+                              "plots and `python -m areal_flow.status` read it), tensorboard (run_dir/tensorboard), "
+                              "wandb; a backend not listed is not imported", factory=lambda: ["jsonl"],
+                              choices=METRICS_BACKENDS)
+    wandb: WandbConfig = doc(help="Weights & Biases settings", factory=WandbConfig)
     plot: bool = doc(True, "write a learning-curve PNG beside metrics.jsonl at the end")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training."""
+
+    every_versions: int = doc(0, "evaluate the held-out set greedily on every Nth policy version's weights, beside "
+                              "training (the trainer goes on; the servers load the next version once it ends); "
+                              "results keyed by version in metrics.jsonl (0 = never)", ge=0)
+
+
+@dataclass
+class DumpConfig:
+    """The trained samples, written out for reading."""
+
+    every_steps: int = doc(0, "every Nth step, each trainer rank writes the samples it trained (prompt, answer, reward, "
+                           "versions, advantage, staleness) to run_dir/dumps/step-NNNNNNNN-rankR.jsonl (0 = never)",
+                           ge=0)
 
 
 @dataclass
@@ -449,7 +488,6 @@ class RunConfig:
                               ge=0)
     eval_at_start: bool = doc(True, "measure held-out greedy accuracy before training")
     eval_at_end: bool = doc(True, "measure held-out greedy accuracy after training")
-    eval_every: int = doc(0, "also measure held-out accuracy every N steps (0 = never)", ge=0)
     cluster: ClusterConfig = doc(help="devices", factory=ClusterConfig)
     model: ModelConfig = doc(help="the starting model", factory=ModelConfig)
     dataset: DatasetConfig = doc(help="prompts", factory=DatasetConfig)
@@ -468,6 +506,8 @@ class RunConfig:
     sandbox: SandboxConfig = doc(help="the code sandbox of `code` reward nodes", factory=SandboxConfig)
     launcher: LauncherConfig = doc(help="process start-up", factory=LauncherConfig)
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
+    eval: EvalConfig = doc(help="held-out evaluation beside training", factory=EvalConfig)
+    dump: DumpConfig = doc(help="sample dumps", factory=DumpConfig)
     checkpoint: CheckpointConfig = doc(help="resumable checkpoints", factory=CheckpointConfig)
     recover: RecoverConfig = doc(help="restarts after a fault", factory=RecoverConfig)
     resume: Optional[str] = doc(None, "'auto': continue this run (output_dir) from its latest complete checkpoint, or "

@@ -30,6 +30,9 @@ def _out_of_range(value: Any, meta: dict) -> str | None:
     """Why `value` breaks the bounds in a field's metadata, or None."""
     if value is None:
         return None
+    if "choices" in meta and isinstance(value, (list, tuple)):  # a list field: each item is one of them
+        bad = [item for item in value if item not in meta["choices"]]
+        return f"has {', '.join(map(repr, bad))}: each item must be one of {', '.join(map(str, meta['choices']))}" if bad else None
     if "choices" in meta and value not in meta["choices"]:
         return f"must be one of {', '.join(map(str, meta['choices']))}"
     if "ge" in meta and value < meta["ge"]:

@@ -17,7 +17,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import msgspec
 import zmq
@@ -25,12 +25,12 @@ import zmq.asyncio
 
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
-from areal_flow.controller.evaluation import held_out_accuracy
+from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_accuracy
 from areal_flow.controller.intake import Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher
-from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy
+from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, train_metrics
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller import state as run_state
@@ -131,9 +131,12 @@ class Controller:
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
                                          trainers=self.send_weights)
-        self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics.wandb, cfg.metrics.wandb_project, cfg.recipe)
+        self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics, run_name=cfg.recipe, config=asdict(cfg))
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
+        self.pin = VersionPin()  # the version an evaluation beside training holds the servers at
+        self.eval_task: asyncio.Task | None = None  # that evaluation
+        self.steps_trained = 0  # train steps this process ran (an evaluation's row counts those meanwhile)
         self.clock, self.traffic = RunClock(), Traffic()
         self.socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=spec.endpoint("controller", spec.controller_port),
                                   security=spec.security)
@@ -312,6 +315,7 @@ class Controller:
                     break
                 t0 = time.monotonic()
                 stats, weights = await self.run_step(step, batch)
+                self.steps_trained += 1
                 trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed(),
                                    await self.end_window())
                 if done is not None:
@@ -339,7 +343,11 @@ class Controller:
         return step
 
     async def update(self, weights: str, version: int) -> float:
-        """Load `version` on the generation servers, then admit at it; the seconds the load took."""
+        """Load `version` on the generation servers, then admit at it; the seconds the load took.
+        An evaluation beside training holds the servers at its version: the load waits for it."""
+        if self.pin.held:
+            self.waiting_for = f"the held-out evaluation at version {self.pin.version} before loading version {version}"
+            await self.pin.wait()
         seconds = await self.publisher.publish(weights, version)
         if not self.publisher.channel.sent_by_trainers:  # files: a restarted server starts from them
             record_loaded(self.spec.run_dir, weights, version)
@@ -367,9 +375,9 @@ class Controller:
         update_seconds = await done.update
         seconds, servers, cpu = done.window
         self.log_step(done, seconds, update_seconds, servers, cpu)
-        if self.cfg.eval_every and (done.step + 1) % self.cfg.eval_every == 0:
-            await self.evaluate(f"step {done.step + 1}", done.step + 1)
-            await self.restart_window()  # not training time: the rates restart after it
+        self.check_evaluation()
+        if self.cfg.eval.every_versions and (done.step + 1) % self.cfg.eval.every_versions == 0:
+            await self.evaluate_beside(done.step + 1)
         self.last_progress = time.monotonic()
 
     async def watchdog(self) -> None:
@@ -399,6 +407,7 @@ class Controller:
                 raise _Stop
             if update is not None and update.done():
                 update.result()  # raises a failed update's error
+            self.check_evaluation()
             self.changed.clear()
             await self.changed.wait()
         self.staleness.trained(ids)
@@ -453,13 +462,16 @@ class Controller:
         """The step's metrics row; `servers`: the generation servers' counts over the step (per
         server, those every server reports: Publisher.server_counts)."""
         step, batch, stats, train_seconds = done.step, done.batch, done.stats, done.seconds
+        algo = self.cfg.algorithm
         self.traffic.report("controller", sent_bytes())
         traffic = self.traffic.step()
         self.metrics.log(
             "step", step=step + 1,
-            **batch_metrics([meta for meta, _, _ in batch.values()], step, self.intake.reward_key, self.intake.output_keys[0]),
+            **batch_metrics([meta for meta, _, _ in batch.values()], step, self.intake.reward_key, self.intake.output_keys[0],
+                            max_new_tokens=algo.max_new_tokens),
             **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
-            **{f"train/{k}": v for k, v in stats.items()},
+            # train/<stat>, and the step's diagnostics finished from their sums (by_length/*, histograms)
+            **train_metrics(stats, algo.behav_weight_cap, algo.behav_weight_floor),
             **{f"sent_bytes/{p}": n for p, n in traffic.items()},
             step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds, trained_at=done.at,
             samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.state.generated_tokens / seconds,
@@ -475,24 +487,65 @@ class Controller:
         self.state.generated_tokens, self.state.filtered_logged = 0, self.state.filtered
         self.ledger.flush()
 
-    async def evaluate(self, when: str, step: int) -> float:
-        """Held-out greedy accuracy; training time stops meanwhile."""
+    async def evaluate(self, when: str, version: int) -> float:
+        """Held-out greedy accuracy at the start or end of the run; training time stops meanwhile."""
         self.waiting_for = f"the held-out evaluation at {when}"
         with self.clock.paused():
-            t0 = time.monotonic()
-            reward = self.graph.rewards[0]
-            if self.eval_rewards is None:  # worker processes start at the first evaluation
-                self.eval_rewards = RewardService([reward], self.cfg.sandbox)
+            return await self.held_out(when, version)
 
-            async def score(text: str, reference: str) -> float:
-                return (await self.eval_rewards.score(reward.name, text, reference)).raw
+    async def evaluate_beside(self, version: int) -> None:
+        """Held-out accuracy on `version`'s weights, loaded now, while the trainer trains on: the
+        servers stay at `version` until it ends (`update` waits for the pin). Colocated, generation
+        and training take turns on the devices, so the evaluation runs in generation's turn, before
+        the next step. One evaluation at a time: a version due while one runs is skipped."""
+        if self.eval_task is not None and not self.eval_task.done():
+            log.warning("held-out evaluation at version %d skipped: the one at version %s still runs",
+                        version, self.pin.version)
+            self.metrics.log("eval_skipped", step=version, version=version, running=self.pin.version)
+            return
+        self.pin.hold(version)
 
-            acc = await held_out_accuracy(self.publisher.pool, self.tokenizer, self.eval_rows,
-                                          score, self.graph.dataset_input(self.graph.generate),
-                                          self.graph.dataset_input(reward), self.cfg.algorithm.max_new_tokens)
-            self.metrics.log("eval", when=when, step=step, accuracy=acc, seconds=time.monotonic() - t0)
-        log.info("held-out accuracy at %s: %.1f%%", when, 100 * acc)
-        return acc
+        async def run(steps_before: int) -> None:
+            try:
+                await self.held_out(f"version {version}", version, steps_before)
+            finally:
+                self.pin.release()
+
+        self.eval_task = asyncio.create_task(run(self.steps_trained))
+        self.eval_task.add_done_callback(lambda _: self.changed.set())  # next_batch sees a failure
+        if self.graph.colocated:
+            await self.eval_task
+            await self.restart_window()  # not training time: the rates restart after it
+
+    def check_evaluation(self) -> None:
+        """Raise the error of an evaluation beside training that failed."""
+        if self.eval_task is not None and self.eval_task.done() and not self.eval_task.cancelled():
+            self.eval_task.result()
+
+    async def held_out(self, when: str, version: int, steps_before: int | None = None) -> float:
+        """Evaluate on the servers' current weights (`version`) and log the `eval` row: accuracy,
+        the versions the answers came from, the trainer steps taken meanwhile and a few answers."""
+        t0 = time.monotonic()
+        steps_before = self.steps_trained if steps_before is None else steps_before
+        reward = self.graph.rewards[0]
+        if self.eval_rewards is None:  # worker processes start at the first evaluation
+            self.eval_rewards = RewardService([reward], self.cfg.sandbox)
+
+        async def score(text: str, reference: str) -> float:
+            return (await self.eval_rewards.score(reward.name, text, reference)).raw
+
+        result: Evaluation = await held_out_accuracy(
+            self.publisher.pool, self.tokenizer, self.eval_rows, score, self.graph.dataset_input(self.graph.generate),
+            self.graph.dataset_input(reward), self.cfg.algorithm.max_new_tokens)
+        if set(result.versions) != {version}:
+            log.warning("held-out evaluation at %s: answers came from versions %s, not only %d", when,
+                        result.versions, version)
+        self.metrics.log("eval", when=when, step=version, version=version, accuracy=result.accuracy, n=result.n,
+                         answer_versions={str(v): n for v, n in sorted(result.versions.items())},
+                         trainer_steps_meanwhile=self.steps_trained - steps_before,
+                         seconds=time.monotonic() - t0, samples=result.samples)
+        log.info("held-out accuracy at %s: %.1f%%", when, 100 * result.accuracy)
+        return result.accuracy
 
     # ---- start and finish ----------------------------------------------------------------------
 
@@ -598,6 +651,9 @@ class Controller:
         self.clock.start(already=state.train_elapsed)
         await self.grant()
         steps = await self.until_stalled(self.train())
+        if self.eval_task is not None:  # an evaluation beside training still running: its row belongs to the run
+            self.waiting_for = f"the held-out evaluation at version {self.pin.version}"
+            await self.until_stalled(asyncio.wait_for(self.eval_task, None))
         train_wall = self.clock.elapsed()
         self.closing = True  # no new admissions; running groups finish or stay accounted for
         stopped = self.stop_requested and steps < self.cfg.total_steps

@@ -13,7 +13,17 @@ from typing import Iterator
 
 import numpy as np
 
+from areal_flow.algorithms.diagnostics import (
+    BEHAV_WEIGHT_BIN,
+    LENGTH_BUCKETS,
+    behav_weight_edges,
+    ess_fraction,
+    length_bucket_metrics,
+    length_buckets,
+)
 from areal_flow.transport.messages import Finish, GroupMeta
+
+BIN_PREFIX = BEHAV_WEIGHT_BIN.split("{")[0]
 
 
 @dataclass
@@ -56,14 +66,22 @@ class Traffic:
         return delta
 
 
-def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_key: str) -> dict:
-    """Reward, accuracy, realised staleness (step − version of each trained token) and lengths."""
+def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_key: str,
+                  max_new_tokens: int | None = None) -> dict:
+    """Reward, accuracy, realised staleness (step − version of each trained token) and lengths.
+
+    staleness_hist counts tokens by age (item a: the tokens of age a); staleness_seq_hist counts
+    answers, each once, by the age of its oldest token (step − its smallest version; answers
+    without versions are not counted). With `max_new_tokens`, by_length/reward/qK and
+    by_length/samples/qK: the mean reward and the number of the answers in each quarter of the
+    generation budget by length (diagnostics.length_buckets; None for an empty quarter)."""
     samples = [s for g in groups for s in g.samples]
     rewards = np.array([s.scalars[reward_key] for s in samples], dtype=np.float64)
     hist: dict[int, int] = {}
     for s in samples:
         for version, n in s.versions.items():
             hist[step - version] = hist.get(step - version, 0) + n
+    seq_ages = np.array([step - min(s.versions) for s in samples if s.versions], dtype=np.int64)
     ages = np.array(sorted(hist), dtype=np.int64)
     counts = np.array([hist[a] for a in ages], dtype=np.int64)
     # A reward node's statistics may be missing from a sample (a timed-out sample has no
@@ -71,6 +89,7 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     keys = sorted({k for s in samples for k in s.scalars} - {reward_key})
     per_key = {k: float(np.mean([s.scalars[k] for s in samples if k in s.scalars])) for k in keys}
     lengths = np.array([s.lengths[output_key] for s in samples], dtype=np.float64)
+    by_length = reward_by_length(lengths, rewards, max_new_tokens) if max_new_tokens else {}
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
@@ -78,11 +97,66 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],
+        "staleness_seq_hist": np.bincount(seq_ages, minlength=1).tolist() if len(seq_ages) else [0],
         "response_length": float(lengths.mean()),
         "response_length_std": float(lengths.std()),
         "response_length_max": int(lengths.max()),
         "truncated_fraction": float(np.mean([s.finish != Finish.STOP for s in samples])),
+        **by_length,
     }
+
+
+def reward_by_length(lengths: np.ndarray, rewards: np.ndarray, max_new_tokens: int) -> dict:
+    """by_length/reward/qK (the mean reward; None for an empty bucket) and by_length/samples/qK
+    over the answers in each quarter of max_new_tokens by length."""
+    buckets = length_buckets(lengths, max_new_tokens)
+    out: dict = {}
+    for k, name in enumerate(LENGTH_BUCKETS):
+        out[f"by_length/reward/{name}"] = float(rewards[buckets == k].mean()) if np.any(buckets == k) else None
+    for k, name in enumerate(LENGTH_BUCKETS):
+        out[f"by_length/samples/{name}"] = int(np.sum(buckets == k))
+    return out
+
+
+def train_metrics(stats: dict[str, float], behav_weight_cap: float | None = None,
+                  behav_weight_floor: float | None = None) -> dict:
+    """A step's metrics from the trainer ranks' stats (StepDone.stats, already summed over
+    micro-batches, minibatches and ranks): every stat as train/<key>, except the raw sums of the
+    step's diagnostics (algorithms/diagnostics.py), which are finished here instead:
+
+        train/behav_weight_hist        the behaviour weight w = π_prox/π_behav of each valid token
+                                       the loss ran (before its cap and floor), counted per bin
+        train/behav_weight_hist_edges  its n+1 edges: diagnostics.behav_weight_edges(cap, floor)
+        train/capped_fraction          capped_tokens / N: the share of tokens outside [floor, cap]
+        train/ess_fraction             (Σw)² / (N·Σw²), 1 when every weight is equal
+        by_length/advantage/qK         the mean over the bucket's answers of their mean advantage
+        by_length/loss_share/qK        the bucket's share of Σ |A|·token weight (the length bias)
+
+    N is the number of tokens in the histogram (the valid tokens the loss ran, every minibatch
+    and epoch), or n_valid_tokens − skipped_tokens when the loss gave no histogram. Keys whose
+    inputs are missing (a loss function of one's own, the critic's stats) are left out."""
+    row = {f"train/{k}": v for k, v in stats.items() if not k.startswith((BIN_PREFIX, "by_length/"))}
+    if hist := behav_weight_hist(stats):
+        row["train/behav_weight_hist"] = hist
+        edges = behav_weight_edges(behav_weight_cap, behav_weight_floor)
+        if len(edges) == len(hist) + 1:
+            row["train/behav_weight_hist_edges"] = edges
+        n = float(sum(hist))
+    else:
+        n = stats.get("n_valid_tokens", 0.0) - stats.get("skipped_tokens", 0.0)
+    if "capped_tokens" in stats:
+        row["train/capped_fraction"] = stats["capped_tokens"] / n if n > 0 else None
+    if "behav_weight_sq_sum" in stats and "behav_weight_sum" in stats:
+        row["train/ess_fraction"] = ess_fraction(stats["behav_weight_sum"], stats["behav_weight_sq_sum"], n)
+    row.update(length_bucket_metrics(stats))
+    return row
+
+
+def behav_weight_hist(stats: dict[str, float]) -> list[int]:
+    """The behaviour weight histogram's counts (item i = bin i) from its per-bin stats
+    (diagnostics.BEHAV_WEIGHT_BIN), [] when there are none."""
+    n = sum(1 for k in stats if k.startswith(BIN_PREFIX))
+    return [int(round(stats[BEHAV_WEIGHT_BIN.format(i)])) for i in range(n)]
 
 
 def reward_busy(groups: list[GroupMeta], nodes, seconds: float) -> dict[str, float]:

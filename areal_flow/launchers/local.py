@@ -5,7 +5,9 @@ or sees only its GPUs (CUDA), and gets SIGKILL from the kernel if the launcher i
 run leaves orphans. A child started with a way to start it again (a generation server, a rollout or
 reward worker: `recover.worker_restarts`) is restarted when it dies and the run goes on. When any
 other child exits before the controller has finished, every other child is stopped and
-`ChildFailed` carries the dead process's name, exit code and traceback.
+`ChildFailed` carries the dead process's name, exit code and traceback. Each start, exit and
+restart is recorded in the run directory's `processes.json` (status/processes.py), which
+`python -m areal_flow.status` reads.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Callable
 
 from areal_flow.graph.placement import Proc
 from areal_flow.runtime.spec import free_ports
+from areal_flow.status.processes import ProcessTable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -127,6 +130,7 @@ class LocalLauncher(Watching):
         self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
         self.children: dict[str, Child] = {}
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        self.processes = ProcessTable(run_dir)  # processes.json, for `python -m areal_flow.status`
 
     def reserve(self, names: list[str], wildcard: bool = False) -> list[tuple[str, int]]:
         """(address, free port) for each named process, in order, all on this host: free on loopback,
@@ -154,6 +158,7 @@ class LocalLauncher(Watching):
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=lambda: child_preexec(cores), start_new_session=True)
         self.children[proc.name] = Child(proc, popen, log_path, again, restarts)
+        self.processes.started(proc.name, proc.role, popen.pid)
 
     def restart(self, name: str) -> bool:
         child = self.children[name]
@@ -165,7 +170,9 @@ class LocalLauncher(Watching):
 
     def exited(self) -> dict[str, int]:
         codes = {name: c.popen.poll() for name, c in self.children.items()}
-        return {name: code for name, code in codes.items() if code is not None}
+        exited = {name: code for name, code in codes.items() if code is not None}
+        self.processes.exited(exited)
+        return exited
 
     def log_path(self, name: str) -> str:
         return self.children[name].log_path
@@ -186,3 +193,5 @@ class LocalLauncher(Watching):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.processes.exited({name: c.popen.returncode for name, c in self.children.items()
+                               if c.popen.returncode is not None})

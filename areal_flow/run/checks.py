@@ -186,6 +186,9 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
 def check_run(cfg: RunConfig, graph: Graph) -> None:
     """Raise ConfigError listing every problem of a composed config whose graph is valid."""
     problems = check_ranges(cfg) + _machine(cfg) + _rollout(cfg) + graph_problems(cfg, graph)
+    if "jsonl" not in cfg.metrics.backends:
+        problems.append(f"metrics.backends={list(cfg.metrics.backends)} must include jsonl: the progress display, the "
+                        "plots and `python -m areal_flow.status` read metrics.jsonl")
     problems += generation_problems(cfg.generation, len(graph.generate.mesh or ()))
     if problems:
         raise ConfigError(problems)

@@ -8,6 +8,7 @@ from rich.console import Console
 from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import ConfigError
 from areal_flow.graph.allocation import allocation_problems, apply_allocation, parse_allocation
+from areal_flow.metrics.backends import hydra_wandb_group
 from areal_flow.runtime.spec import typed
 
 
@@ -25,6 +26,8 @@ def with_allocation(raw: DictConfig, console: Console) -> None:
 
 
 def compose(raw: DictConfig, console: Console) -> RunConfig:
-    """The run's typed config; `raw` gets the allocation's keys too (it is written to the run directory)."""
+    """The run's typed config; `raw` gets the allocation's keys too (it is written to the run directory),
+    and a Hydra multirun's wandb group (metrics.wandb.group null: the sweep directory's name)."""
     with_allocation(raw, console)
+    raw.metrics.wandb.group = hydra_wandb_group(raw.metrics.wandb.group)
     return typed(raw)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import zmq
 
 from areal_flow.algorithms import library
+from areal_flow.algorithms.diagnostics import length_bucket_sums
 from areal_flow.algorithms.inputs import TrainInputs, train_inputs
 from areal_flow.algorithms.kl import behaviour_kl, kl_controller
 from areal_flow.algorithms.library import AllReduce
@@ -39,6 +40,7 @@ from areal_flow.runtime.child import torchrun_rank
 from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.training.dumps import dump_due, dump_step
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
 from areal_flow.training.join import DuplicateResult, Join, Remote
 from areal_flow.training.torch_engine import TorchEngine
@@ -76,6 +78,7 @@ class ModelWorker:
         self.graph: Graph = graph_from_config(cfg)
         self.engines = make_engines(cfg, spec, self.graph, rank)
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, complete, not yet trained
+        self.policy_inputs: TrainInputs | None = None  # the policy's loss inputs of the step (for its dump)
         # Groups waiting for the key of a node on a mesh of its own, and such keys waiting for their group.
         self.join = Join([Remote(n.name, n.outputs[0], self.graph.input(n, "output_ids"))
                           for n in self.graph.own_mesh_nodes])
@@ -173,6 +176,7 @@ class ModelWorker:
         stats: dict[str, float] = {}
         prox_seconds = 0.0
         ran = []
+        self.policy_inputs = None
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
         for node in self.graph.trainer_nodes:  # graph order: prox/ref logprobs and values, then train
             is_prox = node.type != "train" and node.outputs[0] == prox_key
@@ -198,6 +202,9 @@ class ModelWorker:
         trained.version = version
         with self.phases("publish"):  # "" when the trainers send it later, once the servers are paused
             weights = self.weights.after_step(trained, version, self.rank)
+        if dump_due(self.cfg.dump.every_steps, plan.step) and trained.data_leader:  # once the weights are out
+            with self.phases("dump"):
+                self.dump(plan.step, samples)
         if self.graph.colocated and trained.device.type == "cuda":
             torch.cuda.empty_cache()  # the generation server on this GPU takes its turn next
         stats.update(self.phases.reset())
@@ -245,6 +252,8 @@ class ModelWorker:
         kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and has_ref
         skip = library.zero_gradient(inputs.advantages, algo, kl_in_loss=kl_in_loss)
         stats = self.update(engine, samples, inputs, loss_fn, skip)
+        stats.update(length_bias(inputs, algo.max_new_tokens, reduce))
+        self.policy_inputs = inputs
         if has_ref and algo.kl_coef:
             kl = behaviour_kl(inputs.token_data["behav_logprobs"], inputs.token_data["ref_logprobs"],
                               inputs.valid_masks(), algo.kl_estimator, algo.kl_clamp, reduce)
@@ -253,6 +262,22 @@ class ModelWorker:
             self.kl.update(kl, len(samples) * (dist.get_world_size(group) if group is not None else 1))
             engine.extra_state["kl"] = self.kl.state_dict()
         return stats
+
+    def dump(self, step: int, samples: list[Sample]) -> None:
+        """This rank's samples of step `step`, with the policy's advantages, to the run's dumps/ folder
+        (training/dumps.py)."""
+        train, inputs = self.graph.train, self.policy_inputs
+        tokenizer = self.tokenizer
+        try:
+            dump_step(self.spec.run_dir, step, self.rank, samples,
+                      prompt_key=self.graph.input(train, "prompt_ids"), output_key=self.graph.input(train, "output_ids"),
+                      reward_key=self.graph.input(train, "rewards"),
+                      versions_key=self.graph.output(self.graph.generate, "versions"),
+                      advantages=None if inputs is None else inputs.advantages,
+                      masks=None if inputs is None else inputs.valid_masks(),
+                      decode=lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False))
+        except OSError:  # a full disk loses the dump, not the run
+            log.exception("%s: the sample dump of step %d was not written", self.name, step + 1)
 
     def train_critic(self, node: Node, samples: list[Sample], kl_coef: float) -> dict[str, float]:
         """The clipped value loss toward the estimator's targets (GAE: A + V), token mean."""
@@ -333,6 +358,17 @@ def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
         return t
 
     return reduce
+
+
+def length_bias(inputs: TrainInputs, max_new_tokens: int, reduce: AllReduce | None) -> dict[str, float]:
+    """The step's per-length-bucket sums of advantages and loss weights (diagnostics.length_bucket_sums)
+    over the data-parallel ranks (`reduce`: their sum; every rank calls it, with or without samples)."""
+    sums = length_bucket_sums([len(out) for _, out in inputs.seqs], inputs.advantages, inputs.valid_masks(),
+                              inputs.token_data.get("token_weights"), max_new_tokens)
+    if reduce is None:
+        return sums
+    total = reduce(torch.tensor(list(sums.values()), dtype=torch.float64))
+    return dict(zip(sums, total.tolist()))
 
 
 def engine_data(inputs: TrainInputs) -> dict[str, list[np.ndarray]]:

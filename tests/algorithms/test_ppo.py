@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_flow.algorithms.diagnostics import BEHAV_WEIGHT_BIN, behav_weight_edges
 from areal_flow.algorithms.ppo import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
@@ -212,8 +213,9 @@ def _general_reference(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_high=
             for t in run:
                 seq_ratio[t] = s
     keys = ("n_tokens", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum", "behav_weight_sum",
-            "behav_weight_max")
-    stats = dict.fromkeys(keys, 0.0)
+            "behav_weight_max", "behav_weight_sq_sum")
+    edges = behav_weight_edges(cap, floor)  # the histogram of w: bin i holds e_i < w <= e_{i+1}, the last open
+    stats = dict.fromkeys(keys + tuple(BEHAV_WEIGHT_BIN.format(i) for i in range(len(edges) - 1)), 0.0)
     total, grads = 0.0, [0.0] * len(lp)
     for t in range(len(lp)):
         if not m[t]:
@@ -225,6 +227,8 @@ def _general_reference(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_high=
         stats["ratio_sum"] += r
         stats["behav_weight_sum"] += w
         stats["behav_weight_max"] = max(stats["behav_weight_max"], w)
+        stats["behav_weight_sq_sum"] += w * w
+        stats[BEHAV_WEIGHT_BIN.format(sum(w > e for e in edges[1:-1]))] += 1
         if px is not None and ((cap is not None and w > cap) or (floor is not None and w < floor)):
             stats["capped_tokens"] += 1
             w = 0.0 if behav_weight_action == "mask" else min(max(w, floor or 0.0), math.inf if cap is None else cap)

@@ -175,7 +175,7 @@ def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(t
     r = launch("--cfg", "job", "algorithm=dr_grpo", "metrics=wandb", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job = yaml.safe_load(r.stdout)
-    assert job["algorithm"]["reward_norm"]["std_level"] == "none" and job["metrics"]["wandb"] is True
+    assert job["algorithm"]["reward_norm"]["std_level"] == "none" and job["metrics"]["backends"] == ["jsonl", "wandb"]
     assert job["algorithm"]["loss_agg"] == "seq-mean-token-sum-norm"
     assert job["algorithm"]["group_size"] == 8  # from the recipe
     job = yaml.safe_load(launch("--cfg", "job", cwd=tmp_path).stdout)

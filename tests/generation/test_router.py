@@ -423,7 +423,9 @@ def test_held_out_evaluation_goes_through_the_pool_and_survives_a_down_server(st
 
             return await held_out_accuracy(pool, tokenizer, rows, exact, "q", "a", 6)
 
-    assert asyncio.run(scenario()) == 0.5
+    result = asyncio.run(scenario())
+    assert result.accuracy == 0.5 and result.n == len(prompts) and sum(result.versions.values()) == len(prompts)
+    assert [s["reference"] for s in result.samples] == [r["a"] for r in rows[:len(result.samples)]]
     assert a.engine.stats()["num_finished_reqs"] >= len(prompts)  # every prompt was answered by the server up
 
 

@@ -1,5 +1,6 @@
 import json
 
+from areal_flow.config.schema import MetricsConfig, WandbConfig
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import MetricsWriter, read_metrics
 
@@ -16,8 +17,8 @@ def test_every_event_is_one_json_line_and_reads_back(tmp_path):
 
 def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    w = MetricsWriter(str(tmp_path / "metrics.jsonl"), use_wandb=True, wandb_project="test", run_name="t")
+    cfg = MetricsConfig(backends=["jsonl", "wandb"], wandb=WandbConfig(project="test"))  # mode: offline
+    w = MetricsWriter(str(tmp_path / "metrics.jsonl"), cfg, run_name="t")
     for step in range(1, 4):
         w.log("step", step=step, reward=step / 10, note="text is not sent")
     w.close()

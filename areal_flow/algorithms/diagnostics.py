@@ -1,0 +1,144 @@
+"""Per-step diagnostics of a train batch: length bias (Dr. GRPO) and the behaviour weight's spread.
+
+Pure functions on arrays and tensors, no I/O. Everything the trainer computes here is a sum or a
+count, so that micro-batches, minibatches and trainer ranks add them up (training/engine.py
+`accumulate_stats`, the worker's all-reduce) and the controller forms the ratios and lists of a
+step's metrics row (controller/run_metrics.py `train_metrics`). This module imports no torch at
+module level: the controller reads its key names and histogram edges without it.
+
+Length buckets: the four quarters of the generation budget `max_new_tokens`, by answer length L:
+q1 is L <= 25% of it, q2 25% < L <= 50%, q3 50% < L <= 75%, q4 L > 75% (truncated answers are in q4).
+
+Per bucket the trainer sums (`length_bucket_sums`):
+
+    by_length/adv_sum/qK      Σ over the bucket's answers with a valid token of the answer's mean
+                              advantage over its valid tokens (per sequence: each answer counts once)
+    by_length/adv_seqs/qK     the number of those answers
+    by_length/loss_weight/qK  Σ over the bucket's valid tokens of |A_t| · token_weight_t
+
+`token_weight_t` is the token's weight in the loss's numerator under the configured aggregation
+(ppo.aggregation_weight: 1 under token-mean and seq-mean-token-sum, 1/n under
+seq-mean-token-mean, 1/norm_length under Dr. GRPO's seq-mean-token-sum-norm). The loss's
+denominator is one global number (Σ of LOSS_SHARE_KEY shares, or the valid-token count), the same
+for every token, so it cancels in a share: a bucket's loss share, loss_weight_qK / Σ_K
+loss_weight_qK, is its share of the advantage-weighted gradient weight of the step, before the
+importance and behaviour weights. Under token-mean long answers carry a share growing with their
+length; under seq-mean-token-mean every answer carries the same weight whatever its length.
+
+The behaviour weight w_t = π_prox/π_behav (before its cap and floor) per valid token: a histogram
+over `behav_weight_edges(cap, floor)` (`behav_weight_bins`, one count per bin under BEHAV_WEIGHT_BIN) and
+the effective sample size `ess_fraction` from Σw, Σw² and N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+LENGTH_BUCKETS = ("q1", "q2", "q3", "q4")
+"""The quarters of max_new_tokens, shortest first."""
+
+ADV_SUM, ADV_SEQS, LOSS_WEIGHT = "by_length/adv_sum/{}", "by_length/adv_seqs/{}", "by_length/loss_weight/{}"
+"""The trainer's per-bucket sums (formatted with a LENGTH_BUCKETS name)."""
+
+BEHAV_WEIGHT_BIN = "behav_weight_bin/{:02d}"
+"""The loss stats' key of bin i of the behaviour weight's histogram."""
+
+_BASE_EDGES = (0.125, 0.25, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 4.0, 8.0)
+"""The histogram's edges without a cap: in pairs about 1 on a log scale (1/8 and 8, 1/4 and 4, 1/2
+and 2, 0.8 and 1.25, 0.95 and about 1/0.95), finer near 1, where a centred bin (0.95, 1.05] holds
+the weights of tokens whose policies agree."""
+
+
+def length_buckets(lengths: Sequence[int] | np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """Each answer length's bucket index 0..3 (q1..q4): L <= 25%, <= 50%, <= 75% of max_new_tokens, above."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    bounds = np.array([0.25, 0.5, 0.75]) * max_new_tokens
+    return np.searchsorted(bounds, np.asarray(lengths, dtype=np.float64), side="left").astype(np.int64)
+
+
+def length_bucket_sums(lengths: Sequence[int], advantages: Sequence[np.ndarray], masks: Sequence[np.ndarray],
+                       token_weights: Sequence[np.ndarray] | None, max_new_tokens: int) -> dict[str, float]:
+    """The per-bucket sums of the module's docstring over one rank's answers (each a sum: add them
+    over ranks). `advantages`, `masks` (the valid tokens) and `token_weights` (None: 1 per token,
+    token-mean) hold one array per answer; `lengths` the answers' token counts. Every key is
+    present, 0 for an empty bucket, so that every rank reduces the same values."""
+    n = len(LENGTH_BUCKETS)
+    adv_sum, adv_seqs, loss_weight = np.zeros(n), np.zeros(n), np.zeros(n)
+    for i, b in enumerate(length_buckets(lengths, max_new_tokens)):
+        mask = np.asarray(masks[i], dtype=bool)
+        if not mask.any():
+            continue  # no valid token: trains nothing
+        adv = np.asarray(advantages[i], dtype=np.float64)[mask]
+        weight = 1.0 if token_weights is None else np.asarray(token_weights[i], dtype=np.float64)[mask]
+        adv_sum[b] += adv.mean()
+        adv_seqs[b] += 1
+        loss_weight[b] += float((np.abs(adv) * weight).sum())
+    out: dict[str, float] = {}
+    for k, name in enumerate(LENGTH_BUCKETS):
+        out[ADV_SUM.format(name)] = float(adv_sum[k])
+        out[ADV_SEQS.format(name)] = float(adv_seqs[k])
+        out[LOSS_WEIGHT.format(name)] = float(loss_weight[k])
+    return out
+
+
+def length_bucket_metrics(sums: dict[str, float]) -> dict[str, float | None]:
+    """From the bucket sums of the whole step: by_length/advantage/qK (the mean over the bucket's
+    answers of their mean advantage; None without one) and by_length/loss_share/qK (the bucket's
+    share of Σ |A|·token_weight; None when that is 0 everywhere, e.g. every advantage is 0). {}
+    when `sums` has none."""
+    if ADV_SUM.format(LENGTH_BUCKETS[0]) not in sums:
+        return {}
+    total = sum(sums.get(LOSS_WEIGHT.format(b), 0.0) for b in LENGTH_BUCKETS)
+    out: dict[str, float | None] = {}
+    for b in LENGTH_BUCKETS:
+        n = sums.get(ADV_SEQS.format(b), 0.0)
+        out[f"by_length/advantage/{b}"] = sums.get(ADV_SUM.format(b), 0.0) / n if n else None
+    for b in LENGTH_BUCKETS:
+        out[f"by_length/loss_share/{b}"] = sums.get(LOSS_WEIGHT.format(b), 0.0) / total if total > 0 else None
+    return out
+
+
+def behav_weight_edges(cap: float | None, floor: float | None = None) -> list[float]:
+    """The behaviour weight histogram's n+1 edges: 0, then 1/8, 1/4, 1/2, 0.8, 0.95, 1.05, 1.25, 2,
+    4, 8 (log-symmetric about 1, finer near it), doubling on past 8 to an edge above `cap` when the
+    cap is larger, and the cap itself, so that the bins above it count exactly the weights the cap
+    catches (w > cap); a positive `floor` is added as an edge too (the bins below it: w <= floor).
+
+    Bin i counts e_i < w <= e_{i+1} (bin 0 also w = 0); the last bin also counts every weight above
+    the last edge. With the default cap 5: 0, .125, .25, .5, .8, .95, 1.05, 1.25, 2, 4, 5, 8 (11 bins)."""
+    edges = [0.0, *_BASE_EDGES]
+    if cap is not None:
+        while edges[-1] <= cap:  # one edge above the cap at least
+            edges.append(2 * edges[-1])
+    for bound in (cap, floor):
+        if bound is not None and bound > 0 and not any(math.isclose(e, bound) for e in edges):
+            edges.append(float(bound))
+    return sorted(edges)
+
+
+def behav_weight_bins(weight: torch.Tensor, mask: torch.Tensor, edges: Sequence[float]) -> torch.Tensor:
+    """Counts [len(edges) - 1] of the valid tokens' weights per bin of `edges` (behav_weight_edges'
+    rule: right-closed bins, the first one from 0, the last open above), in `weight`'s dtype."""
+    n_bins = len(edges) - 1
+    w = weight.detach()[mask.bool()].reshape(-1)
+    inner = w.new_tensor(list(edges[1:-1]))
+    # The number of inner edges strictly below w: bin i holds e_i < w <= e_{i+1}.
+    index = (w.unsqueeze(-1) > inner).sum(-1)
+    # Counted by comparison rather than bincount, which has no deterministic CUDA kernel.
+    return (index.unsqueeze(-1) == index.new_tensor(list(range(n_bins)))).sum(0).to(weight.dtype)
+
+
+def ess_fraction(weight_sum: float, weight_sq_sum: float, n: float) -> float | None:
+    """The effective sample size of weights over their number: (Σw)² / (N·Σw²), 1 when every weight
+    is equal, about 1/N when one dominates; None without tokens or weights."""
+    if n <= 0 or weight_sq_sum <= 0:
+        return None
+    return weight_sum * weight_sum / (n * weight_sq_sum)

@@ -1,0 +1,104 @@
+"""Sample dumps: every `dump.every_steps`-th step, the samples a trainer rank trained, for reading.
+
+One JSON object per sample in `<run_dir>/dumps/step-NNNNNNNN-rankR.jsonl` (NNNNNNNN: the step as the
+metrics rows count it, from 1), written to a temporary file and renamed, so that a reader never
+sees part of a file. Each object:
+
+    step, rank, uid, group_id, index, prompt_id
+    prompt, answer         the prompt and answer tokens decoded (special tokens kept: what was trained)
+    fields                 the dataset row's text fields (the reference answer, ...)
+    reward, scalars        the train node's reward, and every scalar of the sample
+    finish                 how generation ended: stop | length (truncated) | abort
+    lengths                {"prompt": tokens, "answer": tokens, "trained": answer tokens in the loss}
+    versions               {version: answer tokens it generated} (JSON keys are strings); {} without versions
+    staleness              step − the oldest version among its tokens (the step counted from 0, as the
+                           weights' versions are); None without versions
+    staleness_mean         the token-weighted mean of step − version; None without versions
+    advantage              the mean advantage over the answer's tokens in the loss; None without any
+    advantages             the advantage of every answer token (rounded to 6 significant digits)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from areal_flow.transport.messages import Sample
+
+DUMPS = "dumps"
+"""The run directory's folder of sample dumps."""
+
+
+def dump_due(every_steps: int, step: int) -> bool:
+    """Whether step `step` (counted from 0) is dumped: step + 1 a multiple of `every_steps` (0: never)."""
+    return every_steps > 0 and (step + 1) % every_steps == 0
+
+
+def dump_path(run_dir: str, step: int, rank: int) -> str:
+    """The dump of step `step` (counted from 0; the name counts from 1, as the metrics rows) by `rank`."""
+    return os.path.join(run_dir, DUMPS, f"step-{step + 1:08d}-rank{rank}.jsonl")
+
+
+def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, output_key: str, reward_key: str,
+                  versions_key: str | None, advantages: np.ndarray | None, mask: np.ndarray | None,
+                  decode: Callable[[np.ndarray], str]) -> dict:
+    """One sample's dump object (the module's docstring); `step` counted from 0, `mask` the answer
+    tokens in the loss (None: all), `decode` token ids to text."""
+    prompt, output = sample.array(prompt_key), sample.array(output_key)
+    mask = np.ones(len(output), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    versions = sample.array(versions_key) if versions_key and versions_key in sample.arrays else None
+    counts: dict[str, int] = {}
+    staleness = staleness_mean = None
+    if versions is not None and len(versions):
+        values, n = np.unique(versions, return_counts=True)
+        counts = {str(int(v)): int(c) for v, c in zip(values, n)}
+        staleness = int(step - values.min())
+        staleness_mean = float(np.mean(step - versions.astype(np.float64)))
+    adv = np.asarray(advantages, dtype=np.float64) if advantages is not None else None
+    return {
+        "step": step + 1, "rank": rank, "uid": sample.uid, "group_id": sample.group_id, "index": sample.index,
+        "prompt_id": sample.prompt_id,
+        "prompt": decode(prompt), "answer": decode(output), "fields": dict(sample.fields),
+        "reward": sample.scalars.get(reward_key), "scalars": dict(sample.scalars),
+        "finish": sample.finish.value,
+        "lengths": {"prompt": int(len(prompt)), "answer": int(len(output)), "trained": int(mask.sum())},
+        "versions": counts, "staleness": staleness, "staleness_mean": staleness_mean,
+        "advantage": float(adv[mask].mean()) if adv is not None and mask.any() else None,
+        "advantages": [float(f"{a:.6g}") for a in adv] if adv is not None else None,
+    }
+
+
+def write_dump(path: str, records: Sequence[dict]) -> None:
+    """`records` as JSON lines at `path`, atomically: a temporary file in the same folder, renamed."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    # Hidden, and not named *.jsonl: a reader globbing the folder never picks it up.
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def dump_step(run_dir: str, step: int, rank: int, samples: Sequence[Sample], *, prompt_key: str, output_key: str,
+              reward_key: str, versions_key: str | None, advantages: Sequence[np.ndarray] | None,
+              masks: Sequence[np.ndarray] | None, decode: Callable[[np.ndarray], str]) -> str:
+    """Write the dump of step `step` (from 0) by `rank`: one object per sample, in order, with its
+    advantages and loss mask (per sample, in the samples' order; None: unknown / all valid).
+    Returns the file's path."""
+    records = [sample_record(s, step=step, rank=rank, prompt_key=prompt_key, output_key=output_key,
+                             reward_key=reward_key, versions_key=versions_key,
+                             advantages=None if advantages is None else advantages[i],
+                             mask=None if masks is None else masks[i], decode=decode)
+               for i, s in enumerate(samples)]
+    path = dump_path(run_dir, step, rank)
+    write_dump(path, records)
+    return path
