@@ -1,1 +1,1 @@
-"""Per-step metrics: a JSONL file every run writes, optionally wandb, and plots."""
+"""Per-step metrics: a JSONL file every run writes, optionally TensorBoard and wandb (backends.py), and plots."""

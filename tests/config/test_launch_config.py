@@ -119,13 +119,15 @@ def test_multirun_gives_each_run_its_own_directory(tmp_path):
 
 def test_values_that_would_hang_or_mislead_are_refused_naming_the_key(tmp_path):
     r = launch("rollout.max_concurrent=0", "algorithm.batch_size=0", "cluster.n_devices=64",
-               "model.path=/nonexistent/model", "launcher.type=kubernetes", "algorithm.max_new_tokens=5000", cwd=tmp_path)
+               "model.path=/nonexistent/model", "launcher.type=kubernetes", "algorithm.max_new_tokens=5000",
+               "metrics.backends=[tensorboard]", cwd=tmp_path)
     assert r.returncode == 2
     for expected in ("rollout.max_concurrent=0 must be ≥ 1", "algorithm.batch_size=0 must be ≥ 1",
                      "cluster.n_devices=64 but this process may use", "model.path='/nonexistent/model'",
                      "launcher.type='kubernetes' must be one of local",
                      "graph.actor_train.micro_batch_tokens=4096 cannot hold one sequence of a prompt and "
-                     "algorithm.max_new_tokens=5000 answer tokens"):
+                     "algorithm.max_new_tokens=5000 answer tokens",
+                     "metrics.backends=['tensorboard'] must include jsonl"):
         assert expected in r.stdout
 
 

@@ -59,3 +59,13 @@ def test_nan_and_inf_are_refused_in_every_float_field_nested_in_lists_and_dicts(
         "graph.reward.timeout=inf: must be a finite number",
         "graph.total.weights.b=nan: must be a finite number",
     ])
+
+
+def test_each_item_of_a_list_field_is_one_of_its_choices():
+    cfg = RunConfig()
+    cfg.metrics.backends = ["jsonl", "tensorbord", "wandb"]
+    cfg.metrics.wandb.mode = "online"
+    assert check_ranges(cfg) == ["metrics.backends=['jsonl', 'tensorbord', 'wandb'] has 'tensorbord': each item must be "
+                                 "one of jsonl, tensorboard, wandb"]
+    cfg.metrics.backends, cfg.metrics.wandb.mode = ["jsonl", "tensorboard"], "remote"
+    assert check_ranges(cfg) == ["metrics.wandb.mode='remote' must be one of online, offline, disabled"]
