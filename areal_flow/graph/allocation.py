@@ -217,10 +217,19 @@ def _mesh(devices: tuple[int, ...]) -> str:
     return f"{devices[0]}-{devices[-1]}" if len(devices) > 1 else str(devices[0])
 
 
+def _own_mesh(node: Any, trainer_mesh: Any) -> bool:
+    """An inference node of a frozen role (ref) whose recipe gives it devices other than the actor
+    train node's: a mesh of its own (graph/dag.py `own_mesh_nodes`), which an allocation keeps."""
+    return (node.get("role") not in (None, "actor", "critic")
+            and node.get("mesh") is not None and node.get("mesh") != trainer_mesh)
+
+
 def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
     """Write `alloc` into the run config `raw` (an OmegaConf DictConfig or a mapping of its shape):
     the generate nodes' mesh, generation.backend and tp_size; the batch nodes' mesh, parallel and
-    engine. Returns one line per key it set, for the launcher to print."""
+    engine. A frozen node on a mesh of its own keeps it (the graph's checks then refuse, naming it,
+    an allocation that gives its devices to another node). Returns one line per key it set, for the
+    launcher to print."""
     set_lines = []
 
     def put(section: Any, key: str, value: Any, path: str) -> None:
@@ -228,6 +237,8 @@ def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
         set_lines.append(f"{path}={value}")
 
     gen, train = alloc.generation, alloc.training
+    trainer_mesh = next((node.get("mesh") for node in raw["graph"].values()
+                         if node is not None and node.get("type") == "train" and node.get("role") == "actor"), None)
     if alloc.generation_backend is not None:
         put(raw["generation"], "backend", alloc.generation_backend, "generation.backend")
     put(raw["generation"], "tp_size", gen.layout.tp, "generation.tp_size")
@@ -235,6 +246,8 @@ def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
         kind = node.get("type") if node is not None else None  # a node set to null is removed (schema.py)
         if kind == "generate":
             put(node, "mesh", _mesh(alloc.generation_mesh), f"graph.{name}.mesh")
+        elif kind == "inference" and _own_mesh(node, trainer_mesh):
+            set_lines.append(f"graph.{name}.mesh={node['mesh']} (kept: a frozen node on a mesh of its own)")
         elif kind in ("inference", "train"):
             put(node, "mesh", _mesh(alloc.training_mesh), f"graph.{name}.mesh")
             put(node, "parallel", str(train.layout), f"graph.{name}.parallel")

@@ -108,3 +108,24 @@ def test_the_spec_and_the_slurm_ports_name_each_replicas_inbox():
     assert port_names(plain) == ["gen_server0", "rollout0", "trainer0", "controller", "dist"]
     assert spec_with_ports(plain, {n: 1 for n in port_names(plain)}, run_dir="", model_path="", train_path="",
                            eval_path="").infer_ports == {}
+
+
+def test_an_allocation_keeps_a_frozen_nodes_own_mesh_and_a_collision_is_refused_naming_it():
+    from omegaconf import OmegaConf
+
+    from areal_flow.graph.allocation import apply_allocation, parse_allocation
+
+    raw = OmegaConf.create({"generation": {"backend": "embedded", "tp_size": 1}, "graph": with_ref()})
+    lines = apply_allocation(raw, parse_allocation("embedded:d1 + torch:d1"))
+    assert raw.graph.ref.mesh == "2" and raw.graph.actor_train.mesh == "1" and raw.graph.generate.mesh == "0"
+    assert "graph.ref.mesh=2 (kept: a frozen node on a mesh of its own)" in lines
+    assert build(OmegaConf.to_container(raw.graph), n_devices=3).own_mesh_nodes[0].name == "ref"
+    # A ref on the trainer's mesh (not a mesh of its own) moves with the trainer, as before.
+    raw = OmegaConf.create({"generation": {"backend": "embedded", "tp_size": 1}, "graph": with_ref(mesh="1")})
+    apply_allocation(raw, parse_allocation("embedded:d1 + torch:d2"))
+    assert raw.graph.ref.mesh == raw.graph.actor_train.mesh == "1-2"
+    # Training given the ref's device: refused, naming the ref node.
+    raw = OmegaConf.create({"generation": {"backend": "embedded", "tp_size": 1}, "graph": with_ref()})
+    apply_allocation(raw, parse_allocation("embedded:d1 + torch:d2"))
+    assert "node 'ref': mesh 2 (graph.ref.mesh) shares device(s) 2 with 'actor_prox'" in \
+        problems_of(OmegaConf.to_container(raw.graph), n_devices=3)
