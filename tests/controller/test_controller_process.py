@@ -67,3 +67,61 @@ def test_a_resumed_controller_admits_again_the_groups_that_were_generating(make_
     resumed = make_controller(resume=folder)
     assert resumed.readmit == [2, 5, 9]  # in order, each regenerated from its prompt
     assert resumed.state.staleness.running == {} and resumed.state.step == 4 and resumed.state.resumes == 1
+
+
+def _health_server():
+    """A real HTTP server answering GET /health with 200, as a generation server does."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.slow  # a second of waiting on the start-up timeout: the full suite runs it
+def test_the_controller_waits_for_each_inference_replica_and_names_the_one_missing(make_controller):
+    """Start-up with a ref node on a mesh of its own: the run starts once every trainer rank said
+    Hello and every inference replica Ready; a replica that never reports fails the start, named."""
+    import asyncio
+
+    import msgspec
+    import zmq
+
+    from areal_flow.training.inference import Ready
+    from areal_flow.transport.channels import make_socket, send_blocking
+    from areal_flow.transport.messages import Hello
+
+    health = _health_server()
+    c = make_controller("launcher.start_timeout=1")
+    c.spec = msgspec.structs.replace(c.spec, gen_ports=[health.server_address[1]], infer_ports={"ref": [free_port(), free_port()]})
+    ctx = zmq.Context()
+    socks = []
+
+    def report(identity, msg):
+        sock = make_socket(ctx, zmq.DEALER, connect=c.spec.endpoint("controller", c.spec.controller_port),
+                           identity=identity)
+        socks.append(sock)
+        send_blocking(sock, msg)
+
+    try:
+        report("trainer0", Hello(0))
+        report("ref_infer0", Ready("ref_infer0"))
+        with pytest.raises(TimeoutError, match=r"inference processes \['ref_infer1'\] did not report within 1 s"):
+            asyncio.run(c.wait_for_processes())
+        report("ref_infer1", Ready("ref_infer1"))
+        asyncio.run(asyncio.wait_for(c.wait_for_processes(), 10))
+        assert c.replicas == {"ref_infer0", "ref_infer1"} and set(c.ranks) == {0}
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        health.shutdown()
