@@ -35,3 +35,29 @@ def test_the_ref_model_runs_on_its_own_mesh_and_its_logprobs_reach_the_trained_g
     assert all(m["train/kl_mean"] < 0.8 for m in steps)
     assert [m["train/kl_coef"] for m in steps] == pytest.approx([0.05, 0.04])
     assert all(m["train/infer/ref_seconds"] > 0 for m in steps)
+
+
+def test_a_killed_inference_process_is_restarted_alone_and_the_run_goes_on(tmp_path, run_cache):
+    import os
+    import signal
+
+    from run_helpers import run_processes
+    from test_resume_end_to_end import start, wait_for_step
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start(run_dir, run_cache, "recipe=tiny_arith_ref", "launcher.pin_cpus=false", "total_steps=5",
+                 "recover.infer_rerequest_seconds=2")
+    try:
+        wait_for_step(run_dir, 2, proc)
+        os.kill(run_processes(str(run_dir))["ref_infer0"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "process 'ref_infer0' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
+    assert "recover:" not in out  # the run itself was never restarted
+    summary = check_accounting(run_dir, eta=RECIPE_ETA)
+    assert summary["steps"] == 5 and summary["resumes"] == 0
+    # Every step trained with the ref model's logprobs joined (the KL term ran on every step).
+    assert all("train/kl_sum" in m for m in steps_of(run_dir))

@@ -418,8 +418,11 @@ class RecoverConfig:
     retries: int = doc(0, "restart the whole run from its last checkpoint this many times after a process dies "
                        "that is not restarted alone; 0 = the run fails", ge=0)
     worker_restarts: int = doc(3, "restart a generation server (weight_update_mode disk or shm), "
-                               "rollout worker or reward worker that dies, alone, this many times each, while the "
+                               "rollout worker, reward worker or inference process that dies, alone, this many times each, while the "
                                "run goes on; 0 = its death is the run's", ge=0)
+    infer_rerequest_seconds: float = doc(20.0, "a trainer rank asks an inference process (a node on a mesh of its own) "
+                                         "again for a group's result it has waited for this long: the process may have "
+                                         "died with the request and been restarted", gt=0)
 
 
 METRICS_BACKENDS = ("jsonl", "tensorboard", "wandb")

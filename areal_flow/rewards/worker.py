@@ -64,8 +64,7 @@ async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: R
 def infer_requests(group: ScoredGroup, rank: int, nodes: list[Node]) -> list[InferRequest]:
     """For each node on a mesh of its own, what its replica needs to compute the node's key for a
     group routed to trainer rank `rank`: only the arrays the node reads."""
-    return [InferRequest(group.group_id, rank, n.name, [s.index for s in group.samples],
-                         [{k: s.arrays[k] for k in n.inputs} for s in group.samples]) for n in nodes]
+    return [InferRequest.for_group(group, rank, n.name, n.inputs) for n in nodes]
 
 
 class RewardWorker:

@@ -46,8 +46,8 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     first = (spec.model_path, 0)
     if spec.resume:
         first = (os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"])
-    # Processes the local launcher restarts alone when they die (the run goes on): the workers,
-    # and the servers when the weights they must load are files (the last version the controller
+    # Processes the local launcher restarts alone when they die (the run goes on): the workers and
+    # the inference processes (the trainer ranks ask a restarted one again: training/worker.py), and the servers when the weights they must load are files (the last version the controller
     # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
 
@@ -62,7 +62,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         again = None
         if proc.role == "gen_server" and files:
             again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
-        elif proc.role in ("rollout", "reward"):
+        elif proc.role in ("rollout", "reward", "inference"):
             again = functools.partial(command, proc)
         launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
 

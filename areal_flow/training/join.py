@@ -43,6 +43,7 @@ class Join:
     pending: dict[int, ScoredGroup] = field(default_factory=dict)  # groups waiting for a result
     results: dict[int, dict[str, Inferred]] = field(default_factory=dict)  # group -> node -> result, waiting for it
     joined: set[int] = field(default_factory=set)  # groups completed here: a later result for one is a duplicate
+    asked: dict[int, float] = field(default_factory=dict)  # pending group -> when its results were last asked for
 
     def missing(self, group: ScoredGroup) -> list[Remote]:
         """The nodes whose key some sample of `group` lacks."""
@@ -67,12 +68,23 @@ class Join:
                 why.append(f"group {g}, which arrived without its {r.key} (graph.{r.node}), never sent by {replica}")
         return why
 
-    def group(self, group: ScoredGroup) -> ScoredGroup | None:
-        """A group arrived: it, complete, or None while it waits for a result."""
+    def group(self, group: ScoredGroup, now: float = 0.0) -> ScoredGroup | None:
+        """A group arrived (at time `now`, when the reward worker asked for its results): it,
+        complete, or None while it waits for a result."""
         if not self.missing(group):  # moved from another rank or saved complete: nothing to wait for
             return group
         self.pending[group.group_id] = group
+        self.asked[group.group_id] = now
         return self._complete(group.group_id)
+
+    def overdue(self, now: float, after: float) -> list[tuple[ScoredGroup, Remote]]:
+        """The pending groups, each with a node whose result it still lacks, last asked for more than
+        `after` seconds before `now`: to ask its replica again (one that died and was restarted lost
+        the request). They count as asked at `now`; a result that then comes twice is dropped."""
+        late = [g for g, t in self.asked.items() if now - t > after]
+        for g in late:
+            self.asked[g] = now
+        return [(self.pending[g], r) for g in late for r in self.waiting_for(g)]
 
     def result(self, msg: Inferred) -> ScoredGroup | None:
         """A result arrived: its group, now complete, or None while the group (or another node's
@@ -94,6 +106,7 @@ class Join:
         for remote in self.missing(group):  # every result checked first: a refused join changes nothing
             _apply(group, results[remote.node], remote)
         del self.pending[group_id]
+        self.asked.pop(group_id, None)
         self.joined.add(group_id)
         return group
 

@@ -34,6 +34,7 @@ from areal_flow.algorithms.prox import prox_source
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.child import torchrun_rank
@@ -49,6 +50,7 @@ from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
     Hello,
+    InferRequest,
     Inferred,
     PublishWeights,
     RunStep,
@@ -90,6 +92,10 @@ class ModelWorker:
                                  security=spec.security)
         self.peers = {r: make_socket(ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
                       for r, p in enumerate(spec.trainer_ports) if r != rank}
+        # The replicas of nodes on a mesh of their own, to ask again for a result that does not come.
+        self.replicas = {node: [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(infer_name(node, i), p),
+                                            security=spec.security) for i, p in enumerate(ports)]
+                         for node, ports in spec.infer_ports.items()}
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
@@ -134,7 +140,7 @@ class ModelWorker:
         elif msg.group_id in self.held or msg.group_id in self.join.pending:
             log.error("%s: group %d arrived twice, the second copy dropped", self.name, msg.group_id)
         else:
-            self.hold(self.join.group(msg))
+            self.hold(self.join.group(msg, time.monotonic()))
 
     def hold(self, group: ScoredGroup | None) -> None:
         """Keep a complete group until a step trains it or moves it (None: it waits for a key)."""
@@ -156,6 +162,19 @@ class ModelWorker:
                 ready = self.inbox.poll(min(left, 1.0) * 1000)
             if ready:
                 self.receive()
+            self.ask_again()
+
+    def ask_again(self) -> None:
+        """Ask a replica again for each result a held group has waited for longer than
+        recover.infer_rerequest_seconds: the replica may have died (and been restarted) with the
+        request. A result that then comes twice is dropped (Join.result)."""
+        for group, remote in self.join.overdue(time.monotonic(), self.cfg.recover.infer_rerequest_seconds):
+            node = self.graph.nodes[remote.node]
+            replicas = self.replicas[remote.node]
+            i = replica_of(group.group_id, len(replicas))
+            log.warning("%s: group %d has no %s yet: asked %s again", self.name, group.group_id, remote.key,
+                        infer_name(remote.node, i))
+            send_blocking(replicas[i], InferRequest.for_group(group, self.rank, remote.node, node.inputs))
 
     def step(self, plan: RunStep) -> StepDone:
         # A group routed here may still be on its way from the reward process when the plan moves

@@ -189,6 +189,12 @@ class InferRequest(msgspec.Struct, tag=True):
     indices: list[int]  # each sample's index in its group
     inputs: list[dict[str, Array]]  # per sample, in `indices` order: the node's input arrays by key
 
+    @classmethod
+    def for_group(cls, group: ScoredGroup, rank: int, node: str, inputs: list[str]) -> InferRequest:
+        """The request for node `node` (reading the keys `inputs`) of `group`, held by trainer rank `rank`."""
+        return cls(group.group_id, rank, node, [s.index for s in group.samples],
+                   [{k: s.arrays[k] for k in inputs} for s in group.samples])
+
 
 class Inferred(msgspec.Struct, tag=True):
     """An inference process -> the trainer rank of an InferRequest: the node's output key for each

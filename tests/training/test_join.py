@@ -88,3 +88,23 @@ def test_a_complete_group_skips_pending():
     moved = join.result(result(9)) or join.group(group(9))  # complete on one rank, then moved to another
     assert Join([REF]).group(moved) is moved
     assert Join([]).group(group(10)) is not None  # no node on a mesh of its own: every group is complete
+
+
+def test_a_result_long_overdue_is_asked_for_again_once_per_interval_and_a_late_duplicate_is_dropped():
+    join = Join([REF])
+    join.group(group(5), now=100.0)
+    join.group(group(6), now=108.0)
+    assert join.overdue(105.0, after=10.0) == []  # not yet
+    late = join.overdue(111.0, after=10.0)
+    assert [(g.group_id, r) for g, r in late] == [(5, REF)]
+    assert join.overdue(115.0, after=10.0) == []  # asked again at 111: the next ask is due after 121
+    assert [g.group_id for g, _ in join.overdue(122.0, after=10.0)] == [5, 6]
+    # The request a group is asked again with carries the node's inputs of every sample.
+    request = InferRequest.for_group(late[0][0], 1, "ref", ["output_ids"])
+    assert (request.group_id, request.rank, request.indices) == (5, 1, [0, 1])
+    assert [x["output_ids"].numpy().tolist() for x in request.inputs] == [[0, 1, 2], [0, 1]]
+    # Both answers come: the first completes the group, the second is a duplicate, dropped.
+    assert join.result(result(5)).group_id == 5 and 5 not in join.asked
+    with pytest.raises(DuplicateResult):
+        join.result(result(5))
+    assert [g.group_id for g, _ in join.overdue(1000.0, after=10.0)] == [6]
