@@ -3,7 +3,7 @@
 Each child writes stdout and stderr to `logs/<name>.log`, is pinned to the cores of its mesh (CPU)
 or sees only its GPUs (CUDA), and gets SIGKILL from the kernel if the launcher itself dies, so no
 run leaves orphans. A child started with a way to start it again (a generation server, a rollout or
-reward worker: `recover.worker_restarts`) is restarted when it dies and the run goes on. When any
+reward worker, an inference process: `recover.worker_restarts`) is restarted when it dies and the run goes on. When any
 other child exits before the controller has finished, every other child is stopped and
 `ChildFailed` carries the dead process's name, exit code and traceback. Each start, exit and
 restart is recorded in the run directory's `processes.json` (status/processes.py), which

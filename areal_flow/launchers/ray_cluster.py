@@ -11,7 +11,7 @@ shares), and reports its node's address and free ports, which the launcher write
 spec before any process starts.
 
 The launcher watches the actors the way the local launcher watches its children: a process that
-may be restarted alone (a generation server, a rollout or reward worker) is started again by its
+may be restarted alone (a generation server, a rollout or reward worker, an inference process) is started again by its
 actor, on its node, with its resources; any other process that exits, or an actor whose node is
 lost, stops the run with the process's name; stopping the run stops every process and releases
 the placement groups.
