@@ -35,11 +35,12 @@ def template_fields(template: str, where: str = "dataset.prompt_template") -> li
     return list(dict.fromkeys(names))
 
 
-def check_chat_template(tokenizer, model: str) -> None:
-    """`DatasetError` unless `tokenizer` has a chat template for `dataset.chat_template=true`."""
+def check_chat_template(tokenizer, model: str, key: str = "dataset.chat_template",
+                        template: str = "a dataset.prompt_template") -> None:
+    """`DatasetError` unless `tokenizer` has a chat template for `<key>=true`."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DatasetError(f"dataset.chat_template=true, but the tokenizer of {model} has no chat template; "
-                           "set dataset.chat_template=false (and a dataset.prompt_template if the model "
+        raise DatasetError(f"{key}=true, but the tokenizer of {model} has no chat template; "
+                           f"set {key}=false (and {template} if the model "
                            "needs one) or use a model whose tokenizer has one")
 
 

@@ -18,7 +18,7 @@ from rich.markup import escape
 from areal_flow.checkpoint import compat, store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.commands import python_role, server_command, server_host
+from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
 from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
@@ -52,6 +52,10 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
 
     def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+        if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
+            return judge_command(cfg, proc, spec.judge_models[proc.graph_node],
+                                 spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
+                                 host=server_host(cfg, spec.host_of(proc.name)))
         if proc.role != "gen_server":
             return python_role(proc.role, proc, spec.run_dir), {}
         path, version = weights
@@ -62,7 +66,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         again = None
         if proc.role == "gen_server" and files:
             again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
-        elif proc.role in ("rollout", "reward"):
+        elif proc.role in ("rollout", "reward", "judge_server"):
             again = functools.partial(command, proc)
         launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
 
