@@ -44,6 +44,10 @@ KEYS: dict[str, KeySpec] = {
     "judge_ids": KeySpec("<i4", "judge", "token ids of a judge's answer (a generate node of role judge)"),
 }
 
+JUDGE_STATS = ("seconds", "tokens", "cut", "truncated")
+"""The scalars a judge writes for each sample, as `<judge>_<stat>` (rollout/judge.py): seconds to
+answer, answer tokens, whether the policy's answer was cut to fit, whether the verdict hit its budget."""
+
 
 @dataclass(frozen=True)
 class NodeKind:

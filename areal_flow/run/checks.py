@@ -135,9 +135,6 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
     return problems + judge_problems(cfg, graph) + algorithm_problems(cfg)
 
 
-NOT_RUN_YET = True  # slice 1-2 of the judge work: judges are validated, not run (PLAN_judge.md)
-
-
 def judge_problems(cfg: RunConfig, graph: Graph) -> list[str]:
     """A judge's template names only the dataset fields it reads and {response}; held-out evaluation
     needs a reward node that no judge feeds."""
@@ -153,8 +150,6 @@ def judge_problems(cfg: RunConfig, graph: Graph) -> list[str]:
         problems += [f"node '{node.name}': {where} names {{{name}}}, which is neither a dataset field the node reads "
                      f"(graph.{node.name}.inputs: {', '.join(fields)}) nor {{response}}"
                      for name in names if name not in (*fields, "response")]
-        if NOT_RUN_YET:
-            problems.append(f"node '{node.name}': role judge is validated but not run yet")
     evaluates = cfg.eval_at_start or cfg.eval_at_end or cfg.eval.every_versions
     if graph.judges and evaluates and graph.eval_reward is None:
         judged = ", ".join(f"'{n.name}' reads {graph.reference(n)} from '{graph.producers[graph.reference(n)]}'"

@@ -44,6 +44,6 @@ def test_a_judges_settings_have_ranges_naming_the_key():
         set(check_ranges(cfg))
 
 
-def test_judges_are_validated_but_not_run_yet():
+def test_the_recipes_judge_passes_the_checks():
     cfg, graph = judged_run()
-    assert checks.judge_problems(cfg, graph) == ["node 'judge': role judge is validated but not run yet"]
+    assert checks.judge_problems(cfg, graph) == []
