@@ -122,7 +122,12 @@ def read_run(path: str | Path) -> RunFacts:
     if (path / "config.yaml").is_file():
         cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
     nodes = _get(cfg, "graph", {}) or {}
-    gen_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "generate"), None)
+    judges = [name for name, n in nodes.items() if isinstance(n, dict) and n.get("role") == "judge"]
+    if judges:  # its group's deliver time would hold the judge's answers, which the model does not cost
+        raise AdviseError(f"advise: node '{judges[0]}' is a judge, whose time the model does not have "
+                          f"(--from-run {str(path)!r})")
+    gen_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "generate"
+                     and n.get("role") != "judge"), None)
     train_mesh = next((n.get("mesh") for n in nodes.values() if isinstance(n, dict) and n.get("type") == "train"), None)
     gen_placed = parse_mesh(gen_mesh, "generate")[0] if gen_mesh is not None else None
     train_placed = parse_mesh(train_mesh, "train")[0] if train_mesh is not None else None

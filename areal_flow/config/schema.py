@@ -45,8 +45,8 @@ class NodeConfig:
     """One model function call (MFC) of the graph. Edges come from the keys it reads and writes."""
 
     type: str = doc("", "generate | reward | combine | inference | train")
-    role: Optional[str] = doc(None, "model role: actor | ref | critic (a value head on the actor's architecture); "
-                              "none for reward/combine")
+    role: Optional[str] = doc(None, "model role: actor | ref | critic (a value head on the actor's architecture) | "
+                              "judge (a generate node serving a frozen model, docs/judge.md); none for reward/combine")
     inputs: List[str] = doc(help="keys this node reads (from the dataset or from another node)", factory=list)
     outputs: List[str] = doc(help="keys this node writes", factory=list)
     keys: Dict[str, str] = doc(help="well-known key -> the name this node writes it under, e.g. {prox_logprobs: old_logp}",
@@ -60,8 +60,8 @@ class NodeConfig:
     parallel: Any = doc(None, "batch nodes: layout on the mesh, {dp, tp, pp} or 'd2p2t2' (tp/pp need engine megatron); "
                         "none = every device data parallel")
     workers: int = doc(1, "reward nodes: worker processes that score samples in parallel", ge=1)
-    fn: str = doc("", "reward nodes: arith | arith_format | math | code, or 'module:function' of your own "
-                  "(docs/rewards.md has the signature)")
+    fn: str = doc("", "reward nodes: arith | arith_format | math | code | judge | judge_agree (a judge's answer as "
+                  "the reference), or 'module:function' of your own (docs/rewards.md has the signature)")
     timeout: float = doc(30.0, "reward nodes: seconds to score one sample; past it the sample scores 0 and "
                          "counts in reward/<node>_timeout", gt=0)
     scale: float = doc(1.0, "reward nodes: shaping, reward = clip((r + bias) * scale, -clip, clip); "
@@ -70,6 +70,17 @@ class NodeConfig:
     clip: Optional[float] = doc(None, "reward nodes: bound of the shaped reward's magnitude; null = none", gt=0)
     weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
                                     factory=dict)
+    model: Optional[str] = doc(None, "generate nodes of role judge: the judge's Hugging Face dir (weights + "
+                               "tokenizer), never updated; null = the run's starting model, frozen")
+    template: Optional[str] = doc(None, "generate nodes of role judge: format string of the judge's prompt over the "
+                                  "dataset fields it reads (as in the data, before dataset.prompt_template) and "
+                                  "{response}, the policy's answer text")
+    chat_template: bool = doc(False, "generate nodes of role judge: wrap the judge's prompt in the judge tokenizer's "
+                              "chat template as one user message")
+    max_new_tokens: Optional[int] = doc(None, "generate nodes of role judge: the judge's answer budget; null = "
+                                        "algorithm.max_new_tokens", ge=1)
+    temperature: float = doc(0.0, "generate nodes of role judge: the judge's sampling temperature; 0 = greedy "
+                             "(reproducible verdicts)", ge=0)
 
 
 def node_config(name: str, node: Any) -> NodeConfig:

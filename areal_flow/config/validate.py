@@ -107,7 +107,7 @@ def check_known_keys(cfg: RunConfig) -> None:
         raise ConfigError(problems)
 
 
-def load_model_config(model_path: str):
+def load_model_config(model_path: str, key: str = "model.path"):
     """The transformers config of a model directory; ConfigError naming its config.json and what is
     wrong with it (not JSON, or not a config transformers can load)."""
     path = os.path.join(model_path, "config.json")
@@ -115,15 +115,15 @@ def load_model_config(model_path: str):
         with open(path, encoding="utf-8") as f:
             json.load(f)
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"model.path: {path} cannot be read ({type(e).__name__}: {e})"]) from None
+        raise ConfigError([f"{key}: {path} cannot be read ({type(e).__name__}: {e})"]) from None
     except json.JSONDecodeError as e:
-        raise ConfigError([f"model.path: {path} is not valid JSON ({e})"]) from None
+        raise ConfigError([f"{key}: {path} is not valid JSON ({e})"]) from None
     from transformers import AutoConfig  # here: importing it takes seconds, and most runs need none
 
     try:
         return AutoConfig.from_pretrained(model_path)
     except Exception as e:  # noqa: BLE001 - transformers refuses a config in many ways (ValueError, KeyError, ...)
-        raise ConfigError([f"model.path: {path} is not a config transformers.AutoConfig can load "
+        raise ConfigError([f"{key}: {path} is not a config transformers.AutoConfig can load "
                            f"({type(e).__name__}: {e})"]) from None
 
 

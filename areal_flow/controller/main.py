@@ -36,9 +36,11 @@ from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller import state as run_state
 from areal_flow.controller.state import RunState, for_ranks
 from areal_flow.controller.trainer_pool import merge_results, plan_step
-from areal_flow.data.loading import load_prompts
+from areal_flow.data.dataset import load_rows
+from areal_flow.data.loading import load_prompts, row_format
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
+from areal_flow.generation.router import ServerPool
 from areal_flow.weights import UpdateFlags, make_channel
 from areal_flow.weights.files import record_loaded
 from areal_flow.weights.update import WeightUpdateError
@@ -107,7 +109,7 @@ class Controller:
         self.state = RunState(
             staleness=StalenessManager(self.B, cfg.rollout.max_staleness, cfg.rollout.max_concurrent),
             intake=Intake(
-                self.G, spec.n_trainers, token_keys=list(gen.outputs),
+                self.G, spec.n_trainers, token_keys=[*gen.outputs, *(k for j in graph.judges for k in j.outputs)],
                 output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
                 prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
             ))
@@ -127,10 +129,17 @@ class Controller:
                                     ds.seed)
         self.prompts.seek(self.state.epoch, self.state.cursor)
         self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
+        # The fields judges read, as in the data (before the prompt templates), row by row as self.prompts.rows.
+        self.judge_fields = sorted({k for j in graph.judges for k in graph.dataset_inputs(j)})
+        self.raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split) \
+            if self.judge_fields else []
         self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
                                          trainers=self.send_weights)
+        # The judges' servers: watched and counted here, never sent weights (their models are frozen).
+        self.judge_pools = {n.name: ServerPool(spec.judge_urls(n.name), spec.judge_names(n.name), cfg.rollout,
+                                               api_key=spec.api_key) for n in graph.judges}
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics, run_name=cfg.recipe, config=asdict(cfg))
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
@@ -250,7 +259,9 @@ class Controller:
                 version = self.staleness.admit(gid)
             row = self.prompts.rows[state.running_prompts[gid]]
             self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version, **again)
-            admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time()))
+            raw = {k: self.raw_rows[state.running_prompts[gid]][k] for k in self.judge_fields}
+            admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time(),
+                                                                             raw=raw))
         for ident, groups in admitted.items():
             await send_to(self.socket, ident, Admitted(groups))
 
@@ -387,6 +398,8 @@ class Controller:
             await asyncio.sleep(min(1.0, self.cfg.step_timeout / 4))
             if time.monotonic() - self.last_progress > self.cfg.step_timeout:
                 frozen = await self.publisher.unresponsive()
+                for pool in self.judge_pools.values():
+                    frozen += await pool.unresponsive()
                 filtered = self.state.filtered - self.state.filtered_logged
                 raise StalledRun(
                     f"no train step completed within {self.cfg.step_timeout:.0f} s (step_timeout); the controller "
@@ -468,7 +481,7 @@ class Controller:
         self.metrics.log(
             "step", step=step + 1,
             **batch_metrics([meta for meta, _, _ in batch.values()], step, self.intake.reward_key, self.intake.output_keys[0],
-                            max_new_tokens=algo.max_new_tokens),
+                            max_new_tokens=algo.max_new_tokens, judges=list(self.judge_pools)),
             **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
             # train/<stat>, and the step's diagnostics finished from their sums (by_length/*, histograms)
             **train_metrics(stats, algo.behav_weight_cap, algo.behav_weight_floor),
@@ -527,7 +540,7 @@ class Controller:
         the versions the answers came from, the trainer steps taken meanwhile and a few answers."""
         t0 = time.monotonic()
         steps_before = self.steps_trained if steps_before is None else steps_before
-        reward = self.graph.rewards[0]
+        reward = self.graph.eval_reward  # a reward with a dataset reference: evaluation calls no judge
         if self.eval_rewards is None:  # worker processes start at the first evaluation
             self.eval_rewards = RewardService([reward], self.cfg.sandbox)
 
@@ -536,7 +549,7 @@ class Controller:
 
         result: Evaluation = await held_out_accuracy(
             self.publisher.pool, self.tokenizer, self.eval_rows, score, self.graph.dataset_input(self.graph.generate),
-            self.graph.dataset_input(reward), self.cfg.algorithm.max_new_tokens)
+            self.graph.reference(reward), self.cfg.algorithm.max_new_tokens)
         if set(result.versions) != {version}:
             log.warning("held-out evaluation at %s: answers came from versions %s, not only %d", when,
                         result.versions, version)
@@ -551,8 +564,9 @@ class Controller:
 
     async def wait_for_processes(self) -> None:
         timeout = self.cfg.launcher.start_timeout
+        judges = [url for node in self.judge_pools for url in self.spec.judge_urls(node)]
         await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout, self.spec.api_key)
-                               for url in self.spec.gen_urls])
+                               for url in [*self.spec.gen_urls, *judges]])
         deadline = time.monotonic() + timeout
         replicas = {infer_name(node, i) for node, ports in self.spec.infer_ports.items() for i in range(len(ports))}
         while len(self.ranks) < self.spec.n_trainers or replicas - self.replicas:
@@ -686,6 +700,8 @@ class Controller:
         # The launcher stops every other process once the controller has exited cleanly.
         self.metrics.close()
         await self.publisher.close()
+        for pool in self.judge_pools.values():
+            await pool.close()
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

@@ -73,14 +73,7 @@ class WeightPublisher:
 
     async def unresponsive(self, timeout: float = 5.0) -> list[str]:
         """Names of the servers that do not answer /health within `timeout` seconds."""
-        async def answers(c: GenerationClient) -> bool:
-            try:
-                return await asyncio.wait_for(c.health(), timeout)
-            except (asyncio.TimeoutError, OSError):
-                return False
-
-        ok = await asyncio.gather(*[answers(c) for c in self.clients])
-        return [name for name, good in zip(self.names, ok) if not good]
+        return await self.pool.unresponsive(timeout)
 
     async def close(self) -> None:
         await self.pool.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from areal_flow.algorithms.diagnostics import (
     length_bucket_metrics,
     length_buckets,
 )
+from areal_flow.graph.keys import JUDGE_STATS
 from areal_flow.transport.messages import Finish, GroupMeta
 
 BIN_PREFIX = BEHAV_WEIGHT_BIN.split("{")[0]
@@ -66,15 +67,21 @@ class Traffic:
         return delta
 
 
+def _group_of(scalar: str, judges: Sequence[str]) -> str:
+    """Where a sample's scalar is logged: judge/ for a judge's, reward/ for the reward nodes'."""
+    return "judge" if scalar in {f"{j}_{stat}" for j in judges for stat in JUDGE_STATS} else "reward"
+
+
 def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_key: str,
-                  max_new_tokens: int | None = None) -> dict:
+                  max_new_tokens: int | None = None, judges: Sequence[str] = ()) -> dict:
     """Reward, accuracy, realised staleness (step − version of each trained token) and lengths.
 
     staleness_hist counts tokens by age (item a: the tokens of age a); staleness_seq_hist counts
     answers, each once, by the age of its oldest token (step − its smallest version; answers
     without versions are not counted). With `max_new_tokens`, by_length/reward/qK and
     by_length/samples/qK: the mean reward and the number of the answers in each quarter of the
-    generation budget by length (diagnostics.length_buckets; None for an empty quarter)."""
+    generation budget by length (diagnostics.length_buckets; None for an empty quarter). The
+    scalars of the judges named in `judges` (`<judge>_seconds`, ...) go out as judge/<judge>_<stat>."""
     samples = [s for g in groups for s in g.samples]
     rewards = np.array([s.scalars[reward_key] for s in samples], dtype=np.float64)
     hist: dict[int, int] = {}
@@ -93,7 +100,7 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
-        **{f"reward/{k}": v for k, v in per_key.items()},
+        **{f"{_group_of(k, judges)}/{k}": v for k, v in per_key.items()},
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],

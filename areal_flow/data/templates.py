@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from areal_flow.data.dataset import DatasetError
 
 
-def template_fields(template: str) -> list[str]:
+def template_fields(template: str, where: str = "dataset.prompt_template") -> list[str]:
     """The row fields a format string names, in order; `DatasetError` for a malformed one or one
-    with positional fields (a row has only named fields)."""
+    with positional fields (a row has only named fields), naming the key `where`."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise DatasetError(f"dataset.prompt_template: not a valid format string ({e}): {template!r}") from None
+        raise DatasetError(f"{where}: not a valid format string ({e}): {template!r}") from None
     names = []
     for _, name, _, _ in parsed:
         if name is None:
@@ -29,17 +29,18 @@ def template_fields(template: str) -> list[str]:
         # "{meta[k]}" and "{x.y}" read the field before the first index or attribute.
         root = name.split(".", 1)[0].split("[", 1)[0]
         if not root or root.isdigit():
-            raise DatasetError(f"dataset.prompt_template: {{{name}}} is positional; name a row field, "
+            raise DatasetError(f"{where}: {{{name}}} is positional; name a row field, "
                                f"e.g. {{prompt}}: {template!r}")
         names.append(root)
     return list(dict.fromkeys(names))
 
 
-def check_chat_template(tokenizer, model: str) -> None:
-    """`DatasetError` unless `tokenizer` has a chat template for `dataset.chat_template=true`."""
+def check_chat_template(tokenizer, model: str, key: str = "dataset.chat_template",
+                        template: str = "a dataset.prompt_template") -> None:
+    """`DatasetError` unless `tokenizer` has a chat template for `<key>=true`."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DatasetError(f"dataset.chat_template=true, but the tokenizer of {model} has no chat template; "
-                           "set dataset.chat_template=false (and a dataset.prompt_template if the model "
+        raise DatasetError(f"{key}=true, but the tokenizer of {model} has no chat template; "
+                           f"set {key}=false (and {template} if the model "
                            "needs one) or use a model whose tokenizer has one")
 
 

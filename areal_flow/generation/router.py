@@ -319,6 +319,17 @@ class ServerPool:
             raise ServerPoolError(f"a generation server did not {step} for the colocated trainer: "
                                     + "; ".join(failed))
 
+    async def unresponsive(self, timeout: float = 5.0) -> list[str]:
+        """Names of the servers that do not answer /health within `timeout` seconds."""
+        async def answers(c: GenerationClient) -> bool:
+            try:
+                return await asyncio.wait_for(c.health(), timeout)
+            except (asyncio.TimeoutError, OSError):
+                return False
+
+        ok = await asyncio.gather(*[answers(s.client) for s in self.servers])
+        return [s.name for s, good in zip(self.servers, ok) if not good]
+
     async def close(self) -> None:
         for task in [self._watcher, *self._background]:
             if task is not None:

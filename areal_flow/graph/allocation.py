@@ -226,10 +226,10 @@ def _own_mesh(node: Any, trainer_mesh: Any) -> bool:
 
 def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
     """Write `alloc` into the run config `raw` (an OmegaConf DictConfig or a mapping of its shape):
-    the generate nodes' mesh, generation.backend and tp_size; the batch nodes' mesh, parallel and
-    engine. A frozen node on a mesh of its own keeps it (the graph's checks then refuse, naming it,
-    an allocation that gives its devices to another node). Returns one line per key it set, for the
-    launcher to print."""
+    the policy's generate node's mesh (a judge keeps its own), generation.backend and tp_size; the
+    batch nodes' mesh, parallel and engine. A frozen node on a mesh of its own keeps it (the graph's
+    checks then refuse, naming it, an allocation that gives its devices to another node). Returns
+    one line per key it set, for the launcher to print."""
     set_lines = []
 
     def put(section: Any, key: str, value: Any, path: str) -> None:
@@ -244,6 +244,8 @@ def apply_allocation(raw: Any, alloc: Allocation) -> list[str]:
     put(raw["generation"], "tp_size", gen.layout.tp, "generation.tp_size")
     for name, node in raw["graph"].items():
         kind = node.get("type") if node is not None else None  # a node set to null is removed (schema.py)
+        if kind == "generate" and node.get("role") == "judge":
+            continue  # a judge keeps its mesh; one the allocation's devices overlap is refused naming it
         if kind == "generate":
             put(node, "mesh", _mesh(alloc.generation_mesh), f"graph.{name}.mesh")
         elif kind == "inference" and _own_mesh(node, trainer_mesh):

@@ -45,11 +45,23 @@ class Node:
     bias: float
     clip: float | None
     weights: tuple[tuple[str, float], ...]  # combine nodes: (input key, weight)
+    model: str | None = None  # judges: the model dir (None = the run's starting model)
+    template: str | None = None  # judges: the prompt's format string
+    chat_template: bool = False  # judges: wrap the prompt in the judge tokenizer's chat template
+    max_new_tokens: int | None = None  # judges: the answer budget (None = algorithm.max_new_tokens)
+    temperature: float = 0.0  # judges: sampling temperature
 
     @property
     def kind(self) -> NodeKind | None:
-        """Its type's registered spec (graph/keys.py), None for an unknown type."""
-        return node_kinds().get(self.type)
+        """Its type's registered spec (graph/keys.py), or its role's when the spec has one (a judge's);
+        None for an unknown type."""
+        kind = node_kinds().get(self.type)
+        return dict(kind.by_role).get(self.role, kind) if kind is not None else None
+
+    @property
+    def judge(self) -> bool:
+        """A generate node of role judge: a frozen model on generation servers of its own."""
+        return self.type == "generate" and self.role == "judge"
 
     @property
     def streaming(self) -> bool:
@@ -72,7 +84,13 @@ class Graph:
 
     @property
     def generate(self) -> Node:
-        return next(n for n in self.nodes.values() if n.type == "generate")
+        """The policy's generate node (role actor)."""
+        return next(n for n in self.nodes.values() if n.type == "generate" and n.role == "actor")
+
+    @property
+    def judges(self) -> list[Node]:
+        """Generate nodes of role judge, in graph order."""
+        return [self.nodes[n] for n in self.order if self.nodes[n].judge]
 
     @property
     def train(self) -> Node:
@@ -138,6 +156,20 @@ class Graph:
         """The one dataset field a generate node reads (its prompt) or a reward node compares with."""
         return next(k for k in node.inputs if k in self.dataset_keys)
 
+    def dataset_inputs(self, node: Node) -> list[str]:
+        """Every dataset field a node reads (a judge's template may name several)."""
+        return [k for k in node.inputs if k in self.dataset_keys]
+
+    def reference(self, node: Node) -> str:
+        """A reward node's reference: the dataset field it compares with, or the judge's key it reads."""
+        judged = [k for k in node.inputs if self.meaning.get(k) in (node.kind.reference_from if node.kind else ())]
+        return judged[0] if judged else self.dataset_input(node)
+
+    @property
+    def eval_reward(self) -> Node | None:
+        """The first reward node whose reference is a dataset field (held-out evaluation calls no judge)."""
+        return next((n for n in self.rewards if self.reference(n) in self.dataset_keys), None)
+
     def edges(self) -> list[tuple[str, str, str]]:
         """(producer, consumer, key) for every key a node reads from another node."""
         return [
@@ -163,6 +195,10 @@ class Graph:
         for n in self.own_mesh_nodes:
             lines.append(f"{n.name}: on a mesh of its own, one inference process per device; the trainer ranks "
                          f"join its {', '.join(n.outputs)} to their groups")
+        for n in self.judges:
+            model = n.model or "the run's starting model"
+            lines.append(f"{n.name}: a frozen judge on mesh {format_mesh(n.mesh)}, one generation server per device, "
+                         f"model {model}; never updated")
         if self.colocated:
             lines.append(f"colocated: generation and training take turns on mesh {format_mesh(self.trainer_mesh)} (the "
                          "generation servers free their KV cache for each train step and go on at its weight update)")
@@ -268,7 +304,13 @@ def build_graph(
             bias=float(_field(c, "bias", 0.0)),
             clip=None if _field(c, "clip") is None else float(_field(c, "clip")),
             weights=tuple((k, float(w)) for k, w in dict(_field(c, "weights", {})).items()),
+            model=_field(c, "model"),
+            template=_field(c, "template"),
+            chat_template=bool(_field(c, "chat_template", False)),
+            max_new_tokens=_field(c, "max_new_tokens"),
+            temperature=float(_field(c, "temperature", 0.0)),
         )
+        problems += _judge_setting_problems(nodes[name], _field(c, "parallel"))
 
     producers = _check_keys(nodes, dataset_keys, problems)
     meaning = {k: TEXT for k in dataset_keys} | {k: nodes[p].meaning_of_output(k) for k, p in producers.items()}
@@ -345,11 +387,7 @@ def _check_node(n: Node, kind: NodeKind, nodes: dict[str, Node], producers: dict
             problems.append(f"node '{n.name}': a {n.type} node must write {m} ({where}.outputs)")
 
     read = [meaning[k] for k in n.inputs if k in meaning]
-    n_fields = read.count(TEXT)
-    if n_fields != (1 if kind.dataset_field else 0):
-        problems.append(f"node '{n.name}': a {n.type} node reads "
-                        + (f"exactly one dataset field, {kind.dataset_field}" if kind.dataset_field else "no dataset field")
-                        + f" ({where}.inputs has {[k for k in n.inputs if meaning.get(k) == TEXT] or 'none'})")
+    _check_dataset_fields(n, kind, read, meaning, problems)
     for k in n.inputs:
         m = meaning.get(k)
         if m not in (None, TEXT) and m not in kind.reads + kind.may_read:
@@ -379,6 +417,42 @@ def _check_node(n: Node, kind: NodeKind, nodes: dict[str, Node], producers: dict
                     f"node '{n.name}' ({n.type}) reads '{k}' from batch node '{src}' ({where}.inputs): "
                     f"streaming nodes ({', '.join(streaming)}) run before batch nodes ({', '.join(batch)})"
                 )
+
+
+def _check_dataset_fields(n: Node, kind: NodeKind, read: list[str], meaning: dict[str, str],
+                          problems: list[str]) -> None:
+    """How many dataset fields a node reads: its kind's one (none when it reads its reference from
+    a judge instead), or one or more (a judge's template)."""
+    where, fields = f"graph.{n.name}", [k for k in n.inputs if meaning.get(k) == TEXT]
+    judged = [m for m in read if m in kind.reference_from]
+    if judged and fields:
+        problems.append(f"node '{n.name}': a {n.type} node compares the answer with one reference: dataset field "
+                        f"{fields[0]!r} or a judge's {judged[0]}, not both ({where}.inputs)")
+    elif kind.any_dataset_fields and not fields:
+        problems.append(f"node '{n.name}': a {n.type} node of role {n.role} reads one or more dataset fields, "
+                        f"{kind.dataset_field} ({where}.inputs has none)")
+    elif not judged and not kind.any_dataset_fields and len(fields) != (1 if kind.dataset_field else 0):
+        problems.append(f"node '{n.name}': a {n.type} node reads "
+                        + (f"exactly one dataset field, {kind.dataset_field}" if kind.dataset_field else "no dataset field")
+                        + f" ({where}.inputs has {fields or 'none'})")
+
+
+JUDGE_SETTINGS = {"template": None, "model": None, "chat_template": False, "max_new_tokens": None, "temperature": 0.0}
+"""The NodeConfig fields only a judge reads, with their defaults."""
+
+
+def _judge_setting_problems(n: Node, parallel: Any) -> list[str]:
+    """A judge's own settings: its template is required and it has no parallel layout; no other node has them."""
+    where = f"graph.{n.name}"
+    if n.judge:
+        return ([f"node '{n.name}': a judge needs a prompt template ({where}.template)"] if not n.template else []) + (
+            [f"node '{n.name}': {where}.parallel: a judge runs one generation server per device of its mesh (no "
+             "tensor parallel for judges in this version)"] if parallel is not None else [])
+    given = [f"{where}.{k}" for k, default in JUDGE_SETTINGS.items() if getattr(n, k) != default]
+    if not given:
+        return []
+    policy = "; the policy's are dataset.prompt_template, model.path and algorithm.*" if n.type == "generate" else ""
+    return [f"node '{n.name}': {', '.join(given)}: a judge's setting{'s' * (len(given) > 1)} (role judge){policy}"]
 
 
 def _topological_order(nodes: dict[str, Node], producers: dict[str, str], problems: list[str]) -> list[str]:
@@ -416,10 +490,15 @@ def _find_cycle(stuck: list[str], nodes: dict[str, Node], producers: dict[str, s
 
 
 def _check_shape(nodes: dict[str, Node], problems: list[str]) -> None:
-    """What this runtime can run: one generate node, one train node of the actor."""
+    """What this runtime can run: one generate node of the actor (the policy), one train node of the actor."""
     by_type = {t: [n for n in nodes.values() if n.type == t] for t in node_kinds()}
-    if len(by_type["generate"]) != 1:
-        problems.append(f"the graph needs exactly one generate node, found {len(by_type['generate'])}")
+    policies = [n.name for n in by_type["generate"] if n.role == "actor"]
+    if len(policies) == 0:
+        problems.append("the graph needs exactly one generate node with role actor (the policy), found 0")
+    elif len(policies) > 1:
+        problems.append(f"the graph needs exactly one generate node with role actor (the policy), found "
+                        f"{len(policies)} ({', '.join(map(repr, policies))}): two trained policies are not supported "
+                        f"in this version; a frozen model's generate node is role judge (graph.{policies[1]}.role)")
     if not by_type["reward"]:
         problems.append("the graph needs a reward node (type: reward) to write the rewards the train node reads")
     trains = {role: [n.name for n in by_type["train"] if n.role == role] for role in ("actor", "critic")}
@@ -450,18 +529,17 @@ def _own_mesh(nodes: Mapping[str, Node]) -> list[Node]:
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
     """Generation and training share devices only as a whole (the same mesh: colocated, taking
     turns); batch nodes share one trainer mesh, but for an inference node of a frozen role, which
-    may run on a mesh of its own that no other node uses."""
+    may run on a mesh of its own that no other node uses; a judge's mesh is always its own."""
     placed = [n for n in nodes.values() if n.mesh is not None]
-    own = {n.name for n in _own_mesh(nodes)}
+    own = {n.name for n in _own_mesh(nodes)} | {n.name for n in nodes.values() if n.judge}
     for i, a in enumerate(placed):
         for b in placed[i + 1:]:
             shared = set(a.mesh) & set(b.mesh)
             if shared and (a.name in own or b.name in own):
-                mine, other = (a, b) if a.name in own else (b, a)
+                mine, other = (a, b) if a.judge or (a.name in own and not b.judge) else (b, a)
                 problems.append(
                     f"node '{mine.name}': mesh {format_mesh(mine.mesh)} (graph.{mine.name}.mesh) shares device(s) "
-                    f"{format_mesh(sorted(shared))} with '{other.name}' ({format_mesh(other.mesh)}): an inference "
-                    f"node on a mesh of its own needs devices that no other node uses"
+                    f"{format_mesh(sorted(shared))} with '{other.name}' ({format_mesh(other.mesh)}): {_why_apart(mine)}"
                 )
             elif a.streaming != b.streaming and shared and a.mesh != b.mesh:
                 problems.append(
@@ -478,6 +556,12 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
                 f"meshes of batch nodes '{n.name}' ({format_mesh(n.mesh)}) and '{train.name}' "
                 f"({format_mesh(train.mesh)}) differ (graph.{n.name}.mesh): {_why_on_trainer(n)}"
             )
+
+
+def _why_apart(n: Node) -> str:
+    if n.judge:
+        return "a judge's generation servers hold its model and KV cache for the whole run, on devices no other node uses"
+    return "an inference node on a mesh of its own needs devices that no other node uses"
 
 
 def _why_on_trainer(n: Node) -> str:

@@ -28,7 +28,7 @@ class KeySpec:
     """What a well-known key holds."""
 
     dtype: str  # numpy dtype string on the wire
-    per: str  # 'prompt' (one value per prompt token), 'output' (per output token) or 'sample'
+    per: str  # 'prompt' (per prompt token), 'output' (per output token), 'sample', or 'judge' (per judge token)
     doc: str
 
 
@@ -41,7 +41,12 @@ KEYS: dict[str, KeySpec] = {
     "ref_logprobs": KeySpec("<f4", "output", "logprobs under the reference model (KL)"),
     "values": KeySpec("<f4", "output", "the critic's value of the state before each answer token, before this update"),
     "rewards": KeySpec("<f4", "sample", "one reward per sample"),
+    "judge_ids": KeySpec("<i4", "judge", "token ids of a judge's answer (a generate node of role judge)"),
 }
+
+JUDGE_STATS = ("seconds", "tokens", "cut", "truncated")
+"""The scalars a judge writes for each sample, as `<judge>_<stat>` (rollout/judge.py): seconds to
+answer, answer tokens, whether the policy's answer was cut to fit, whether the verdict hit its budget."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class NodeKind:
     outputs_mean: str | None = None  # what every output means, whatever its name (reward, combine: rewards)
     weighted: bool = False  # reads two or more inputs and weighs each (graph.<node>.weights): combine
     role_writes: tuple[tuple[str, str], ...] = ()  # (meaning, the one role whose node may write it)
+    by_role: tuple[tuple[str, "NodeKind"], ...] = ()  # a role whose nodes follow another spec
+    reference_from: tuple[str, ...] = ()  # meanings a node may read instead of its dataset field as its reference text
+    any_dataset_fields: bool = False  # reads one or more dataset fields (dataset_field says which, in words)
 
 
 NODE_KINDS: dict[str, NodeKind] = {}
@@ -94,12 +102,17 @@ def node_kinds() -> dict[str, NodeKind]:
     return NODE_KINDS
 
 
+# A generate node of role judge is a frozen model that answers a prompt rendered from the policy's
+# answer and dataset fields (docs/judge.md); its answer is a reward node's reference text.
+JUDGE = NodeKind(
+    streaming=True, reads=("output_ids",), writes=("judge_ids",), must_write=("judge_ids",), n_outputs=1,
+    any_dataset_fields=True, dataset_field="the fields its template names", roles=("judge",))
 register("node", "generate")(NodeKind(
     streaming=True, writes=("prompt_ids", "output_ids", "behav_logprobs", "versions"), must_write=("output_ids",),
-    dataset_field="its prompt", roles=("actor",)))
+    dataset_field="its prompt", roles=("actor", "judge"), by_role=(("judge", JUDGE),)))
 register("node", "reward")(NodeKind(
-    streaming=True, reads=("output_ids",), writes=("rewards",), must_write=("rewards",),
-    dataset_field="the reference answer", n_outputs=1, outputs_mean="rewards"))
+    streaming=True, reads=("output_ids",), may_read=("judge_ids",), writes=("rewards",), must_write=("rewards",),
+    dataset_field="the reference answer", n_outputs=1, outputs_mean="rewards", reference_from=("judge_ids",)))
 register("node", "combine")(NodeKind(
     streaming=True, may_read=("rewards",), writes=("rewards",), must_write=("rewards",), n_outputs=1,
     outputs_mean="rewards", weighted=True))
@@ -112,4 +125,4 @@ register("node", "train")(NodeKind(
     streaming=False, reads=("prompt_ids", "output_ids", "behav_logprobs", "rewards"),
     may_read=("prox_logprobs", "ref_logprobs", "versions", "values"), roles=("actor", "critic")))
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "critic", "judge")

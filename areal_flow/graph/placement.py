@@ -12,21 +12,27 @@ class Proc:
     """One OS process of the run."""
 
     name: str
-    role: str  # controller | gen_server | rollout | reward | trainer | inference
+    role: str  # controller | gen_server | rollout | reward | trainer | inference | judge_server
     devices: tuple[int, ...] = ()  # cores (CPU) or GPUs it owns, numbered across nodes; () = floats
-    rank: int = 0  # an inference process: its replica's index among the node's
+    rank: int = 0  # an inference process or a judge server: its index among the graph node's
     node: int = 0  # the node (host) it runs on
     local_devices: tuple[int, ...] = ()  # `devices` as numbered on its node (what CUDA_VISIBLE_DEVICES lists)
-    graph_node: str = ""  # an inference process: the graph node on a mesh of its own that it runs
+    graph_node: str = ""  # an inference process or a judge server: the graph node on a mesh of its own that it runs
 
 
-LISTENERS = ("gen_server", "rollout", "trainer", "inference")
-"""The roles whose processes listen, in the order a run spec lists their ports."""
+LISTENERS = ("gen_server", "rollout", "trainer", "inference", "judge_server")
+"""The roles whose processes listen, in the order a run spec lists their ports (a new one goes
+last, so the ports of a fixed base do not move)."""
 
 
 def infer_name(node: str, replica: int) -> str:
     """The process name of replica `replica` of graph node `node` on a mesh of its own."""
     return f"{node}_infer{replica}"
+
+
+def judge_server_name(node: str, i: int) -> str:
+    """The process name of generation server `i` of judge `node`."""
+    return f"{node}_server{i}"
 
 
 def replica_of(group_id: int, replicas: int) -> int:
@@ -62,8 +68,9 @@ def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: in
     """One generation server per `gen_tp_size` consecutive generate-mesh devices (which must divide
     the mesh: run/checks.py), one trainer rank per trainer-mesh device, the reward pool,
     rollout workers, one inference process per device of each node on a mesh of its own, and one
-    controller; on nodes of `per_node` devices (default: one node), with the light processes on node 0."""
-    own = [d for n in graph.own_mesh_nodes for d in n.mesh or ()]
+    controller, one generation server per device of each judge; on nodes of `per_node` devices
+    (default: one node), with the light processes on node 0."""
+    own = [d for n in [*graph.own_mesh_nodes, *graph.judges] for d in n.mesh or ()]
     per_node = per_node or max((*(graph.generate.mesh or ()), *graph.trainer_mesh, *own, 0)) + 1
     procs = [Proc("controller", "controller")]
     gen_mesh = graph.generate.mesh or ()
@@ -78,4 +85,7 @@ def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: in
     for node in graph.own_mesh_nodes:  # independent replicas: one device each, no process group
         for replica, dev in enumerate(node.mesh or ()):
             procs.append(_on_node(infer_name(node.name, replica), "inference", (dev,), replica, per_node, node.name))
+    for node in graph.judges:  # frozen models: one server per device, never sent weights
+        for i, dev in enumerate(node.mesh or ()):
+            procs.append(_on_node(judge_server_name(node.name, i), "judge_server", (dev,), i, per_node, node.name))
     return Placement(procs)

@@ -8,6 +8,7 @@ complete: so they live here, below both.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from areal_flow.config.schema import RunConfig
@@ -22,12 +23,16 @@ def python_role(role: str, proc: Proc, run_dir: str) -> list[str]:
 
 
 def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,
-                   api_key: str | None = None, version: int = 0) -> tuple[list[str], dict[str, str]]:
+                   api_key: str | None = None, version: int = 0,
+                   tp_size: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv of generation server `proc` under generation.backend, and its environment beyond
     the launcher's own. `host`: the address to bind when not generation.host; `api_key`: the
     run's API key, when it is secured; `version`: the version of the weights at `model_path`
-    (versions count train steps: a resumed run's servers start at its checkpoint's)."""
+    (versions count train steps: a resumed run's servers start at its checkpoint's); `tp_size`:
+    its devices when not generation.tp_size (a judge's server: 1)."""
     gen, seed = cfg.generation, cfg.seed + proc.rank
+    if tp_size is not None:
+        gen = dataclasses.replace(gen, tp_size=tp_size)
     if gen.backend == "sglang":
         return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key,
                                version=version),
@@ -55,6 +60,12 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.
     return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})
+
+
+def judge_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,
+                  api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of judge server `proc`: its judge's frozen model at version 0, on its one device."""
+    return server_command(cfg, proc, model_path, port, host=host, api_key=api_key, version=0, tp_size=1)
 
 
 def server_host(cfg: RunConfig, host: str) -> str:

@@ -22,7 +22,7 @@ import sys
 from areal_flow.graph import graph_from_config, place
 from areal_flow.graph.dag import parse_mesh
 from areal_flow.graph.placement import Placement
-from areal_flow.launchers.commands import python_role, server_command, server_host
+from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
 from areal_flow.runtime.security import host_address, is_loopback
 from areal_flow.runtime.spec import reachable, read_run, write_spec
 
@@ -123,6 +123,11 @@ def step_command(run_dir: str, name: str, devices: tuple[int, ...], argv: list[s
         if proc.role == "gen_server":
             argv, extra = server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank],
                                          host=server_host(cfg, spec.host_of(name)), api_key=spec.api_key)
+            env.update(extra)
+        elif proc.role == "judge_server":
+            argv, extra = judge_command(cfg, proc, spec.judge_models[proc.graph_node],
+                                        spec.judge_ports[proc.graph_node][proc.rank],
+                                        host=server_host(cfg, spec.host_of(name)), api_key=spec.api_key)
             env.update(extra)
         else:
             argv = python_role(proc.role, proc, run_dir)

@@ -39,18 +39,30 @@ from areal_flow.transport.messages import (
 log = logging.getLogger("areal_flow.reward")
 
 
-async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: RewardService) -> ScoredGroup:
+def reference_text(sample, graph: Graph, node: Node, judge_tokenizers: dict) -> str:
+    """A reward node's reference: its dataset field, or the answer of the judge it reads, decoded
+    with that judge's tokenizer."""
+    key = graph.reference(node)
+    if key in graph.dataset_keys:
+        return sample.fields[key]
+    return judge_tokenizers[graph.producers[key]].decode(sample.array(key).tolist(), skip_special_tokens=True)
+
+
+async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: RewardService,
+                      judge_tokenizers: dict | None = None) -> ScoredGroup:
     """Each reward node writes its shaped reward under its output key and its statistics as
     `<node>_<stat>` (raw, timeout, error, seconds, and what the function returns); each combine
     node writes the weighted sum of its inputs; in graph order, so a combine node sees the rewards
-    it weighs. The samples of a group are scored concurrently."""
+    it weighs. The samples of a group are scored concurrently. `judge_tokenizers`: each judge's
+    (by node name), which decode the answers a reward node reads as its reference."""
     output_key = graph.output(graph.generate, "output_ids")
 
     async def one(sample) -> None:
         text = tokenizer.decode(sample.array(output_key).tolist(), skip_special_tokens=True)
         for node in graph.scorers:
             if node.type == "reward":
-                score = await service.score(node.name, text, sample.fields[graph.dataset_input(node)])
+                score = await service.score(node.name, text,
+                                            reference_text(sample, graph, node, judge_tokenizers or {}))
                 sample.scalars[node.outputs[0]] = score.reward
                 sample.scalars.update({f"{node.name}_{k}": v for k, v in {"raw": score.raw, **score.stats}.items()})
             else:
@@ -72,6 +84,7 @@ class RewardWorker:
         self.name = name
         self.graph = graph_from_config(cfg)
         self.tokenizer = load_tokenizer(spec.model_path)
+        self.judge_tokenizers = {node: load_tokenizer(path) for node, path in spec.judge_models.items()}
         self.versions_key = self.graph.output(self.graph.generate, "versions")
         ctx = zmq.asyncio.Context()
         self.inbox = make_socket(ctx, zmq.PULL, connect=[spec.endpoint(f"rollout{i}", p) for i, p in enumerate(spec.rollout_ports)],
@@ -109,7 +122,7 @@ class RewardWorker:
             os._exit(1)
 
     async def handle(self, msg: GeneratedGroup) -> None:
-        scored = await score_group(msg, self.graph, self.tokenizer, self.service)
+        scored = await score_group(msg, self.graph, self.tokenizer, self.service, self.judge_tokenizers)
         self.held[scored.group_id] = scored
         meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
         traffic = {**msg.traffic, self.name: sent_bytes()}

@@ -21,8 +21,9 @@ import zmq.asyncio
 from areal_flow.config.schema import RunConfig
 from areal_flow.generation.router import ServerPool, version_number
 from areal_flow.graph.dag import graph_from_config
-from areal_flow.graph.keys import KEYS
+from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.rollout.judge import make_judge
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -131,6 +132,8 @@ class RolloutWorker:
         # Write what the recipe declares, under the names it gives: well-known key -> name.
         self.keys = {graph.meaning[k]: k for k in graph.generate.outputs}
         self.prompt_key = graph.dataset_input(graph.generate)
+        # Each judge, and the key its answer goes under (docs/judge.md).
+        self.judges = [(make_judge(cfg, spec, node), graph.output(node, "judge_ids")) for node in graph.judges]
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
         # Generated groups not yet scored and routed: sent again should a reward worker die with them.
@@ -202,12 +205,26 @@ class RolloutWorker:
         ]
         # Stage times: the ledger's account of where a group's time goes (advise/fit.py reads them).
         times = {"requested": requested, "generated": generated}
+        if self.judges:
+            await self.judge(group, samples)
+            times["judged"] = time.time()
         if group.group_id in self.released:  # another copy was scored first (this worker restarted)
             self.released.discard(group.group_id)
             return
         generated_group = GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}, times=times)
         self.kept[group.group_id] = generated_group
         await send(self.rewards, generated_group)
+
+
+    async def judge(self, group: PromptGroup, samples: list[Sample]) -> None:
+        """Every judge's answer to each sample, side by side, under the judge's key with its scalars."""
+        texts = [self.tokenizer.decode(s.array(self.keys["output_ids"]).tolist(), skip_special_tokens=True)
+                 for s in samples]
+        answers = await asyncio.gather(*[judge.group(group.raw, texts, group.group_id) for judge, _ in self.judges])
+        for (judge, key), outs in zip(self.judges, answers):
+            for sample, out in zip(samples, outs):
+                sample.arrays[key] = Array.of(np.asarray(out["ids"], dtype=KEYS["judge_ids"].dtype))
+                sample.scalars.update({f"{judge.node.name}_{stat}": out[stat] for stat in JUDGE_STATS})
 
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:

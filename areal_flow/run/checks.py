@@ -15,7 +15,8 @@ from rich.console import Console
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config
-from areal_flow.data.templates import check_chat_template
+from areal_flow.data.dataset import DatasetError
+from areal_flow.data.templates import check_chat_template, template_fields
 from areal_flow.generation.sglang_backend import generation_problems
 from areal_flow.graph.dag import Graph, format_mesh, graph_from_config
 from areal_flow.graph.layout import layout_problems
@@ -131,7 +132,31 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
             if graph.input(graph.train, meaning) is None:
                 problems.append(f"algorithm.prox_logp=loglinear needs the train node '{graph.train.name}' to read "
                                 f"{meaning} (without prox_logprobs the loss is naive PPO, with no π_prox to approximate)")
-    return problems + algorithm_problems(cfg)
+    return problems + judge_problems(cfg, graph) + algorithm_problems(cfg)
+
+
+def judge_problems(cfg: RunConfig, graph: Graph) -> list[str]:
+    """A judge's template names only the dataset fields it reads and {response}; held-out evaluation
+    needs a reward node that no judge feeds."""
+    problems = []
+    for node in graph.judges:
+        where = f"graph.{node.name}.template"
+        try:
+            names = template_fields(node.template or "", where)
+        except DatasetError as e:
+            problems.append(f"node '{node.name}': {e}")
+            continue
+        fields = graph.dataset_inputs(node)
+        problems += [f"node '{node.name}': {where} names {{{name}}}, which is neither a dataset field the node reads "
+                     f"(graph.{node.name}.inputs: {', '.join(fields)}) nor {{response}}"
+                     for name in names if name not in (*fields, "response")]
+    evaluates = cfg.eval_at_start or cfg.eval_at_end or cfg.eval.every_versions
+    if graph.judges and evaluates and graph.eval_reward is None:
+        judged = ", ".join(f"'{n.name}' reads {graph.reference(n)} from '{graph.producers[graph.reference(n)]}'"
+                           for n in graph.rewards)
+        problems.append("eval_at_start/eval_at_end/eval.every_versions need a reward node whose reference is a dataset "
+                        f"field: held-out evaluation does not call judges ({judged})")
+    return problems
 
 
 def algorithm_problems(cfg: RunConfig) -> list[str]:

@@ -16,13 +16,19 @@ def spec_with_ports(placement: Placement, ports: dict[str, int], **fields) -> Ru
     """The run spec with the port of each listening process (`ports`: process name -> port, and
     'dist' for the trainers' torch.distributed rendezvous) and `fields`."""
     names = {r: [p.name for p in placement.of_role(r)] for r in ("gen_server", "rollout", "trainer")}
-    infer_ports: dict[str, list[int]] = {}  # graph node -> its replicas' ports, in replica order
-    for p in placement.of_role("inference"):
-        infer_ports.setdefault(p.graph_node, []).append(ports[p.name])
     return RunSpec(gen_ports=[ports[n] for n in names["gen_server"]], rollout_ports=[ports[n] for n in names["rollout"]],
-                   trainer_ports=[ports[n] for n in names["trainer"]], infer_ports=infer_ports,
+                   trainer_ports=[ports[n] for n in names["trainer"]], infer_ports=_by_node(placement, "inference", ports),
+                   judge_ports=_by_node(placement, "judge_server", ports),
                    controller_port=ports["controller"], dist_port=ports["dist"], n_trainers=len(names["trainer"]),
                    n_rollout=len(names["rollout"]), **fields)
+
+
+def _by_node(placement: Placement, role: str, ports: dict[str, int]) -> dict[str, list[int]]:
+    """Graph node -> the ports of its processes of `role`, in rank order."""
+    out: dict[str, list[int]] = {}
+    for p in placement.of_role(role):
+        out.setdefault(p.graph_node, []).append(ports[p.name])
+    return out
 
 
 def watched_spec(cfg: RunConfig, placement: Placement, launcher, prepared: Prepared, *, weights_dir: str,
@@ -43,5 +49,6 @@ def watched_spec(cfg: RunConfig, placement: Placement, launcher, prepared: Prepa
     hosts = {name: addr for name, (addr, _) in zip(names, reserved) if not is_loopback(addr)}
     return spec_with_ports(placement, ports, run_dir=prepared.run_dir, model_path=prepared.model_path,
                            train_path=prepared.train_path, eval_path=prepared.eval_path,
+                           judge_models=prepared.judge_models,
                            gen_host=reachable(server_host(cfg, host)), weights_dir=weights_dir, host=host, hosts=hosts,
                            security=security, resume=resume or "")

@@ -4,13 +4,15 @@ checks that need them (the model's fit to the graph, its tokenizer, the reward f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Console
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.config.validate import ConfigError, check_model_config
-from areal_flow.data.loading import dataset_paths, load_prompts
+from areal_flow.config.validate import ConfigError, check_model_config, load_model_config
+from areal_flow.data.dataset import DatasetError, load_rows
+from areal_flow.data.loading import dataset_paths, load_prompts, row_format
+from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import sglang_missing
 from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.run.checks import check_model, check_rewards, check_tokenizer
@@ -24,6 +26,7 @@ class Prepared:
     model_path: str  # the actor's starting checkpoint (a Hugging Face directory with its tokenizer)
     train_path: str
     eval_path: str
+    judge_models: dict[str, str] = field(default_factory=dict)  # each judge -> its model dir, never updated
 
 
 def prepare_data(cfg: RunConfig, prompt_key: str | None = None) -> tuple[str, str]:
@@ -68,4 +71,43 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
     return Prepared(run_dir=os.path.abspath(cfg.output_dir), model_path=model_path, train_path=train_path,
-                    eval_path=eval_path)
+                    eval_path=eval_path, judge_models=prepare_judges(cfg, graph, model_path, train_path))
+
+
+def prepare_judges(cfg: RunConfig, graph: Graph, model_path: str, train_path: str) -> dict[str, str]:
+    """Each judge's model dir (graph.<judge>.model, or the run's starting model), checked: its
+    config and tokenizer load, and every training row's judge prompt fits its context before any answer."""
+    models = {}
+    for node in graph.judges:
+        path, key = os.path.abspath(node.model) if node.model else model_path, f"graph.{node.name}.model"
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError([f"node '{node.name}': {key}={node.model!r} is not a Hugging Face model directory "
+                               "(no config.json)"])
+        positions = load_model_config(path, key).max_position_embeddings
+        from areal_flow.models.tokenizer import load_tokenizer  # here: transformers takes seconds to import
+
+        tokenizer = load_tokenizer(path)
+        try:
+            if node.chat_template:
+                check_chat_template(tokenizer, path, f"graph.{node.name}.chat_template", f"graph.{node.name}.template")
+            check_judge_room(cfg, node, tokenizer, positions, train_path, path)
+        except DatasetError as e:
+            raise ConfigError([f"node '{node.name}': {e}"]) from None
+        models[node.name] = path
+    return models
+
+
+def check_judge_room(cfg: RunConfig, node, tokenizer, positions: int, train_path: str, path: str) -> None:
+    """DatasetError naming the longest training row whose judge prompt, with no answer yet, leaves
+    the judge less than its answer budget of its `positions`."""
+    from areal_flow.rollout.judge import prompt_ids
+
+    ds, budget = cfg.dataset, node.max_new_tokens or cfg.algorithm.max_new_tokens
+    places: list[str] = []
+    rows = load_rows(train_path, list(ds.fields), row_format(ds.name), ds.train_split, places)
+    longest, where = max(((len(prompt_ids(tokenizer, node, row, "")), place) for row, place in zip(rows, places)),
+                         default=(0, ""))
+    if longest + budget > positions:
+        key = f"graph.{node.name}.max_new_tokens" if node.max_new_tokens else "algorithm.max_new_tokens"
+        raise DatasetError(f"{where} renders to {longest} judge tokens before any answer; with {key}={budget} that "
+                           f"exceeds the judge's {positions} positions (max_position_embeddings of {path})")

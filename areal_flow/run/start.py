@@ -18,7 +18,7 @@ from rich.markup import escape
 from areal_flow.checkpoint import compat, store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.commands import python_role, server_command, server_host
+from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
 from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
@@ -46,12 +46,18 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     first = (spec.model_path, 0)
     if spec.resume:
         first = (os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"])
-    # Processes the local launcher restarts alone when they die (the run goes on): the workers and
-    # the inference processes (the trainer ranks ask a restarted one again: training/worker.py), and the servers when the weights they must load are files (the last version the controller
-    # loaded: weights/files.py). A server of a trainer-sent channel has no copy to start from.
+    # Processes the local launcher restarts alone when they die (the run goes on): the workers, the
+    # inference processes (the trainer ranks ask a restarted one again: training/worker.py), the
+    # judges' servers (frozen: they start from their model), and the policy's servers when the
+    # weights they must load are files (the last version the controller loaded: weights/files.py).
+    # A server of a trainer-sent channel has no copy to start from.
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
 
     def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+        if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
+            return judge_command(cfg, proc, spec.judge_models[proc.graph_node],
+                                 spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
+                                 host=server_host(cfg, spec.host_of(proc.name)))
         if proc.role != "gen_server":
             return python_role(proc.role, proc, spec.run_dir), {}
         path, version = weights
@@ -62,7 +68,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         again = None
         if proc.role == "gen_server" and files:
             again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
-        elif proc.role in ("rollout", "reward", "inference"):
+        elif proc.role in ("rollout", "reward", "inference", "judge_server"):
             again = functools.partial(command, proc)
         launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
 

@@ -27,7 +27,7 @@ def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared
         raise ConfigError([f"output_dir={run_dir!r}: launcher.type=slurm needs a run directory without spaces"])
     spec = spec_with_ports(placement, fixed_ports(placement, cfg.launcher.slurm_base_port), run_dir=run_dir,
                            model_path=prepared.model_path, train_path=prepared.train_path,
-                           eval_path=prepared.eval_path,
+                           eval_path=prepared.eval_path, judge_models=prepared.judge_models,
                            security=Security.new())  # a Slurm run spans hosts: always secured (security_needed)
     write_run(run_dir, raw, spec)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)

@@ -30,6 +30,8 @@ class RunSpec(msgspec.Struct, kw_only=True):
     trainer_ports: list[int]  # each trainer rank's PULL inbox for scored groups
     # Each inference node on a mesh of its own -> its replicas' PULL inboxes for InferRequests.
     infer_ports: dict[str, list[int]] = {}
+    judge_ports: dict[str, list[int]] = {}  # each judge -> its generation servers' HTTP ports
+    judge_models: dict[str, str] = {}  # each judge -> its model dir (absolute), never updated
     dist_port: int  # torch.distributed rendezvous of the trainer ranks
     n_trainers: int
     n_rollout: int
@@ -56,11 +58,21 @@ class RunSpec(msgspec.Struct, kw_only=True):
 
     @property
     def gen_urls(self) -> list[str]:
-        urls = []
-        for i, port in enumerate(self.gen_ports):
-            host = self.host_of(f"gen_server{i}", self.gen_host)
-            urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")  # IPv6 in brackets
-        return urls
+        return [self._url(f"gen_server{i}", port) for i, port in enumerate(self.gen_ports)]
+
+    def judge_names(self, node: str) -> list[str]:
+        """The process names of judge `node`'s generation servers."""
+        from areal_flow.graph.placement import judge_server_name
+
+        return [judge_server_name(node, i) for i in range(len(self.judge_ports.get(node, [])))]
+
+    def judge_urls(self, node: str) -> list[str]:
+        """The URLs of judge `node`'s generation servers."""
+        return [self._url(name, port) for name, port in zip(self.judge_names(node), self.judge_ports.get(node, []))]
+
+    def _url(self, name: str, port: int) -> str:
+        host = self.host_of(name, self.gen_host)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # IPv6 in brackets
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.run_dir, *parts)

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_flow.graph.placement import judge_server_name
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes
 
@@ -40,7 +41,7 @@ OPTIONAL_KEYS = ("train/ess_fraction", "train/capped_fraction")
 OPTIONAL_PREFIXES = ("by_length/",)
 """Keys of a step row shown when the run writes them."""
 
-ROLES = ("controller", "gen_server", "rollout", "reward", "trainer", "inference")
+ROLES = ("controller", "gen_server", "rollout", "reward", "trainer", "inference", "judge_server")
 RUN_FILES = ("spec.json", "config.yaml", "metrics.jsonl", PROCESSES, os.path.join(".hydra", "config.yaml"))
 """A run directory holds at least one of these (the launcher writes .hydra/ first, the rest after
 it prepared the data and the model)."""
@@ -286,10 +287,12 @@ def trained_version(run_dir: str) -> int | None:
 
 
 def gen_urls(spec: dict) -> dict[str, str]:
-    """gen_server<i> -> its URL, as RunSpec.gen_urls makes them."""
+    """gen_server<i> and each judge's <judge>_server<i> -> its URL, as RunSpec.gen_urls and judge_urls make them."""
+    names = {f"gen_server{i}": port for i, port in enumerate(spec.get("gen_ports") or [])}
+    for node, ports in (spec.get("judge_ports") or {}).items():
+        names |= {judge_server_name(node, i): port for i, port in enumerate(ports)}
     urls = {}
-    for i, port in enumerate(spec.get("gen_ports") or []):
-        name = f"gen_server{i}"
+    for name, port in names.items():
         host = (spec.get("hosts") or {}).get(name) or spec.get("gen_host") or "127.0.0.1"
         urls[name] = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     return urls
@@ -298,6 +301,8 @@ def gen_urls(spec: dict) -> dict[str, str]:
 def role_of(name: str) -> str:
     if "_infer" in name:
         return "inference"
+    if "_server" in name and not name.startswith("gen_server"):
+        return "judge_server"
     return next((r for r in ROLES if name.startswith(r)), "")
 
 
@@ -402,7 +407,7 @@ class RunReader:
             name = os.path.basename(log)[:-4]
             found.setdefault(name, ProcessStatus(name, role_of(name)))
         for name, url in gen_urls(spec).items():
-            found.setdefault(name, ProcessStatus(name, "gen_server")).url = url
+            found.setdefault(name, ProcessStatus(name, role_of(name))).url = url
         for p in found.values():
             try:
                 p.log_age = max(0.0, now - os.path.getmtime(self.path("logs", f"{p.name}.log")))

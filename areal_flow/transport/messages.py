@@ -129,6 +129,8 @@ class PromptGroup(msgspec.Struct):
     fields: dict[str, str]
     group_size: int
     birth_time: float
+    # The dataset fields a judge reads, before dataset.prompt_template/chat_template (empty without judges).
+    raw: dict[str, str] = {}
 
 
 class Admitted(msgspec.Struct, tag=True):

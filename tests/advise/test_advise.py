@@ -769,3 +769,14 @@ def test_the_module_exits_2_on_bad_input():
 def test_colocated_needs_interrupting_updates():
     with pytest.raises(AdviseError, match="colocated: .* rollout.interrupt must be true"):
         simulate(make(), Candidate(2, 2, eta=1, interrupt=False, colocated=True))
+
+
+def test_a_run_with_a_judge_is_refused_by_name(tmp_path):
+    from areal_flow.advise.fit import read_run
+
+    write_run(tmp_path / "run")
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    config["graph"]["judge"] = {"type": "generate", "role": "judge", "mesh": "2"}
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(AdviseError, match="advise: node 'judge' is a judge, whose time the model does not have"):
+        read_run(tmp_path / "run")
