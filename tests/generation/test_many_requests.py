@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, greedy_reference, load_reference
 
@@ -16,6 +17,7 @@ from areal_flow.generation.server import serve
 LONGEST = 40
 
 
+@pytest.mark.slow  # 2 s of decoding: the fast tier is at its budget; the full suite runs it
 def test_three_hundred_concurrent_requests_of_mixed_lengths_all_answer_correctly(model_dirs: ModelDirs):
     rng = random.Random(1)
     prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(1, 16))] for _ in range(12)]

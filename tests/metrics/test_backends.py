@@ -75,6 +75,7 @@ def test_run_name_and_multirun_group():
     assert hydra_wandb_group(None) is None and hydra_wandb_group("g") == "g"  # outside Hydra: as it is
 
 
+@pytest.mark.slow  # a Hydra multirun in a subprocess: the full suite runs it
 def test_a_hydra_multirun_is_one_wandb_group_and_a_single_run_none(tmp_path):
     """The launcher's job function (compose) sets the group: every job of a multirun the same."""
     (tmp_path / "app.py").write_text(textwrap.dedent("""

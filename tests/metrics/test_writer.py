@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from areal_flow.config.schema import MetricsConfig, WandbConfig
 from areal_flow.metrics.plot import plot_learning_curve
 from areal_flow.metrics.writer import MetricsWriter, read_metrics
@@ -15,6 +17,7 @@ def test_every_event_is_one_json_line_and_reads_back(tmp_path):
     assert all(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
 
 
+@pytest.mark.slow  # wandb start-up; tests/metrics/test_backends.py reads a wandb run back (slow too)
 def test_wandb_logs_offline_without_network(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = MetricsConfig(backends=["jsonl", "wandb"], wandb=WandbConfig(project="test"))  # mode: offline

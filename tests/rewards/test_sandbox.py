@@ -148,6 +148,7 @@ def test_sleeping_past_the_deadline_is_a_timeout(sandbox):
     assert time.monotonic() - t0 < LIMITS.wall_seconds + 3
 
 
+@pytest.mark.slow  # 2 s of the pids limit at work: the full suite runs it
 def test_fork_bomb_is_contained_and_the_next_program_runs(sandbox):
     r = run1(sandbox, """
         import os
