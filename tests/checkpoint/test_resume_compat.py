@@ -100,3 +100,26 @@ def test_restarts_need_a_checkpoint_to_restart_from():
     slurm = RunConfig(recover=RecoverConfig(retries=1), checkpoint=CheckpointConfig(every_steps=5),
                       launcher=LauncherConfig(type="slurm"))
     assert "requeue the job with resume=auto" in checks._rollout(slurm)[0]
+
+
+def test_a_judge_added_or_its_prompt_or_model_changed_is_refused_but_it_may_move(tmp_path):
+    """A judge's answers are rewards: what it is and how it is asked is the run's math; where its
+    servers run is not."""
+    judge = {"type": "generate", "role": "judge", "mesh": "1", "inputs": ["prompt", "output_ids"],
+             "outputs": ["judge_ids"], "template": "{prompt}", "model": None}
+    with_judge = {**SAVED, "graph": {**SAVED["graph"], "judge": judge}}
+
+    def saved(conf: dict, sub: str) -> str:
+        tmp = store.begin(str(tmp_path / sub), 2)
+        OmegaConf.save(OmegaConf.create(conf), os.path.join(tmp, "config.yaml"))
+        return store.commit(tmp, 2)
+
+    path = saved(with_judge, "judged")
+    for edit, named in (({"template": "{prompt} {response}"}, r"graph\.judge\.template"),
+                        ({"model": "/models/other"}, r"graph\.judge\.model"),
+                        ({"temperature": 0.5}, r"graph\.judge\.temperature")):
+        with pytest.raises(compat.ResumeError, match=named):
+            compat.check(path, OmegaConf.merge(with_judge, {"graph": {"judge": edit}}))
+    compat.check(path, OmegaConf.merge(with_judge, {"graph": {"judge": {"mesh": "2"}}}))  # moved: fine
+    with pytest.raises(compat.ResumeError, match=r"graph\.judge"):  # a judge the saved run did not have
+        compat.check(saved(SAVED, "plain"), OmegaConf.create(with_judge))
