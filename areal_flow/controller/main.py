@@ -504,14 +504,14 @@ class Controller:
         """Held-out greedy accuracy at the start or end of the run; training time stops meanwhile."""
         self.waiting_for = f"the held-out evaluation at {when}"
         with self.clock.paused():
-            return await self.held_out(when, version)
+            return await self.held_out(when, version, self.steps_trained)
 
     async def evaluate_beside(self, version: int) -> None:
         """Held-out accuracy on `version`'s weights, loaded now, while the trainer trains on: the
         servers stay at `version` until it ends (`update` waits for the pin). Colocated, generation
         and training take turns on the devices, so the evaluation runs in generation's turn, before
         the next step. One evaluation at a time: a version due while one runs is skipped."""
-        if self.eval_task is not None and not self.eval_task.done():
+        if self.pin.held:  # held from the start of an evaluation to its end
             log.warning("held-out evaluation at version %d skipped: the one at version %s still runs",
                         version, self.pin.version)
             self.metrics.log("eval_skipped", step=version, version=version, running=self.pin.version)
@@ -535,11 +535,10 @@ class Controller:
         if self.eval_task is not None and self.eval_task.done() and not self.eval_task.cancelled():
             self.eval_task.result()
 
-    async def held_out(self, when: str, version: int, steps_before: int | None = None) -> float:
+    async def held_out(self, when: str, version: int, steps_before: int) -> float:
         """Evaluate on the servers' current weights (`version`) and log the `eval` row: accuracy,
-        the versions the answers came from, the trainer steps taken meanwhile and a few answers."""
+        the versions the answers came from, the train steps since `steps_before` and a few answers."""
         t0 = time.monotonic()
-        steps_before = self.steps_trained if steps_before is None else steps_before
         reward = self.graph.eval_reward  # a reward with a dataset reference: evaluation calls no judge
         if self.eval_rewards is None:  # worker processes start at the first evaluation
             self.eval_rewards = RewardService([reward], self.cfg.sandbox)

@@ -26,7 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_flow.graph.placement import judge_server_name
+import msgspec
+
+from areal_flow.runtime.spec import RunSpec
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes
 
@@ -286,15 +288,22 @@ def trained_version(run_dir: str) -> int | None:
     return max(versions) if versions else None
 
 
-def gen_urls(spec: dict) -> dict[str, str]:
-    """gen_server<i> and each judge's <judge>_server<i> -> its URL, as RunSpec.gen_urls and judge_urls make them."""
-    names = {f"gen_server{i}": port for i, port in enumerate(spec.get("gen_ports") or [])}
-    for node, ports in (spec.get("judge_ports") or {}).items():
-        names |= {judge_server_name(node, i): port for i, port in enumerate(ports)}
-    urls = {}
-    for name, port in names.items():
-        host = (spec.get("hosts") or {}).get(name) or spec.get("gen_host") or "127.0.0.1"
-        urls[name] = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def read_spec(path: str) -> RunSpec | None:
+    """The run's spec.json, or None while it is not written (or cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=RunSpec)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def server_urls(spec: RunSpec | None) -> dict[str, str]:
+    """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls)."""
+    if spec is None:
+        return {}
+    urls = {f"gen_server{i}": url for i, url in enumerate(spec.gen_urls)}
+    for node in spec.judge_ports:
+        urls |= dict(zip(spec.judge_names(node), spec.judge_urls(node)))
     return urls
 
 
@@ -349,8 +358,7 @@ class RunReader:
         m.read()
         rows = list(m.steps)
         last = rows[-1] if rows else {}
-        spec = read_json(self.path("spec.json"))
-        spec = spec if isinstance(spec, dict) else {}
+        spec = read_spec(self.path("spec.json"))
         summary = m.summary or read_json(self.path("summary.json"))
 
         snap = Snapshot(run_dir=self.run_dir, at=now, state="", live=False, note="", summary=summary,
@@ -391,7 +399,7 @@ class RunReader:
             snap.eta = sum(seconds) / len(seconds) * (snap.total_steps - snap.step)
         return snap
 
-    def processes(self, spec: dict, now: float) -> list[ProcessStatus]:
+    def processes(self, spec: RunSpec | None, now: float) -> list[ProcessStatus]:
         table = read_processes(self.run_dir)
         placed = read_json(self.path("ray_placement.json")) if table is None else None
         found: dict[str, ProcessStatus] = {}
@@ -406,7 +414,7 @@ class RunReader:
         for log in glob.glob(self.path("logs", "*.log")):
             name = os.path.basename(log)[:-4]
             found.setdefault(name, ProcessStatus(name, role_of(name)))
-        for name, url in gen_urls(spec).items():
+        for name, url in server_urls(spec).items():
             found.setdefault(name, ProcessStatus(name, role_of(name))).url = url
         for p in found.values():
             try:
@@ -415,7 +423,7 @@ class RunReader:
                 pass
         return sorted(found.values(), key=order)
 
-    def judge(self, snap: Snapshot, spec: dict, now: float) -> None:
+    def judge(self, snap: Snapshot, spec: RunSpec | None, now: float) -> None:
         """The run's state, whether it is live, and (live) each process's probe."""
         procs = snap.processes
         if snap.summary is not None:
@@ -461,7 +469,8 @@ class RunReader:
         snap.state = "running" if self.metrics.start is not None else ("starting" if started else "preparing")
         if self.probe:
             urls = {p.name: p.url for p in procs if p.url and p.alive is not False}
-            for name, h in servers_health(urls, self.timeout, (spec.get("security") or {}).get("api_key")).items():
+            api_key = spec.api_key if spec is not None else None
+            for name, h in servers_health(urls, self.timeout, api_key).items():
                 p = next(p for p in procs if p.name == name)
                 p.health, p.weight_version = h.health, h.weight_version
 

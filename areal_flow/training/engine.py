@@ -425,7 +425,14 @@ def global_counts(masks: list[np.ndarray], lengths: list[int], group: dist.Proce
 
 
 def accumulate_stats(into: dict[str, float], stats: dict) -> None:
-    """Add `stats` into `into`: keys ending in _max (and grad_norm) keep the largest, others sum."""
+    """Add `stats` into `into`: keys ending in _max (and grad_norm) keep the largest, others sum.
+    Tensor values come to the host in one copy: a loss's statistics (the behaviour weight's
+    histogram bins among them) would otherwise cost one device synchronisation each."""
+    tensors = [k for k, v in stats.items() if isinstance(v, torch.Tensor)]
+    if tensors:
+        device = stats[tensors[0]].device
+        host = torch.stack([stats[k].detach().reshape(()).to(device, torch.float64) for k in tensors]).tolist()
+        stats = {**stats, **dict(zip(tensors, host))}
     for key, value in stats.items():
         value = float(value)
         if key not in into:
