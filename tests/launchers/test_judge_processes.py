@@ -14,7 +14,7 @@ from areal_flow.launchers.slurm import port_names
 from areal_flow.run import prepare, start
 from areal_flow.run.dry_run import describe_servers
 from areal_flow.run.ports import spec_with_ports
-from areal_flow.status.snapshot import gen_urls, role_of
+from areal_flow.status.snapshot import role_of, server_urls
 
 GRAPH = build(with_judge(mesh="2-3"), n_devices=4)
 
@@ -37,8 +37,7 @@ def test_a_judge_gets_one_server_per_device_with_ports_after_the_others():
     assert spec.judge_ports == {"judge": [9003, 9004]} and spec.gen_ports == [9000]
     assert spec.judge_urls("judge") == ["http://127.0.0.1:9003", "http://127.0.0.1:9004"]
     assert spec.judge_names("judge") == ["judge_server0", "judge_server1"] and spec.judge_urls("other") == []
-    as_json = json.loads(json.dumps({"gen_ports": spec.gen_ports, "judge_ports": spec.judge_ports}))
-    assert list(gen_urls(as_json)) == ["gen_server0", "judge_server0", "judge_server1"]
+    assert list(server_urls(spec)) == ["gen_server0", "judge_server0", "judge_server1"]
     assert role_of("judge_server1") == "judge_server" and role_of("gen_server0") == "gen_server"
 
 
