@@ -33,6 +33,7 @@ import torch.distributed as dist
 import transformers
 
 from _bench import machine
+from areal_flow.runtime.devices import TRAINER_BACKENDS
 from areal_flow.training.engine import OptimSpec
 from areal_flow.training.torch_engine import TorchEngine
 
@@ -144,7 +145,8 @@ def one_rank_group(device: torch.device):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    # The trainers' own backends: megatron sums its token counts over CPU tensors (gloo) on CUDA too.
+    dist.init_process_group(TRAINER_BACKENDS[device.type], init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
     try:
         yield
