@@ -130,9 +130,17 @@ class Graph:
 
     @property
     def own_mesh_nodes(self) -> list[Node]:
-        """Inference nodes of a frozen role (ref) on a mesh of their own: each device of it runs a
-        replica in an inference process, and the trainer ranks join its output to their groups by group id."""
-        return [n for n in self.batch_nodes if n.mesh != self.trainer_mesh]
+        """Inference nodes on a mesh of their own (a frozen role's, ref, or a critic's apart): each
+        device of it runs a replica in an inference process, and the trainer ranks join its output
+        to their groups by group id."""
+        return [n for n in self.batch_nodes if n.mesh != self.trainer_mesh and n.type == "inference"]
+
+    @property
+    def critic_apart(self) -> Node | None:
+        """The critic's train node when it runs on a mesh of its own, in the process that computes
+        its values (training/critic.py); None when the trainer ranks train it, or there is none."""
+        critic = self.critic_train
+        return critic if critic is not None and critic.mesh is not None and critic.mesh != self.trainer_mesh else None
 
     @property
     def colocated(self) -> bool:
@@ -195,6 +203,8 @@ class Graph:
         for n in self.own_mesh_nodes:
             lines.append(f"{n.name}: on a mesh of its own, one inference process per device; the trainer ranks "
                          f"join its {', '.join(n.outputs)} to their groups")
+            if (critic := self.critic_apart) is not None and n.role == critic.role:
+                lines[-1] += f"; the same process runs {critic.name}, on the batch the trainer ranks send it"
         for n in self.judges:
             model = n.model or "the run's starting model"
             lines.append(f"{n.name}: a frozen judge on mesh {format_mesh(n.mesh)}, one generation server per device, "
@@ -517,13 +527,19 @@ def _actor_train(nodes: Mapping[str, Node]) -> Node | None:
 def _own_mesh(nodes: Mapping[str, Node]) -> list[Node]:
     """The batch nodes placed off the trainer mesh that may be: inference nodes of a role no train
     node trains (ref), whose weights never change, so a replica elsewhere computes what a trainer
-    rank would."""
+    rank would; and a critic's inference and train nodes together on one mesh of their own, whose
+    process computes the values and trains on them."""
     train = _actor_train(nodes)
     if train is None or train.mesh is None:
         return []
-    trained = {n.role for n in nodes.values() if n.type == "train"}
-    return [n for n in nodes.values() if n.type == "inference" and n.role not in trained
-            and n.mesh is not None and n.mesh != train.mesh]
+    trained = {n.role: n for n in nodes.values() if n.type == "train"}
+    critic = trained.get("critic")
+    apart = (critic is not None and critic.mesh is not None and critic.mesh != train.mesh
+             and all(n.mesh == critic.mesh for n in nodes.values() if n.type == "inference" and n.role == "critic"))
+    return [n for n in nodes.values() if n.type in ("inference", "train") and n.mesh is not None
+            and n.mesh != train.mesh
+            and ((n.type == "inference" and n.role not in trained)
+                 or (apart and n.role == "critic" and n.mesh == critic.mesh))]
 
 
 def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
@@ -535,6 +551,8 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
     for i, a in enumerate(placed):
         for b in placed[i + 1:]:
             shared = set(a.mesh) & set(b.mesh)
+            if shared and a.role == b.role == "critic" and a.mesh == b.mesh and not a.streaming and not b.streaming:
+                continue  # the critic's values and its training: one process, on one mesh
             if shared and (a.name in own or b.name in own):
                 mine, other = (a, b) if a.judge or (a.name in own and not b.judge) else (b, a)
                 problems.append(
@@ -550,6 +568,12 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
     train = _actor_train(nodes)
     if train is None or train.mesh is None:
         return
+    critic = next((n for n in nodes.values() if n.type == "train" and n.role == "critic" and n.name in own), None)
+    if critic is not None and len(critic.mesh) != 1:
+        problems.append(f"node '{critic.name}': mesh {format_mesh(critic.mesh)} (graph.{critic.name}.mesh) has "
+                        f"{len(critic.mesh)} devices: a critic on a mesh of its own trains in one process, on one "
+                        "device, in this version (data-parallel critic processes would need a process group of "
+                        "their own)")
     for n in placed:
         if not n.streaming and n.name not in own and n.mesh != train.mesh:
             problems.append(
@@ -559,16 +583,21 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
 
 
 def _why_apart(n: Node) -> str:
+    if n.role == "critic":
+        return "a critic on a mesh of its own trains in a process of its own, on devices no other node uses"
     if n.judge:
         return "a judge's generation servers hold its model and KV cache for the whole run, on devices no other node uses"
     return "an inference node on a mesh of its own needs devices that no other node uses"
 
 
 def _why_on_trainer(n: Node) -> str:
+    if n.role == "critic":
+        return ("a critic's inference and train nodes run together: both on the trainer mesh, or both on one mesh of "
+                "their own (graph.<node>.mesh the same for both)")
     if n.type == "inference":
         return (f"role {n.role!r} is trained, so its inference node runs on the trainer ranks, with the weights they "
-                "train; only an inference node of a frozen role (ref) may have a mesh of its own")
-    return "train nodes run on the trainer ranks, on one mesh"
+                "train; only an inference node of a frozen role (ref) or a critic may have a mesh of its own")
+    return "the actor's train nodes run on the trainer ranks, on one mesh"
 
 
 ENGINES = {"torch": None, "megatron": None}

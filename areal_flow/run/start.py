@@ -52,6 +52,10 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     # weights they must load are files (the last version the controller loaded: weights/files.py).
     # A server of a trainer-sent channel has no copy to start from.
     files = cfg.rollout.weight_update_mode in ("disk", "shm")
+    # A critic's process on a mesh of its own holds the critic's training state: restarted alone, it
+    # would go on from its start weights; its death stops the run (recover from a checkpoint instead).
+    trained = {p.graph_node for p in placement.of_role("inference")
+               if getattr(cfg.graph.get(p.graph_node), "role", None) == "critic"}
 
     def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
         if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
@@ -68,7 +72,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         again = None
         if proc.role == "gen_server" and files:
             again = functools.partial(lambda proc: command(proc, last_loaded(spec.run_dir, first)), proc)
-        elif proc.role in ("rollout", "reward", "inference", "judge_server"):
+        elif proc.role in ("rollout", "reward", "inference", "judge_server") and proc.graph_node not in trained:
             again = functools.partial(command, proc)
         launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
 

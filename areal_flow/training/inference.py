@@ -1,5 +1,5 @@
 """An inference process: one replica of an inference node on a mesh of its own (a frozen role:
-ref; graph/dag.py `own_mesh_nodes`, docs/architecture.md).
+ref, or a critic apart; graph/dag.py `own_mesh_nodes`, docs/architecture.md).
 
 It loads the role's model from the run's model on its one device, as a trainer rank would build
 it but with no process group and no optimizer, tells the controller it is ready, then serves: it
@@ -7,7 +7,8 @@ waits for an InferRequest, takes every other one queued by then, computes the no
 all of their samples in one packed call (`node_outputs`, as a trainer rank computes a node on its
 own mesh) and sends one Inferred per group to the trainer rank that holds the group, which joins
 it (training/join.py). Replicas are independent: the reward worker picks one per group
-(graph/placement.py `replica_of`). The weights never change, so nothing is published here.
+(graph/placement.py `replica_of`). A frozen role's weights never change, so nothing is published
+here. A critic's process also trains the critic on each step's batch (training/critic.py).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.training.critic import CriticTrainer
 from areal_flow.training.engine import budget_named
-from areal_flow.training.worker import node_outputs, torch_engine
+from areal_flow.training.worker import node_outputs, optim_spec, torch_engine
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking
-from areal_flow.transport.messages import Array, InferRequest, Inferred, Ready
+from areal_flow.transport.messages import Array, CriticBatch, InferRequest, Inferred, Ready, SaveCheckpoint
 
 log = logging.getLogger("areal_flow.inference")
 
@@ -60,7 +62,11 @@ class InferenceWorker:
         self.name = name
         self.graph = graph_from_config(cfg)
         self.node = node_of(self.graph, name, replica)
-        self.engine = torch_engine(cfg, spec, self.node.role, optim=None, process_group=None)
+        apart = self.graph.critic_apart
+        trains = apart is not None and apart.role == self.node.role
+        self.engine = torch_engine(cfg, spec, self.node.role, optim=optim_spec(cfg, apart.role) if trains else None,
+                                   process_group=None)
+        self.critic = CriticTrainer(cfg, spec, self.engine, apart, name) if trains else None
         ctx = zmq.Context()
         self.inbox = make_socket(ctx, zmq.PULL, bind=spec.endpoint(name, spec.infer_ports[self.node.name][replica]),
                                  security=spec.security)
@@ -79,12 +85,23 @@ class InferenceWorker:
                     send_blocking(self.ranks[rank], msg)
 
     def take(self) -> list[InferRequest]:
-        """Every request queued on the inbox now: they go through the model in one call."""
+        """Every request queued on the inbox now: they go through the model in one call. A critic's
+        process trains as each step's batch completes, and writes its checkpoint part, on the way."""
         requests = []
         while self.inbox.poll(0):
             msg = recv_blocking(self.inbox, f"{self.name} inbox")
             if isinstance(msg, InferRequest) and msg.node == self.node.name:
                 requests.append(msg)
+            elif self.critic is not None and isinstance(msg, CriticBatch):
+                if requests:  # values asked before this update come from the critic before it
+                    for rank, answer in self.serve(requests):
+                        send_blocking(self.ranks[rank], answer)
+                    requests = []
+                if (done := self.critic.batch(msg)) is not None:
+                    for rank in self.ranks:
+                        send_blocking(rank, done)
+            elif self.critic is not None and isinstance(msg, SaveCheckpoint):
+                send_blocking(self.ranks[0], self.critic.save(msg))
             elif msg is not None:
                 log.error("%s: a %s on the inbox is not a request for node '%s', dropped", self.name,
                           getattr(msg, "node", type(msg).__name__), self.node.name)

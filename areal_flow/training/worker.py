@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property, partial
 
 import msgspec
@@ -49,6 +49,9 @@ from areal_flow.transport.channels import make_socket, recv_blocking, send_block
 from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
+    CriticBatch,
+    CriticSaved,
+    CriticTrained,
     Hello,
     InferRequest,
     Inferred,
@@ -102,6 +105,12 @@ class ModelWorker:
         self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
+        # A critic on a mesh of its own: its process's inbox (the one its values are asked on), and
+        # what it has answered: the steps it trained, the checkpoints it wrote.
+        apart = self.graph.critic_apart
+        self.critic = self.replicas[self.critic_values.name][0] if apart is not None else None
+        self.critic_trained: dict[int, CriticTrained] = {}
+        self.critic_saved: set[str] = set()
         trained = self.engines[self.graph.train.role]
         if spec.resume:
             self.resume(spec.resume)
@@ -129,7 +138,11 @@ class ModelWorker:
     def receive(self) -> None:
         with self.phases("transport"):  # counted in the next step's profile, wherever it arrives
             msg = recv_blocking(self.inbox, f"{self.name} inbox")
-        if isinstance(msg, Inferred):
+        if isinstance(msg, CriticTrained):
+            self.critic_trained[msg.step] = msg
+        elif isinstance(msg, CriticSaved):
+            self.critic_saved.add(msg.path)
+        elif isinstance(msg, Inferred):
             try:
                 self.hold(self.join.result(msg))
             except DuplicateResult as e:  # a result that does not fit its group (JoinError) stops the rank
@@ -150,19 +163,57 @@ class ModelWorker:
     def wait_for(self, groups: list[int], what: str) -> None:
         """Receive until this rank holds every group of its share of `what` (e.g. 'step 3'), or fail
         naming the missing ones."""
+        def missing() -> list[str]:
+            lacking = [g for g in groups if g not in self.held]
+            if not lacking:
+                return []
+            replicas = {node: len(ports) for node, ports in self.spec.infer_ports.items()}
+            return self.join.lacking(lacking, replicas)
+
+        self.receive_until(missing, what)
+
+    def receive_until(self, missing: Callable[[], list[str]], what: str) -> None:
+        """Receive until `missing()` names nothing, or fail after step_timeout naming what it still does."""
         timeout = self.cfg.step_timeout or float("inf")
         deadline = time.monotonic() + timeout
-        while missing := [g for g in groups if g not in self.held]:
+        while lacking := missing():
             left = deadline - time.monotonic()
             if left <= 0:
-                replicas = {node: len(ports) for node, ports in self.spec.infer_ports.items()}
-                raise TimeoutError(f"{self.name}: {what} waited {timeout:.0f} s (step_timeout) for "
-                                   + "; ".join(self.join.lacking(missing, replicas)))
+                raise TimeoutError(f"{self.name}: {what} waited {timeout:.0f} s (step_timeout) for " + "; ".join(lacking))
             with self.phases("wait"):
                 ready = self.inbox.poll(min(left, 1.0) * 1000)
             if ready:
                 self.receive()
             self.ask_again()
+
+    @property
+    def critic_values(self) -> Node:
+        """The critic's inference node, on the critic's mesh of its own with its train node."""
+        return next(n for n in self.graph.own_mesh_nodes if n.role == "critic")
+
+    def send_critic_batch(self, step: int, samples: list[Sample], kl_coef: float, engine: Engine) -> None:
+        """This rank's share of the step to the critic's process: the value loss's inputs, as
+        train_critic would compute them here (batch statistics over `engine`'s data-parallel ranks).
+        A rank that is not its model-parallel group's data leader sends an empty share (the leader
+        sends the group's samples)."""
+        node = self.graph.critic_apart
+        with self.phases("inputs"):
+            inputs = train_inputs(samples, partial(self.graph.input, node), self.cfg.algorithm, prox_source=None,
+                                  kl_coef=kl_coef, all_reduce=all_reduce_over(engine.data_parallel_group))
+            data = engine_data(inputs.without_aggregation())
+        mine = range(len(samples)) if engine.data_leader else range(0)
+        with self.phases("transport"):
+            send_blocking(self.critic, CriticBatch(
+                step, self.rank, [samples[i].group_id for i in mine], [Array.of(inputs.seqs[i][0]) for i in mine],
+                [Array.of(inputs.seqs[i][1]) for i in mine], {k: [Array.of(v[i]) for i in mine] for k, v in data.items()}))
+
+    def critic_step(self, step: int) -> dict[str, float]:
+        """Wait for the critic's process to train step `step`; its stats (rank 0 reports them)."""
+        worker = infer_name(self.critic_values.name, 0)
+        self.receive_until(lambda: [] if step in self.critic_trained else [f"the critic's update of step {step + 1} "
+                                                                             f"from {worker}"], f"step {step}")
+        done = self.critic_trained.pop(step)
+        return {f"critic/{k}": v for k, v in done.stats.items()} if self.rank == 0 else {}
 
     def ask_again(self) -> None:
         """Ask a replica again for each result a held group has waited for longer than
@@ -197,6 +248,8 @@ class ModelWorker:
         ran = []
         self.policy_inputs = None
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
+        if self.critic is not None:  # the critic trains on its own devices while the actor trains here
+            self.send_critic_batch(plan.step, samples, kl_coef, trained)
         for node in self.graph.trainer_nodes:  # graph order: prox/ref logprobs and values, then train
             is_prox = node.type != "train" and node.outputs[0] == prox_key
             if is_prox and source != "data":
@@ -215,6 +268,8 @@ class ModelWorker:
             ran.append(node.name)
         if prox_key is not None:
             stats["prox_seconds"] = prox_seconds
+        if self.critic is not None:
+            stats.update(self.critic_step(plan.step))
         for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
             stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
         version = plan.step + 1
@@ -308,16 +363,8 @@ class ModelWorker:
 
     def update(self, engine: Engine, samples: list[Sample], inputs: TrainInputs, loss_fn,
                skip: list[bool] | None = None) -> dict[str, float]:
-        """n_minibatches optimizer steps per epoch over the batch, their stats added up; the
-        sequences marked in `skip` are not run (Engine.train_step)."""
-        algo = self.cfg.algorithm
-        seqs, token_data = inputs.seqs, engine_data(inputs)
-        stats: dict[str, float] = {}
-        for idx in minibatches([s.group_id for s in samples], algo.n_minibatches, algo.ppo_epochs):
-            accumulate_stats(stats, engine.train_step(
-                [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn,
-                skip=None if skip is None else [skip[i] for i in idx]))
-        return stats
+        return train_update(engine, [s.group_id for s in samples], inputs.seqs, engine_data(inputs), loss_fn,
+                            self.cfg.algorithm, skip)
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> None:
         """The end of a run (`msg.groups` None): the trained role's Hugging Face directory at
@@ -329,8 +376,9 @@ class ModelWorker:
         tokenizer = self.tokenizer
         if msg.groups is None:
             self.engines[self.graph.train.role].save(msg.path, tokenizer=tokenizer)
-            if self.graph.critic_train is not None:
+            if "critic" in self.engines:
                 self.engines["critic"].save(os.path.join(msg.path, CRITIC_DIR))
+            self.save_critic_apart(msg)
             return
         self.wait_for(msg.groups, "the checkpoint")
         with open(os.path.join(msg.path, HELD.format(rank=self.rank)), "wb") as f:
@@ -338,10 +386,22 @@ class ModelWorker:
         self.trained_log.flush()
         with open(os.path.join(msg.path, TRAINER_STATE.format(rank=self.rank)), "w") as f:
             json.dump({"trained_log_bytes": self.trained_log.tell()}, f)
-        for node in self.graph.batch_nodes:
+        for node in self.graph.trainer_nodes:
             if node.type == "train":  # sharded: each rank writes its own part of the optimizer state
                 role_tokenizer = tokenizer if node.role == self.graph.train.role else None
                 self.engines[node.role].save_resumable(os.path.join(msg.path, node.role), tokenizer=role_tokenizer)
+        self.save_critic_apart(msg)
+
+    def save_critic_apart(self, msg: SaveCheckpoint) -> None:
+        """Rank 0 has a critic on a mesh of its own write its part of the checkpoint (under
+        `msg.path/critic`) and waits for it, so that a checkpoint called saved holds it."""
+        if self.critic is None or self.rank != 0:
+            return
+        send_blocking(self.critic, msg)
+        worker = infer_name(self.critic_values.name, 0)
+        self.receive_until(lambda: [] if msg.path in self.critic_saved else [f"the critic's part from {worker}"],
+                           f"the checkpoint {msg.path}")
+        self.critic_saved.discard(msg.path)
 
     @cached_property
     def tokenizer(self):
@@ -353,7 +413,7 @@ class ModelWorker:
         state (optimizer, LR schedule, RNG, version), the scored groups this rank now holds (those of
         each saved rank k with k mod ranks = this rank: controller/state.py `for_ranks`). The
         launcher has cut its trained-samples log back to its length then (checkpoint/store.py `rewind`)."""
-        for node in self.graph.batch_nodes:
+        for node in self.graph.trainer_nodes:  # a critic on a mesh of its own loads its own (training/critic.py)
             if node.type == "train":
                 self.engines[node.role].load_resumable(os.path.join(folder, node.role))
         saved_ranks = store.read_manifest(folder)["n_trainers"]
@@ -388,6 +448,18 @@ def length_bias(inputs: TrainInputs, max_new_tokens: int, reduce: AllReduce | No
         return sums
     total = reduce(torch.tensor(list(sums.values()), dtype=torch.float64))
     return dict(zip(sums, total.tolist()))
+
+
+def train_update(engine: Engine, group_ids: list[int], seqs: list[tuple[np.ndarray, np.ndarray]],
+                 token_data: dict[str, list[np.ndarray]], loss_fn, algo, skip: list[bool] | None = None) -> dict[str, float]:
+    """n_minibatches optimizer steps per epoch over the batch (each sample's group in `group_ids`),
+    their stats added up; the sequences marked in `skip` are not run (Engine.train_step)."""
+    stats: dict[str, float] = {}
+    for idx in minibatches(group_ids, algo.n_minibatches, algo.ppo_epochs):
+        accumulate_stats(stats, engine.train_step(
+            [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn,
+            skip=None if skip is None else [skip[i] for i in idx]))
+    return stats
 
 
 def engine_data(inputs: TrainInputs) -> dict[str, list[np.ndarray]]:

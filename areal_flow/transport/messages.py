@@ -217,6 +217,36 @@ class Ready(msgspec.Struct, tag=True):
     worker: str
 
 
+class CriticBatch(msgspec.Struct, tag=True):
+    """A trainer rank -> the critic's process (a critic on a mesh of its own, training/critic.py):
+    the critic's loss inputs for this rank's share of step `step` (empty for a rank that trains no
+    samples of its own, e.g. a tensor-parallel follower). The process trains once every rank's is in."""
+
+    step: int
+    rank: int
+    group_ids: list[int]  # per sample: its group, which whole-group minibatches split by
+    prompts: list[Array]
+    outputs: list[Array]
+    token_data: dict[str, list[Array]]  # per key, per sample: the value loss's per-token inputs, loss mask included
+
+
+class CriticTrained(msgspec.Struct, tag=True):
+    """The critic's process -> every trainer rank: it trained step `step` (its stats, the engine's
+    already reduced; trainer rank 0 reports them)."""
+
+    step: int
+    version: int
+    stats: dict[str, float]
+    worker: str
+
+
+class CriticSaved(msgspec.Struct, tag=True):
+    """The critic's process -> trainer rank 0: it wrote the critic of a SaveCheckpoint under `path`."""
+
+    path: str
+    worker: str
+
+
 # ---- reward worker <-> controller (the control plane) -------------------------------------
 
 
@@ -309,7 +339,7 @@ class Hello(msgspec.Struct, tag=True):
 
 Message = (AdmitRequest | Admitted | Released | Resend | Joined | GeneratedGroup | ScoredGroup | GroupMeta | Route
            | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello | InferRequest
-           | Inferred | Ready)
+           | Inferred | Ready | CriticBatch | CriticTrained | CriticSaved)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -49,24 +49,18 @@ def test_a_node_of_a_trained_role_stays_on_the_trainer_mesh():
     msg = problems_of(nodes, n_devices=3)
     assert ("meshes of batch nodes 'actor_prox' (2) and 'actor_train' (1) differ (graph.actor_prox.mesh): role "
             "'actor' is trained, so its inference node runs on the trainer ranks, with the weights they train; only an "
-            "inference node of a frozen role (ref) may have a mesh of its own") in msg
+            "inference node of a frozen role (ref) or a critic may have a mesh of its own") in msg
+    # A critic's two nodes move together (tests/graph/test_critic_apart.py), never one alone.
     critic = copy.deepcopy(NODES) | copy.deepcopy(CRITIC)
     critic["actor_train"]["inputs"].append("values")
+    together = ("a critic's inference and train nodes run together: both on the trainer mesh, or both on one mesh of "
+                "their own (graph.<node>.mesh the same for both)")
     critic["critic_values"]["mesh"] = "2"
-    assert "meshes of batch nodes 'critic_values' (2) and 'actor_train' (1) differ (graph.critic_values.mesh): " \
-           "role 'critic' is trained" in problems_of(critic, n_devices=3)
+    assert ("meshes of batch nodes 'critic_values' (2) and 'actor_train' (1) differ (graph.critic_values.mesh): "
+            + together) in problems_of(critic, n_devices=3)
     critic["critic_values"]["mesh"], critic["critic_train"]["mesh"] = "1", "2"
-    assert ("meshes of batch nodes 'critic_train' (2) and 'actor_train' (1) differ (graph.critic_train.mesh): train "
-            "nodes run on the trainer ranks, on one mesh") in problems_of(critic, n_devices=3)
-
-
-@pytest.mark.parametrize("mesh,other,shared", [("1-2", "actor_prox", "1"), ("0", "generate", "0")])
-def test_a_mesh_of_its_own_shares_no_device_with_another_node(mesh, other, shared):
-    err = pytest.raises(GraphError, build, with_ref(mesh), 3).value
-    other_mesh = "1" if other == "actor_prox" else "0"
-    assert (f"node 'ref': mesh {mesh.replace('-', ',')} (graph.ref.mesh) shares device(s) {shared} with '{other}' "
-            f"({other_mesh}): an inference node on a mesh of its own needs devices that no other node uses") \
-        in err.problems
+    assert ("meshes of batch nodes 'critic_train' (2) and 'actor_train' (1) differ (graph.critic_train.mesh): "
+            + together) in problems_of(critic, n_devices=3)
 
 
 def test_a_mesh_of_its_own_holds_torch_replicas_only():

@@ -1,0 +1,45 @@
+"""recipes/tiny_arith_ppo.yaml with the critic on a mesh of its own, end to end: one process on core
+2 computes every group's values and trains the critic on each step's batch, while the trainer rank
+trains the actor; the checkpoint holds the critic, and a resumed run goes on from it."""
+
+import json
+import re
+
+import pytest
+from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
+
+pytestmark = pytest.mark.slow
+
+APART = ("recipe=tiny_arith_ppo", *ANSWERS_SOME, "cluster.n_devices=3", "graph.critic_values.mesh=2",
+         "graph.critic_train.mesh=2", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false")
+
+
+def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    r = launch(run_dir, run_cache, *APART, "total_steps=3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_accounting(run_dir, eta=1, group_size=8)
+    # The trainer rank ran the actor's node only; the critic's process valued every trained group once ...
+    trained = jsonl(run_dir / "trained-rank0.jsonl")
+    assert [row["nodes"] for row in trained] == [["actor_train"]] * 3
+    log = (run_dir / "logs" / "critic_values_infer0.log").read_text()
+    valued = [int(g) for groups in re.findall(r"values of groups \[([\d, ]*)\]", log) for g in groups.split(", ") if g]
+    groups = {int(uid.split("-")[0][1:]) for row in trained for uid in row["uids"]}
+    assert groups <= set(valued) and len(valued) == len(set(valued)), (groups, valued)
+    # ... and trained the critic once a step, on every trained sample.
+    assert re.findall(r"trained the critic on step (\d+) \((\d+) sequences", log) == [("1", "24"), ("2", "24"),
+                                                                                        ("3", "24")]
+    steps = steps_of(run_dir)
+    assert steps[0]["train/critic/value_sum"] == 0.0 and steps[-1]["train/critic/value_sum"] != 0.0
+    assert all(m["train/critic/n_valid_tokens"] == m["train/n_valid_tokens"] > 0 for m in steps)
+    assert all(m["train/infer/critic_values_seconds"] > 0 for m in steps)
+    config = json.loads((run_dir / "checkpoint" / "critic" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"]
+    assert (run_dir / "checkpoints" / "step-00000003" / "critic").is_dir()
+
+    r = launch(run_dir, run_cache, *APART, "total_steps=4", "resume=auto")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (run_dir / "logs" / "critic_values_infer0.log").read_text()
+    assert "the critic resumed from " in log and "step-00000003 at version 3" in log
+    assert "trained the critic on step 4 " in log
+    check_accounting(run_dir, eta=1, group_size=8)
