@@ -28,6 +28,9 @@ def test_a_judge_answers_every_sample_on_its_own_server_and_is_never_updated(tmp
     for step in steps_of(run_dir):
         assert step["judge/judge_tokens"] > 0 and "reward/judge_reward_raw" in step
         assert "reward/judge_reward_unparsed" in step and "judge/judge_seconds" in step
+        # The judge's servers' idle share of the step, as generator_idle (a measured share may dip below 0).
+        assert -0.05 <= step["judge_idle/judge"] <= 1.0
+    assert steps_of(run_dir)[0]["judge_idle/judge"] < 1.0  # the first step's samples were judged in its window
     assert "weights from" not in (run_dir / "logs" / "judge_server0.log").read_text()  # engine.py logs each load
     assert "weights from" in (run_dir / "logs" / "gen_server0.log").read_text()
     loaded = [e["version"] for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "loaded"]

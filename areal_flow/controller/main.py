@@ -29,7 +29,7 @@ from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_ac
 from areal_flow.controller.intake import Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
-from areal_flow.controller.publisher import WeightPublisher
+from areal_flow.controller.publisher import WeightPublisher, server_counts
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, train_metrics
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
@@ -133,7 +133,7 @@ class Controller:
         self.judge_fields = sorted({k for j in graph.judges for k in graph.dataset_inputs(j)})
         self.raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split) \
             if self.judge_fields else []
-        self.publisher = WeightPublisher(spec.gen_urls, [f"gen_server{i}" for i in range(len(spec.gen_ports))],
+        self.publisher = WeightPublisher(spec.gen_urls, spec.gen_names,
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
                                          trainers=self.send_weights)
@@ -369,13 +369,21 @@ class Controller:
 
     async def restart_window(self) -> None:
         """The next step's window starts now."""
-        self.mark = (time.monotonic(), await self.publisher.server_counts(), time.process_time())
+        self.mark = (time.monotonic(), await self.server_counts(), time.process_time())
+
+    async def server_counts(self) -> dict[str, float]:
+        """The policy's servers' counts so far (publisher.server_counts), and each judge's as
+        `<judge>/<count>`."""
+        counts = await self.publisher.server_counts()
+        for name, pool in self.judge_pools.items():
+            counts.update({f"{name}/{k}": v for k, v in (await server_counts(pool.clients)).items()})
+        return counts
 
     async def end_window(self) -> tuple[float, dict[str, float], float]:
         """A step has trained: its window (seconds, the servers' counts over it, controller CPU) ends
         now, and the next step's starts. A step's row then covers that step's own training and what
         generation did meanwhile, the last step's too (its weights' load comes after)."""
-        (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.publisher.server_counts()
+        (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.server_counts()
         self.mark = (now, counts, time.process_time())
         return now - last, {key: value - before[key] for key, value in counts.items() if key in before}, \
             time.process_time() - cpu
@@ -492,6 +500,9 @@ class Controller:
             trainer_idle=1 - train_seconds / seconds,
             generator_idle=1 - servers["busy_seconds"] / seconds if "busy_seconds" in servers else None,
             generator_load=servers["load_seconds"] / seconds if "load_seconds" in servers else None,
+            # Each judge's servers' idle share of the step, as generator_idle (SGLang reports none).
+            **{f"judge_idle/{j}": 1 - servers[f"{j}/busy_seconds"] / seconds for j in self.judge_pools
+               if f"{j}/busy_seconds" in servers},
             **{f"gen/{key}": servers[key] for key in (*COMPUTE_COUNTS, "memory_releases") if key in servers},
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
@@ -563,9 +574,11 @@ class Controller:
 
     async def wait_for_processes(self) -> None:
         timeout = self.cfg.launcher.start_timeout
-        judges = [url for node in self.judge_pools for url in self.spec.judge_urls(node)]
-        await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout, self.spec.api_key)
-                               for url in [*self.spec.gen_urls, *judges]])
+        servers = {**dict(zip(self.spec.gen_names, self.spec.gen_urls)),
+                   **{name: url for node in self.judge_pools
+                      for name, url in zip(self.spec.judge_names(node), self.spec.judge_urls(node))}}
+        await asyncio.gather(*[asyncio.to_thread(wait_healthy, url, timeout, self.spec.api_key, name)
+                               for name, url in servers.items()])
         deadline = time.monotonic() + timeout
         replicas = {infer_name(node, i) for node, ports in self.spec.infer_ports.items() for i in range(len(ports))}
         while len(self.ranks) < self.spec.n_trainers or replicas - self.replicas:

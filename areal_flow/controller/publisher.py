@@ -18,6 +18,23 @@ SERVER_COUNTS = ("busy_seconds", "load_seconds", "memory_releases", *COMPUTE_COU
 """The running counts in the embedded engine's /server_info that the controller logs per step."""
 
 
+async def server_counts(clients: list[GenerationClient]) -> dict[str, float]:
+    """Per server, the mean so far of each running count that every server of `clients` reports:
+    the seconds spent generating (`busy_seconds`) and loading weights (`load_seconds`), and the
+    engine's compute counts (generation/compute_counts.py). SGLang reports none of them, and a
+    server that cannot be reached leaves them all out: the run goes on without the metrics while a
+    server is down."""
+    async def info(c: GenerationClient) -> dict:
+        try:
+            return await c.get_server_info()
+        except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError):
+            return {}
+
+    infos = await asyncio.gather(*[info(c) for c in clients])
+    return {key: sum(i[key] for i in infos) / len(infos) for key in SERVER_COUNTS
+            if all(isinstance(i.get(key), (int, float)) for i in infos)}
+
+
 class WeightPublisher:
     def __init__(self, urls: list[str], names: list[str], channel: WeightChannel, *, interrupt: bool = True,
                  pause_mode: str = "abort", config: RolloutConfig | None = None, api_key: str | None = None,
@@ -56,20 +73,8 @@ class WeightPublisher:
         await self.pool.resume_memory()
 
     async def server_counts(self) -> dict[str, float]:
-        """Per server, the mean so far of each running count that every server reports: the
-        seconds spent generating (`busy_seconds`) and loading weights (`load_seconds`), and the
-        engine's compute counts (generation/compute_counts.py). SGLang reports none of them, and a
-        server that cannot be reached leaves them all out: the run goes on without the metrics
-        while a server is down."""
-        async def info(c: GenerationClient) -> dict:
-            try:
-                return await c.get_server_info()
-            except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError):
-                return {}
-
-        infos = await asyncio.gather(*[info(c) for c in self.clients])
-        return {key: sum(i[key] for i in infos) / len(infos) for key in SERVER_COUNTS
-                if all(isinstance(i.get(key), (int, float)) for i in infos)}
+        """The policy's servers' counts (`server_counts`)."""
+        return await server_counts(self.clients)
 
     async def unresponsive(self, timeout: float = 5.0) -> list[str]:
         """Names of the servers that do not answer /health within `timeout` seconds."""

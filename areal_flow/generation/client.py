@@ -255,10 +255,10 @@ async def _close_when_the_loop_ends(session: aiohttp.ClientSession) -> None:
         await session.close()
 
 
-def wait_healthy(base_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
-    """Block until GET {base_url}/health answers 200; TimeoutError naming the URL otherwise.
-    `api_key`: sent as a bearer token (SGLang and the embedded server answer /health without one,
-    a proxy in front of them may not)."""
+def wait_healthy(base_url: str, timeout: float = 60.0, api_key: str | None = None, name: str | None = None) -> None:
+    """Block until GET {base_url}/health answers 200; TimeoutError naming the server (`name`, its
+    process) and the URL otherwise. `api_key`: sent as a bearer token (SGLang and the embedded
+    server answer /health without one, a proxy in front of them may not)."""
     request = urllib.request.Request(base_url.rstrip("/") + "/health", headers=auth_headers(api_key))
     deadline = time.monotonic() + timeout
     last_error = "no answer yet"
@@ -273,5 +273,6 @@ def wait_healthy(base_url: str, timeout: float = 60.0, api_key: str | None = Non
         except (OSError, ValueError) as exc:
             last_error = repr(exc)
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"generation server at {base_url} not healthy after {timeout:.0f} s ({last_error})")
+            raise TimeoutError(f"generation server {name + ' ' if name else ''}at {base_url} not healthy after "
+                               f"{timeout:.0f} s ({last_error})")
         time.sleep(0.1)  # a server still starting has no way to tell us when it is up

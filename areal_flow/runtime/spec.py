@@ -57,8 +57,13 @@ class RunSpec(msgspec.Struct, kw_only=True):
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
     @property
+    def gen_names(self) -> list[str]:
+        """The process names of the policy's generation servers."""
+        return [f"gen_server{i}" for i in range(len(self.gen_ports))]
+
+    @property
     def gen_urls(self) -> list[str]:
-        return [self._url(f"gen_server{i}", port) for i, port in enumerate(self.gen_ports)]
+        return [self._url(name, port) for name, port in zip(self.gen_names, self.gen_ports)]
 
     def judge_names(self, node: str) -> list[str]:
         """The process names of judge `node`'s generation servers."""

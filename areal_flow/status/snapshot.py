@@ -301,7 +301,7 @@ def server_urls(spec: RunSpec | None) -> dict[str, str]:
     """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls)."""
     if spec is None:
         return {}
-    urls = {f"gen_server{i}": url for i, url in enumerate(spec.gen_urls)}
+    urls = dict(zip(spec.gen_names, spec.gen_urls))
     for node in spec.judge_ports:
         urls |= dict(zip(spec.judge_names(node), spec.judge_urls(node)))
     return urls

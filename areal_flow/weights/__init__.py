@@ -38,7 +38,7 @@ def make_channel(cfg: RunConfig, spec: RunSpec) -> WeightChannel:
     # A real SGLang server joins a group with each of its TP ranks (rank_offset + tp_rank); the
     # embedded engine, whose tp_size is its torch threads, is one rank.
     ranks = cfg.generation.tp_size if cfg.generation.backend == "sglang" else 1
-    servers = [Server(f"gen_server{i}", url, ranks) for i, url in enumerate(spec.gen_urls)]
+    servers = [Server(name, url, ranks) for name, url in zip(spec.gen_names, spec.gen_urls)]
     common = dict(bucket_bytes=rollout.weight_bucket_mb << 20, timeout=rollout.request_timeout, api_key=spec.api_key)
     if mode == "distributed":
         from areal_flow.weights.broadcast import BACKENDS, BroadcastChannel
