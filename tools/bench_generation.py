@@ -25,8 +25,18 @@ stats over the run: decode_seconds / decode_steps) against the read floor: the b
 read, the weights (tied embeddings once) plus the KV cache at the step's mean context (decode_kv /
 decode_steps: the KV positions the rows attend over, as the engine counts them), over the memory
 bandwidth measured in the same run by a large device-to-device copy (bytes read + written / time);
-target ≤ 3× the floor. Best of --repeats (default 1) after a short warm-up at each batch size; on
-the CPU, torch's default threads.
+target ≤ 3× the floor. Best of --repeats (default 1) after a warm-up at each batch size (`generate`: a
+few tokens; the engine: the full --new-tokens, so that every CUDA graph bucket the run meets is
+captured before it, as a server captures each once in its life); on the CPU, torch's default threads.
+
+Each shape and batch also gets a line splitting the engine's decode step (its best run, pure decode
+steps only: generation/step_timing.py) into host and device work, in mean ms per step: "host" is the
+engine's own Python (scheduling, building the forward's inputs, answering rows), "forward call" and
+"sampling call" the host's time in those calls (a graph replay or kernel launches on a GPU; the math
+itself on the CPU), "readback" the wait for the sampled tokens (on a GPU: for the device to finish
+the step's work), "loop" the decode thread's time between two steps; on CUDA, "device forward" and
+"device sampling" are CUDA-event times of the same calls on the GPU. Then the CUDA graphs the run
+replayed (of its decode steps) and captured, with their seconds (none after the warm-up, if all is well).
 
     python tools/bench_generation.py --workload fixed --device cuda [--shapes 0.5b 1.5b] [--batches 64 256]
                                      [--prompt-tokens 128] [--new-tokens 512] [--repeats 1]
@@ -57,6 +67,7 @@ from transformers import AutoModelForCausalLM
 from _bench import machine
 from areal_flow.data.arith import prompt_text, sample_operands
 from areal_flow.generation.engine import GenerationEngine, kv_bytes_per_token
+from areal_flow.generation.step_timing import per_step_ms
 from areal_flow.models.bootstrap import ensure_base_model
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.devices import compute_dtype, local_device
@@ -141,6 +152,8 @@ class FixedRow:
     steps: int  # its decode steps in that run
     kv_positions: float  # KV positions a step reads, mean over the run (decode_kv / decode_steps)
     floor_ms: float  # (weight bytes + KV bytes at kv_positions) / bandwidth
+    split: dict[str, float]  # the engine's decode step in host and device parts (step_timing.per_step_ms)
+    graphs: dict[str, float]  # CUDA graph replays and captures in that run (empty: no graphs, off CUDA)
 
     @property
     def speedup(self) -> float:
@@ -151,12 +164,23 @@ class FixedRow:
         return self.step_ms / self.floor_ms
 
 
-def run_fixed_engine(engine: GenerationEngine, prompts, new_tokens: int) -> tuple[float, dict[str, float]]:
-    """Seconds for the engine to answer `prompts`, and the change of its stats meanwhile."""
-    before = engine.stats()
+GRAPH_COUNTS = ("replays", "captures", "capture_seconds")
+
+
+def graph_counts(engine: GenerationEngine) -> dict[str, float]:
+    runner = engine.cuda_graphs
+    return {} if runner is None else {key: getattr(runner, key) for key in GRAPH_COUNTS}
+
+
+def run_fixed_engine(engine: GenerationEngine, prompts, new_tokens: int
+                     ) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+    """Seconds for the engine to answer `prompts`, the change of its stats meanwhile, its decode
+    step's host/device split (step_timing.per_step_ms) and its CUDA graph counts over the run."""
+    before, timing, graphs = engine.stats(), engine.step_timing(), graph_counts(engine)
     seconds = run_engine(engine, prompts, [new_tokens] * len(prompts))
-    after = engine.stats()
-    return seconds, {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds", "decode_kv")}
+    after, graphs_after = engine.stats(), graph_counts(engine)
+    return (seconds, {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds", "decode_kv")},
+            per_step_ms(timing, engine.step_timing()), {k: graphs_after[k] - graphs[k] for k in graphs})
 
 
 def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> None:
@@ -180,14 +204,15 @@ def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> N
             config = model.config
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
             kv_token_bytes = kv_bytes_per_token(config, dtype)
-            engine = GenerationEngine(path, max_batch_size=max(args.batches), device=str(device), dtype=dtype)
+            engine = GenerationEngine(path, max_batch_size=max(args.batches), device=str(device), dtype=dtype,
+                                      time_steps=True)
             try:
                 for batch in args.batches:
                     prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt_tokens)]
                                for _ in range(batch)]
                     progress.update(task, description=f"{shape}, batch {batch}: warm-up")
                     run_static(model, prompts, [warm] * batch, batch, pad_id=0)
-                    run_fixed_engine(engine, prompts, warm)
+                    run_fixed_engine(engine, prompts, args.new_tokens)  # every graph bucket of the run
                     gen_runs, engine_runs = [], []
                     # Alternated, best of --repeats each: the machine's other load hits both sides alike.
                     for r in range(args.repeats):
@@ -195,14 +220,15 @@ def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> N
                         gen_runs.append(run_static(model, prompts, [args.new_tokens] * batch, batch, pad_id=0))
                         engine_runs.append(run_fixed_engine(engine, prompts, args.new_tokens))
                         progress.advance(task)
-                    engine_s, counts = min(engine_runs, key=lambda run: run[0])
+                    engine_s, counts, split, graphs = min(engine_runs, key=lambda run: run[0])
                     steps = int(counts["decode_steps"])
                     kv_positions = counts["decode_kv"] / steps
                     rows.append(FixedRow(shape, batch, min(gen_runs), engine_s, batch * args.new_tokens,
                                          1e3 * counts["decode_seconds"] / steps, steps, kv_positions,
-                                         1e3 * (weight_bytes + kv_positions * kv_token_bytes) / bandwidth))
+                                         1e3 * (weight_bytes + kv_positions * kv_token_bytes) / bandwidth,
+                                         split, graphs))
                     console.print(f"{shape}, batch {batch}: generate " + " ".join(f"{s:.2f}" for s in gen_runs)
-                                  + " s; engine " + " ".join(f"{s:.2f}" for s, _ in engine_runs) + " s")
+                                  + " s; engine " + " ".join(f"{run[0]:.2f}" for run in engine_runs) + " s")
             finally:
                 engine.shutdown()
             del model, engine
@@ -232,8 +258,24 @@ def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> N
         console.print(f"{r.shape}, batch {r.batch}: engine vs generate: {r.speedup:.2f}×{target}; engine decode "
                       f"step vs read floor: {r.step_ms:.3f} / {r.floor_ms:.3f} ms = {r.over_floor:.2f}× "
                       f"(target ≤ 3×; {r.steps} decode steps)")
+    for r in rows:
+        console.print(split_line(r))
     if not any((r.shape, r.batch) == ("0.5b", 256) for r in rows):
         console.print("(the tokens/s target, engine ≥ 10× generate, is for batch 256 on the 0.5b shape: not run here)")
+
+
+def split_line(r: FixedRow) -> str:
+    """The engine's decode step split into host and device parts, and its CUDA graphs."""
+    s = r.split
+    line = (f"{r.shape}, batch {r.batch}: engine step split, mean ms over {s['steps']:.0f} pure decode steps: "
+            f"host {s['host']:.3f} + forward call {s['forward']:.3f} + sampling call {s['sample']:.3f} + readback "
+            f"{s['readback']:.3f} = {s['wall']:.3f}; loop between steps {s['loop']:.3f}")
+    if s["device_forward"] == s["device_forward"]:  # not NaN: CUDA events were read
+        line += f"; device forward {s['device_forward']:.3f}, device sampling {s['device_sample']:.3f}"
+    if r.graphs:
+        line += (f"; CUDA graphs: {r.graphs['replays']:.0f} replays of {r.steps} decode steps, "
+                 f"{r.graphs['captures']:.0f} captured in the run ({r.graphs['capture_seconds']:.2f} s)")
+    return line
 
 
 def longtail(args, console: Console, device: str, dtype: torch.dtype) -> None:

@@ -17,6 +17,7 @@ the CPU tests check the padding with it.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,10 @@ class GraphRunner:
         self._memory = None  # the graphs' shared memory pool
         self.bucketed = 0  # decode steps padded to a bucket (replayed, or eager without capture)
         self.replays = 0
+        # Graphs captured, and the seconds their steps took (the eager run, the warm-up and the
+        # capture): a benchmark that meets new buckets mid-run pays these in its decode steps.
+        self.captures = 0
+        self.capture_seconds = 0.0
 
     def eligible(self, step: Forward) -> bool:
         return not step.chunks and step.spans is None and 0 < step.decode <= self.row_buckets[-1]
@@ -86,10 +91,14 @@ class GraphRunner:
         static.decode_lengths.fill_(1)  # a padded row attends to slot 0 alone: a finite softmax, never NaN
         static.decode_lengths[:rows] = step.decode_lengths
         if static.graph is None:
+            started = time.perf_counter()
             logits = self.model.forward(self._step(static), pool)
             if self.capture:
                 static.graph, static.logits = self._capture(static, pool)
                 logits = static.logits
+                self.captures += 1
+                torch.cuda.synchronize(pool.device)  # the capture's own time, not the steps' after it
+                self.capture_seconds += time.perf_counter() - started
         else:
             static.graph.replay()
             self.replays += 1

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -72,6 +73,7 @@ from areal_flow.generation.sampling import (  # noqa: F401
     scaled_logprobs,
     top_logprobs,
 )
+from areal_flow.generation.step_timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ class GenerationEngine:
         tokenizer: Any = None, max_total_tokens: int | None = None, weight_label: str = "default",
         fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
         mem_fraction: float | None = None, batch_invariant: bool = False, page_size: int = 16,
-        chunked_prefill_size: int | None = None, cuda_graphs: bool = True,
+        chunked_prefill_size: int | None = None, cuda_graphs: bool = True, time_steps: bool = False,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
@@ -215,7 +217,10 @@ class GenerationEngine:
         (generation/paged.py). `chunked_prefill_size`: prompt tokens prefilled per forward, beside
         the decoding rows' tokens (SGLang's --chunked-prefill-size); None or -1: whole prompts.
         `cuda_graphs` (on CUDA, not batch-invariant): decode steps replay captured graphs
-        (generation/cuda_graphs.py); False runs them eagerly (SGLang's --disable-cuda-graph)."""
+        (generation/cuda_graphs.py); False runs them eagerly (SGLang's --disable-cuda-graph).
+        `time_steps` (the paged cache): split each decode step's time into the engine's host work
+        and the device's (generation/step_timing.py; `step_timing()` reads it): for benchmarks,
+        off by default."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -276,6 +281,7 @@ class GenerationEngine:
         self._decode: Callable[[list[int]], str] | None = None if tokenizer is None else functools.partial(
             tokenizer.decode, skip_special_tokens=False)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._timer = StepTimer(self.device) if time_steps and self._pool is not None else None
         self._version = version_for_label(weight_label, -1)
         self._label = weight_label
         self._cond = threading.Condition()
@@ -439,6 +445,11 @@ class GenerationEngine:
         if wait:
             command.done.result()
 
+    def step_timing(self) -> dict[str, float] | None:
+        """With `time_steps`: the running sums of the decode steps' host and device time
+        (`StepTimer.totals`; `step_timing.per_step_ms` turns two into means); None without."""
+        return None if self._timer is None else self._timer.totals()
+
     def stats(self) -> dict[str, float]:
         with self._cond:  # the decode thread adds a wait to `waited` under this lock when it ends
             waiting, updates = len(self._waiting), len(self._updates)
@@ -553,6 +564,8 @@ class GenerationEngine:
                     self._idle_from = time.perf_counter()  # stats() counts a wait in progress too
                     while not (self._stopping or (self._waiting and not self._paused) or self._updates
                                or self._aborts or (batch and not self._paused)):
+                        if self._timer is not None:
+                            self._timer.idle()  # the next step does not follow the last at once
                         self._cond.wait()
                     self._counts.waited += time.perf_counter() - self._idle_from
                     self._idle_from = None
@@ -625,6 +638,8 @@ class GenerationEngine:
 
     def _admit(self, batch: Batch | None) -> list[Row]:
         """Take the requests that join the running batch off the queue, in order (caller holds the lock)."""
+        if not self._waiting:
+            return []  # every decode step asks: spare it the pass over the running rows
         live = batch.live_rows() if batch is not None else []
         room = self.max_batch_size - len(live)
         if self._pool is None:
@@ -781,8 +796,11 @@ class GenerationEngine:
         """Sample a token for every ready row, then one forward: their new tokens and the next
         chunk of the rows being prefilled (generation/paged_batch.py). Counts the step's time as
         decode and prefill, split by tokens."""
+        if self._timer is not None:
+            self._timer.begin(started)
         if batch is None:
-            batch = PagedBatch(self._pool, self._decode_step, self.chunked_prefill_size, self.cuda_graphs)
+            batch = PagedBatch(self._pool, self._decode_step, self.chunked_prefill_size, self.cuda_graphs,
+                               timer=self._timer)
         self._pool.ensure()
         batch.add(admitted)
         batch.drop_finished()
@@ -814,6 +832,8 @@ class GenerationEngine:
             self._counts.decoded(sampled, kv, seconds * (1 - share))
         if prefill_tokens:
             self._counts.prefilled(prefill_tokens, prefill_tokens, seconds * share)
+        if self._timer is not None:
+            self._timer.end(decode_only=bool(sampled) and not prefill_tokens)
         return batch if batch.rows else None
 
     @staticmethod
@@ -844,13 +864,21 @@ class GenerationEngine:
         set aside the rows that finish. Returns how many rows are still live, and the tokens."""
         positions = None if sampling.seeded is None else torch.tensor(
             [row.next_position for row in rows], dtype=torch.int64).to(logits.device)
+        timer = self._timer
+        if timer is not None:
+            timer.sample_launching()
         tokens, logprobs = sample(logits, sampling, positions, self._generator)
+        if timer is not None:
+            timer.sample_launched()
         self._top_logprobs(rows, logits, sampling.temperature)
-        alive, logprobs = 0, logprobs.tolist()  # the step's one wait for the device
-        if any(math.isnan(lp) for lp in logprobs):
-            bad = next(row.request.rid for row, lp in zip(rows, logprobs) if math.isnan(lp))
+        token_list, logprobs = _read_back(tokens, logprobs)  # the step's one wait for the device
+        if timer is not None:
+            timer.mark("readback")
+        if np.isnan(logprobs).any():
+            bad = rows[int(np.flatnonzero(np.isnan(logprobs))[0])].request.rid
             raise FloatingPointError(f"the model's logits for request {bad} hold NaN (broken weights?)")
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs):
+        alive = 0
+        for row, token, logprob in zip(rows, token_list, logprobs.tolist()):
             if row.finish is not None:
                 continue  # dead row: decodes along, unused, until the next compaction
             row.append(token, logprob, row.logits_version)
@@ -935,6 +963,17 @@ class GenerationEngine:
                 self._inflight.discard(row.request.rid)
         for row in unanswered:
             row.future.set_exception(exc)
+
+
+def _read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], np.ndarray]:
+    """The sampled tokens [B] int64 as a list and their logprobs [B] as a numpy array, in one copy
+    from the device (one wait and one transfer, not one each): the float32 logprobs travel as
+    their bits, sign-extended into the int64 buffer, and come back bit for bit."""
+    rows = tokens.shape[0]
+    if logprobs.dtype != torch.float32:  # not what sample() makes; read them apart
+        return tokens.tolist(), logprobs.cpu().numpy()
+    both = torch.cat([tokens, logprobs.view(torch.int32).to(torch.int64)]).cpu().numpy()
+    return both[:rows].tolist(), both[rows:].astype(np.int32).view(np.float32)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

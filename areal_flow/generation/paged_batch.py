@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import Chunk, DecodeStep, Forward
 from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool, block_table
+from areal_flow.generation.paged import BlockPool
 from areal_flow.generation.sampling import RowSampling
+from areal_flow.generation.step_timing import StepTimer
 
 
 @dataclass
@@ -45,7 +47,14 @@ class PagedBatch:
     pending: list[Row] = field(default_factory=list)
     followers: dict[int, list[Row]] = field(default_factory=dict)  # id(leader) -> rows waiting for it
     sampling: RowSampling | None = None  # the ready rows' settings, kept while they stay the same rows
+    timer: StepTimer | None = None  # times the model's forward call (engine.py: time_steps)
     _prompt_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # The block tables of ready[:len(_table)] on the host, padded with the null block 0 and with
+    # spare columns: kept across steps (a decode step writes only the rows that took a block) so
+    # that building the step's table costs no Python loop over every row's every block. Follows
+    # `ready`: rows dropped or retracted are dropped from it, rows appended are built on the next
+    # forward; None: built anew.
+    _table: np.ndarray | None = None
 
     @property
     def rows(self) -> list[Row]:
@@ -77,6 +86,8 @@ class PagedBatch:
                 if row.finish is not None:
                     self._free(row)
             self.ready = [self.ready[i] for i in keep]
+            if self._table is not None:  # keep is ascending: the kept rows it holds stay first
+                self._table = self._table[[i for i in keep if i < len(self._table)]]
             index = torch.tensor(keep, dtype=torch.int64).to(self.logits.device)
             self.logits = self.logits[index] if keep else None
             self.sampling = self.sampling.select(index) if keep and self.sampling is not None else None
@@ -103,7 +114,7 @@ class PagedBatch:
         rows = [row for row in self.rows if row.finish is None]
         for row in self.rows:
             self._free(row)
-        self.ready, self.pending, self.logits, self.sampling = [], [], None, None
+        self.ready, self.pending, self.logits, self.sampling, self._table = [], [], None, None, None
         self.followers.clear()
         self._prompt_logits.clear()
         return rows
@@ -147,6 +158,8 @@ class PagedBatch:
             elif len(self.ready) > 1:
                 victim = self.ready.pop()
                 self.logits, self.sampling = self.logits[:-1], None
+                if self._table is not None:
+                    self._table = self._table[: len(self.ready)]
             else:
                 raise RuntimeError("the KV pool cannot hold a single request: it is smaller than its budget says")
             retracted.insert(0, victim)
@@ -160,22 +173,23 @@ class PagedBatch:
         token counts, and the rows whose prefill completed."""
         chunks, _ = self._plan()
         pool, size, device = self.pool, self.pool.block_size, self.pool.device
-        for row in self.ready:
-            if len(row.blocks) * size <= row.computed:  # its newest token starts a block
+        ready, decode = self.ready, len(self.ready)
+        # The decode rows' inputs, on the host in numpy (one pass over the rows, none over their
+        # blocks): each feeds its newest token (the last output: a ready row has sampled one) at
+        # position `computed`, its context's length.
+        grown = []  # the ready rows that take a block: their newest token starts one
+        for i, row in enumerate(ready):
+            if len(row.blocks) * size <= row.computed:
                 row.blocks += pool.allocate(1)
+                grown.append(i)
         for row, n in chunks:
             row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
-        # The decode rows' inputs as tensors: each feeds its newest token (the last output: a
-        # ready row has sampled one) at position `computed`, its context's length.
-        decode = len(self.ready)
-        contexts = [row.computed + 1 for row in self.ready]
-        width = max(contexts, default=0)
-        table = block_table([row.blocks for row in self.ready], device)
-        lengths = torch.tensor(contexts, dtype=torch.int64).to(device)
+        lengths = np.fromiter((row.computed + 1 for row in ready), np.int64, decode)
+        feed = np.fromiter((row.output_ids[-1] for row in ready), np.int64, decode)
+        width = int(lengths.max()) if decode else 0
+        table = self._decode_table(grown, pool.blocks_for(width))
         position = lengths - 1
-        feed = [torch.tensor([row.output_ids[-1] for row in self.ready], dtype=torch.int64).to(device)]
-        at = [position]
-        into = [table.gather(1, (position // size)[:, None])[:, 0] * size + position % size]
+        into = table[np.arange(decode), position // size] * size + position % size
         tokens, positions, write = [], [], []  # the prefill chunks'
         logits_at, wanted, chunk_list = list(range(decode)), [], []
         for row, n in chunks:
@@ -195,15 +209,28 @@ class PagedBatch:
             if first + n == total and total - 1 not in scored:
                 wanted.append((row, len(logits_at), 0))
                 logits_at.append(start + n - 1)
-        if tokens:
-            for parts, values in ((feed, tokens), (at, positions), (into, write)):
-                parts.append(torch.tensor(values, dtype=torch.int64).to(device))
+        # Every integer input in one buffer, copied to the device at once (one transfer, from
+        # pinned memory without waiting for the device, instead of one blocking copy each).
+        parts = [feed, np.asarray(tokens, dtype=np.int64), position, np.asarray(positions, dtype=np.int64),
+                 into, np.asarray(write, dtype=np.int64), lengths, table.reshape(-1),
+                 np.asarray(logits_at, dtype=np.int64)]
+        n_tokens = decode + len(tokens)
+        sizes = [n_tokens, n_tokens, n_tokens, decode, table.size, len(logits_at)]
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+        np.concatenate(parts, out=host.numpy())
+        (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = \
+            host.to(device, non_blocking=True).split(sizes)
         step = Forward(
-            tokens=torch.cat(feed), positions=torch.cat(at), write=torch.cat(into),
-            decode=decode, decode_table=table, decode_lengths=lengths, decode_width=width, block_size=size,
-            spans=_spans(contexts) if self.model.batch_invariant else None, chunks=chunk_list,
-            logits_at=torch.tensor(logits_at, dtype=torch.int64).to(device))
+            tokens=step_tokens, positions=step_positions, write=step_write,
+            decode=decode, decode_table=step_table.view(table.shape), decode_lengths=step_lengths,
+            decode_width=width, block_size=size,
+            spans=_spans(lengths.tolist()) if self.model.batch_invariant else None, chunks=chunk_list,
+            logits_at=step_logits_at)
+        if self.timer is not None:
+            self.timer.forward_launching()
         logits = (self.runner or self.model).forward(step, pool)
+        if self.timer is not None:
+            self.timer.forward_launched()
         for row in self.ready:
             row.computed += 1
         for row, n in chunks:
@@ -214,6 +241,29 @@ class PagedBatch:
         completed = self._complete(logits[:decode], {id(row): logits[at + max(count - 1, 0)] for row, at, count in wanted},
                                    [row for row, _ in chunks if row.computed == len(row.sequence)])
         return decode, len(tokens), completed
+
+    def _decode_table(self, grown: list[int], columns: int) -> np.ndarray:
+        """The ready rows' block tables [len(ready), columns] (padded with block 0), the rows
+        `grown` having just taken one block each: from the table kept since the last step, only
+        those rows written (and the rows appended since, built)."""
+        kept = self._table
+        built = 0 if kept is None else len(kept)
+        if kept is None or kept.shape[1] < columns:  # room for the longest, with spare columns
+            wider = np.zeros((built, max(2 * columns, 16)), dtype=np.int64)
+            if built:
+                wider[:, : kept.shape[1]] = kept
+            kept = wider
+        for i in grown:
+            if i < built:
+                blocks = self.ready[i].blocks
+                kept[i, len(blocks) - 1] = blocks[-1]
+        if built < len(self.ready):
+            added = np.zeros((len(self.ready) - built, kept.shape[1]), dtype=np.int64)
+            for i, row in enumerate(self.ready[built:]):
+                added[i, : len(row.blocks)] = row.blocks
+            kept = np.concatenate([kept, added])
+        self._table = kept
+        return kept[:, :columns]
 
     def _complete(self, decoded: torch.Tensor, last: dict[int, torch.Tensor], done: list[Row]) -> list[Prefilled]:
         """Ready rows' new logits, and the completed leaders and their forks joining them."""
