@@ -1,6 +1,7 @@
-"""recipes/tiny_arith_ppo.yaml with the critic on a mesh of its own, end to end: one process on core
-2 computes every group's values and trains the critic on each step's batch, while the trainer rank
-trains the actor; the checkpoint holds the critic, and a resumed run goes on from it."""
+"""recipes/tiny_arith_ppo.yaml with the critic on a mesh of its own, end to end: two processes on
+cores 2 and 3 compute the values of the groups routed to each and train the critic together (data
+parallel) on each step's batch, while the trainer rank trains the actor; the checkpoint holds the
+critic, and a resumed run goes on from it."""
 
 import json
 import re
@@ -10,8 +11,9 @@ from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
-APART = ("recipe=tiny_arith_ppo", *ANSWERS_SOME, "cluster.n_devices=3", "graph.critic_values.mesh=2",
-         "graph.critic_train.mesh=2", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false")
+APART = ("recipe=tiny_arith_ppo", *ANSWERS_SOME, "cluster.n_devices=4", "graph.critic_values.mesh=2-3",
+         "graph.critic_train.mesh=2-3", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false")
+CRITICS = ("critic_values_infer0", "critic_values_infer1")
 
 
 def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path, run_cache):
@@ -19,16 +21,21 @@ def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path,
     r = launch(run_dir, run_cache, *APART, "total_steps=3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_accounting(run_dir, eta=1, group_size=8)
-    # The trainer rank ran the actor's node only; the critic's process valued every trained group once ...
+    # The trainer rank ran the actor's node only; each of the critic's processes valued the trained
+    # groups routed to it (group id mod 2), once ...
     trained = jsonl(run_dir / "trained-rank0.jsonl")
     assert [row["nodes"] for row in trained] == [["actor_train"]] * 3
-    log = (run_dir / "logs" / "critic_values_infer0.log").read_text()
-    valued = [int(g) for groups in re.findall(r"values of groups \[([\d, ]*)\]", log) for g in groups.split(", ") if g]
     groups = {int(uid.split("-")[0][1:]) for row in trained for uid in row["uids"]}
-    assert groups <= set(valued) and len(valued) == len(set(valued)), (groups, valued)
-    # ... and trained the critic once a step, on every trained sample.
-    assert re.findall(r"trained the critic on step (\d+) \((\d+) sequences", log) == [("1", "24"), ("2", "24"),
-                                                                                        ("3", "24")]
+    logs = [(run_dir / "logs" / f"{name}.log").read_text() for name in CRITICS]
+    for replica, log in enumerate(logs):
+        valued = [int(g) for groups in re.findall(r"values of groups \[([\d, ]*)\]", log) for g in groups.split(", ")
+                  if g]
+        assert {g for g in groups if g % 2 == replica} <= set(valued) and all(g % 2 == replica for g in valued)
+        assert len(valued) == len(set(valued)), valued
+    # ... and both trained the critic once a step, together on every trained sample (3 groups of 8).
+    per_step = [re.findall(r"trained the critic on step (\d+) \((\d+) sequences", log) for log in logs]
+    assert [s for s, _ in per_step[0]] == [s for s, _ in per_step[1]] == ["1", "2", "3"]
+    assert [int(a) + int(b) for (_, a), (_, b) in zip(*per_step)] == [24, 24, 24]
     steps = steps_of(run_dir)
     assert steps[0]["train/critic/value_sum"] == 0.0 and steps[-1]["train/critic/value_sum"] != 0.0
     assert all(m["train/critic/n_valid_tokens"] == m["train/n_valid_tokens"] > 0 for m in steps)
@@ -39,7 +46,8 @@ def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path,
 
     r = launch(run_dir, run_cache, *APART, "total_steps=4", "resume=auto")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    log = (run_dir / "logs" / "critic_values_infer0.log").read_text()
-    assert "the critic resumed from " in log and "step-00000003 at version 3" in log
-    assert "trained the critic on step 4 " in log
+    for name in CRITICS:
+        log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert "the critic resumed from " in log and "step-00000003 at version 3" in log
+        assert "trained the critic on step 4 " in log
     check_accounting(run_dir, eta=1, group_size=8)

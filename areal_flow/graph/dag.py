@@ -568,12 +568,6 @@ def _check_meshes(nodes: dict[str, Node], problems: list[str]) -> None:
     train = _actor_train(nodes)
     if train is None or train.mesh is None:
         return
-    critic = next((n for n in nodes.values() if n.type == "train" and n.role == "critic" and n.name in own), None)
-    if critic is not None and len(critic.mesh) != 1:
-        problems.append(f"node '{critic.name}': mesh {format_mesh(critic.mesh)} (graph.{critic.name}.mesh) has "
-                        f"{len(critic.mesh)} devices: a critic on a mesh of its own trains in one process, on one "
-                        "device, in this version (data-parallel critic processes would need a process group of "
-                        "their own)")
     for n in placed:
         if not n.streaming and n.name not in own and n.mesh != train.mesh:
             problems.append(

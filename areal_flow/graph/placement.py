@@ -44,6 +44,9 @@ def replica_of(group_id: int, replicas: int) -> int:
 @dataclass
 class Placement:
     procs: list[Proc] = field(default_factory=list)
+    # Graph nodes on a mesh of their own whose replicas form a process group (a critic trained on
+    # several devices): each gets a torch.distributed rendezvous port beside the trainers' "dist".
+    rendezvous: list[str] = field(default_factory=list)
 
     def of_role(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
@@ -82,10 +85,13 @@ def place(graph: Graph, rollout_workers: int, gen_tp_size: int = 1, per_node: in
     procs += [Proc("reward0", "reward", (), 0)] if graph.rewards else []
     for rank, dev in enumerate(graph.trainer_mesh):
         procs.append(_on_node(f"trainer{rank}", "trainer", (dev,), rank, per_node))
-    for node in graph.own_mesh_nodes:  # independent replicas: one device each, no process group
+    for node in graph.own_mesh_nodes:  # one device each; a frozen role's are independent replicas
         for replica, dev in enumerate(node.mesh or ()):
             procs.append(_on_node(infer_name(node.name, replica), "inference", (dev,), replica, per_node, node.name))
     for node in graph.judges:  # frozen models: one server per device, never sent weights
         for i, dev in enumerate(node.mesh or ()):
             procs.append(_on_node(judge_server_name(node.name, i), "judge_server", (dev,), i, per_node, node.name))
-    return Placement(procs)
+    apart = graph.critic_apart
+    rendezvous = [n.name for n in graph.own_mesh_nodes
+                  if apart is not None and n.role == apart.role and len(n.mesh or ()) > 1]
+    return Placement(procs, rendezvous)

@@ -44,9 +44,10 @@ class Step:
 
 def port_names(placement: Placement) -> list[str]:
     """The processes that listen, in the order the spec lists their ports, then the trainers'
-    torch.distributed rendezvous ("dist"), which torchrun hosts on the first trainer node."""
+    torch.distributed rendezvous ("dist"), which torchrun hosts on the first trainer node, then a
+    critic's processes' on several devices ("<node>_dist", on its first process's node)."""
     listeners = [p.name for r in LISTENERS for p in placement.of_role(r)]
-    return [*listeners, "controller", "dist"]
+    return [*listeners, "controller", "dist", *(f"{n}_dist" for n in placement.rendezvous)]
 
 
 def fixed_ports(placement: Placement, base_port: int) -> dict[str, int]:

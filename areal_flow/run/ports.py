@@ -5,7 +5,7 @@ that listens, the hosts of processes placed on other nodes, and the run's secret
 from __future__ import annotations
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.placement import LISTENERS, Placement
+from areal_flow.graph.placement import LISTENERS, Placement, infer_name
 from areal_flow.launchers.commands import server_host
 from areal_flow.run.prepare import Prepared
 from areal_flow.runtime.security import LOOPBACK, Security, host_address, is_loopback, security_needed
@@ -20,6 +20,7 @@ def spec_with_ports(placement: Placement, ports: dict[str, int], **fields) -> Ru
                    trainer_ports=[ports[n] for n in names["trainer"]], infer_ports=_by_node(placement, "inference", ports),
                    judge_ports=_by_node(placement, "judge_server", ports),
                    controller_port=ports["controller"], dist_port=ports["dist"], n_trainers=len(names["trainer"]),
+                   infer_dist_ports={n: ports[f"{n}_dist"] for n in placement.rendezvous},
                    n_rollout=len(names["rollout"]), **fields)
 
 
@@ -42,9 +43,11 @@ def watched_spec(cfg: RunConfig, placement: Placement, launcher, prepared: Prepa
     # every address, since servers bind the host's address, loopback (torch.distributed) and maybe a
     # wildcard (generation.host).
     listeners = [p.name for r in LISTENERS for p in placement.of_role(r)]
-    names = [*listeners, "controller", "trainer0"]
+    # A critic's processes on several devices: their rendezvous on the first one's node.
+    names = [*listeners, "controller", "trainer0", *(infer_name(n, 0) for n in placement.rendezvous)]
     reserved = launcher.reserve(names, wildcard=security is not None)
-    ports = dict(zip([*listeners, "controller", "dist"], (port for _, port in reserved)))
+    ports = dict(zip([*listeners, "controller", "dist", *(f"{n}_dist" for n in placement.rendezvous)],
+                     (port for _, port in reserved)))
     # Processes a launcher put on other nodes (Ray) listen on, and are reached at, their node's address.
     hosts = {name: addr for name, (addr, _) in zip(names, reserved) if not is_loopback(addr)}
     return spec_with_ports(placement, ports, run_dir=prepared.run_dir, model_path=prepared.model_path,

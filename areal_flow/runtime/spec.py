@@ -30,6 +30,7 @@ class RunSpec(msgspec.Struct, kw_only=True):
     trainer_ports: list[int]  # each trainer rank's PULL inbox for scored groups
     # Each inference node on a mesh of its own -> its replicas' PULL inboxes for InferRequests.
     infer_ports: dict[str, list[int]] = {}
+    infer_dist_ports: dict[str, int] = {}  # a critic's node on several devices -> its processes' torch.distributed rendezvous
     judge_ports: dict[str, list[int]] = {}  # each judge -> its generation servers' HTTP ports
     judge_models: dict[str, str] = {}  # each judge -> its model dir (absolute), never updated
     dist_port: int  # torch.distributed rendezvous of the trainer ranks

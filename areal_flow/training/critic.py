@@ -10,6 +10,12 @@ waits for it before reporting its step done. The actor trains on the trainer ran
 checkpoint's critic part is written here when trainer rank 0 forwards the SaveCheckpoint, and a
 resumed run's critic is loaded here.
 
+On several devices its processes train data parallel (FSDP2 over their own process group) and
+answer value requests independently, each for the groups routed to it. A forward through sharded
+weights is a collective, which independent requests cannot make together, so each process also
+holds a whole copy of the critic for its values, refreshed from the trained one after each update
+(when every process is there) at the price of the critic's weights once more on each device.
+
 What differs from a critic on the trainer ranks: values come from the critic of when the group was
 scored (up to the staleness bound's versions older than the step's), not of the step itself.
 """
@@ -19,6 +25,8 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
+
+import torch
 
 from areal_flow.algorithms import library
 from areal_flow.config.schema import RunConfig
@@ -32,15 +40,31 @@ log = logging.getLogger("areal_flow.critic")
 
 
 class CriticTrainer:
-    """Collects each step's CriticBatch from every trainer rank and trains on them together."""
+    """Collects each step's CriticBatch from every trainer rank and trains on them together.
+    `values`: the engine that answers value requests; `engine` itself, or (on several devices) a
+    whole copy of it, which `refresh` brings up to date."""
 
-    def __init__(self, cfg: RunConfig, spec: RunSpec, engine: Engine, node: Node, name: str):
+    def __init__(self, cfg: RunConfig, spec: RunSpec, engine: Engine, node: Node, name: str,
+                 values: Engine | None = None):
         self.cfg, self.engine, self.node, self.name = cfg, engine, node, name
+        self.values = values if values is not None else engine
         self.n_trainers = spec.n_trainers
         self.pending: dict[int, dict[int, CriticBatch]] = {}  # step -> rank -> its share
         if spec.resume:
             engine.load_resumable(os.path.join(spec.resume, CRITIC_DIR))
             log.info("%s: the critic resumed from %s at version %d", name, spec.resume, engine.version)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The value copy takes the trained weights: collective over the critic's processes."""
+        if self.values is self.engine:
+            return
+        target = self.values.model
+        with torch.no_grad():
+            for bucket in self.engine.export_weights():
+                for name, tensor in bucket:
+                    target.get_parameter(name).copy_(tensor)
+        self.values.version = self.engine.version
 
     def batch(self, msg: CriticBatch) -> CriticTrained | None:
         """A rank's share arrived: the step's CriticTrained once every rank's is in, else None."""
@@ -65,6 +89,7 @@ class CriticTrainer:
             stats = train_update(engine, group_ids, seqs, data,
                                  partial(library.critic_objective, algo=self.cfg.algorithm), self.cfg.algorithm)
         engine.version = step + 1
+        self.refresh()
         log.info("%s: trained the critic on step %d (%d sequences of %d groups from %d ranks), now version %d",
                  self.name, step + 1, len(seqs), len(set(group_ids)), len(shares), engine.version)
         return CriticTrained(step, engine.version, stats, self.name)

@@ -19,11 +19,14 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import zmq
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name
+from areal_flow.runtime.devices import TRAINER_BACKENDS
+from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.critic import CriticTrainer
 from areal_flow.training.engine import budget_named
@@ -64,9 +67,19 @@ class InferenceWorker:
         self.node = node_of(self.graph, name, replica)
         apart = self.graph.critic_apart
         trains = apart is not None and apart.role == self.node.role
+        # A critic on several devices trains data parallel over its processes (FSDP2, as the trainer
+        # ranks do); a frozen role's replicas are independent.
+        group = None
+        if trains and len(self.node.mesh) > 1:
+            dist.init_process_group(TRAINER_BACKENDS[cfg.cluster.device_type], init_method=(
+                f"tcp://{spec.hosts.get(infer_name(self.node.name, 0), LOOPBACK)}:{spec.infer_dist_ports[self.node.name]}"),
+                rank=replica, world_size=len(self.node.mesh))
+            group = dist.group.WORLD
         self.engine = torch_engine(cfg, spec, self.node.role, optim=optim_spec(cfg, apart.role) if trains else None,
-                                   process_group=None)
-        self.critic = CriticTrainer(cfg, spec, self.engine, apart, name) if trains else None
+                                   process_group=group)
+        # Sharded weights cannot answer a request alone: values from a whole copy (training/critic.py).
+        values = torch_engine(cfg, spec, self.node.role, optim=None, process_group=None) if group is not None else None
+        self.critic = CriticTrainer(cfg, spec, self.engine, apart, name, values) if trains else None
         ctx = zmq.Context()
         self.inbox = make_socket(ctx, zmq.PULL, bind=spec.endpoint(name, spec.infer_ports[self.node.name][replica]),
                                  security=spec.security)
@@ -112,7 +125,8 @@ class InferenceWorker:
         t0 = time.perf_counter()
         node = self.node
         with budget_named(f"graph.{node.name}.micro_batch_tokens", node.micro_batch_tokens, self.engine.device):
-            outputs = node_outputs(self.engine, self.graph, node, [a for r in requests for a in r.inputs])
+            engine = self.critic.values if self.critic is not None else self.engine
+            outputs = node_outputs(engine, self.graph, node, [a for r in requests for a in r.inputs])
         seconds = time.perf_counter() - t0
         results = answers(requests, outputs, node.outputs[0], self.name, seconds)
         log.info("%s: %s of groups %s for ranks %s (%d sequences, %d answer tokens) in %.3f s", self.name,

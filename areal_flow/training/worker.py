@@ -105,12 +105,12 @@ class ModelWorker:
         self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
-        # A critic on a mesh of its own: its process's inbox (the one its values are asked on), and
-        # what it has answered: the steps it trained, the checkpoints it wrote.
+        # A critic on a mesh of its own: its processes' inboxes (those its values are asked on), and
+        # what they have answered: the steps each trained, the checkpoints each wrote.
         apart = self.graph.critic_apart
-        self.critic = self.replicas[self.critic_values.name][0] if apart is not None else None
-        self.critic_trained: dict[int, CriticTrained] = {}
-        self.critic_saved: set[str] = set()
+        self.critic = self.replicas[self.critic_values.name] if apart is not None else []
+        self.critic_trained: dict[int, dict[str, CriticTrained]] = {}  # step -> process -> its answer
+        self.critic_saved: set[tuple[str, str]] = set()  # (checkpoint, process)
         trained = self.engines[self.graph.train.role]
         if spec.resume:
             self.resume(spec.resume)
@@ -139,9 +139,9 @@ class ModelWorker:
         with self.phases("transport"):  # counted in the next step's profile, wherever it arrives
             msg = recv_blocking(self.inbox, f"{self.name} inbox")
         if isinstance(msg, CriticTrained):
-            self.critic_trained[msg.step] = msg
+            self.critic_trained.setdefault(msg.step, {})[msg.worker] = msg
         elif isinstance(msg, CriticSaved):
-            self.critic_saved.add(msg.path)
+            self.critic_saved.add((msg.path, msg.worker))
         elif isinstance(msg, Inferred):
             try:
                 self.hold(self.join.result(msg))
@@ -191,29 +191,39 @@ class ModelWorker:
         """The critic's inference node, on the critic's mesh of its own with its train node."""
         return next(n for n in self.graph.own_mesh_nodes if n.role == "critic")
 
+    def critic_workers(self) -> list[str]:
+        """The process names of the critic on a mesh of its own."""
+        return [infer_name(self.critic_values.name, i) for i in range(len(self.critic))]
+
     def send_critic_batch(self, step: int, samples: list[Sample], kl_coef: float, engine: Engine) -> None:
-        """This rank's share of the step to the critic's process: the value loss's inputs, as
-        train_critic would compute them here (batch statistics over `engine`'s data-parallel ranks).
-        A rank that is not its model-parallel group's data leader sends an empty share (the leader
-        sends the group's samples)."""
+        """This rank's share of the step to each of the critic's processes (the groups it values,
+        `replica_of`): the value loss's inputs, as train_critic would compute them here (batch
+        statistics over `engine`'s data-parallel ranks). A rank that is not its model-parallel
+        group's data leader sends empty shares (the leader sends the group's samples)."""
         node = self.graph.critic_apart
         with self.phases("inputs"):
             inputs = train_inputs(samples, partial(self.graph.input, node), self.cfg.algorithm, prox_source=None,
                                   kl_coef=kl_coef, all_reduce=all_reduce_over(engine.data_parallel_group))
             data = engine_data(inputs.without_aggregation())
-        mine = range(len(samples)) if engine.data_leader else range(0)
         with self.phases("transport"):
-            send_blocking(self.critic, CriticBatch(
-                step, self.rank, [samples[i].group_id for i in mine], [Array.of(inputs.seqs[i][0]) for i in mine],
-                [Array.of(inputs.seqs[i][1]) for i in mine], {k: [Array.of(v[i]) for i in mine] for k, v in data.items()}))
+            for replica, socket in enumerate(self.critic):
+                mine = [i for i, s in enumerate(samples) if engine.data_leader
+                        and replica_of(s.group_id, len(self.critic)) == replica]
+                send_blocking(socket, CriticBatch(
+                    step, self.rank, [samples[i].group_id for i in mine], [Array.of(inputs.seqs[i][0]) for i in mine],
+                    [Array.of(inputs.seqs[i][1]) for i in mine],
+                    {k: [Array.of(v[i]) for i in mine] for k, v in data.items()}))
 
     def critic_step(self, step: int) -> dict[str, float]:
-        """Wait for the critic's process to train step `step`; its stats (rank 0 reports them)."""
-        worker = infer_name(self.critic_values.name, 0)
-        self.receive_until(lambda: [] if step in self.critic_trained else [f"the critic's update of step {step + 1} "
-                                                                             f"from {worker}"], f"step {step}")
+        """Wait for every one of the critic's processes to train step `step`; their stats (reduced
+        over them already; rank 0 reports them)."""
+        def missing() -> list[str]:
+            done = self.critic_trained.get(step, {})
+            return [f"the critic's update of step {step + 1} from {w}" for w in self.critic_workers() if w not in done]
+
+        self.receive_until(missing, f"step {step}")
         done = self.critic_trained.pop(step)
-        return {f"critic/{k}": v for k, v in done.stats.items()} if self.rank == 0 else {}
+        return {f"critic/{k}": v for k, v in done[self.critic_workers()[0]].stats.items()} if self.rank == 0 else {}
 
     def ask_again(self) -> None:
         """Ask a replica again for each result a held group has waited for longer than
@@ -248,7 +258,7 @@ class ModelWorker:
         ran = []
         self.policy_inputs = None
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
-        if self.critic is not None:  # the critic trains on its own devices while the actor trains here
+        if self.critic:  # the critic trains on its own devices while the actor trains here
             self.send_critic_batch(plan.step, samples, kl_coef, trained)
         for node in self.graph.trainer_nodes:  # graph order: prox/ref logprobs and values, then train
             is_prox = node.type != "train" and node.outputs[0] == prox_key
@@ -268,7 +278,7 @@ class ModelWorker:
             ran.append(node.name)
         if prox_key is not None:
             stats["prox_seconds"] = prox_seconds
-        if self.critic is not None:
+        if self.critic:
             stats.update(self.critic_step(plan.step))
         for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
             stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
@@ -394,14 +404,16 @@ class ModelWorker:
 
     def save_critic_apart(self, msg: SaveCheckpoint) -> None:
         """Rank 0 has a critic on a mesh of its own write its part of the checkpoint (under
-        `msg.path/critic`) and waits for it, so that a checkpoint called saved holds it."""
-        if self.critic is None or self.rank != 0:
+        `msg.path/critic`; each of its processes its shard) and waits for it, so that a checkpoint
+        called saved holds it."""
+        if not self.critic or self.rank != 0:
             return
-        send_blocking(self.critic, msg)
-        worker = infer_name(self.critic_values.name, 0)
-        self.receive_until(lambda: [] if msg.path in self.critic_saved else [f"the critic's part from {worker}"],
+        for socket in self.critic:
+            send_blocking(socket, msg)
+        workers = self.critic_workers()
+        self.receive_until(lambda: [f"the critic's part from {w}" for w in workers if (msg.path, w) not in self.critic_saved],
                            f"the checkpoint {msg.path}")
-        self.critic_saved.discard(msg.path)
+        self.critic_saved -= {(msg.path, w) for w in workers}
 
     @cached_property
     def tokenizer(self):

@@ -1,6 +1,6 @@
-"""A critic on a mesh of its own: its inference and train nodes together on one device no other
-node uses, one process that computes values and trains (training/critic.py), which the launcher
-does not restart alone; the refusals name the key to change."""
+"""A critic on a mesh of its own: its inference and train nodes together on devices no other node
+uses, one process a device that computes values and trains (training/critic.py), a rendezvous port
+for their process group, never restarted alone; the refusals name the key to change."""
 
 import copy
 
@@ -42,12 +42,26 @@ def test_a_critic_apart_runs_its_two_nodes_in_one_inference_process_and_the_trai
     assert [n.name for n in g.trainer_nodes] == ["actor_prox", "critic_values", "actor_train", "critic_train"]
 
 
+def test_a_critic_apart_on_two_devices_gets_two_processes_and_their_rendezvous_port():
+    placement = place(build(with_critic("2-3"), n_devices=4), rollout_workers=1)
+    assert [(p.name, p.devices, p.rank) for p in placement.of_role("inference")] == [
+        ("critic_values_infer0", (2,), 0), ("critic_values_infer1", (3,), 1)]
+    assert placement.rendezvous == ["critic_values"]
+    names = port_names(placement)
+    assert names[-3:] == ["controller", "dist", "critic_values_dist"]  # after the fixed base's: theirs do not move
+    spec = spec_with_ports(placement, {n: 9000 + i for i, n in enumerate(names)}, run_dir="/r", model_path="/m",
+                           train_path="/t", eval_path="/e")
+    assert spec.infer_dist_ports == {"critic_values": 9000 + len(names) - 1}
+    assert spec.infer_ports["critic_values"] == [9000 + names.index(f"critic_values_infer{i}") for i in (0, 1)]
+    # One device, or a frozen ref on two: no process group, no rendezvous.
+    assert place(build(with_critic("2"), n_devices=3), rollout_workers=1).rendezvous == []
+
+
 @pytest.mark.parametrize("change,problem", [
-    (dict(mesh="2-3"), "node 'critic_train': mesh 2,3 (graph.critic_train.mesh) has 2 devices: a critic on a mesh of "
-                       "its own trains in one process, on one device, in this version"),
     (dict(mesh="0"), "node 'critic_train': mesh 0 (graph.critic_train.mesh) shares device(s) 0 with 'generate' (0): a "
                      "critic on a mesh of its own trains in a process of its own, on devices no other node uses"),
     (dict(engine="megatron"), "node 'critic_train': engine 'megatron' (graph.critic_train.engine) on a mesh of its own"),
+    (dict(parallel="d1t2"), "node 'critic_train': layout "),
 ])
 def test_what_a_critic_apart_cannot_be_is_refused_naming_the_key(change, problem):
     mesh = change.pop("mesh", "2")

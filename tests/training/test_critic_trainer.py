@@ -48,10 +48,10 @@ def share(step, rank, groups, seqs, returns):
                         "returns": [Array.of(r) for r in returns]})
 
 
-def trainer(cfg, tmp_path, model, n_trainers, resume=""):
+def trainer(cfg, tmp_path, model, n_trainers, resume="", values=None):
     engine = TorchEngine(model, optim=optim_spec(cfg, "critic"), head="value")
     node = graph_from_config(cfg).critic_apart
-    return CriticTrainer(cfg, spec(tmp_path, model, n_trainers, resume), engine, node, "critic_values_infer0")
+    return CriticTrainer(cfg, spec(tmp_path, model, n_trainers, resume), engine, node, "critic_values_infer0", values)
 
 
 def weights(engine):
@@ -99,3 +99,23 @@ def test_it_trains_once_every_rank_has_sent_its_share_as_on_the_whole_batch_and_
     two.save(SaveCheckpoint(str(tmp_path / "final"), groups=None))
     exported = TorchEngine(str(tmp_path / "final" / CRITIC_DIR), head="value")
     assert np.allclose(exported.logprobs(seqs[:2])[0], two.engine.logprobs(seqs[:2])[0], atol=1e-6)
+
+
+def test_a_value_copy_follows_the_trained_critic_after_each_update(tmp_path):
+    """On several devices values come from a whole copy of the critic (its weights are sharded for
+    training): after each update, and after a resume, it answers as the trained critic would."""
+    cfg = run_config()
+    model = save_tiny_qwen2(tmp_path / "model")
+    seqs = make_seqs(4, 4)
+    returns = [np.full(len(o), 2.0, np.float32) for _, o in seqs]
+    copy = TorchEngine(model, head="value")
+    critic = trainer(cfg, tmp_path, model, n_trainers=1, values=copy)
+    assert critic.values is copy and critic.engine is not copy
+    critic.batch(share(0, 0, [0, 1], seqs, returns))
+    trained = critic.engine.logprobs(seqs)
+    assert any(np.abs(v).max() > 0 for v in trained)  # the head moved off 0
+    assert all(np.array_equal(a, b) for a, b in zip(copy.logprobs(seqs), trained)) and copy.version == 1
+    critic.save(SaveCheckpoint(str(tmp_path / "ckpt"), groups=[]))
+    resumed = trainer(cfg, tmp_path, model, n_trainers=1, resume=str(tmp_path / "ckpt"),
+                      values=TorchEngine(model, head="value"))
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.values.logprobs(seqs), trained))
