@@ -63,7 +63,7 @@ from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import DecodeStep
 from areal_flow.generation.kv_batch import Batch, GrowingLayer, Row
 from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_batch import PagedBatch
+from areal_flow.generation.paged_batch import PagedBatch, can_follow
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
     RowSampling,
@@ -656,13 +656,17 @@ class GenerationEngine:
             free = self._pool.free_blocks - len(live)
             prefilling = {row.sequence for row in live
                           if row.computed < len(row.request.input_ids) + len(row.output_ids)}
+            # How far the prefills of those sequences have got: a row that wants prompt logprobs
+            # from a position one has passed cannot follow it and prefills its own (PagedBatch.add).
+            progress = batch.prefill_progress() if isinstance(batch, PagedBatch) else {}
         admitted: list[Row] = []
         while self._waiting and len(admitted) < room:
             row = self._waiting[0]
+            forks = False
             if self._pool is None:
                 need = row.kv_tokens
-            elif row.sequence in prefilling:  # forks a prompt being prefilled: its own last block
-                need = 2
+            elif row.sequence in prefilling and can_follow(progress.get(row.sequence, 0), row):
+                need, forks = 2, True  # forks a prompt being prefilled: its own last block
             else:
                 need = self._pool.blocks_for(len(row.sequence) + 1) + 1
             if need > free:
@@ -673,6 +677,8 @@ class GenerationEngine:
                 free -= need
                 if self._pool is not None:
                     prefilling.add(row.sequence)
+                    if not forks:  # it leads a prefill from the start, which any row can follow
+                        progress[row.sequence] = 0
         return admitted
 
     def _claim(self, row: Row) -> bool:
@@ -781,6 +787,9 @@ class GenerationEngine:
             if request.logprob_start_len is None or row.output_ids:
                 continue
             ids, start = request.input_ids, request.logprob_start_len
+            if len(ids) - start > keep:  # a slice past the start would silently read other positions
+                raise RuntimeError(f"request {request.rid}: its prefill kept the logits of {keep} prompt "
+                                   f"positions, its prompt logprobs need {len(ids) - start}")
             # Position p's logits predict token p + 1: tokens start+1 .. n-1 need positions start .. n-2.
             logprobs = torch.log_softmax(row_logits[keep - (len(ids) - start): keep - 1].float(), dim=-1)
             targets = torch.tensor(ids[start + 1:], dtype=torch.int64, device=logprobs.device)
@@ -822,8 +831,14 @@ class GenerationEngine:
             decode_tokens, prefill_tokens, completed = batch.forward(keep)
             for prefilled in completed:
                 rows = [prefilled.leader, *prefilled.followers]
-                if prefilled.prompt_logits is not None:
-                    self._prompt_logprobs(rows, prefilled.prompt_logits[None].expand(len(rows), -1, -1))
+                logits = prefilled.prompt_logits
+                if logits is None and any(row.request.logprob_start_len is not None and not row.output_ids
+                                          for row in rows):
+                    # Asked from the prompt's end: no position kept, and none reported, but a
+                    # prefill-only request (max_new_tokens 0) is answered there, not sampled.
+                    logits = batch.logits[:0]
+                if logits is not None:
+                    self._prompt_logprobs(rows, logits[None].expand(len(rows), -1, -1))
             for row in batch.ready:
                 row.logits_version = self._version  # the forward computed its next logits
         seconds = time.perf_counter() - started
@@ -839,10 +854,9 @@ class GenerationEngine:
     @staticmethod
     def _prompt_positions(leader: Row, followers: Sequence[Row]) -> int:
         """How many of the last positions of a sequence the rows prefilling it need logits of: for
-        prompt logprobs from logprob_start_len (1: the last one only)."""
-        starts = [len(row.request.input_ids) - row.request.logprob_start_len for row in (leader, *followers)
-                  if row.request.logprob_start_len is not None and not row.output_ids]
-        return max(starts, default=0)
+        prompt logprobs from logprob_start_len (0: none; the last one's come anyway). Only rows
+        that joined before the prefill passed their first one follow it (paged_batch.can_follow)."""
+        return max((row.prompt_positions for row in (leader, *followers)), default=0)
 
     def _step(self, batch: Batch) -> Batch | None:
         """Sample a token for every live row, set aside the rows that finish, decode one step."""

@@ -134,6 +134,14 @@ class Row:
         return self.request.input_ids + tuple(self.output_ids)
 
     @property
+    def prompt_positions(self) -> int:
+        """How many of the last positions of its sequence a prefill must keep the logits of for this
+        row's prompt logprobs (from logprob_start_len on); 0: none (a retracted row has them already)."""
+        if self.request.logprob_start_len is None or self.output_ids:
+            return 0
+        return len(self.request.input_ids) - self.request.logprob_start_len
+
+    @property
     def kv_tokens(self) -> int:
         """The most KV cache slots this request can come to hold: prompt + max_new_tokens."""
         return len(self.request.input_ids) + self.request.params.max_new_tokens

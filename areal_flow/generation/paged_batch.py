@@ -3,7 +3,8 @@
 A row is either **ready** (its logits say what it samples next) or **pending** (its sequence is
 being prefilled, a chunk per forward); a pending row may lead **followers**, rows of the same
 sequence (the G answers of a prompt) that wait for its prefill and then fork its blocks: one
-prefill per prompt. A forward feeds every ready row its newest token and the pending rows up to
+prefill per prompt (a row that arrives once the prefill has passed the prompt positions it wants
+logprobs of leads another: `add`). A forward feeds every ready row its newest token and the pending rows up to
 `chunk_tokens` tokens of prompt, in order (SGLang's chunked prefill, mixed with the decode rows).
 
 Blocks are taken before each forward; when the pool has too few, the newest rows are retracted
@@ -67,16 +68,32 @@ class PagedBatch:
         return [row for row in self.rows if row.finish is None]
 
     def add(self, rows: list[Row]) -> None:
-        """Rows to prefill: the first of each sequence leads, the others follow it."""
-        leaders = {row.sequence: row for row in self.pending if row.finish is None}
+        """Rows to prefill: the first of each sequence leads, the others follow it. A row follows
+        only a leader whose prefill has not yet passed the first position it needs prompt logits
+        of (`can_follow`); past it, those logits are gone (a forward keeps only the positions its
+        rows ask for then), so the row leads a prefill of its own."""
+        leaders = [(row.sequence, row) for row in self.pending if row.finish is None]
         for row in rows:
             row.blocks, row.computed = [], 0
-            leader = leaders.get(row.sequence)
+            sequence = row.sequence
+            # The newest such leader (as ever, when there was only one per sequence).
+            leader = next((lead for s, lead in reversed(leaders)
+                           if s == sequence and can_follow(lead.computed, row)), None)
             if leader is None:
-                leaders[row.sequence] = row
+                leaders.append((sequence, row))
                 self.pending.append(row)
             else:
                 self.followers.setdefault(id(leader), []).append(row)
+
+    def prefill_progress(self) -> dict[tuple[int, ...], int]:
+        """Per sequence being prefilled, the least progress (`computed`) of the rows leading its
+        prefill: a new row of it can follow one of them iff `can_follow` at that progress."""
+        progress: dict[tuple[int, ...], int] = {}
+        for row in self.pending:
+            if row.finish is None:
+                sequence = row.sequence
+                progress[sequence] = min(row.computed, progress.get(sequence, row.computed))
+        return progress
 
     def drop_finished(self) -> None:
         """Free the blocks of finished rows; a finished leader hands its work to its first live follower."""
@@ -280,6 +297,13 @@ class PagedBatch:
         self.pending = [row for row in self.pending if row.computed < len(row.sequence)]
         self.logits = torch.cat(joining) if len(joining) > 1 else decoded
         return completed
+
+
+def can_follow(computed: int, row: Row) -> bool:
+    """Whether `row` can follow the prefill of its sequence once that has computed `computed`
+    tokens: the positions it needs logits of (`Row.prompt_positions`) are all still to come, so
+    the forwards ahead keep them for it (the engine's keep counts its followers)."""
+    return computed <= len(row.sequence) - row.prompt_positions
 
 
 def _spans(contexts: list[int]) -> list[tuple[int, int, int]]:
