@@ -440,6 +440,7 @@ def _hf_attention(implementation: str) -> Callable:
         if dropout or sliding_window:
             raise ValueError(f"packed attention ({implementation}) supports neither attention dropout "
                              f"({dropout}) nor a sliding window ({sliding_window})")
+        query, key, value = _autocast_inputs(query, key, value)
         packing = kwargs.get(PACKING_KWARG)
         if packing is None:
             positions = kwargs.get("position_ids")
@@ -452,6 +453,23 @@ def _hf_attention(implementation: str) -> Callable:
         return run(*flat, packing, scaling).view(b, length, h, d), None
 
     return attention
+
+
+def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The attention's inputs in autocast's dtype when autocast is on for their device, as
+    autocast casts the inputs of `scaled_dot_product_attention` (transformers' own sdpa path).
+
+    Under autocast over fp32 weights transformers' rotary embedding returns q and k in the residual
+    stream's dtype, fp32 (its cos/sin take the dtype of the fp32 embeddings), while v is the
+    projection's bf16. These implementations are not autocast ops: `varlen_attention` saw an fp32 q
+    and took the per-document loop instead of the flash kernel on CUDA (the torch engine's bf16
+    train step ran at half the speed of a plain HF step on an H200), and flex got mixed dtypes.
+    The cast rounds q and k exactly as autocast's SDPA would."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
