@@ -103,7 +103,14 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temp
     logits = h @ w.T
     if b is not None:
         logits = logits + b
-    return logits.float().div_(temperature)  # a fresh tensor either way: scaled in place
+    # A fresh tensor either way: scaled in place. At temperature 1 not at all: x / 1 is x, and the
+    # division is a pass over the fp32 [c, V] chunk (on a GPU the head is bound by such passes).
+    return _scaled(logits.float(), temperature)
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature in place; x itself at temperature 1 (the same values, one pass fewer)."""
+    return x if temperature == 1.0 else x.div_(temperature)
 
 
 def _local_targets(targets: torch.Tensor, vocab_start: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,16 +211,19 @@ def _backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperatur
             e = min(s + chunk, n)
             h = hidden[s:e].to(cdtype)
             log_p = _chunk_logits(h, w, b, temperature).sub_(lse[s:e, None])
-            p = log_p.exp()
+            # dz = -p·coef with the minus folded into the [c, 1] factors rather than a neg_() pass
+            # over [c, V]: IEEE rounding is symmetric in sign, so p·(-g) is -(p·g) exactly, and
+            # a·(-g_ent) - g_logp is -(a·g_ent + g_logp) exactly (up to the sign of an exact 0).
             if g_ent is not None:
-                # coefficient g_logp + g_ent·(log p + H), in place in the log p buffer
-                coef = log_p.add_(ent[s:e, None]).mul_(g_ent[s:e, None].float()).add_(g_logp[s:e, None].float())
-                dz = p.mul_(coef).neg_()
+                p = log_p.exp()
+                # -(g_logp + g_ent·(log p + H)), in place in the log p buffer
+                neg_coef = log_p.add_(ent[s:e, None]).mul_(-g_ent[s:e, None].float()).sub_(g_logp[s:e, None].float())
+                dz = p.mul_(neg_coef)
             else:
-                dz = p.mul_(g_logp[s:e, None].float()).neg_()
+                dz = log_p.exp_().mul_(-g_logp[s:e, None].float())  # log p is not needed again: in place
             del log_p
             dz.scatter_add_(1, local[s:e, None], onehot_grad[s:e, None])
-            d_logits = dz.div_(temperature).to(cdtype)
+            d_logits = _scaled(dz, temperature).to(cdtype)
             if d_hidden is not None:
                 d_hidden[s:e] = (d_logits @ w).to(hidden.dtype)
             if d_weight is not None:
