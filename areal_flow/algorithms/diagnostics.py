@@ -128,12 +128,16 @@ def behav_weight_bins(weight: torch.Tensor, mask: torch.Tensor, edges: Sequence[
     """Counts [len(edges) - 1] of the valid tokens' weights per bin of `edges` (behav_weight_edges'
     rule: right-closed bins, the first one from 0, the last open above), in `weight`'s dtype."""
     n_bins = len(edges) - 1
-    w = weight.detach()[mask.bool()].reshape(-1)
+    # Every token is binned and the mask applied to the one-hot rows: `weight[mask]` has a size only
+    # the values tell, which on a GPU is a device synchronisation per micro-batch.
+    w = weight.detach().reshape(-1)
+    valid = mask.reshape(-1).bool()
     inner = w.new_tensor(list(edges[1:-1]))
     # The number of inner edges strictly below w: bin i holds e_i < w <= e_{i+1}.
     index = (w.unsqueeze(-1) > inner).sum(-1)
     # Counted by comparison rather than bincount, which has no deterministic CUDA kernel.
-    return (index.unsqueeze(-1) == index.new_tensor(list(range(n_bins)))).sum(0).to(weight.dtype)
+    hits = (index.unsqueeze(-1) == index.new_tensor(list(range(n_bins)))) & valid.unsqueeze(-1)
+    return hits.sum(0).to(weight.dtype)
 
 
 def ess_fraction(weight_sum: float, weight_sq_sum: float, n: float) -> float | None:
