@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from areal_flow.training.engine import to_device
+
 CHOICES = ("auto", "sdpa", "varlen", "flex")
 """What a configuration may name: "auto" picks the fastest available on the device."""
 ALIASES = {"flex_attention": "flex"}
@@ -70,7 +72,7 @@ class Packing:
     max_len: the longest document; total: the token count (cu_seqlens[-1], kept on the host so that
     no layer reads the device for it); block_mask: flex's block mask over the tokens padded to a
     multiple of FLEX_BLOCK (flex only); groups: the documents batched by length for the
-    per-document path (varlen off CUDA only). Every field is an init field:
+    per-document path (varlen, and flex's backward, off CUDA only). Every field is an init field:
     FSDP rebuilds dataclass inputs with `dataclasses.replace` when it casts them."""
 
     cu_seqlens: torch.Tensor
@@ -100,7 +102,7 @@ def packing_from_positions(positions: np.ndarray | torch.Tensor, implementation:
     """The `Packing` of packed rows [rows, length] whose positions restart per document."""
     cu = cu_seqlens_from_positions(positions)
     max_len = int(np.diff(cu).max()) if len(cu) > 1 else 0
-    return _packing(torch.from_numpy(cu).to(device), max_len, int(cu[-1]), implementation, host_cu=cu)
+    return _packing(to_device(cu, device), max_len, int(cu[-1]), implementation, host_cu=cu)
 
 
 def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str) -> Packing:
@@ -116,9 +118,10 @@ def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, max_len: int, total: int, 
 def _packing(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str,
              host_cu: np.ndarray | None = None) -> Packing:
     mask = document_block_mask(cu_seqlens, total, FLEX_BLOCK) if implementation == "flex" else None
-    # The per-document path's groups, once per forward, where it will run: off CUDA.
+    # The per-document path's groups, once per forward, where it will run: off CUDA (varlen, and
+    # flex's CPU backward, which would otherwise read cu_seqlens back in every layer).
     groups = None
-    if implementation == "varlen" and cu_seqlens.device.type != "cuda":
+    if implementation in ("varlen", "flex") and cu_seqlens.device.type != "cuda":
         groups = document_groups(host_cu if host_cu is not None else cu_seqlens.tolist())
     return Packing(cu_seqlens=cu_seqlens, max_len=int(max_len), total=total, block_mask=mask, groups=groups)
 

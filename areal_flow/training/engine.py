@@ -387,12 +387,29 @@ def kept_sequences(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]],
             [masks[i] for i in keep], skipped)
 
 
+def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host data (an array or a CPU tensor) as a tensor on `device`, without making the host wait.
+
+    On CUDA a plain `.to("cuda")` from pageable memory is a copy followed by a synchronisation of
+    the stream (torch's `memcpy_and_sync`): the host waits for every kernel queued before it, and
+    the GPU then idles while the host prepares the next launches. A micro-batch's inputs are
+    copied after the previous micro-batch's backward is queued, and the loss's inputs after the
+    forward is, so each copy drained the queue. Staged through pinned memory, the copy is queued on
+    the stream like a kernel (`non_blocking`); torch's caching host allocator keeps the pinned
+    buffer until the copy has run. Elsewhere (CPU) it is the plain conversion."""
+    tensor = torch.as_tensor(array)
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def micro_batch_data(group: list[int], token_data: dict[str, list[np.ndarray]], masks: list[np.ndarray],
                      device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The loss function's per-token inputs and mask for the sequences `group`, packed in order."""
-    batch = {k: torch.from_numpy(np.concatenate([np.asarray(v[i]) for i in group])).to(device)
+    batch = {k: to_device(np.concatenate([np.asarray(v[i]) for i in group]), device)
              for k, v in token_data.items() if k != LOSS_MASK_KEY}
-    return batch, torch.from_numpy(np.concatenate([masks[i] for i in group])).to(device)
+    return batch, to_device(np.concatenate([masks[i] for i in group]), device)
 
 
 def loss_masks(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
@@ -415,9 +432,11 @@ def global_counts(masks: list[np.ndarray], lengths: list[int], group: dist.Proce
     shares = (token_data or {}).get(LOSS_SHARE_KEY)
     denom = (sum(float(np.asarray(s, dtype=np.float64)[m].sum()) for s, m in zip(shares, masks)) if shares is not None
              else float(sum(int(m.sum()) for m in masks)))
-    counts = torch.tensor([sum(int(m.sum()) for m in masks), sum(lengths), denom], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    valid = sum(int(m.sum()) for m in masks)
+    if group is None:  # nothing to reduce: the host's own numbers
+        return float(valid), sum(lengths), denom
+    counts = torch.tensor([valid, sum(lengths), denom], dtype=torch.float64)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     return float(counts[0]), int(counts[1]), float(counts[2])
 
 
@@ -428,11 +447,27 @@ def accumulate_stats(into: dict[str, float], stats: dict) -> None:
     """Add `stats` into `into`: keys ending in _max (and grad_norm) keep the largest, others sum.
     Tensor values come to the host in one copy: a loss's statistics (the behaviour weight's
     histogram bins among them) would otherwise cost one device synchronisation each."""
-    tensors = [k for k, v in stats.items() if isinstance(v, torch.Tensor)]
-    if tensors:
-        device = stats[tensors[0]].device
-        host = torch.stack([stats[k].detach().reshape(()).to(device, torch.float64) for k in tensors]).tolist()
-        stats = {**stats, **dict(zip(tensors, host))}
+    accumulate_all_stats(into, [stats])
+
+
+def accumulate_all_stats(into: dict[str, float], all_stats: Sequence[dict]) -> None:
+    """`accumulate_stats` of each of `all_stats` in order, with every tensor value of all of them
+    brought to the host in ONE copy: an engine keeps its micro-batches' statistics on the device
+    and reads them once per step, not once per micro-batch (each read is a device
+    synchronisation: the host waits for the backward and the GPU for the next forward's launch).
+    The same float64 values in the same order as one `accumulate_stats` per micro-batch."""
+    where = [(i, k) for i, stats in enumerate(all_stats) for k, v in stats.items() if isinstance(v, torch.Tensor)]
+    host_stats = [dict(stats) for stats in all_stats]
+    if where:
+        device = all_stats[where[0][0]][where[0][1]].device
+        host = torch.stack([all_stats[i][k].detach().reshape(()).to(device, torch.float64) for i, k in where]).tolist()
+        for (i, k), value in zip(where, host):
+            host_stats[i][k] = value
+    for stats in host_stats:
+        _accumulate_host(into, stats)
+
+
+def _accumulate_host(into: dict[str, float], stats: dict) -> None:
     for key, value in stats.items():
         value = float(value)
         if key not in into:

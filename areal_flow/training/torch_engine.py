@@ -41,7 +41,7 @@ from areal_flow.training.engine import (
     OptimSpec,
     SavedLayout,
     Seq,
-    accumulate_stats,
+    accumulate_all_stats,
     agreed_micro_batches,
     atomic_write_dir,
     bucketed,
@@ -64,6 +64,7 @@ from areal_flow.training.engine import (
     routed_forward,
     saved_layout,
     seq_lengths,
+    to_device,
     write_like,
     write_sharded_state,
 )
@@ -230,13 +231,21 @@ class TorchEngine:
         log_softmax(logits / temperature) (the value head: the value of the state before each);
         no grad, micro-batched under `micro_batch_tokens`."""
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+        done: list[int] = []
+        on_device: list[torch.Tensor] = []
         with torch.no_grad():
             for group in agreed_micro_batches(seq_lengths(seqs), self.micro_batch_tokens, self._group):
                 if not group:
                     self._idle_pass(backward=False)
                     continue
-                for i, lp in zip(group, self._packed_logprobs([seqs[i] for i in group])[0]):
-                    out[i] = lp.float().cpu().numpy()
+                done += group
+                on_device += self._packed_logprobs([seqs[i] for i in group])[0]
+        # One copy to the host for the whole call: a copy per sequence (or per micro-batch) is a
+        # device synchronisation each, and would keep the GPU idle while the host packs the next.
+        if on_device:
+            host = torch.cat([lp.float() for lp in on_device]).cpu().numpy()
+            for i, lp in zip(done, np.split(host, np.cumsum([len(t) for t in on_device[:-1]]))):
+                out[i] = lp
         return out
 
     def _packed_logprobs(self, seqs: Sequence[Seq], entropy: bool = False
@@ -272,12 +281,11 @@ class TorchEngine:
             keep_cols = np.concatenate([r.keep for r in packed])
             columns = np.unique(keep_cols)
         with self.phases("forward"):
-            picked = (torch.from_numpy(keep_rows).to(self.device),
-                      torch.from_numpy(np.searchsorted(columns, keep_cols)).to(self.device))
+            picked = (to_device(keep_rows, self.device), to_device(np.searchsorted(columns, keep_cols), self.device))
             if self.head == "value":  # the value of the state before each output token
                 lp, ent = self._forward(ids, positions, columns)[picked][:, 0].float(), None
             else:
-                target = torch.from_numpy(np.concatenate([r.targets for r in packed])).to(self.device)
+                target = to_device(np.concatenate([r.targets for r in packed]), self.device)
                 lp, ent = self._lm_logprobs(ids, positions, columns, picked, target, entropy)
         order = [i for row in rows for i in row]
         sizes = [n for r in packed for n in r.n_out]
@@ -321,7 +329,7 @@ class TorchEngine:
         """Logits [rows, len(keep), vocab] of packed rows [rows, length] (all columns when keep is None);
         the value head's [rows, len(keep), 1]. With `head`, the LM head's forward is `head` for this
         call: what it returns of the hidden states [rows, len(keep), H] is returned instead."""
-        as_tensor = functools.partial(torch.as_tensor, device=self.device)
+        as_tensor = functools.partial(to_device, device=self.device)  # no synchronisation on CUDA
         # Activation checkpointing in transformers works in train mode only (no dropout here).
         self._model.train(self.activation_checkpointing and torch.is_grad_enabled())
         # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
@@ -390,6 +398,7 @@ class TorchEngine:
 
         self._optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"skipped_tokens": float(skipped_tokens)}
+        pending: list[dict] = []  # each micro-batch's stats, on the device until the step's end
         for group in groups:
             if not group:
                 self._idle_pass(backward=True)
@@ -405,8 +414,11 @@ class TorchEngine:
                 loss, stats = loss_fn(logp, batch, mask, max(denominator, 1.0))
             with self.phases("backward"):
                 loss.backward()
-            accumulate_stats(sums, {"loss": loss.detach(), **stats})
+            pending.append({k: v.detach() if isinstance(v, torch.Tensor) else v
+                            for k, v in {"loss": loss, **stats}.items()})
 
+        # Read once per step (one device synchronisation), in micro-batch order as before.
+        accumulate_all_stats(sums, pending)
         lr = self.lr
         with self.phases("optimizer"):
             grad_norm, skipped = self._clip_and_step()
