@@ -13,6 +13,12 @@ the LM head, which a tied model shares with it), against the GPU's dense bf16 pe
 (--peak-tflops; H100 SXM: 989); attention's own FLOPs are not counted. On a machine without a GPU
 `--device cpu --shapes tiny` runs the same code on a small model (the suite's test of this script):
 there MFU and peak memory are not measured.
+
+`--profile` also runs one more train step of each engine under torch.profiler and prints its top
+ops by device time (CPU time on the CPU), the device's busy time against the step's wall time (far
+below it: the host is what the GPU waits for), and the step's host synchronisations, counted by
+`torch.cuda.set_sync_debug_mode` on CUDA (on the CPU: the host's reads of tensor values, the
+synchronisations they would be on a GPU), with the lines that made the most.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import transformers
 from _bench import machine
 from areal_flow.runtime.devices import TRAINER_BACKENDS
 from areal_flow.training.engine import OptimSpec
+from areal_flow.training.host_syncs import count_cuda_syncs, count_host_reads
 from areal_flow.training.torch_engine import TorchEngine
 
 SHAPES = {
@@ -154,6 +161,44 @@ def one_rank_group(device: torch.device):
         dist.destroy_process_group()
 
 
+def profile_report(title: str, step: Callable[[], object], device: torch.device, top: int = 15) -> str:
+    """One step's synchronisations, then one step under torch.profiler: its top ops and the
+    device's busy share of the wall time. Runs after the timed steps (warm)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        with count_cuda_syncs() as where:
+            step()
+        syncs, how = sum(where.values()), "synchronisations (torch.cuda sync debug mode)"
+    else:
+        with count_host_reads() as reads:
+            step()
+        where, syncs = reads.by_module, reads.total
+        how = "host reads of tensor values (synchronisations on a GPU)"
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6  # microseconds
+    if cuda:
+        share = busy / wall
+        verdict = "device-bound" if share > 0.9 else "host-bound: the GPU waits for launches or synchronisations"
+        busy_line = f"CUDA kernels {1000 * busy:.1f} ms = {100 * share:.0f}% of wall ({verdict})"
+    else:
+        busy_line = f"CPU time in ops {1000 * busy:.1f} ms = {100 * busy / wall:.0f}% of wall (the rest: Python)"
+    lines = [f"### profile: {title}", f"wall {1000 * wall:.1f} ms (under the profiler); {busy_line}",
+             f"{syncs} {how} in one step; most: "
+             + (", ".join(f"{k} x{n}" for k, n in where.most_common(5)) or "none"),
+             events.table(sort_by=key, row_limit=top)]
+    return "\n".join(lines)
+
+
 def make_engine(name: str, path: str, args: argparse.Namespace, device: torch.device):
     bf16 = device.type == "cuda"
     optim = OptimSpec(lr=1e-6)
@@ -189,6 +234,8 @@ def measure(shape: str, name: str, path: str, seqs, data, args, device: torch.de
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         for row in rows:
             row.peak_gib = peak
+    if args.profile:  # after the peak is read: the profiler's own memory is not the engine's
+        print(profile_report(f"{shape} {name} train step", step, device, args.profile_top), flush=True)
     return rows  # the engine goes with this frame: the caller then frees its memory
 
 
@@ -215,6 +262,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one train step of each engine: top ops, device busy vs wall, synchronisations")
+    ap.add_argument("--profile-top", type=int, default=15, help="ops listed per profiled step")
     args = ap.parse_args()
     device = torch.device(args.device)
     if not args.row_length <= args.micro_batch_tokens <= args.tokens:
@@ -243,7 +293,8 @@ def main() -> None:
     print(f"command: python tools/bench_engine.py --device {device.type} --shapes {' '.join(args.shapes)} "
           f"--engines {' '.join(args.engines)} --tokens {args.tokens} --micro-batch-tokens {args.micro_batch_tokens} "
           f"--row-length {args.row_length} --attention {args.attention}"
-          + (" --activation-checkpointing" if args.activation_checkpointing else ""))
+          + (" --activation-checkpointing" if args.activation_checkpointing else "")
+          + (" --profile" if args.profile else ""))
     print(f"bf16 compute over fp32 master weights: {device.type == 'cuda'}; packed engines: long-tail sequences "
           f"under {args.micro_batch_tokens} tokens a micro-batch; hf: rows of {args.row_length}\n")
     print(table(rows))
