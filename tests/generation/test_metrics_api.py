@@ -58,17 +58,30 @@ def test_loads_and_metrics_count_running_and_waiting_requests(slow_server):
     assert idle["loads"][0]["num_running_reqs"] == idle["loads"][0]["num_waiting_reqs"] == 0
     assert idle["loads"][0]["max_running_requests"] == 1 and idle["loads"][0]["dp_rank"] == 0
     engine = slow_server.engine
-    sampling = {"max_new_tokens": 150, "ignore_eos": True}
+    # The first request's answer is long (it is aborted below, so its length costs nothing): it
+    # cannot finish in the moment between seeing the two requests and holding them.
+    sampling = {"max_new_tokens": 200, "ignore_eos": True}
+
+    def one_running_one_waiting() -> bool:
+        stats = engine.stats()  # one snapshot: both counts (and the tokens) from the same moment
+        return stats["num_running_reqs"] == 1 and stats["num_waiting_reqs"] == 1 and stats["generated_tokens"] >= 1
 
     async def scenario() -> tuple[dict, dict[str, float]]:
         async with GenerationClient(slow_server.url) as client:
             first = asyncio.create_task(client.generate(PROMPT, sampling))
             second = asyncio.create_task(client.generate(PROMPT, sampling))
-            await asyncio.to_thread(wait_until, lambda: engine.stats()["num_running_reqs"] == 1
-                                    and engine.stats()["num_waiting_reqs"] == 1, "one running, one waiting", 30)
-            busy = await asyncio.to_thread(loads, slow_server)
-            scraped = await asyncio.to_thread(metrics, slow_server)
-            await client.abort_request(abort_all=True)
+            try:
+                await asyncio.to_thread(wait_until, one_running_one_waiting, "one running (decoding), one waiting", 60)
+                # Hold the engine there (no decode step, no admission) so that the two scrapes read
+                # that state however slowly they come: under load the first request once finished
+                # between the wait and the scrapes, which then saw the second running and none waiting.
+                engine.pause(mode="in_place")
+                assert one_running_one_waiting(), engine.stats()  # not finished in between
+                busy = await asyncio.to_thread(loads, slow_server)
+                scraped = await asyncio.to_thread(metrics, slow_server)
+            finally:
+                await client.abort_request(abort_all=True)
+                engine.continue_generation()
             await asyncio.gather(first, second)
             return busy, scraped
 
