@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_in_child_processes():
+    """The same for the processes the tests start: the launcher of an end-to-end run, whose own
+    torch work is bootstrapping the base model (30 steps took 10 s on one thread and 26-76 s on
+    two under load), tools, servers. The launcher still sets each of its children's own count
+    (OMP_NUM_THREADS from the process's mesh). A value the user set is kept."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    yield
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 @pytest.fixture(scope="session")

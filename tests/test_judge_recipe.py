@@ -4,6 +4,7 @@ answers written beside the policy's and read by a reward node, with real servers
 import json
 
 import pytest
+import torch
 from run_helpers import RECIPE_ETA, check_accounting, jsonl, launch, steps_of
 
 from areal_flow.models.bootstrap import ensure_base_model
@@ -14,7 +15,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def judge_model(run_cache):
     """A second tiny model (two layers, a short bootstrap), not the policy's start."""
-    return ensure_base_model(str(run_cache / "models"), arch={"num_hidden_layers": 2}, steps=30, batch_size=32)
+    # Built before the module's one-thread fixture (conftest.py) applies: one thread here too
+    # (about 3x faster on this shared 2-core machine than two).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ensure_base_model(str(run_cache / "models"), arch={"num_hidden_layers": 2}, steps=30, batch_size=32)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_judge_answers_every_sample_on_its_own_server_and_is_never_updated(tmp_path, run_cache, judge_model):
