@@ -37,13 +37,14 @@ def test_a_range_that_is_not_low_high_within_0_1_is_refused(tmp_path, run_cache)
 
 def test_a_run_whose_every_group_is_filtered_fails_naming_the_filter_instead_of_hanging(tmp_path, run_cache):
     # The small model answers almost nothing right (in one run 2 groups of 293 had one answer of
-    # 4 right): a range that wants every answer right filters every group.
+    # 4 right): a range that wants every answer right filters every group. The run waits out
+    # step_timeout: 4 s is ample (the first group was filtered 0.5 s in, 400 in 10 s).
     run_dir = tmp_path / "starved"
     r = launch(run_dir, run_cache, "algorithm.success_rate_range=[0.9,1.0]", "eval_at_start=false",
-               "eval_at_end=false", "step_timeout=10", "launcher.stop_timeout=2")
+               "eval_at_end=false", "step_timeout=4", "launcher.stop_timeout=2")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout + r.stderr
-    assert "no train step completed within 10 s (step_timeout)" in out
+    assert "no train step completed within 4 s (step_timeout)" in out
     dropped = int(re.search(r"dynamic filtering dropped (\d+) group\(s\) since the last step", out).group(1))
     assert "outside algorithm.success_rate_range=[0.9, 1.0]" in out
     filtered = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "filter"]
