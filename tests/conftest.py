@@ -33,6 +33,18 @@ def run_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session")
+def eta0_run(run_cache, tmp_path_factory):
+    """The directory of one finished run with run_helpers.ETA0_RUN's settings, shared by the tests
+    that read it (each asserts its own things of it): the run costs ~15 s."""
+    from run_helpers import ETA0_RUN, launch
+
+    run_dir = tmp_path_factory.mktemp("eta0") / "run"
+    r = launch(run_dir, run_cache, *ETA0_RUN)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return run_dir
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped, saying why."""
     if torch.cuda.is_available():

@@ -29,6 +29,13 @@ SMALL = [
 ANSWERS_SOME = ("model.bootstrap_steps=150", "algorithm.group_size=8", "algorithm.batch_size=3")
 
 
+# A run at η = 0 from the model that answers some problems, with a checkpoint every 2 steps: the
+# uninterrupted run of tests/test_reproducible.py, whose steps tests/test_end_to_end.py also checks
+# for synchronous training (the session's `eta0_run`, tests/conftest.py: one run for both).
+ETA0_RUN = ("rollout.max_staleness=0", "total_steps=5", "eval_at_start=false", "eval_at_end=false", *ANSWERS_SOME,
+            "checkpoint.every_steps=2", "recover.retries=1")
+
+
 def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)

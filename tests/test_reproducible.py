@@ -10,13 +10,11 @@ import signal
 
 import pytest
 import torch
-from run_helpers import ANSWERS_SOME, jsonl, launch
+from run_helpers import ETA0_RUN, jsonl
 from safetensors.torch import load_file
 from test_resume_end_to_end import run_processes, start, wait_for_step
 
 pytestmark = pytest.mark.slow
-
-ETA0 = ("rollout.max_staleness=0", "total_steps=3", "eval_at_start=false", "eval_at_end=false", *ANSWERS_SOME)
 
 
 def test_the_launcher_asks_for_batch_invariant_servers_at_eta_0():
@@ -29,16 +27,14 @@ def test_the_launcher_asks_for_batch_invariant_servers_at_eta_0():
     assert "--enable-deterministic-inference" in synchronous
 
 
-def test_a_run_killed_and_resumed_at_eta_0_trains_the_weights_of_one_never_stopped(tmp_path, run_cache):
-    """Two runs with the same seeds: one uninterrupted, one whose trainer is killed (kill -9) after its
-    checkpoint of step 2 and which restarts itself from it (recover.retries). Both end with the same
-    weights, bit for bit: runs reproduce, and a resume loses and changes nothing."""
-    runs = [tmp_path / "a", tmp_path / "b"]
-    settings = (*ETA0, "total_steps=5", "checkpoint.every_steps=2", "recover.retries=1")
-    r = launch(runs[0], run_cache, *settings)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_a_run_killed_and_resumed_at_eta_0_trains_the_weights_of_one_never_stopped(tmp_path, run_cache, eta0_run):
+    """Two runs with the same seeds: one uninterrupted (the session's eta0_run, which
+    test_end_to_end.py also reads), one whose trainer is killed (kill -9) after its checkpoint of
+    step 2 and which restarts itself from it (recover.retries). Both end with the same weights, bit
+    for bit: runs reproduce, and a resume loses and changes nothing."""
+    runs = [eta0_run, tmp_path / "b"]
     runs[1].mkdir()
-    proc = start(runs[1], run_cache, *settings)
+    proc = start(runs[1], run_cache, *ETA0_RUN)
     try:
         wait_for_step(runs[1], 3, proc)
         os.kill(run_processes(str(runs[1]))["trainer0"], signal.SIGKILL)
