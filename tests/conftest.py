@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,34 @@ def one_thread_in_child_processes():
 def run_cache(tmp_path_factory):
     """One cache of generated data and bootstrapped base model for every end-to-end run."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def base_models_built_ahead(request, one_thread_in_child_processes):
+    """The base models the session's end-to-end runs start from, bootstrapped into run_cache by a
+    process of its own from the session's start, beside the unit tests (which leave the second
+    core mostly idle), rather than by the first run that needs each (~55 s on one thread). Each
+    test module that launches runs declares the overrides its runs bootstrap with, besides
+    run_helpers.SMALL's, in BASE_MODELS. A run that comes first waits for the model on the
+    bootstrap's lock; one the builder has not reached, it builds itself, as before."""
+    variants = []
+    for item in request.session.items:
+        if "run_cache" in item.fixturenames:
+            for overrides in [(), *getattr(getattr(item, "module", None), "BASE_MODELS", ())]:
+                if tuple(overrides) not in variants:
+                    variants.append(tuple(overrides))
+    if not variants:
+        yield
+        return
+    cache = request.getfixturevalue("run_cache")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import run_helpers; "
+            f"run_helpers.build_base_models(run_helpers.Path({str(cache)!r}), {variants!r})")
+    with open(cache / "base_models.log", "w") as log:
+        builder = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    yield
+    if builder.poll() is None:  # a short session: not every model was needed
+        builder.kill()
+    builder.wait()
 
 
 @pytest.fixture(scope="session")

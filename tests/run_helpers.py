@@ -36,6 +36,22 @@ ETA0_RUN = ("rollout.max_staleness=0", "total_steps=5", "eval_at_start=false", "
             "checkpoint.every_steps=2", "recover.retries=1")
 
 
+def build_base_models(cache: Path, variants: list[tuple[str, ...]]) -> None:
+    """Bootstrap into `cache` the base model of a launch with each variant's overrides, as the
+    launcher's own preparation would (run/prepare.py), so that the runs find it built; in order.
+    Run by tests/conftest.py in a process of its own while the session's other tests run."""
+    from hydra import compose, initialize_config_dir
+
+    from areal_flow.launch import CONF_DIR
+    from areal_flow.run.prepare import prepare_model
+    from areal_flow.runtime.spec import typed
+
+    for overrides in variants:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            raw = compose("config", overrides=[*SMALL, f"cache_dir={cache}", f"output_dir={cache}/unused", *overrides])
+        print(prepare_model(typed(raw)), flush=True)
+
+
 def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)

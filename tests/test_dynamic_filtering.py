@@ -9,6 +9,8 @@ from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
+
 
 def test_groups_outside_the_success_rate_range_are_dropped_counted_and_replaced(tmp_path, run_cache):
     run_dir = tmp_path / "filtered"

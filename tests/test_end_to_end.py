@@ -8,9 +8,11 @@ import sys
 import time
 
 import pytest
-from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, run_processes, steps_of
+from run_helpers import ANSWERS_SOME, SMALL, check_accounting, jsonl, launch, leftover_processes, run_processes, steps_of
 
 pytestmark = pytest.mark.slow
+
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py (eta0_run)
 
 
 def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):

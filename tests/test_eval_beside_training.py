@@ -5,6 +5,8 @@ from run_helpers import check_accounting, jsonl, launch
 
 pytestmark = pytest.mark.slow
 
+BASE_MODELS = [("dataset.n_eval=400",)]  # its held-out set's own base model, bootstrapped ahead by conftest.py
+
 
 def test_evaluation_runs_beside_the_trainer_on_one_version(tmp_path, run_cache):
     run_dir = tmp_path / "run"

@@ -13,6 +13,8 @@ from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
+
 
 def _trained(run_dir, rank):
     return [u for row in jsonl(run_dir / f"trained-rank{rank}.jsonl") for u in row["uids"]]

@@ -15,6 +15,8 @@ from run_helpers import ANSWERS_SOME, RECIPE_ETA, check_accounting, jsonl, launc
 
 pytestmark = pytest.mark.slow
 
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
+
 BASE = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "tiny_arith.yaml").read_text())
 
 

@@ -10,11 +10,13 @@ import signal
 
 import pytest
 import torch
-from run_helpers import ETA0_RUN, jsonl
+from run_helpers import ANSWERS_SOME, ETA0_RUN, jsonl
 from safetensors.torch import load_file
 from test_resume_end_to_end import run_processes, start, wait_for_step
 
 pytestmark = pytest.mark.slow
+
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
 
 
 def test_the_launcher_asks_for_batch_invariant_servers_at_eta_0():
