@@ -11,6 +11,8 @@ from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
 
 pytestmark = pytest.mark.slow
 
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
+
 APART = ("recipe=tiny_arith_ppo", *ANSWERS_SOME, "cluster.n_devices=4", "graph.critic_values.mesh=2-3",
          "graph.critic_train.mesh=2-3", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false")
 CRITICS = ("critic_values_infer0", "critic_values_infer1")
