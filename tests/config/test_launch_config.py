@@ -103,6 +103,7 @@ def test_a_bad_areal_code_row_names_file_line_and_field(tmp_path):
     assert f"{data}:2: input_output: 'inputs' has 3 cases, 'outputs' has 2" in r.stdout
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_multirun_gives_each_run_its_own_directory(tmp_path):
     # How long a run goes and how it resumes is not in its directory's name: the same multirun with
     # more steps and resume=auto finds each job's directory again (docs/reliability.md).
@@ -149,6 +150,7 @@ def test_cuda_without_a_gpu_and_several_local_nodes_are_refused_but_a_dry_run_pl
     assert "--tp-size 2" in r.stdout  # the sglang servers' command lines follow the allocation
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_bad_allocation_points_at_the_character_and_one_too_big_names_the_cluster(tmp_path):
     r = launch("allocation=sglang:d4 + megatron:d2q2", "dry_run=true", cwd=tmp_path)
     assert r.returncode == 2
@@ -212,6 +214,7 @@ def test_weights_by_broadcast_need_interrupting_updates():
         assert checks._rollout(RunConfig(rollout=RolloutConfig(weight_update_mode=mode, interrupt=interrupt))) == []
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_colocated_allocation_places_both_on_one_device_and_refuses_what_cannot_take_turns(tmp_path):
     r = launch("dry_run=true", "allocation=embedded:d1 | torch:d1", "cluster.n_devices=1", "rollout.interrupt=true",
                cwd=tmp_path)

@@ -41,6 +41,7 @@ def assert_exact_logprobs(model_dir: str, prompt: list[int], result: GenerationR
     torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_abort_by_rid_answers_that_request_with_its_tokens_so_far_and_spares_the_others(engine, model_dirs):
     futures = {rid: long_request(engine, rid, [2 + i, 5]) for i, rid in enumerate("abc")}
     decoding(engine, 3 * 5)
@@ -155,6 +156,7 @@ def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_an
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_an_in_place_pause_holds_the_requests_with_their_cache_and_they_go_on_under_the_new_weights(
         engine, model_dirs):
     future = long_request(engine, "r")

@@ -94,6 +94,7 @@ def test_loads_and_metrics_count_running_and_waiting_requests(slow_server):
     assert load["token_usage"] == load["max_total_num_tokens"] == 0 and load["num_used_tokens"] > len(PROMPT)
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_metrics_count_tokens_requests_and_busy_time_and_throughput_decays(server_a):
     before = metrics(server_a)
     answer = http_call(server_a.url, "POST", "/generate",

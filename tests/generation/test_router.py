@@ -164,6 +164,7 @@ def test_a_stopped_server_s_requests_are_retried_on_the_other_and_each_sample_co
     assert all(f"{rid}.retry1" in {r for s, r, o in calls if s == "gen_server1" and o == "ok"} for rid in failed)
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_request_that_times_out_is_aborted_where_it_ran_and_retried_elsewhere(start):
     slow, quick = start(delay=0.2), start()
     params = {"max_new_tokens": 40, "ignore_eos": True}
@@ -198,6 +199,7 @@ def test_a_4xx_is_raised_with_the_server_s_message_and_not_retried(start):
     assert calls == [("gen_server0", "bad", "GenerationError")] and down == []
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_every_server_down_fails_after_down_timeout_naming_each_server(start):
     a, b = start(), start()
     a.stop()

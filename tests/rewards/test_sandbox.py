@@ -397,6 +397,7 @@ print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid":
     assert opted == {"pid_namespace": False, "status": "ok", "uid": str(opted["box_uid"]), "box_uid": opted["box_uid"]}
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
     # A job whose cases never end (wall limit far beyond the host's deadline): the host gives up
     # at its own deadline and kills the whole group.

@@ -55,6 +55,7 @@ def test_a_sample_past_its_timeout_scores_zero_and_the_worker_is_replaced():
     assert slow.stats["timeout"] == 1.0 and fast.raw == 1.0 and fast.stats["timeout"] == 0.0
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_workers_score_in_parallel():
     node = scorer("user_rewards:sleeps", workers=2)
 

@@ -65,6 +65,7 @@ def test_a_curve_server_receives_only_from_the_runs_clients(caplog):
         close(client_ctx, server_ctx)
 
 
+@pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_curve_server_sends_nothing_to_a_stranger_and_the_controller_socket_refuses_one():
     """The other direction (a rollout worker's PUSH binds, reward workers PULL from it): a stranger
     that connects gets no sample, and none is lost to it. And the controller's ROUTER, on an asyncio
