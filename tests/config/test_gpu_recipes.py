@@ -35,6 +35,7 @@ def test_each_recipe_documents_one_two_and_sixteen_nodes():
 
 
 @pytest.mark.parametrize("recipe, nodes, overrides", CASES, ids=[f"{r}-{n}nodes" for r, n, _ in CASES])
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_the_dry_run_places_every_process_where_the_allocation_says(tmp_path, recipe, nodes, overrides):
     r = subprocess.run([sys.executable, "-m", "areal_flow.launch", f"recipe={recipe}", *overrides, "dry_run=true"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)

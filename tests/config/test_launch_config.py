@@ -16,6 +16,7 @@ def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_dry_run_prints_graph_and_placement_from_any_directory(tmp_path):
     r = launch("dry_run=true", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -175,6 +176,7 @@ def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):
     assert launch_mod.check_yaml(["hydra.searchpath=[file://" + str(tmp_path / "none") + "]"]) == problem
 
 
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(tmp_path):
     r = launch("--cfg", "job", "algorithm=dr_grpo", "metrics=wandb", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

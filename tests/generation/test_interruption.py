@@ -92,6 +92,7 @@ def test_pause_aborts_the_running_requests_and_holds_new_ones_until_continue(eng
     assert engine.stats()["paused"] is False
 
 
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_an_update_that_aborts_resumes_under_the_new_weights_with_stitched_versions(engine, model_dirs):
     future = long_request(engine, "r")
     decoding(engine, 10)
@@ -137,6 +138,7 @@ def test_the_time_spent_loading_weights_is_counted_apart_from_generating(engine,
     assert after["busy_seconds"] == before["busy_seconds"]  # a load is not generating
 
 
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_retracting_pause_resumes_the_requests_under_the_new_weights_in_one_answer(engine, model_dirs):
     future = long_request(engine, "r")
     decoding(engine, 10)

@@ -33,6 +33,7 @@ def close(*contexts: zmq.Context) -> None:
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes
 def test_a_curve_server_receives_only_from_the_runs_clients(caplog):
     run = Security.new()
     host = host_address()
