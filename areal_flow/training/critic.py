@@ -53,7 +53,7 @@ class CriticTrainer:
         if spec.resume:
             engine.load_resumable(os.path.join(spec.resume, CRITIC_DIR))
             log.info("%s: the critic resumed from %s at version %d", name, spec.resume, engine.version)
-        self.refresh()
+            self.refresh()  # a fresh start loaded both from the same files: nothing to copy
 
     def refresh(self) -> None:
         """The value copy takes the trained weights: collective over the critic's processes."""

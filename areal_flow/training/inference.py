@@ -94,8 +94,12 @@ class InferenceWorker:
         log.info("%s: replica of node '%s' (role %s) ready", self.name, self.node.name, self.node.role)
         while not stop():
             if self.inbox.poll(1000) and (requests := self.take()):
-                for rank, msg in self.serve(requests):
-                    send_blocking(self.ranks[rank], msg)
+                self.answer(requests)
+
+    def answer(self, requests: list[InferRequest]) -> None:
+        """Serve `requests` in one call and send each result to its trainer rank."""
+        for rank, msg in self.serve(requests):
+            send_blocking(self.ranks[rank], msg)
 
     def take(self) -> list[InferRequest]:
         """Every request queued on the inbox now: they go through the model in one call. A critic's
@@ -107,8 +111,7 @@ class InferenceWorker:
                 requests.append(msg)
             elif self.critic is not None and isinstance(msg, CriticBatch):
                 if requests:  # values asked before this update come from the critic before it
-                    for rank, answer in self.serve(requests):
-                        send_blocking(self.ranks[rank], answer)
+                    self.answer(requests)
                     requests = []
                 if (done := self.critic.batch(msg)) is not None:
                     for rank in self.ranks:
