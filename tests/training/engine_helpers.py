@@ -77,10 +77,15 @@ def assert_all_close(xs, ys, atol):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
-# For |g| below Adam's eps the update is about lr·g/eps, so eps=1e-8 would blow float rounding
-# differences in near-zero gradients (1e-12) up by lr/eps = 1e6. Comparisons of updated weights
-# between packings or rank layouts therefore use a larger eps; it changes nothing else they check.
-EXACT = dict(optim=OptimSpec(lr=1e-2, eps=1e-4))
+# Tests that compare the *weights* after a step between packings, rank layouts or engines (which
+# reduce in different orders) take what is in effect a plain SGD step. Adam's update, lr·g/(|g|+eps)
+# on the first step, divides by |g| where a gradient is near zero, so a rounding difference of 1e-10
+# between two reduction orders becomes an update-sized difference there. With eps far above every
+# gradient element (the tiny models' are below 0.1, clipped at norm 1) the update is lr·g/eps to
+# within |g|/eps: linear in the gradient, so weights differ by lr/eps times the gradients' rounding.
+# Losses, gradient norms and logprobs are compared directly, with relative tolerances.
+SGD_LIKE = OptimSpec(lr=0.1, eps=1.0)
+EXACT = dict(optim=SGD_LIKE)
 
 
 def full_weights(engine):

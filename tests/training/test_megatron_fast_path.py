@@ -10,16 +10,17 @@ import os
 import pytest
 import torch
 import transformers
-from engine_helpers import (assert_all_close, assert_same_weights, full_weights, make_seqs, make_token_data,
-                            ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2)
+from engine_helpers import (SGD_LIKE, assert_all_close, assert_same_weights, full_weights, make_seqs,
+                            make_token_data, ppo_loss_fn, reference_logprobs, run_ranks, save_tiny_qwen2)
 from safetensors.torch import load_file
 
 from areal_flow.training.engine import CheckpointError, OptimSpec
 
 MBT = 40
-# eps as engine_helpers.EXACT (float rounding stays small); a clip that every step hits (the tiny
-# model's gradient norm is about 1), so that clipping on the distributed optimizer's shards counts.
-CLIPPED = dict(optim=OptimSpec(lr=1e-2, eps=1e-4, grad_clip=0.5))
+# engine_helpers.EXACT's SGD-like step (weights compared across reduction orders), with a clip that
+# every step hits (the tiny model's gradient norm is about 1), so that clipping on the distributed
+# optimizer's shards counts.
+CLIPPED = dict(optim=dataclasses.replace(SGD_LIKE, grad_clip=0.5))
 
 
 def _shard(dp_rank: int, dp: int, seed: int):
