@@ -18,9 +18,12 @@ SMALL = [
     "dataset.n_train=400", "dataset.n_eval=16", "model.bootstrap_steps=30", "model.bootstrap_batch_size=32",
     "max_wall_seconds=0", "launcher.start_timeout=90", "metrics.plot=false",  # plots: one test asks for them
     # The recipe trains only groups whose answers differ; the small models answer all of them
-    # alike (all wrong), so the tests train every group unless they ask for the filter.
-    "algorithm.success_rate_range=null",
+    # alike (all wrong), so the tests of the system's parts train every group unless they ask for
+    # the filter. The tests of a shipped recipe (launch_recipe) do not: they name it when they need it.
+    TRAIN_EVERY_GROUP := "algorithm.success_rate_range=null",
 ]
+SHIPPED = [o for o in SMALL if o != TRAIN_EVERY_GROUP]
+"""SMALL's sizes, with a recipe's own dynamic filtering."""
 
 
 # The SMALL bootstrap answers nothing right, so every group's advantages would be 0: a model that
@@ -53,7 +56,18 @@ def build_base_models(cache: Path, variants: list[tuple[str, ...]]) -> None:
 
 
 def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
+    """A small run (SMALL) of the default recipe, every group trained, with the test's `overrides`."""
+    return _launch(SMALL, run_dir, cache, overrides)
+
+
+def launch_recipe(run_dir: Path, cache: Path, recipe: str, *overrides: str) -> subprocess.CompletedProcess:
+    """A small run of recipes/RECIPE.yaml as shipped: SMALL's sizes and the test's `overrides`, and
+    nothing else changed (TRAIN_EVERY_GROUP only where the test names it)."""
+    return _launch(SHIPPED, run_dir, cache, (f"recipe={recipe}", *overrides))
+
+
+def _launch(base: list[str], run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "areal_flow.launch", *base, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)
 
 

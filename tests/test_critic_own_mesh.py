@@ -7,20 +7,20 @@ import json
 import re
 
 import pytest
-from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch_recipe, steps_of
 
 pytestmark = pytest.mark.slow
 
 BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
 
-APART = ("recipe=tiny_arith_ppo", *ANSWERS_SOME, "cluster.n_devices=4", "graph.critic_values.mesh=2-3",
+APART = (*ANSWERS_SOME, "cluster.n_devices=4", "graph.critic_values.mesh=2-3",
          "graph.critic_train.mesh=2-3", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false")
 CRITICS = ("critic_values_infer0", "critic_values_infer1")
 
 
 def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, *APART, "total_steps=3")
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_ppo", *APART, "total_steps=3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_accounting(run_dir, eta=1, group_size=8)
     # The trainer rank ran the actor's node only; each of the critic's processes valued the trained
@@ -46,7 +46,7 @@ def test_the_critic_trains_on_its_own_mesh_is_checkpointed_and_resumes(tmp_path,
     assert config["architectures"] == ["Qwen2ForTokenClassification"]
     assert (run_dir / "checkpoints" / "step-00000003" / "critic").is_dir()
 
-    r = launch(run_dir, run_cache, *APART, "total_steps=4", "resume=auto")
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_ppo", *APART, "total_steps=4", "resume=auto")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name in CRITICS:
         log = (run_dir / "logs" / f"{name}.log").read_text()

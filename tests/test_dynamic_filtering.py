@@ -3,6 +3,7 @@ dropped, counted and replaced by new ones, every trained group is inside it, and
 bound and the sample accounting still hold."""
 
 import re
+import time
 
 import pytest
 from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
@@ -37,18 +38,37 @@ def test_a_range_that_is_not_low_high_within_0_1_is_refused(tmp_path, run_cache)
     assert r.returncode == 2 and "algorithm.success_rate_range=[0.9, 0.1] must be [low, high]" in r.stdout
 
 
-def test_a_run_whose_every_group_is_filtered_fails_naming_the_filter_instead_of_hanging(tmp_path, run_cache):
+def test_a_run_whose_filter_drops_every_group_stops_at_once_naming_the_filter(tmp_path, run_cache):
     # The small model answers almost nothing right (in one run 2 groups of 293 had one answer of
-    # 4 right): a range that wants every answer right filters every group. The run waits out
-    # step_timeout: 4 s is ample (the first group was filtered 0.5 s in, 400 in 10 s).
+    # 4 right): a range that wants every answer right filters every group. Ten batches' worth in a
+    # row (algorithm.filter_stall_batches' default; batches of 2 groups here) end the run, seconds
+    # in, not step_timeout's 300 s later.
     run_dir = tmp_path / "starved"
+    t0 = time.monotonic()
     r = launch(run_dir, run_cache, "algorithm.success_rate_range=[0.9,1.0]", "eval_at_start=false",
-               "eval_at_end=false", "step_timeout=4", "launcher.stop_timeout=2")
+               "eval_at_end=false", "step_timeout=300", "launcher.stop_timeout=2")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert time.monotonic() - t0 < 150
+    out = r.stdout + r.stderr
+    assert "the run trains nothing: dynamic filtering dropped the last 20 prompt groups in a row, none kept " \
+           "(10 batches' worth, algorithm.filter_stall_batches=10)" in out
+    assert "outside algorithm.success_rate_range=[0.9, 1.0]" in out and "widen it, or null to train every group" in out
+    reward, correct = re.search(r"mean reward (-?[\d.e-]+), (\d+) of 80 answers correct", out).groups()
+    filtered = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "filter"]
+    assert len(filtered) >= 20 and int(correct) < 80 * 0.9  # the ledger holds every one (and any dropped while stopping)
+    assert not [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "train"]
+
+
+def test_without_the_streak_stop_a_starved_run_fails_at_step_timeout_naming_the_filter(tmp_path, run_cache):
+    # The first group was filtered 0.5 s in, 400 in 10 s: step_timeout=4 s is ample.
+    run_dir = tmp_path / "starved"
+    r = launch(run_dir, run_cache, "algorithm.success_rate_range=[0.9,1.0]", "algorithm.filter_stall_batches=0",
+               "eval_at_start=false", "eval_at_end=false", "step_timeout=4", "launcher.stop_timeout=2")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "no train step completed within 4 s (step_timeout)" in out
     dropped = int(re.search(r"dynamic filtering dropped (\d+) group\(s\) since the last step", out).group(1))
     assert "outside algorithm.success_rate_range=[0.9, 1.0]" in out
     filtered = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "filter"]
-    assert dropped >= 1 and len(filtered) >= dropped  # the ledger holds every one (and any dropped while stopping)
+    assert dropped >= 1 and len(filtered) >= dropped
     assert not [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "train"]

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from run_helpers import check_accounting, launch, steps_of
+from run_helpers import check_accounting, launch_recipe, steps_of
 
 
 def test_the_gpu_smoke_recipe_validates_and_places_both_sides_on_the_one_gpu(tmp_path):
@@ -22,7 +22,7 @@ def test_the_gpu_smoke_recipe_validates_and_places_both_sides_on_the_one_gpu(tmp
 @pytest.mark.gpu
 def test_the_gpu_smoke_recipe_runs_ten_steps_on_a_gpu(tmp_path, run_cache):
     run_dir = tmp_path / "gpu_smoke"
-    r = launch(run_dir, run_cache, "recipe=gpu_smoke", "total_steps=10", "algorithm.batch_size=16",
+    r = launch_recipe(run_dir, run_cache, "gpu_smoke", "total_steps=10", "algorithm.batch_size=16",
                "algorithm.group_size=16", "rollout.max_concurrent=128", "model.bootstrap_steps=300",
                "model.bootstrap_batch_size=64")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from run_helpers import RECIPE_ETA, check_accounting, jsonl, launch, steps_of
+from run_helpers import RECIPE_ETA, TRAIN_EVERY_GROUP, check_accounting, jsonl, launch_recipe, steps_of
 
 from areal_flow.models.bootstrap import ensure_base_model
 
@@ -27,7 +27,8 @@ def judge_model(run_cache):
 
 def test_a_judge_answers_every_sample_on_its_own_server_and_is_never_updated(tmp_path, run_cache, judge_model):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "recipe=tiny_arith_judge", "launcher.pin_cpus=false", "total_steps=2",
+    # SMALL's model answers nothing right: the recipe's filter would drop every group.
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_judge", TRAIN_EVERY_GROUP, "launcher.pin_cpus=false", "total_steps=2",
                "eval_at_start=false", f"graph.judge.model={judge_model}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_accounting(run_dir, eta=RECIPE_ETA)

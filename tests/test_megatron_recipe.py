@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, check_accounting, jsonl, launch_recipe, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -39,14 +39,14 @@ def _check_run(run_dir):
 
 def test_the_megatron_recipe_trains_as_shipped(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "recipe=tiny_arith_megatron", *TRAINING)
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_megatron", *TRAINING)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _check_run(run_dir)
 
 
 def test_two_tensor_parallel_ranks_train_every_sample_once_together(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "recipe=tiny_arith_megatron", *TRAINING, "cluster.n_devices=3", "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2",
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_megatron", *TRAINING, "cluster.n_devices=3", "launcher.pin_cpus=false", "graph.actor_prox.mesh=1-2",
                "graph.actor_train.mesh=1-2", "graph.actor_prox.parallel=t2", "graph.actor_train.parallel=t2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = _check_run(run_dir)
@@ -57,7 +57,7 @@ def test_two_tensor_parallel_ranks_train_every_sample_once_together(tmp_path, ru
 
 def test_a_layout_the_model_cannot_take_is_refused_before_any_process_starts(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    r = launch(run_dir, run_cache, "recipe=tiny_arith_megatron", "cluster.n_devices=4", "launcher.pin_cpus=false",
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_megatron", "cluster.n_devices=4", "launcher.pin_cpus=false",
                "graph.actor_prox.mesh=1-3", "graph.actor_train.mesh=1-3", "graph.actor_prox.parallel=p3",
                "graph.actor_train.parallel=p3")
     assert r.returncode != 0

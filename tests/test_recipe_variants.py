@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_helpers import ANSWERS_SOME, RECIPE_ETA, check_accounting, jsonl, launch, steps_of
+from run_helpers import ANSWERS_SOME, RECIPE_ETA, check_accounting, jsonl, launch, launch_recipe, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def test_a_critic_trains_beside_the_actor_and_is_saved_with_it(tmp_path, run_cac
     learns from the targets; the checkpoint holds it in critic/."""
     run_dir = tmp_path / "ppo"
     # A model that answers some problems: all-zero rewards would give the critic nothing to learn.
-    r = launch(run_dir, run_cache, "recipe=tiny_arith_ppo", *ANSWERS_SOME, "eval_at_start=false", "eval_at_end=false",
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_ppo", *ANSWERS_SOME, "eval_at_start=false", "eval_at_end=false",
                "total_steps=3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_accounting(run_dir, eta=1, group_size=8)

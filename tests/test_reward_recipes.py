@@ -5,7 +5,7 @@ metrics reach the trainer and metrics.jsonl."""
 import os
 
 import pytest
-from run_helpers import RECIPE_ETA, check_accounting, launch, steps_of
+from run_helpers import RECIPE_ETA, check_accounting, launch_recipe, steps_of
 
 from areal_flow.rewards.code import TEST_STATUSES
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox's namespaces need root, as on CI")
 def test_code_tiny_runs_every_completion_in_the_sandbox(tmp_path, run_cache):
     run_dir = tmp_path / "code_tiny"
-    r = launch(run_dir, run_cache, "recipe=code_tiny", "eval_at_start=false", "total_steps=2")
+    r = launch_recipe(run_dir, run_cache, "code_tiny", "eval_at_start=false", "total_steps=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "reward node reward: local sandbox (pid_namespace, network_namespace, mount_namespace" in r.stdout
     check_accounting(run_dir, eta=RECIPE_ETA)
@@ -33,7 +33,7 @@ def test_code_tiny_runs_every_completion_in_the_sandbox(tmp_path, run_cache):
 
 def test_math_tiny_scores_with_math_verify_in_worker_processes(tmp_path, run_cache):
     run_dir = tmp_path / "math_tiny"
-    r = launch(run_dir, run_cache, "recipe=math_tiny", "eval_at_start=false", "eval_at_end=false", "total_steps=2")
+    r = launch_recipe(run_dir, run_cache, "math_tiny", "eval_at_start=false", "eval_at_end=false", "total_steps=2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_accounting(run_dir, eta=RECIPE_ETA)
     for m in steps_of(run_dir):

@@ -248,6 +248,9 @@ class AlgorithmConfig:
                                                     "correct answers (reward ≥ 1) lies within, e.g. [0.05, 0.95] "
                                                     "(dynamic filtering); the rest are dropped, counted, and "
                                                     "replaced by new groups; null = train every group")
+    filter_stall_batches: int = doc(10, "stop the run when dynamic filtering drops this many batches' worth of "
+                                    "prompt groups in a row, none kept (as veRL DAPO's max_num_gen_batches); "
+                                    "0 = never (step_timeout still ends a run that trains nothing)", ge=0)
     mask_truncated: bool = doc(False, "answers cut at max_new_tokens get no loss (AReaL's mask_no_eos_with_zero); false trains them")
     n_minibatches: int = doc(1, "optimizer steps per train batch (the batch is split by groups)", ge=1)
     ppo_epochs: int = doc(1, "passes over each train batch; every pass makes n_minibatches optimizer steps", ge=1)

@@ -44,6 +44,38 @@ def outside_range(meta: GroupMeta, reward_key: str, bounds: list[float] | None) 
 
 
 @dataclass
+class FilterStreak:
+    """The scored groups dynamic filtering has dropped in a row, none kept between them. A run
+    whose every group scores alike (a model that cannot earn the reward, a task beyond it) would
+    otherwise generate and drop groups until step_timeout; after `limit` in a row it stops, naming
+    the filter and what the dropped groups scored (as veRL's DAPO stops at max_num_gen_batches)."""
+
+    limit: int  # groups in a row that stop the run; 0 = never
+    count: int = 0
+    reward_sum: float = 0.0  # over the streak's answers
+    correct: int = 0  # answers with reward >= 1 in the streak
+    answers: int = 0
+
+    def dropped(self, meta: GroupMeta, reward_key: str) -> None:
+        self.count += 1
+        rewards = [s.scalars[reward_key] for s in meta.samples]
+        self.reward_sum += sum(rewards)
+        self.correct += sum(r >= 1 for r in rewards)
+        self.answers += len(rewards)
+
+    def kept(self) -> None:
+        self.count, self.reward_sum, self.correct, self.answers = 0, 0.0, 0, 0
+
+    @property
+    def stalled(self) -> bool:
+        return bool(self.limit) and self.count >= self.limit
+
+    def describe(self) -> str:
+        return (f"mean reward {self.reward_sum / max(self.answers, 1):.3g}, "
+                f"{self.correct} of {self.answers} answers correct (reward >= 1)")
+
+
+@dataclass
 class Intake:
     group_size: int
     n_ranks: int

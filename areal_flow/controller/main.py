@@ -26,7 +26,7 @@ import zmq.asyncio
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_accuracy
-from areal_flow.controller.intake import Intake, outside_range
+from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
@@ -113,6 +113,7 @@ class Controller:
                 output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
                 prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
             ))
+        self.filter_streak = FilterStreak(algo.filter_stall_batches * self.B)
         self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
         # Groups a restarted rollout worker was running: still admitted (their versions kept), given
         # to a worker again; a copy that comes back first wins, a later one is refused as not running.
@@ -282,6 +283,9 @@ class Controller:
             self.intake.take([meta.group_id])
             self.staleness.abandon(meta.group_id)
             self.state.filtered += 1
+            self.filter_streak.dropped(meta, self.intake.reward_key)
+            if self.filter_streak.stalled:
+                self.changed.set()  # next_batch ends the run
             self.ledger.write("filter", group=meta.group_id, reason=why, **stats)
             self.state.generated_tokens += sum(stats["lengths"])
             rank = DROP
@@ -293,6 +297,7 @@ class Controller:
             self.ledger.write("drop", group=meta.group_id, reason=problem, **stats)
         else:
             self.staleness.finish(meta.group_id)
+            self.filter_streak.kept()
             self.state.generated_tokens += sum(stats["lengths"])
             self.ledger.write("finish", group=meta.group_id, rank=rank, **stats)
         self.state.running_prompts.pop(meta.group_id, None)
@@ -418,6 +423,14 @@ class Controller:
                        "it, or null to train every group)" if filtered else "")
                     + (f"; {', '.join(frozen)} does not answer /health" if frozen else ""))
 
+    def filter_stalled(self) -> str:
+        streak, batches, bounds = self.filter_streak, self.cfg.algorithm.filter_stall_batches, \
+            self.cfg.algorithm.success_rate_range
+        return (f"the run trains nothing: dynamic filtering dropped the last {streak.count} prompt groups in a row, "
+                f"none kept ({batches} batches' worth, algorithm.filter_stall_batches={batches}); their success "
+                f"rates fell outside algorithm.success_rate_range={bounds} ({streak.describe()}): widen it, or null "
+                "to train every group")
+
     async def next_batch(self, step: int, update: asyncio.Task | None = None) -> dict[int, tuple[GroupMeta, int, int]]:
         """The groups step `step` trains (staleness.py decides which), waiting for them if needed:
         group id -> (metadata, rank holding it, tokens). `update`: the weight update in flight,
@@ -426,6 +439,8 @@ class Controller:
         while (ids := self.staleness.pick_batch(step)) is None:
             if self.stop_requested:
                 raise _Stop
+            if self.filter_streak.stalled:
+                raise StalledRun(self.filter_stalled())
             if update is not None and update.done():
                 update.result()  # raises a failed update's error
             self.check_evaluation()

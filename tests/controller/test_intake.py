@@ -1,6 +1,6 @@
 import pytest
 
-from areal_flow.controller.intake import Intake, group_problem, outside_range, success_rate
+from areal_flow.controller.intake import FilterStreak, Intake, group_problem, outside_range, success_rate
 from areal_flow.transport.messages import DROP, Finish, GroupMeta, SampleMeta
 
 TOKEN_KEYS = ["prompt_ids", "output_ids", "behav_logprobs", "versions"]
@@ -166,3 +166,26 @@ def test_groups_outside_the_success_rate_range_are_named_with_their_rate(rewards
     if not kept:
         assert why == f"success rate {success_rate(group_with(rewards), 'rewards'):.2f} outside [0.05, 0.95]"
     assert outside_range(group_with(rewards), "rewards", None) is None  # no range: every group trains
+
+
+# ---- FilterStreak: a run whose filter drops every group stops ----
+
+def test_a_streak_of_dropped_groups_stalls_at_its_limit_and_a_kept_group_resets_it():
+    streak = FilterStreak(limit=3)
+    for gid in range(2):
+        streak.dropped(meta(gid, reward=-5.0), "rewards")
+    assert not streak.stalled
+    streak.kept()  # a group inside the range: the run still trains
+    for gid in range(2, 4):
+        streak.dropped(meta(gid, reward=-5.0), "rewards")
+    assert not streak.stalled and streak.count == 2
+    streak.dropped(meta(4, reward=1.0), "rewards")
+    assert streak.stalled
+    assert streak.describe() == "mean reward -3, 2 of 6 answers correct (reward >= 1)"
+
+
+def test_a_streak_without_a_limit_never_stalls():
+    streak = FilterStreak(limit=0)
+    for gid in range(100):
+        streak.dropped(meta(gid), "rewards")
+    assert not streak.stalled
