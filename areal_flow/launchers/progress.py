@@ -20,12 +20,16 @@ class RunProgress:
             TextColumn("{task.fields[info]}"), console=self.console,
         )
         self.task = self.progress.add_task("starting", total=total_steps, info="")
+        self.reason: dict | None = None  # why the run ended, once its summary or failure row is read
 
     def __enter__(self) -> "RunProgress":
         self.progress.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        self.tick()  # the rows written since the last tick: the failure row of a controller that failed
+        if exc_type is not None and self.reason is None:  # a bar that stops early says so
+            self.progress.update(self.task, description="interrupted" if exc_type is KeyboardInterrupt else "failed")
         self.progress.stop()
 
     def tick(self) -> None:
@@ -54,6 +58,18 @@ class RunProgress:
             if not self.console.is_terminal and (row["step"] == 1 or row["step"] % 10 == 0):
                 # Piped output (CI, nohup) gets no live bar: a line every 10 steps instead.
                 self.console.print(f"step {row['step']}: {info}", highlight=False)
+        elif row["event"] in ("summary", "failure") and row.get("stop_reason"):
+            self.ended(row["stop_reason"], say=row["event"] == "summary")
+
+    def ended(self, reason: dict, say: bool) -> None:
+        """The bar says why the run ended; `say`: print it too (the launcher prints a failure itself)."""
+        self.reason = reason
+        kind, message = reason["kind"], reason["message"]
+        how = {"total_steps": "done", "failure": "failed"}.get(kind, "stopped early")
+        self.progress.update(self.task, description=how, info=message)
+        if say:
+            self.progress.console.print(f"run {'finished' if kind == 'total_steps' else 'stopped early'}: {message}",
+                                        highlight=False, markup=False)
 
 
 def summary_table(summary: dict, metrics: list[dict]) -> Table:
@@ -65,6 +81,8 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
     t = Table(title="areal_flow run summary")
     t.add_column("what")
     t.add_column("value", justify="right")
+    if reason := summary.get("stop_reason"):  # absent from the summaries of older runs
+        t.add_row("why it ended", reason["message"])
     t.add_row("held-out accuracy before", pct(summary["accuracy_start"]))
     t.add_row("held-out accuracy after", pct(summary["accuracy_end"]))
     t.add_row("train steps", str(summary["steps"]))

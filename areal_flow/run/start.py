@@ -24,7 +24,7 @@ from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
 from areal_flow.run.ports import watched_spec
 from areal_flow.run.prepare import Prepared
-from areal_flow.run.stop import interrupt, stop_with_checkpoint
+from areal_flow.run.stop import Terminated, interrupt, stop_with_checkpoint
 from areal_flow.runtime.spec import RunSpec, write_run
 from areal_flow.weights.files import last_loaded
 
@@ -102,10 +102,12 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
         with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
-        console.print(f"[bold red]run failed:[/] {escape(str(e))}", highlight=False)
+        # The reason on one line (the process and the exception that ended it), then its traceback.
+        console.print(f"[bold red]run failed:[/] {escape(e.reason)}", highlight=False)
+        console.print(escape(e.traceback), highlight=False)
         return 1, spec
-    except KeyboardInterrupt:
-        stop_with_checkpoint(launcher, cfg, console)
+    except KeyboardInterrupt as e:
+        stop_with_checkpoint(launcher, cfg, console, "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C")
         return 130, spec
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -432,6 +432,8 @@ class RunReader:
             steps = snap.summary.get("steps", snap.step)
             snap.note = (f"the controller stopped it after step {steps} (resume=auto continues it)" if stopped
                          else f"the controller finished {steps} steps")
+            if isinstance(reason := snap.summary.get("stop_reason"), dict):  # older runs' summaries have none
+                snap.note += f": {reason.get('message')}"
             return
         started = os.path.exists(self.path("spec.json"))
         here = socket.gethostname()

@@ -116,7 +116,7 @@ def test_status_once_on_a_real_run_shows_its_numbers(tmp_path, run_cache):
     metrics = jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if m["event"] == "step"]
     last, window = steps[-1], steps[-10:]
-    assert len(steps) == 12 and "finished" in text and "the controller finished 12 steps" in text
+    assert len(steps) == 12 and "finished" in text and "the controller finished 12 steps: total_steps=12 reached" in text
     assert cells(text, "step")[0] == "12 / 12 (100%)"
     assert cells(text, "trained version")[0] == "12"
     loaded = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "loaded"][-1]["version"]
