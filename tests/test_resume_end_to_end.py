@@ -68,6 +68,9 @@ def test_a_stopped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, run_cach
     r = launch(run_dir, run_cache, *QUIET, "resume=auto", f"total_steps={steps + 2}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resuming from {run_dir / 'checkpoints' / f'step-{steps:08d}'} (step {steps})" in r.stdout
+    # The first progress line is the resumed run's own first step, not an old step's figures.
+    shown = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert shown[0] == f"step {steps + 1}", r.stdout[-3000:]
     summary = check_accounting(run_dir, eta=2)
     assert summary["steps"] == steps + 2 and summary["resumes"] == 1
     assert summary["trained_samples"] == (steps + 2) * 2 * 4

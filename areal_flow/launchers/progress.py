@@ -12,14 +12,20 @@ from rich.table import Table
 
 
 class RunProgress:
+    """The bar of the run's steps, fed by the rows of metrics.jsonl this launch adds: the file of a
+    resumed run already holds the steps up to its checkpoint (cut back to it), whose figures are
+    not this launch's news; it is read from where it ends when the bar is made."""
+
     def __init__(self, metrics_path: str, total_steps: int, console: Console | None = None):
-        self.path, self.offset = metrics_path, 0
+        self.path = metrics_path
+        self.offset = os.path.getsize(metrics_path) if os.path.exists(metrics_path) else 0
         self.console = console or Console()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"), console=self.console,
         )
         self.task = self.progress.add_task("starting", total=total_steps, info="")
+        self.steps_shown = 0  # step rows shown so far
         self.reason: dict | None = None  # why the run ended, once its summary or failure row is read
 
     def __enter__(self) -> "RunProgress":
@@ -47,6 +53,8 @@ class RunProgress:
     def show(self, row: dict) -> None:
         if row["event"] == "start":
             self.progress.update(self.task, description="evaluating")
+        elif row["event"] == "resume":
+            self.progress.update(self.task, completed=row["step"], description="resumed")
         elif row["event"] == "eval":
             self.progress.console.print(f"held-out accuracy at {row['when']}: {100 * row['accuracy']:.1f}% "
                                         f"({row['seconds']:.1f} s)")
@@ -55,9 +63,11 @@ class RunProgress:
             info = (f"reward {row['reward']:.2f}  staleness ≤{row['staleness_max']}  "
                     f"{row['samples_per_second']:.0f} samples/s")
             self.progress.update(self.task, completed=row["step"], description="training", info=info)
-            if not self.console.is_terminal and (row["step"] == 1 or row["step"] % 10 == 0):
-                # Piped output (CI, nohup) gets no live bar: a line every 10 steps instead.
+            if not self.console.is_terminal and (not self.steps_shown or row["step"] % 10 == 0):
+                # Piped output (CI, nohup) gets no live bar: this launch's first step (a resumed run's
+                # own), then a line every 10 steps.
                 self.console.print(f"step {row['step']}: {info}", highlight=False)
+            self.steps_shown += 1
         elif row["event"] in ("summary", "failure") and row.get("stop_reason"):
             self.ended(row["stop_reason"], say=row["event"] == "summary")
 

@@ -97,9 +97,11 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
         console.print(f"secured: servers listen on {spec.host}; ZeroMQ is CURVE-encrypted and the generation "
                       "servers take the run's API key (in spec.json, owner-only)", highlight=False)
     previous = signal.signal(signal.SIGTERM, interrupt)  # a scheduler's SIGTERM stops the run as Ctrl-C does
+    # Made before any process starts: it shows the rows they add to metrics.jsonl, not a resumed run's earlier ones.
+    progress = RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console)
     try:
         start_processes(launcher, placement, spec, cfg)
-        with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
+        with progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
         # The reason on one line (the process and the exception that ended it), then its traceback.

@@ -23,6 +23,24 @@ def piped() -> tuple[Console, io.StringIO]:
     return Console(file=out, force_terminal=False, width=200), out
 
 
+def test_after_a_resume_the_first_line_is_the_resumed_runs_own_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    # The file a resumed run starts with: cut back to its checkpoint of step 3.
+    append(metrics, {"event": "start"}, *(step_row(s, 0.1 * s) for s in (1, 2, 3)))
+    console, out = piped()
+    with RunProgress(str(metrics), 20, console) as progress:
+        append(metrics, {"event": "start"}, {"event": "resume", "step": 3})
+        progress.tick()
+        assert progress.progress.tasks[0].completed == 3  # the bar starts where the run goes on
+        append(metrics, step_row(4, 0.9), step_row(5, 0.8))
+        progress.tick()
+        append(metrics, *(step_row(s, 0.7) for s in range(6, 11)))
+        progress.tick()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 4", "step 10"]
+    assert lines[0].startswith("step 4: reward 0.90")
+
+
 @pytest.mark.parametrize("kind, message, said", [
     ("wall_time", "max_wall_seconds=540 reached after 512 of 1000 steps", "run stopped early: "),
     ("total_steps", "total_steps=1000 reached", "run finished: "),
