@@ -49,8 +49,11 @@ class ChildFailed(RuntimeError):
 
 def exception_line(traceback: str) -> str:
     """The exception a Python traceback ends with, as `Type: message` without the type's module
-    (`StalledRun: no train step ...`), or the first line of a native crash's dump; "" for neither."""
+    (`StalledRun: no train step ...`), or the first line of a native crash's dump; a text of one
+    line as it is (a Ray actor's end, an empty log); "" for the last lines of a log."""
     lines = traceback.splitlines()
+    if len(lines) == 1 and not lines[0].startswith(TRACE_STARTS):
+        return lines[0]
     if not lines or not lines[0].startswith(TRACE_STARTS):
         return ""
     if lines[0].startswith("Fatal Python error:"):

@@ -55,9 +55,9 @@ def test_the_exception_line_of_a_traceback_names_its_type_without_its_module():
     assert exception_line(frames + "KeyboardInterrupt") == "KeyboardInterrupt"
     assert exception_line(frames + "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\nmore") == \
         "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
-    assert exception_line("the last 20 lines of a log without a traceback") == ""
-    assert str(ChildFailed("rollout0", -9, "(empty log)", "logs/rollout0.log")).startswith(
-        "process 'rollout0' was killed by signal 9; its log is logs/rollout0.log\n")
+    assert exception_line("the last lines of a log\nwithout a traceback") == ""
+    assert str(ChildFailed("rollout0", -9, "its Ray actor is gone: ActorDiedError", "logs/rollout0.log")).startswith(
+        "process 'rollout0' was killed by signal 9: its Ray actor is gone: ActorDiedError; its log is logs/rollout0.log\n")
 
 
 def test_a_native_crash_is_reported_with_the_stacks_faulthandler_wrote(tmp_path):
