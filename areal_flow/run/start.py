@@ -106,7 +106,8 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
     except ChildFailed as e:
         # The reason on one line (the process and the exception that ended it), then its traceback.
         console.print(f"[bold red]run failed:[/] {escape(e.reason)}", highlight=False)
-        console.print(escape(e.traceback), highlight=False)
+        if e.traceback != e.error:  # a one-line account is the reason already
+            console.print(escape(e.traceback), highlight=False)
         return 1, spec
     except KeyboardInterrupt as e:
         stop_with_checkpoint(launcher, cfg, console, "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C")
