@@ -36,6 +36,9 @@ def test_tiny_recipe_runs_asynchronously_end_to_end(tmp_path, run_cache):
     evals = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "eval"]
     assert [e["when"] for e in evals] == ["start", "end"] and all(0 <= e["accuracy"] <= 1 for e in evals)
     assert "held-out accuracy before" in r.stdout and "trained samples" in r.stdout
+    # Why it ended: in summary.json, on the console and in the summary table.
+    assert summary["stop_reason"] == {"kind": "total_steps", "message": "total_steps=4 reached"}
+    assert "run finished: total_steps=4 reached" in r.stdout and "why it ended" in r.stdout
     # The policy version advanced: the last published weights are v4, and generation used them;
     # v2 is kept besides the last two (keep_weights_every=2), v1 is not.
     assert sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v")) == ["v2", "v3", "v4"]
@@ -219,7 +222,12 @@ def test_a_frozen_generation_server_fails_the_run_naming_it_instead_of_hanging(t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
-    assert "no train step completed within 6 s (step_timeout)" in out
-    assert "gen_server0 does not answer /health" in out and "process 'controller'" in out
+    # The reason on one line of the console, the controller's exception named, and recorded as the run's.
+    failed = next(line for line in out.splitlines() if line.startswith("run failed:"))
+    assert failed.startswith("run failed: process 'controller' exited with code 1: StalledRun: no train step completed "
+                             "within 6 s (step_timeout)") and "gen_server0 does not answer /health" in failed, failed
+    ended = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "failure"]
+    assert [m["stop_reason"]["kind"] for m in ended] == ["failure"] and ended[0]["stop_reason"]["message"] in failed
+    assert not (run_dir / "summary.json").exists()
     assert time.time() - frozen_at < 60
     assert not leftover_processes(run_dir)

@@ -53,10 +53,13 @@ def test_a_stopped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, run_cach
         proc.kill()
     assert "holds no complete checkpoint: starting the run" in out
     assert proc.returncode == 130, out[-3000:]
-    assert "saves a checkpoint after the current step" in out and "resume=auto" in out, out[-3000:]
+    assert "interrupted (SIGTERM): the run saves a checkpoint after the current step" in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = summary["steps"]
     assert summary["stopped"] and 3 <= steps < 200
+    assert summary["stop_reason"]["kind"] == "stop_request"
+    assert f"stopped: stop requested (SIGUSR1: the launcher's Ctrl-C or SIGTERM) after {steps} of 200 steps; " \
+           f"continue with resume=auto hydra.run.dir={run_dir}" in out, out[-3000:]
     assert checkpoints(run_dir) == [f"step-{steps:08d}"]  # the older ones removed (keep_last=1)
     assert not leftover_processes(run_dir)
     # A key of the math changed: refused by name, before any process starts; nothing is changed.
@@ -65,6 +68,9 @@ def test_a_stopped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, run_cach
     r = launch(run_dir, run_cache, *QUIET, "resume=auto", f"total_steps={steps + 2}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resuming from {run_dir / 'checkpoints' / f'step-{steps:08d}'} (step {steps})" in r.stdout
+    # The first progress line is the resumed run's own first step, not an old step's figures.
+    shown = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert shown[0] == f"step {steps + 1}", r.stdout[-3000:]
     summary = check_accounting(run_dir, eta=2)
     assert summary["steps"] == steps + 2 and summary["resumes"] == 1
     assert summary["trained_samples"] == (steps + 2) * 2 * 4

@@ -11,7 +11,6 @@ new weights (`publisher.py`) while the next step trains, and logs the step (`run
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ import zmq.asyncio
 
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
+from areal_flow.controller.ending import record_failure, run_summary, why_it_ended, write_summary
 from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_accuracy
 from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
@@ -158,6 +158,7 @@ class Controller:
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.closing = False
         self.stop_requested = False  # the launcher asked for a checkpoint and a clean stop (SIGUSR1)
+        self.wall_time_reached = False  # the step loop stopped at max_wall_seconds
         self.waiting_for = "start-up"  # what the step loop waits for now, for a stalled run's error
         self.last_progress = 0.0  # monotonic time the last step finished
         self.saved: tuple[int, float] = (self.state.step, self.state.train_elapsed)  # the last checkpoint: step, clock
@@ -323,7 +324,7 @@ class Controller:
         try:
             while step < cfg.total_steps and not self.stop_requested:
                 if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
-                    log.info("wall-time limit reached after %d steps", step)
+                    self.wall_time_reached = True
                     break
                 try:
                     batch = await self.next_batch(step, done.update if done else None)
@@ -701,29 +702,10 @@ class Controller:
         acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end and not stopped else None
         checkpoint = None if stopped else await self.export()
         inbox.cancel()
-        trained = state.trained_groups()
-        summary = {
-            "steps": steps,
-            "stopped": stopped,
-            "resumes": state.resumes,
-            "accuracy_start": acc_start,
-            "accuracy_end": acc_end,
-            "train_wall_seconds": train_wall,
-            "trained_samples": trained * self.G,
-            "samples_per_second": trained * self.G / train_wall if train_wall else 0.0,
-            "trainer_busy_fraction": state.trainer_seconds / train_wall if train_wall else 0.0,
-            "admitted_groups": state.next_group,
-            "trained_groups": trained,
-            "running_groups_at_end": len(self.staleness.running),
-            "buffered_groups_at_end": len(self.intake),
-            "dropped_groups": self.intake.dropped,
-            "filtered_groups": state.filtered,
-            "checkpoint": checkpoint,
-            "resumable_checkpoint": store.latest(self.spec.run_dir),
-        }
-        self.metrics.log("summary", **summary)
-        with open(self.spec.path("summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        reason = why_it_ended(self.cfg, steps, wall_time=self.wall_time_reached)
+        log.info("the run ended: %s", reason["message"])
+        write_summary(self, run_summary(self, steps, stopped=stopped, accuracy=(acc_start, acc_end),
+                                        train_wall=train_wall, checkpoint=checkpoint, reason=reason))
         # The launcher stops every other process once the controller has exited cleanly.
         self.metrics.close()
         await self.publisher.close()
@@ -737,6 +719,9 @@ def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, controller.request_stop)
         try:
             await controller.run()
+        except Exception as e:  # whatever ended the run is its recorded reason (the launcher prints it)
+            log.error("the run ended: %s", record_failure(controller, e)["message"])
+            raise
         finally:  # a failed run keeps the record of what it did
             controller.ledger.close()
             if controller.eval_rewards is not None:

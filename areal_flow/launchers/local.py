@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -32,9 +33,34 @@ def how_it_ended(returncode: int) -> str:
 
 
 class ChildFailed(RuntimeError):
+    """A process of the run died. The message's first line is the whole reason: the process, how it
+    ended and, from its traceback, the exception that ended it; the traceback follows."""
+
     def __init__(self, name: str, returncode: int, traceback: str, log_path: str):
         self.name, self.returncode, self.traceback, self.log_path = name, returncode, traceback, log_path
-        super().__init__(f"process '{name}' {how_it_ended(returncode)}; its log is {log_path}\n{traceback}")
+        self.error = exception_line(traceback)
+        super().__init__(f"process '{name}' {how_it_ended(returncode)}{': ' + self.error if self.error else ''}; "
+                         f"its log is {log_path}\n{traceback}")
+
+    @property
+    def reason(self) -> str:
+        return str(self).split("\n", 1)[0]
+
+
+def exception_line(traceback: str) -> str:
+    """The exception a Python traceback ends with, as `Type: message` without the type's module
+    (`StalledRun: no train step ...`), or the first line of a native crash's dump; a text of one
+    line as it is (a Ray actor's end, an empty log); "" for the last lines of a log."""
+    lines = traceback.splitlines()
+    if len(lines) == 1 and not lines[0].startswith(TRACE_STARTS):
+        return lines[0]
+    if not lines or not lines[0].startswith(TRACE_STARTS):
+        return ""
+    if lines[0].startswith("Fatal Python error:"):
+        return lines[0]
+    # After the frames (indented) comes the exception's line, unindented.
+    line = next((line for line in lines[1:] if line and not line[0].isspace()), "")
+    return re.sub(r"^[\w.]+\.(\w+)(?=:|$)", r"\1", line)
 
 
 Restart = Callable[[], tuple[list[str], dict[str, str]]]

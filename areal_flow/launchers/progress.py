@@ -12,20 +12,30 @@ from rich.table import Table
 
 
 class RunProgress:
+    """The bar of the run's steps, fed by the rows of metrics.jsonl this launch adds: the file of a
+    resumed run already holds the steps up to its checkpoint (cut back to it), whose figures are
+    not this launch's news; it is read from where it ends when the bar is made."""
+
     def __init__(self, metrics_path: str, total_steps: int, console: Console | None = None):
-        self.path, self.offset = metrics_path, 0
+        self.path = metrics_path
+        self.offset = os.path.getsize(metrics_path) if os.path.exists(metrics_path) else 0
         self.console = console or Console()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"), console=self.console,
         )
         self.task = self.progress.add_task("starting", total=total_steps, info="")
+        self.steps_shown = 0  # step rows shown so far
+        self.reason: dict | None = None  # why the run ended, once its summary or failure row is read
 
     def __enter__(self) -> "RunProgress":
         self.progress.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        self.tick()  # the rows written since the last tick: the failure row of a controller that failed
+        if exc_type is not None and self.reason is None:  # a bar that stops early says so
+            self.progress.update(self.task, description="interrupted" if exc_type is KeyboardInterrupt else "failed")
         self.progress.stop()
 
     def tick(self) -> None:
@@ -43,6 +53,8 @@ class RunProgress:
     def show(self, row: dict) -> None:
         if row["event"] == "start":
             self.progress.update(self.task, description="evaluating")
+        elif row["event"] == "resume":
+            self.progress.update(self.task, completed=row["step"], description="resumed")
         elif row["event"] == "eval":
             self.progress.console.print(f"held-out accuracy at {row['when']}: {100 * row['accuracy']:.1f}% "
                                         f"({row['seconds']:.1f} s)")
@@ -51,9 +63,23 @@ class RunProgress:
             info = (f"reward {row['reward']:.2f}  staleness ≤{row['staleness_max']}  "
                     f"{row['samples_per_second']:.0f} samples/s")
             self.progress.update(self.task, completed=row["step"], description="training", info=info)
-            if not self.console.is_terminal and (row["step"] == 1 or row["step"] % 10 == 0):
-                # Piped output (CI, nohup) gets no live bar: a line every 10 steps instead.
+            if not self.console.is_terminal and (not self.steps_shown or row["step"] % 10 == 0):
+                # Piped output (CI, nohup) gets no live bar: this launch's first step (a resumed run's
+                # own), then a line every 10 steps.
                 self.console.print(f"step {row['step']}: {info}", highlight=False)
+            self.steps_shown += 1
+        elif row["event"] in ("summary", "failure") and row.get("stop_reason"):
+            self.ended(row["stop_reason"], say=row["event"] == "summary")
+
+    def ended(self, reason: dict, say: bool) -> None:
+        """The bar says why the run ended; `say`: print it too (the launcher prints a failure itself)."""
+        self.reason = reason
+        kind, message = reason["kind"], reason["message"]
+        how = {"total_steps": "done", "failure": "failed"}.get(kind, "stopped early")
+        self.progress.update(self.task, description=how, info=message)
+        if say:
+            self.progress.console.print(f"run {'finished' if kind == 'total_steps' else 'stopped early'}: {message}",
+                                        highlight=False, markup=False)
 
 
 def summary_table(summary: dict, metrics: list[dict]) -> Table:
@@ -65,6 +91,8 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
     t = Table(title="areal_flow run summary")
     t.add_column("what")
     t.add_column("value", justify="right")
+    if reason := summary.get("stop_reason"):  # absent from the summaries of older runs
+        t.add_row("why it ended", reason["message"])
     t.add_row("held-out accuracy before", pct(summary["accuracy_start"]))
     t.add_row("held-out accuracy after", pct(summary["accuracy_end"]))
     t.add_row("train steps", str(summary["steps"]))

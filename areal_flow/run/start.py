@@ -24,7 +24,7 @@ from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
 from areal_flow.run.ports import watched_spec
 from areal_flow.run.prepare import Prepared
-from areal_flow.run.stop import interrupt, stop_with_checkpoint
+from areal_flow.run.stop import Terminated, interrupt, stop_with_checkpoint
 from areal_flow.runtime.spec import RunSpec, write_run
 from areal_flow.weights.files import last_loaded
 
@@ -97,15 +97,20 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
         console.print(f"secured: servers listen on {spec.host}; ZeroMQ is CURVE-encrypted and the generation "
                       "servers take the run's API key (in spec.json, owner-only)", highlight=False)
     previous = signal.signal(signal.SIGTERM, interrupt)  # a scheduler's SIGTERM stops the run as Ctrl-C does
+    # Made before any process starts: it shows the rows they add to metrics.jsonl, not a resumed run's earlier ones.
+    progress = RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console)
     try:
         start_processes(launcher, placement, spec, cfg)
-        with RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console) as progress:
+        with progress:
             launcher.wait("controller", on_tick=progress.tick)
     except ChildFailed as e:
-        console.print(f"[bold red]run failed:[/] {escape(str(e))}", highlight=False)
+        # The reason on one line (the process and the exception that ended it), then its traceback.
+        console.print(f"[bold red]run failed:[/] {escape(e.reason)}", highlight=False)
+        if e.traceback != e.error:  # a one-line account is the reason already
+            console.print(escape(e.traceback), highlight=False)
         return 1, spec
-    except KeyboardInterrupt:
-        stop_with_checkpoint(launcher, cfg, console)
+    except KeyboardInterrupt as e:
+        stop_with_checkpoint(launcher, cfg, console, "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C")
         return 130, spec
     finally:
         signal.signal(signal.SIGTERM, previous)

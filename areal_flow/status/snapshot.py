@@ -141,6 +141,7 @@ class MetricsTail:
 
     def reset(self) -> None:
         self.offset, self.start, self.resume, self.summary = 0, None, None, None
+        self.failure: dict | None = None  # the `failure` row of a controller that failed
         self.seen = b""  # the bytes just before `offset`: still there unless the file was rewritten
         self.steps: deque[dict] = deque(maxlen=self.window_size)
         self.first_eval = self.last_eval = None
@@ -194,7 +195,9 @@ class MetricsTail:
             self.first_eval = self.first_eval or e
             self.last_eval = e
         elif event == "start":
-            self.start = row
+            self.start, self.failure = row, None  # a run started again (recover.retries) is not failed yet
+        elif event == "failure":
+            self.failure = row
         elif event == "resume":
             self.resume = row
         elif event == "summary":
@@ -394,6 +397,9 @@ class RunReader:
 
         snap.processes = self.processes(spec, now)
         self.judge(snap, spec, now)
+        reason = (m.failure or {}).get("stop_reason")
+        if snap.state == "ended" and isinstance(reason, dict):
+            snap.note = f"failed: {reason.get('message')}; {snap.note}"
         seconds = [r["step_seconds"] for r in rows if isinstance(r.get("step_seconds"), (int, float))]
         if snap.live and snap.total_steps and seconds and snap.step < snap.total_steps:
             snap.eta = sum(seconds) / len(seconds) * (snap.total_steps - snap.step)
@@ -432,6 +438,8 @@ class RunReader:
             steps = snap.summary.get("steps", snap.step)
             snap.note = (f"the controller stopped it after step {steps} (resume=auto continues it)" if stopped
                          else f"the controller finished {steps} steps")
+            if isinstance(reason := snap.summary.get("stop_reason"), dict):  # older runs' summaries have none
+                snap.note += f": {reason.get('message')}"
             return
         started = os.path.exists(self.path("spec.json"))
         here = socket.gethostname()

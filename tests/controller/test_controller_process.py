@@ -125,3 +125,22 @@ def test_the_controller_waits_for_each_inference_replica_and_names_the_one_missi
             sock.close(linger=0)
         ctx.term()
         health.shutdown()
+
+
+def test_the_step_loop_stops_at_the_wall_time_limit_and_the_summary_says_so(make_controller):
+    import asyncio
+
+    from areal_flow.controller.ending import run_summary, why_it_ended
+
+    c = make_controller("max_wall_seconds=540", "total_steps=1000")
+
+    async def no_servers() -> dict[str, float]:
+        return {}
+
+    c.server_counts = no_servers
+    c.clock.start(already=541.0)  # training time so far, as a resumed run's: past the limit
+    assert asyncio.run(c.train()) == 0 and c.wall_time_reached and not c.stop_requested
+    reason = why_it_ended(c.cfg, 0, wall_time=c.wall_time_reached)
+    assert reason == {"kind": "wall_time", "message": "max_wall_seconds=540 reached after 0 of 1000 steps"}
+    summary = run_summary(c, 0, stopped=False, accuracy=(None, None), train_wall=541.0, checkpoint=None, reason=reason)
+    assert summary["stop_reason"] == reason and not summary["stopped"]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from areal_flow.graph.placement import Proc
-from areal_flow.launchers.local import ChildFailed, LocalLauncher
+from areal_flow.launchers.local import ChildFailed, LocalLauncher, exception_line
 
 
 def py(code: str) -> list[str]:
@@ -43,7 +43,21 @@ def test_a_dying_child_stops_the_run_with_its_name_and_traceback(tmp_path):
     assert "Traceback (most recent call last)" in err.traceback
     assert "ValueError: cannot score '7+8='" in err.traceback
     assert "reward0" in str(err) and err.log_path.endswith("logs/reward0.log")
+    # The whole reason on one line: the process, how it ended, the exception that ended it.
+    assert err.reason == f"process 'reward0' exited with code 1: ValueError: cannot score '7+8='; its log is {err.log_path}"
     assert all(c.popen.poll() is not None for c in launcher.children.values())  # no one left running
+
+
+def test_the_exception_line_of_a_traceback_names_its_type_without_its_module():
+    frames = 'Traceback (most recent call last):\n  File "main.py", line 9, in run\n    await train()\n    ^^^^^^^^^^^^^\n'
+    assert exception_line(frames + "areal_flow.controller.main.StalledRun: no train step completed; waits for x") == \
+        "StalledRun: no train step completed; waits for x"
+    assert exception_line(frames + "KeyboardInterrupt") == "KeyboardInterrupt"
+    assert exception_line(frames + "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\nmore") == \
+        "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+    assert exception_line("the last lines of a log\nwithout a traceback") == ""
+    assert str(ChildFailed("rollout0", -9, "its Ray actor is gone: ActorDiedError", "logs/rollout0.log")).startswith(
+        "process 'rollout0' was killed by signal 9: its Ray actor is gone: ActorDiedError; its log is logs/rollout0.log\n")
 
 
 def test_a_native_crash_is_reported_with_the_stacks_faulthandler_wrote(tmp_path):
@@ -67,6 +81,7 @@ def test_a_native_crash_is_reported_with_the_stacks_faulthandler_wrote(tmp_path)
     assert err.name == "trainer0" and err.returncode == -6 and "killed by signal 6" in str(err)
     # The crash's dump, the last trace in the log, not the earlier handled traceback.
     assert err.traceback.startswith("Fatal Python error: Aborted")
+    assert err.reason.startswith("process 'trainer0' was killed by signal 6: Fatal Python error: Aborted; its log is")
     assert "in load_the_weights" in err.traceback and "ValueError" not in err.traceback
 
 

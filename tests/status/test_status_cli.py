@@ -1,6 +1,7 @@
 """`python -m areal_flow.status RUN_DIR --once` and the processes.json it reads: the local launcher
 records each process's pid, exit and restart; on a real run the view shows the run's own numbers."""
 
+import json
 import os
 import socket
 import subprocess
@@ -65,6 +66,57 @@ def test_a_path_that_is_not_a_run_directory_is_named_in_the_error(tmp_path):
     assert r.returncode == 2 and f"{tmp_path} is not a run directory" in r.stderr
 
 
+def status_piped(run_dir, *args: str) -> subprocess.CompletedProcess:
+    """`python -m areal_flow.status RUN_DIR` without --once, its output a pipe (a script, CI)."""
+    return subprocess.run([sys.executable, "-m", "areal_flow.status", str(run_dir), "--width", "220", *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, timeout=30)
+
+
+def fake_run(run_dir, *rows: dict, summary: dict | None = None):
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"time": time.time(), **r}) + "\n" for r in rows))
+    if summary is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_a_finished_run_with_its_output_a_pipe_gets_one_view_and_an_exit(tmp_path):
+    # A running run's piped view exits too: test_status_once_on_a_real_run_shows_its_numbers.
+    reason = {"kind": "wall_time", "message": "max_wall_seconds=5 reached after 1 of 10 steps"}
+    finished = fake_run(tmp_path / "finished", {"event": "start", "total_steps": 10}, {"event": "step", "step": 1},
+                        summary={"steps": 1, "stopped": False, "stop_reason": reason})
+    r = status_piped(finished)
+    assert r.returncode == 0 and r.stdout.count("areal_flow status") == 1, r.stdout + r.stderr
+    assert "the controller finished 1 steps: max_wall_seconds=5 reached after 1 of 10 steps" in r.stdout
+
+
+def test_a_finished_run_on_a_terminal_gets_one_view_and_an_exit(tmp_path):
+    import pty
+    import select
+
+    run_dir = fake_run(tmp_path / "run", {"event": "start", "total_steps": 2}, {"event": "step", "step": 2},
+                       summary={"steps": 2, "stopped": False})
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "areal_flow.status", str(run_dir), "--width", "160"],
+                            stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:  # the process exited and closed its end
+                    break
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=max(0.1, deadline - time.monotonic())) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert b"the controller finished 2 steps" in out
+
+
 def cells(text: str, label: str) -> list[str]:
     """The cells of the first table row of the view whose first cell is `label`."""
     for line in text.splitlines():
@@ -101,6 +153,8 @@ def test_status_once_on_a_real_run_shows_its_numbers(tmp_path, run_cache):
                 and launch.poll() is None:
             time.sleep(0.05)
         assert snap.state == "running" and snap.live, snap.note
+        piped = status_piped(run_dir)  # a live view would print nothing until Ctrl-C: one view instead
+        assert piped.returncode == 0 and "running" in piped.stdout, piped.stdout[-3000:] + piped.stderr
         assert all(p.alive for p in snap.processes), snap.processes
         assert next(p for p in snap.processes if p.name == "gen_server0").health == "ok"
         out, _ = launch.communicate(timeout=300)
@@ -113,10 +167,12 @@ def test_status_once_on_a_real_run_shows_its_numbers(tmp_path, run_cache):
     r = status(run_dir)
     assert r.returncode == 0, r.stderr
     text = r.stdout
+    piped = status_piped(run_dir)  # the finished run, without --once: its view, and an exit
+    assert piped.returncode == 0 and cells(piped.stdout, "step")[0] == "12 / 12 (100%)", piped.stderr
     metrics = jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if m["event"] == "step"]
     last, window = steps[-1], steps[-10:]
-    assert len(steps) == 12 and "finished" in text and "the controller finished 12 steps" in text
+    assert len(steps) == 12 and "finished" in text and "the controller finished 12 steps: total_steps=12 reached" in text
     assert cells(text, "step")[0] == "12 / 12 (100%)"
     assert cells(text, "trained version")[0] == "12"
     loaded = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "loaded"][-1]["version"]

@@ -230,9 +230,11 @@ def test_a_finished_run_says_so_and_probes_nothing(tmp_path, server):
     build(run, server, now)
     with open(run / "metrics.jsonl", "a") as f:
         f.write(row("eval", when="end", step=3, version=3, accuracy=0.625, seconds=1.0))
-        f.write(row("summary", steps=3, stopped=False, trained_samples=192, samples_per_second=48.0))
+        f.write(row("summary", steps=3, stopped=False, trained_samples=192, samples_per_second=48.0,
+                    stop_reason={"kind": "wall_time", "message": "max_wall_seconds=5 reached after 3 of 10 steps"}))
     snap = read_snapshot(str(run))
     assert (snap.state, snap.live) == ("finished", False)
+    assert snap.note == "the controller finished 3 steps: max_wall_seconds=5 reached after 3 of 10 steps"
     assert snap.eta is None and snap.last_eval.accuracy == 0.625 and snap.first_eval.accuracy == 0.25
     assert all(p.alive is None and p.health is None for p in snap.processes)
     text = export(snap)
@@ -252,7 +254,12 @@ def test_a_run_whose_processes_all_exited_without_a_summary_ended(tmp_path, serv
     assert (snap.state, snap.live) == ("ended", False)
     assert "trainer0 (exit code 1" in snap.note and "logs/trainer0.log" in snap.note
     assert all(p.health is None for p in snap.processes)  # a dead run's servers are not asked
-    assert "ended" in export(snap)
+    assert "ended" in export(snap) and not snap.note.startswith("failed")
+    # The controller failed: the reason it recorded comes first.
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(row("failure", stop_reason={"kind": "failure", "message": "StalledRun: no train step in 6 s"}))
+    snap = read_snapshot(str(run))
+    assert snap.note.startswith("failed: StalledRun: no train step in 6 s; no summary, and none of its processes runs")
     # Recorded as running, but every pid is gone: the launcher died without recording their ends.
     for e in table.values():
         e.update(state="running", exit_code=None, ended=None)

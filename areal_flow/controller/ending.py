@@ -1,0 +1,92 @@
+"""The end of a run as the controller records it: why it ended (`stop_reason`: a machine-readable
+kind and a sentence, in summary.json, the `summary` row and, for a failure, a `failure` row of
+metrics.jsonl), and the run's summary. The launcher prints the sentence on the console
+(launchers/progress.py) and the summary table shows it.
+
+Kinds: `total_steps` (the run trained them all), `wall_time` (max_wall_seconds of training passed),
+`stop_request` (SIGUSR1: the launcher sends it on Ctrl-C or SIGTERM, to stop with a checkpoint) and
+`failure` (an exception ended the controller: a stalled run, a process that died, any error). The
+training prompts never run out (controller/prompts.py starts another shuffled pass), so no run ends
+on its dataset.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from areal_flow.checkpoint import store
+
+if TYPE_CHECKING:
+    from areal_flow.config.schema import RunConfig
+    from areal_flow.controller.main import Controller
+
+STOP_KINDS = ("total_steps", "wall_time", "stop_request", "failure")
+
+
+def stop_reason(kind: str, message: str) -> dict[str, str]:
+    assert kind in STOP_KINDS, kind
+    return {"kind": kind, "message": message}
+
+
+def why_it_ended(cfg: RunConfig, steps: int, *, wall_time: bool) -> dict[str, str]:
+    """The stop reason of a step loop that ended after `steps` steps; `wall_time`: it stopped at the
+    wall-time limit. Short of both, only a stop request ends the loop."""
+    total = cfg.total_steps
+    if steps >= total:
+        return stop_reason("total_steps", f"total_steps={total} reached")
+    if wall_time:
+        return stop_reason("wall_time", f"max_wall_seconds={cfg.max_wall_seconds:g} reached after {steps} of "
+                                        f"{total} steps")
+    return stop_reason("stop_request", f"stop requested (SIGUSR1: the launcher's Ctrl-C or SIGTERM) after "
+                                       f"{steps} of {total} steps")
+
+
+def failure(error: BaseException) -> dict[str, str]:
+    """The stop reason of an exception that ended the controller: its type and message, on one line."""
+    text = " ".join(str(error).split()) or "(no message)"
+    return stop_reason("failure", f"{type(error).__name__}: {text}")
+
+
+def run_summary(c: Controller, steps: int, *, stopped: bool, accuracy: tuple[float | None, float | None],
+                train_wall: float, checkpoint: str | None, reason: dict[str, str]) -> dict:
+    """summary.json: what the run did, how it ended, where its checkpoints are. `stopped`: it ended
+    on a stop request before total_steps, without the end's evaluation and export."""
+    state = c.state
+    trained = state.trained_groups()
+    return {
+        "steps": steps,
+        "stopped": stopped,
+        "stop_reason": reason,
+        "resumes": state.resumes,
+        "accuracy_start": accuracy[0],
+        "accuracy_end": accuracy[1],
+        "train_wall_seconds": train_wall,
+        "trained_samples": trained * c.G,
+        "samples_per_second": trained * c.G / train_wall if train_wall else 0.0,
+        "trainer_busy_fraction": state.trainer_seconds / train_wall if train_wall else 0.0,
+        "admitted_groups": state.next_group,
+        "trained_groups": trained,
+        "running_groups_at_end": len(c.staleness.running),
+        "buffered_groups_at_end": len(c.intake),
+        "dropped_groups": c.intake.dropped,
+        "filtered_groups": state.filtered,
+        "checkpoint": checkpoint,
+        "resumable_checkpoint": store.latest(c.spec.run_dir),
+    }
+
+
+def record_failure(c: Controller, error: BaseException) -> dict[str, str]:
+    """Log the failure that ends the run as its `failure` row; its stop reason."""
+    reason = failure(error)
+    try:
+        c.metrics.log("failure", stop_reason=reason)
+    except ValueError:  # metrics.jsonl already closed: the run failed after its summary, in its shutdown
+        pass
+    return reason
+
+
+def write_summary(c: Controller, summary: dict) -> None:
+    c.metrics.log("summary", **summary)
+    with open(c.spec.path("summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)

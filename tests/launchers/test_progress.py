@@ -1,0 +1,81 @@
+"""The launcher's console view of a run (launchers/progress.py), fed by metrics.jsonl rows."""
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from areal_flow.launchers.progress import RunProgress, summary_table
+
+
+def step_row(step: int, reward: float) -> dict:
+    return {"event": "step", "step": step, "reward": reward, "staleness_max": 1, "samples_per_second": 10.0}
+
+
+def append(path, *rows: dict) -> None:
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def piped() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=False, width=200), out
+
+
+def test_after_a_resume_the_first_line_is_the_resumed_runs_own_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    # The file a resumed run starts with: cut back to its checkpoint of step 3.
+    append(metrics, {"event": "start"}, *(step_row(s, 0.1 * s) for s in (1, 2, 3)))
+    console, out = piped()
+    with RunProgress(str(metrics), 20, console) as progress:
+        append(metrics, {"event": "start"}, {"event": "resume", "step": 3})
+        progress.tick()
+        assert progress.progress.tasks[0].completed == 3  # the bar starts where the run goes on
+        append(metrics, step_row(4, 0.9), step_row(5, 0.8))
+        progress.tick()
+        append(metrics, *(step_row(s, 0.7) for s in range(6, 11)))
+        progress.tick()
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 4", "step 10"]
+    assert lines[0].startswith("step 4: reward 0.90")
+
+
+@pytest.mark.parametrize("kind, message, said", [
+    ("wall_time", "max_wall_seconds=540 reached after 512 of 1000 steps", "run stopped early: "),
+    ("total_steps", "total_steps=1000 reached", "run finished: "),
+])
+def test_the_end_of_the_run_says_why_on_the_console_the_bar_and_the_summary_table(tmp_path, kind, message, said):
+    metrics = tmp_path / "metrics.jsonl"
+    console, out = piped()
+    reason = {"kind": kind, "message": message}
+    summary = {"steps": 512, "stop_reason": reason, "accuracy_start": None, "accuracy_end": 0.5, "trained_samples": 8,
+               "train_wall_seconds": 540.0, "samples_per_second": 1.0, "trainer_busy_fraction": 0.5, "checkpoint": None}
+    with RunProgress(str(metrics), 1000, console) as progress:
+        append(metrics, step_row(512, 0.5), {"event": "summary", **summary})
+        progress.tick()
+    assert f"{said}{message}\n" in out.getvalue()
+    task = progress.progress.tasks[0]
+    assert task.description == ("done" if kind == "total_steps" else "stopped early") and task.fields["info"] == message
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, []))
+    assert "why it ended" in table.getvalue() and message in table.getvalue()
+
+
+def test_a_controller_that_failed_leaves_its_reason_on_the_bar_read_after_the_last_tick(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    console, out = piped()
+    reason = {"kind": "failure", "message": "StalledRun: no train step completed within 6 s (step_timeout)"}
+    with pytest.raises(RuntimeError):
+        with RunProgress(str(metrics), 1000, console) as progress:
+            append(metrics, step_row(1, 0.5), {"event": "failure", "stop_reason": reason})
+            raise RuntimeError("the launcher saw the controller die before its next tick")
+    task = progress.progress.tasks[0]
+    assert (task.description, task.fields["info"]) == ("failed", reason["message"])
+    # The bar's last view says it; the launcher prints the failure's own line (run/start.py).
+    assert not any(line.startswith("run ") for line in out.getvalue().splitlines())
+    # A process that died without a failure row (not the controller): the bar still says it failed.
+    with pytest.raises(KeyboardInterrupt):
+        with RunProgress(str(tmp_path / "other.jsonl"), 10, piped()[0]) as progress:
+            raise KeyboardInterrupt
+    assert progress.progress.tasks[0].description == "interrupted"
