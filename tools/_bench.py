@@ -13,6 +13,16 @@ import torch
 from areal_flow.metrics.writer import read_metrics
 
 
+# What the throughput benchmarks run: training alone, no wall-time limit, no plots. The recipe's
+# held-out evaluation beside training (eval.every_versions: 25) holds the generation servers at its
+# version for 2-3 s on two cores, and the step windows count that time; until 25b1b38 the
+# evaluation paused the run's clock instead and no step window held it. Left in, it cost
+# bench_async's η = 4 side 15-25% of its trained samples/s (docs/benchmarks.md, "Asynchronous
+# against synchronous").
+TRAINING_ONLY = ["eval_at_start=false", "eval_at_end=false", "eval.every_versions=0", "max_wall_seconds=0",
+                 "metrics.plot=false"]
+
+
 def machine() -> str:
     cpu = "unknown cpu"
     try:

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _bench import machine, run_recipe, save_plot, timed_steps  # noqa: E402
+from _bench import TRAINING_ONLY, machine, run_recipe, save_plot, timed_steps  # noqa: E402
 
 
 def main() -> None:
@@ -26,8 +26,7 @@ def main() -> None:
     ap.add_argument("--plot", default="docs/bench_async.png")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    base = [f"total_steps={args.steps}", "eval_at_start=false", "eval_at_end=false", "max_wall_seconds=0",
-            "metrics.plot=false", *args.overrides]
+    base = [f"total_steps={args.steps}", *TRAINING_ONLY, *args.overrides]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, eta in enumerate(args.etas):  # an η may repeat (alternated runs)

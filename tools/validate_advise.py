@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from _bench import machine, read_run_dir, run_recipe, save_plot, timed_steps  # noqa: E402
+from _bench import TRAINING_ONLY, machine, read_run_dir, run_recipe, save_plot, timed_steps  # noqa: E402
 
 from areal_flow.advise.costs import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
@@ -87,8 +87,7 @@ def main() -> None:
             return read_run_dir(run_dir)
         return run_recipe(run_dir, overrides)
 
-    base = ["eval_at_start=false", "eval_at_end=false", "eval.every_versions=0", "max_wall_seconds=0", "metrics.plot=false",
-            *args.overrides]
+    base = [*TRAINING_ONLY, *args.overrides]
     profile_configs = [
         ("profile_eta1", ["rollout.interrupt=false", "rollout.max_staleness=1"]),  # the sides in lockstep
         ("profile_eta4", ["rollout.interrupt=false", "rollout.max_staleness=4"]),
