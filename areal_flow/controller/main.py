@@ -262,8 +262,8 @@ class Controller:
             row = self.prompts.rows[state.running_prompts[gid]]
             self.ledger.write("admit", group=gid, prompt_id=row["id"], version=version, **again)
             raw = {k: self.raw_rows[state.running_prompts[gid]][k] for k in self.judge_fields}
-            admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(gid, row["id"], row, self.G, time.time(),
-                                                                             raw=raw))
+            admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(
+                gid, row["id"], row, self.G, time.time(), raw=raw, policy_version=self.staleness.version))
         for ident, groups in admitted.items():
             await send_to(self.socket, ident, Admitted(groups))
 

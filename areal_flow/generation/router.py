@@ -97,7 +97,7 @@ class ServerPool:
         self._background: set[asyncio.Task] = set()  # aborts of left requests
         # The last version loaded, and how a server that missed it loads it (None: no copy to load).
         self._weights: tuple[Callable[[GenerationClient], Awaitable[Any]] | None, int] | None = None
-        self._newest = -1  # the newest weight version an answer came from (a pool that loads none)
+        self._newest = -1  # the newest weight version an answer came from or `newest` was told (a pool that loads none)
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -108,6 +108,13 @@ class ServerPool:
     @property
     def clients(self) -> list[GenerationClient]:
         return [s.client for s in self.servers]
+
+    def newest(self, version: int) -> None:
+        """`version` is loaded on the servers that are up (a rollout worker learns it from the groups
+        the controller admits). A pool that loads no weights takes a server back only at the newest
+        version it knows of: the answers' alone lag the load, and a server restarted from the weights
+        it last loaded would otherwise decode groups admitted at a newer version on older weights."""
+        self._newest = max(self._newest, version)
 
     def down(self) -> list[str]:
         """Names of the servers marked down."""

@@ -168,6 +168,7 @@ class RolloutWorker:
                     log.error("%s: a %s from the controller is not an admission, dropped", self.name, type(msg).__name__)
                     continue
                 for group in msg.groups:
+                    self.pool.newest(group.policy_version)
                     task = asyncio.create_task(self.rollout(group))
                     self.tasks.add(task)
                     task.add_done_callback(done)

@@ -131,6 +131,9 @@ class PromptGroup(msgspec.Struct):
     birth_time: float
     # The dataset fields a judge reads, before dataset.prompt_template/chat_template (empty without judges).
     raw: dict[str, str] = {}
+    # The policy version the generation servers had when the group was sent: a server that comes
+    # back serving an older one is not used until it has this one (ServerPool.newest).
+    policy_version: int = -1
 
 
 class Admitted(msgspec.Struct, tag=True):

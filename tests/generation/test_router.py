@@ -470,3 +470,38 @@ def test_a_pool_that_loads_no_weights_takes_a_restarted_server_back_only_at_the_
     assert down == ["gen_server0"] and not done
     assert error == "it serves weight version 0, older than version 2 of the others"
     assert answer["meta_info"]["weight_version"] == "2"
+
+
+def test_a_restarted_server_waits_for_the_version_the_controller_admits_at_not_only_the_answers_newest(start, model_dirs):
+    """The race a chaos run met: the servers loaded version 2 and the controller admitted groups at
+    it, but no answer had come back from version 2 yet, when a server restarted from version 1 (the
+    weights it last loaded) answered /health. The rollout worker's pool must not take it back until
+    it serves version 2: the admitted groups tell the pool the version (ServerPool.newest)."""
+    a = start()
+    port = a.server_address[1]
+
+    async def scenario():
+        async with GenerationClient(a.url) as direct:
+            await direct.update_weights_from_disk(model_dirs.a, 1)
+        async with ServerPool([a.url], config=fast(down_timeout=30)) as pool:
+            assert (await pool.generate(PROMPT, GREEDY))["meta_info"]["weight_version"] == "1"
+            async with GenerationClient(a.url) as direct:
+                await direct.update_weights_from_disk(model_dirs.a, 2)  # the controller's update
+            pool.newest(2)  # a group admitted at version 2 reaches the rollout worker
+            await asyncio.to_thread(a.stop)
+            waiting = asyncio.create_task(pool.generate(PROMPT, GREEDY, rid="patient"))
+            await async_wait_until(lambda: pool.down() == ["gen_server0"], "the server to be marked down")
+            again = await asyncio.to_thread(start, model_dirs.a, port=port)
+            async with GenerationClient(again.url) as direct:
+                await direct.update_weights_from_disk(model_dirs.a, 1)  # restarted from version 1
+            await asyncio.sleep(0.5)  # several health checks find it up, at version 1
+            out_while_old = (pool.down(), pool.servers[0].last_error, waiting.done())
+            async with GenerationClient(again.url) as direct:
+                await direct.update_weights_from_disk(model_dirs.a, 2)  # the controller's pool brings it up to date
+            answer = await asyncio.wait_for(waiting, 10)
+            return out_while_old, answer
+
+    (down, error, done), answer = asyncio.run(scenario())
+    assert down == ["gen_server0"] and not done
+    assert error == "it serves weight version 1, older than version 2 of the others"
+    assert answer["meta_info"]["weight_version"] == "2"
