@@ -129,8 +129,11 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     assert summary.get("filtered_groups", 0) == len(filtered)
     running = set(admitted) - finished - dropped - filtered
     assert summary["running_groups_at_end"] == len(running)
+    tokens = {e["group"]: e.get("tokens", {}) for e in ledger if e["event"] == "finish"}
     for g, step in trained_steps.items():
         assert step - admitted[g] <= eta, f"group {g} admitted at v{admitted[g]} trained at step {step}"
+        # Each answer token's own version too (the ledger's finish event counts them by version).
+        assert all(step - int(v) <= eta for v in tokens[g]), f"group {g} trained at step {step}: {tokens[g]}"
     # Each step's weights are loaded once, in order, before the run ends; the trainer may train the
     # next step meanwhile, never the one after it.
     order = [(e["event"], e["step"] if e["event"] == "train" else e["version"]) for e in ledger

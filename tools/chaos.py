@@ -140,6 +140,7 @@ def main() -> None:
                         ("trained", audit["trained"]), ("filtered", audit["filtered"]), ("dropped", audit["dropped"]),
                         ("pending at the end", audit["pending"]),
                         ("audit problems", len(audit["problems"])),
+                        (f"trained tokens more than η = {figures['eta']} behind (ledger)", audit["stale_tokens"]),
                         (f"realised staleness, max (η = {figures['eta']})", figures["staleness_max"]),
                         ("kill to the next step, median s", _median(figures["kill_to_step_seconds"])),
                         ("samples thrown away per kill", f"{figures['lost_samples_per_kill']:.1f}"),

@@ -75,6 +75,15 @@ from areal_flow.transport.messages import (
 log = logging.getLogger("areal_flow.controller")
 
 
+def token_versions(meta: GroupMeta) -> dict[str, int]:
+    """A group's answer tokens by the policy version that generated them (JSON keys)."""
+    counts: dict[str, int] = {}
+    for s in meta.samples:
+        for version, n in s.versions.items():
+            counts[str(version)] = counts.get(str(version), 0) + n
+    return counts
+
+
 class StalledRun(RuntimeError):
     """No train step completed within `step_timeout`; the message says what the run waited for."""
 
@@ -300,7 +309,8 @@ class Controller:
             self.staleness.finish(meta.group_id)
             self.filter_streak.kept()
             self.state.generated_tokens += sum(stats["lengths"])
-            self.ledger.write("finish", group=meta.group_id, rank=rank, **stats)
+            # Its answer tokens by the version that made them: the audit checks each against η.
+            self.ledger.write("finish", group=meta.group_id, rank=rank, tokens=token_versions(meta), **stats)
         self.state.running_prompts.pop(meta.group_id, None)
         owner = self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))

@@ -20,7 +20,7 @@ CLEAN = [("admit", {"group": 0, "version": 0}), ("admit", {"group": 1, "version"
 def test_a_clean_ledger_passes_with_every_group_accounted(tmp_path):
     result = audit(ledger(tmp_path, *CLEAN), max_staleness=0)
     assert result == {"admitted": 4, "trained": 1, "filtered": 1, "dropped": 0, "pending": 2, "steps": 1,
-                      "resumes": 0, "problems": []}
+                      "resumes": 0, "stale_tokens": 0, "problems": []}
 
 
 def test_a_group_trained_twice_or_after_a_filter_is_found(tmp_path):
@@ -42,3 +42,14 @@ def test_staleness_counts_from_the_last_admission(tmp_path):
     assert "staleness above 1" in audit(ledger(tmp_path, *events), max_staleness=1)["problems"][0]
     readmitted = events[:1] + [("admit", {"group": 0, "version": 2, "resumed": True})] + events[1:]
     assert audit(ledger(tmp_path, *readmitted, name="again.jsonl"), max_staleness=1)["problems"] == []
+
+
+def test_tokens_older_than_eta_are_found_though_their_group_was_admitted_in_time(tmp_path):
+    # Admitted at version 2 and trained at step 3 (η = 1 holds for the admission), but 4 of its
+    # tokens came from version 1: a server decoded on older weights than the admission's.
+    events = [("admit", {"group": 0, "version": 2}), ("finish", {"group": 0, "tokens": {"1": 4, "2": 30, "3": 6}}),
+              *[("train", {"step": s, "groups": []}) for s in range(3)], ("train", {"step": 3, "groups": [0]})]
+    result = audit(ledger(tmp_path, *events), max_staleness=1)
+    assert result["problems"] == ["group 0: trained at step 3 with 4 token(s) of version 1 (realised staleness above 1)"]
+    assert result["stale_tokens"] == 4
+    assert audit(ledger(tmp_path, *events, name="eta2.jsonl"), max_staleness=2)["problems"] == []
