@@ -94,8 +94,23 @@ def check_yaml(argv: list[str]) -> str | None:
     return None
 
 
+def check_run_dir(argv: list[str]) -> str | None:
+    """Hydra makes hydra.run.dir (or hydra.sweep.dir) before the task runs, and a directory that
+    cannot be made ends in its traceback: make it here first and say which key and why in one line."""
+    import os
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            try:
+                os.makedirs(value, exist_ok=True)
+            except OSError as e:
+                return f"{key.lstrip('+')}={value!r}: cannot make the directory ({e.strerror or e})"
+    return None
+
+
 if __name__ == "__main__":
-    if problem := check_yaml(sys.argv[1:]):
+    if problem := check_yaml(sys.argv[1:]) or check_run_dir(sys.argv[1:]):
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {problem}", highlight=False)
         sys.exit(2)
     main()

@@ -1,0 +1,33 @@
+"""Bad input as a careless user types it: each is refused in one line naming the key or file,
+before anything starts (issue 43, part 6)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_flow.launch", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_group_larger_than_the_server_takes_is_refused_naming_the_key_and_the_limit():
+    from areal_flow.config.schema import AlgorithmConfig, RunConfig
+    from areal_flow.generation.limits import MAX_N
+    from areal_flow.run import checks
+
+    too_many = RunConfig(algorithm=AlgorithmConfig(group_size=100000))
+    assert f"algorithm.group_size=100000 exceeds the generation server's limit of {MAX_N} samples per prompt " \
+           "(sampling_params.n)" in checks._rollout(too_many)
+    assert not any("group_size" in p for p in checks._rollout(RunConfig(algorithm=AlgorithmConfig(group_size=MAX_N))))
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for where in ("/proc/nope/run", f"{blocker}/run"):
+        r = launch(f"hydra.run.dir={where}", cwd=tmp_path)
+        assert r.returncode == 2, r.stdout + r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: hydra.run.dir='{where}': cannot make the directory ("), r.stderr
+        assert "Traceback" not in r.stdout + r.stderr
