@@ -22,6 +22,7 @@ from areal_flow.generation.sglang_backend import generation_problems
 from areal_flow.graph.dag import Graph, format_mesh, graph_from_config
 from areal_flow.graph.layout import layout_problems
 from areal_flow.launchers.slurm import sbatch_missing
+from areal_flow.models.tokenizer import missing_tokenizer_files
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
 from areal_flow.rewards.service import builtin_names, resolve
@@ -62,6 +63,10 @@ def _machine(cfg: RunConfig) -> list[str]:
                         "this machine does not have; use rollout.weight_update_mode=disk")
     if cfg.model.path and not cfg.dry_run and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         problems.append(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
+    elif cfg.model.path and not cfg.dry_run and (missing := missing_tokenizer_files(cfg.model.path)):
+        # Every process loads the tokenizer from the model directory; found here, not in their logs.
+        problems.append(f"model.path={cfg.model.path!r} has no tokenizer: missing {', '.join(missing)} (save the "
+                        "model's tokenizer into that directory with save_pretrained)")
     return problems
 
 

@@ -83,9 +83,11 @@ def prepare_judges(cfg: RunConfig, graph: Graph, model_path: str, train_path: st
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError([f"node '{node.name}': {key}={node.model!r} is not a Hugging Face model directory "
                                "(no config.json)"])
-        positions = load_model_config(path, key).max_position_embeddings
-        from areal_flow.models.tokenizer import load_tokenizer  # here: transformers takes seconds to import
+        from areal_flow.models.tokenizer import load_tokenizer, missing_tokenizer_files  # transformers: seconds
 
+        if missing := missing_tokenizer_files(path):
+            raise ConfigError([f"node '{node.name}': {key}={path!r} has no tokenizer: missing {', '.join(missing)}"])
+        positions = load_model_config(path, key).max_position_embeddings
         tokenizer = load_tokenizer(path)
         try:
             if node.chat_template:

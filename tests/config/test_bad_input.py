@@ -31,3 +31,18 @@ def test_a_run_dir_that_cannot_be_made_is_one_line_naming_the_key(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: hydra.run.dir='{where}': cannot make the directory ("), r.stderr
         assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_model_directory_without_tokenizer_files_names_the_missing_files(tmp_path):
+    from areal_flow.config.schema import ModelConfig, RunConfig
+    from areal_flow.models.tokenizer import build_char_tokenizer
+    from areal_flow.run import checks
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    cfg = RunConfig(model=ModelConfig(path=str(model)))
+    assert f"model.path='{model}' has no tokenizer: missing tokenizer.json, tokenizer_config.json (save the model's " \
+           "tokenizer into that directory with save_pretrained)" in checks._machine(cfg)
+    build_char_tokenizer().save_pretrained(str(model))
+    assert not any("tokenizer" in p for p in checks._machine(cfg))
