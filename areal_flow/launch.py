@@ -66,6 +66,12 @@ def main(cfg: DictConfig) -> None:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2
+    except KeyboardInterrupt:
+        # Ctrl-C before any process started (a started run stops itself: run/start.py). The base
+        # model's bootstrap trains in a temp directory renamed into the cache only when complete,
+        # and generated data is published the same way, so nothing half-made is left to reuse.
+        console.print("[bold red]interrupted[/] before the run started: nothing half-made was cached", highlight=False)
+        code = 130
     if code:
         sys.exit(code)
 

@@ -1,9 +1,13 @@
 """Bad input as a careless user types it: each is refused in one line naming the key or file,
 before anything starts (issue 43, part 6)."""
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 
 def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -46,3 +50,24 @@ def test_a_model_directory_without_tokenizer_files_names_the_missing_files(tmp_p
            "tokenizer into that directory with save_pretrained)" in checks._machine(cfg)
     build_char_tokenizer().save_pretrained(str(model))
     assert not any("tokenizer" in p for p in checks._machine(cfg))
+
+
+@pytest.mark.slow  # a real launcher that imports torch and starts a bootstrap
+def test_ctrl_c_during_the_bootstrap_exits_130_in_one_line_and_caches_no_partial_model(tmp_path):
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "areal_flow.launch", f"cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}",
+           "dataset.n_train=40", "dataset.n_eval=8", "model.bootstrap_steps=100000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    models = cache / "models"
+    deadline = time.monotonic() + 120
+    while not (models.is_dir() and any(p.name.startswith(".tmp-") for p in models.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, "the bootstrap never started"
+        time.sleep(0.2)
+    time.sleep(1)  # into its training steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert "interrupted before the run started: nothing half-made was cached" in out
+    # Only the bootstrap's lock file stays: no model directory, finished or not, a later run could take.
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
