@@ -26,6 +26,7 @@ from areal_flow.launchers.slurm import SlurmError
 from areal_flow.run.checks import validate
 from areal_flow.run.compose import compose
 from areal_flow.run.dry_run import dry_run
+from areal_flow.run.lock import RunDirBusy, hold_run_dir
 from areal_flow.run.prepare import prepare
 from areal_flow.run.start import start_watched
 from areal_flow.run.submit import submit_slurm
@@ -48,6 +49,9 @@ def run(raw: DictConfig, console: Console) -> int:
     placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
     if cfg.dry_run:
         return dry_run(cfg, graph, placement, console)
+    # Before the data and the model are prepared: a second launch into a live run's directory writes nothing.
+    what = f"hydra.run.dir={cfg.output_dir}"
+    hold_run_dir(cfg.output_dir, f"resume={cfg.resume}: {what}" if cfg.resume == "auto" else what)
     prepared = prepare(cfg, graph, console)
     if cfg.launcher.type == "slurm":
         return submit_slurm(raw, cfg, placement, prepared, console)
@@ -62,7 +66,7 @@ def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError, ResumeError) as e:
+    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError, ResumeError, RunDirBusy) as e:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2
