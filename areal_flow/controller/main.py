@@ -37,7 +37,7 @@ from areal_flow.controller import state as run_state
 from areal_flow.controller.state import RunState, for_ranks
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.dataset import load_rows
-from areal_flow.data.loading import load_prompts, row_format
+from areal_flow.data.loading import load_prompts, prompt_room, row_format
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.router import ServerPool
@@ -125,14 +125,19 @@ class Controller:
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
-        self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer),
-                                    ds.seed)
+        # Prompts over the model's context were refused at launch, or are left out here as they were counted there.
+        room, skipped = prompt_room(cfg, spec.model_path), []
+        self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer,
+                                                 room, skipped), ds.seed)
         self.prompts.seek(self.state.epoch, self.state.cursor)
-        self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
+        self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer, room)
         # The fields judges read, as in the data (before the prompt templates), row by row as self.prompts.rows.
         self.judge_fields = sorted({k for j in graph.judges for k in graph.dataset_inputs(j)})
-        self.raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split) \
+        places: list[str] = []
+        raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split, places) \
             if self.judge_fields else []
+        left_out = set(skipped)
+        self.raw_rows = [row for row, where in zip(raw_rows, places) if where not in left_out]
         self.publisher = WeightPublisher(spec.gen_urls, spec.gen_names,
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
