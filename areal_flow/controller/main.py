@@ -50,6 +50,7 @@ from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
+from areal_flow.runtime.disk import writing
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
@@ -647,10 +648,11 @@ class Controller:
         for rank, ident in self.ranks.items():
             await send_to(self.socket, ident, SaveCheckpoint(tmp, held[rank]))
         await self.replies_from_ranks(Saved, f"saving the checkpoint of step {step}")
-        with open(os.path.join(tmp, run_state.FILE), "wb") as f:
-            f.write(encoded)
-        shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
-        path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
+        with writing("the checkpoint", tmp):
+            with open(os.path.join(tmp, run_state.FILE), "wb") as f:
+                f.write(encoded)
+            shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
+            path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
         removed = store.prune(self.spec.run_dir, self.cfg.checkpoint.keep_last)
         self.saved = (step, self.clock.elapsed())
         seconds = time.monotonic() - t0

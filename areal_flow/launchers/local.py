@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from areal_flow.graph.placement import Proc
+from areal_flow.runtime.child import ONE_LINE_ERROR
 from areal_flow.runtime.spec import free_ports
 from areal_flow.status.processes import ProcessTable
 
@@ -34,7 +35,9 @@ def how_it_ended(returncode: int) -> str:
 class ChildFailed(RuntimeError):
     def __init__(self, name: str, returncode: int, traceback: str, log_path: str):
         self.name, self.returncode, self.traceback, self.log_path = name, returncode, traceback, log_path
-        super().__init__(f"process '{name}' {how_it_ended(returncode)}; its log is {log_path}\n{traceback}")
+        said = "\n" not in traceback and traceback.startswith(ONE_LINE_ERROR)  # the process's own one line
+        tail = f": {traceback[len(ONE_LINE_ERROR):]}" if said else f"\n{traceback}"
+        super().__init__(f"process '{name}' {how_it_ended(returncode)}; its log is {log_path}{tail}")
 
 
 Restart = Callable[[], tuple[list[str], dict[str, str]]]
@@ -69,6 +72,8 @@ def last_traceback(log_path: str, max_lines: int = 60) -> str:
             lines = f.read().splitlines()
     except OSError:
         return "(no log)"
+    if lines and lines[-1].startswith(ONE_LINE_ERROR):
+        return lines[-1]  # the process said what stopped it in one line (runtime/child.py)
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACE_STARTS)]
     chunk = lines[starts[-1]:] if starts else lines[-20:]
     return "\n".join(chunk[-max_lines:]) or "(empty log)"
