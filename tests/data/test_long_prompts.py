@@ -69,3 +69,20 @@ def test_the_launcher_refuses_a_long_prompt_in_one_line_before_any_process_start
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout.strip().startswith(f"error: {data}:2: the prompt (field 'prompt') is 100000 tokens, over the ")
     assert "Traceback" not in r.stdout + r.stderr and not (tmp_path / "run" / "spec.json").exists()
+
+
+@pytest.mark.slow  # a real run
+def test_a_run_with_skipped_long_prompts_trains_on_the_others_to_its_end(tmp_path, run_cache):
+    """Three rows, one far over the context: four groups draw every row, so a long row that reached
+    a rollout worker would stop the run there."""
+    from run_helpers import launch
+
+    rows = [{"prompt": "12+34=", "answer": "46"}, {"prompt": LONG, "answer": "1"}, {"prompt": "5+6=", "answer": "11"}]
+    for name in ("train", "eval"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = launch(tmp_path / "run", run_cache, "dataset.name=jsonl", f"dataset.train_path={tmp_path}/train.jsonl",
+               f"dataset.eval_path={tmp_path}/eval.jsonl", "dataset.long_prompts=skip", "total_steps=2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith("dataset.long_prompts=skip:")]
+    assert said == [f"dataset.long_prompts=skip: 1 of 3 rows of {tmp_path}/{name}.jsonl left out, their prompts over "
+                    f"{256 - 96} tokens (the first: {tmp_path}/{name}.jsonl:2)" for name in ("train", "eval")]
