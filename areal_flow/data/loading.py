@@ -57,7 +57,10 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
 
 
 def prompt_room(cfg, model_path: str) -> int | None:
-    """The prompt tokens the model's context leaves beside the answer's budget (None: no limit known)."""
+    """The prompt tokens the model's context leaves beside the answer's budget (None: no limit known,
+    as for a directory with a tokenizer only, which tests give a controller)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
     positions = getattr(load_model_config(model_path), "max_position_embeddings", None)
     return None if positions is None else positions - cfg.algorithm.max_new_tokens
 
