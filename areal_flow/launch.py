@@ -26,6 +26,7 @@ from areal_flow.launchers.slurm import SlurmError
 from areal_flow.run.checks import validate
 from areal_flow.run.compose import compose
 from areal_flow.run.dry_run import dry_run
+from areal_flow.run.lock import RunDirBusy, hold_run_dir
 from areal_flow.run.prepare import prepare
 from areal_flow.run.start import start_watched
 from areal_flow.run.submit import submit_slurm
@@ -48,6 +49,9 @@ def run(raw: DictConfig, console: Console) -> int:
     placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
     if cfg.dry_run:
         return dry_run(cfg, graph, placement, console)
+    # Before the data and the model are prepared: a second launch into a live run's directory writes nothing.
+    what = f"hydra.run.dir={cfg.output_dir}"
+    hold_run_dir(cfg.output_dir, f"resume={cfg.resume}: {what}" if cfg.resume == "auto" else what)
     prepared = prepare(cfg, graph, console)
     if cfg.launcher.type == "slurm":
         return submit_slurm(raw, cfg, placement, prepared, console)
@@ -62,10 +66,16 @@ def main(cfg: DictConfig) -> None:
     console = Console(soft_wrap=True)
     try:
         code = run(cfg, console)
-    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError, ResumeError) as e:
+    except (GraphError, ConfigError, DatasetError, AllocationError, SlurmError, ResumeError, RunDirBusy) as e:
         # escape: a message may hold brackets, e.g. pip install -e '.[sglang]'
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         code = 2
+    except KeyboardInterrupt:
+        # Ctrl-C before any process started (a started run stops itself: run/start.py). The base
+        # model's bootstrap trains in a temp directory renamed into the cache only when complete,
+        # and generated data is published the same way, so nothing half-made is left to reuse.
+        console.print("[bold red]interrupted[/] before the run started: nothing half-made was cached", highlight=False)
+        code = 130
     if code:
         sys.exit(code)
 
@@ -94,8 +104,23 @@ def check_yaml(argv: list[str]) -> str | None:
     return None
 
 
+def check_run_dir(argv: list[str]) -> str | None:
+    """Hydra makes hydra.run.dir (or hydra.sweep.dir) before the task runs, and a directory that
+    cannot be made ends in its traceback: make it here first and say which key and why in one line."""
+    import os
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            try:
+                os.makedirs(value, exist_ok=True)
+            except OSError as e:
+                return f"{key.lstrip('+')}={value!r}: cannot make the directory ({e.strerror or e})"
+    return None
+
+
 if __name__ == "__main__":
-    if problem := check_yaml(sys.argv[1:]):
+    if problem := check_yaml(sys.argv[1:]) or check_run_dir(sys.argv[1:]):
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {problem}", highlight=False)
         sys.exit(2)
     main()

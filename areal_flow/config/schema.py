@@ -138,6 +138,9 @@ class DatasetConfig:
                                          "'Question: {prompt}\\nAnswer:'; null = the prompt field as it is")
     chat_template: bool = doc(False, "wrap the prompt (after prompt_template) in the tokenizer's chat template as one "
                               "user message, with the generation prompt")
+    long_prompts: str = doc("refuse", "a prompt whose tokens leave less than algorithm.max_new_tokens of the model's "
+                            "context: 'refuse' stops the launch naming its file:line, 'skip' leaves the row out "
+                            "(counted once at launch)", choices=("refuse", "skip"))
     n_train: int = doc(20000, "generated training problems (tiny_arith)", ge=1)
     n_eval: int = doc(200, "generated held-out problems (tiny_arith)", ge=1)
     seed: int = doc(0, "seed of the generated data and of the prompt order")

@@ -37,7 +37,7 @@ from areal_flow.controller import state as run_state
 from areal_flow.controller.state import RunState, for_ranks
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.dataset import load_rows
-from areal_flow.data.loading import load_prompts, row_format
+from areal_flow.data.loading import load_prompts, prompt_room, row_format
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.router import ServerPool
@@ -50,6 +50,7 @@ from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
+from areal_flow.runtime.disk import writing
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
@@ -135,14 +136,19 @@ class Controller:
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
-        self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer),
-                                    ds.seed)
+        # Prompts over the model's context were refused at launch, or are left out here as they were counted there.
+        room, skipped = prompt_room(cfg, spec.model_path), []
+        self.prompts = PromptStream(load_prompts(ds, spec.train_path, ds.train_split, prompt_key, self.tokenizer,
+                                                 room, skipped), ds.seed)
         self.prompts.seek(self.state.epoch, self.state.cursor)
-        self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer)
+        self.eval_rows = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, self.tokenizer, room)
         # The fields judges read, as in the data (before the prompt templates), row by row as self.prompts.rows.
         self.judge_fields = sorted({k for j in graph.judges for k in graph.dataset_inputs(j)})
-        self.raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split) \
+        places: list[str] = []
+        raw_rows = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split, places) \
             if self.judge_fields else []
+        left_out = set(skipped)
+        self.raw_rows = [row for row, where in zip(raw_rows, places) if where not in left_out]
         self.publisher = WeightPublisher(spec.gen_urls, spec.gen_names,
                                          make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
@@ -668,10 +674,11 @@ class Controller:
         for rank, ident in self.ranks.items():
             await send_to(self.socket, ident, SaveCheckpoint(tmp, held[rank]))
         await self.replies_from_ranks(Saved, f"saving the checkpoint of step {step}")
-        with open(os.path.join(tmp, run_state.FILE), "wb") as f:
-            f.write(encoded)
-        shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
-        path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
+        with writing("the checkpoint", tmp):
+            with open(os.path.join(tmp, run_state.FILE), "wb") as f:
+                f.write(encoded)
+            shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
+            path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
         removed = store.prune(self.spec.run_dir, self.cfg.checkpoint.keep_last)
         self.saved = (step, self.clock.elapsed())
         seconds = time.monotonic() - t0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from areal_flow.config.validate import load_model_config
 from areal_flow.data.dataset import DatasetError, load_rows
 from areal_flow.data.templates import apply_templates
 
@@ -55,17 +56,51 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
     return os.path.abspath(train), os.path.abspath(held_out)
 
 
-def load_prompts(ds, path: str, split: str, prompt_key: str, tokenizer=None) -> list[dict[str, str]]:
+def prompt_room(cfg, model_path: str) -> int | None:
+    """The prompt tokens the model's context leaves beside the answer's budget (None: no limit known,
+    as for a directory with a tokenizer only, which tests give a controller)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    positions = getattr(load_model_config(model_path), "max_position_embeddings", None)
+    return None if positions is None else positions - cfg.algorithm.max_new_tokens
+
+
+def load_prompts(ds, path: str, split: str, prompt_key: str, tokenizer=None, room: int | None = None,
+                 skipped: list[str] | None = None) -> list[dict[str, str]]:
     """The rows of `path` checked against `ds.name`'s format and `ds.fields`, with the prompt
     templates applied to `prompt_key`. Without a tokenizer the chat template is left out (the
     launcher checks rows before the model exists, and the chat template separately). A prompt that
     is empty or only whitespace after the format string is refused, naming its file and line (or
-    row): drawn, it would fail at a generation server, naming neither."""
-    places: list[str] = []
+    row): drawn, it would fail at a generation server, naming neither. So is, with a tokenizer and
+    `room` (the model's context less the answer's budget), a prompt of more tokens than `room`; with
+    dataset.long_prompts=skip it is left out instead and its place appended to `skipped`."""
+    places = []
     rows = load_rows(path, list(ds.fields), row_format(ds.name), split, places)
     rows = apply_templates(rows, prompt_key, path, ds.prompt_template)
     for row, where in zip(rows, places):
         if prompt_key in row and not row[prompt_key].strip():
             after = f" after dataset.prompt_template {ds.prompt_template!r}" if ds.prompt_template is not None else ""
             raise DatasetError(f"{where}: the prompt (field {prompt_key!r}) is empty{after}: {row[prompt_key]!r}")
-    return apply_templates(rows, prompt_key, path, None, ds.chat_template, tokenizer)
+    rows = apply_templates(rows, prompt_key, path, None, ds.chat_template, tokenizer)
+    if tokenizer is None or room is None or not rows:
+        return rows
+    return fit_context(ds, rows, places, prompt_key, tokenizer, room, skipped if skipped is not None else [])
+
+
+def fit_context(ds, rows: list[dict[str, str]], places: list[str], prompt_key: str, tokenizer, room: int,
+                skipped: list[str]) -> list[dict[str, str]]:
+    """The rows whose prompt, tokenized as a rollout worker does, has at most `room` tokens; a
+    longer one is refused (DatasetError naming its place) or, with dataset.long_prompts=skip, left
+    out and its place appended to `skipped`."""
+    lengths = [len(ids) for ids in tokenizer([row[prompt_key] for row in rows], add_special_tokens=False)["input_ids"]]
+    kept = []
+    for row, where, n in zip(rows, places, lengths):
+        if n <= room:
+            kept.append(row)
+        elif ds.long_prompts == "skip":
+            skipped.append(where)
+        else:
+            raise DatasetError(f"{where}: the prompt (field {prompt_key!r}) is {n} tokens, over the {room} the model's "
+                               "context leaves beside algorithm.max_new_tokens: shorten it, or set "
+                               "dataset.long_prompts=skip")
+    return kept

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, GenerationRequest, GenerationResult
+from areal_flow.generation.limits import MAX_N
 from areal_flow.generation.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ always the no-op."""
 TEXT_SAMPLING_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "custom_params"}
 """SGLang keys that shape only the returned text or are free-form (SGLang itself ignores custom_params)."""
 
-MAX_N = 1024
-"""Most samples per prompt (sampling_params.n): more is refused rather than queued."""
 
 
 class HTTPError(Exception):

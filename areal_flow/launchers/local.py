@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from areal_flow.graph.placement import Proc
+from areal_flow.runtime.child import ONE_LINE_ERROR
 from areal_flow.runtime.spec import free_ports
 from areal_flow.status.processes import ProcessTable
 
@@ -38,9 +39,11 @@ class ChildFailed(RuntimeError):
 
     def __init__(self, name: str, returncode: int, traceback: str, log_path: str):
         self.name, self.returncode, self.traceback, self.log_path = name, returncode, traceback, log_path
-        self.error = exception_line(traceback)
+        said = "\n" not in traceback and traceback.startswith(ONE_LINE_ERROR)  # the process's own one line
+        self.error = traceback[len(ONE_LINE_ERROR):] if said else exception_line(traceback)
+        rest = "" if said else f"\n{traceback}"  # a traceback follows the reason; a one-line error is all of it
         super().__init__(f"process '{name}' {how_it_ended(returncode)}{': ' + self.error if self.error else ''}; "
-                         f"its log is {log_path}\n{traceback}")
+                         f"its log is {log_path}{rest}")
 
     @property
     def reason(self) -> str:
@@ -95,6 +98,8 @@ def last_traceback(log_path: str, max_lines: int = 60) -> str:
             lines = f.read().splitlines()
     except OSError:
         return "(no log)"
+    if lines and lines[-1].startswith(ONE_LINE_ERROR):
+        return lines[-1]  # the process said what stopped it in one line (runtime/child.py)
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACE_STARTS)]
     chunk = lines[starts[-1]:] if starts else lines[-20:]
     return "\n".join(chunk[-max_lines:]) or "(empty log)"

@@ -10,6 +10,7 @@ post-processor, so callers append `eos_token_id` themselves where a sequence sho
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -45,6 +46,15 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         # The space is a real token ("#### 4690"); clean-up would strip spaces around digits.
         clean_up_tokenization_spaces=False,
     )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What `load_tokenizer` reads: the fast tokenizer itself, and its special tokens (eos, pad)."""
+
+
+def missing_tokenizer_files(path: str) -> list[str]:
+    """The files of TOKENIZER_FILES that the model directory `path` lacks."""
+    return [name for name in TOKENIZER_FILES if not os.path.isfile(os.path.join(path, name))]
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:

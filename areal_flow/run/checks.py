@@ -17,10 +17,12 @@ from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config
 from areal_flow.data.dataset import DatasetError
 from areal_flow.data.templates import check_chat_template, template_fields
+from areal_flow.generation.limits import MAX_N
 from areal_flow.generation.sglang_backend import generation_problems
 from areal_flow.graph.dag import Graph, format_mesh, graph_from_config
 from areal_flow.graph.layout import layout_problems
 from areal_flow.launchers.slurm import sbatch_missing
+from areal_flow.models.tokenizer import missing_tokenizer_files
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
 from areal_flow.rewards.service import builtin_names, resolve
@@ -61,6 +63,10 @@ def _machine(cfg: RunConfig) -> list[str]:
                         "this machine does not have; use rollout.weight_update_mode=disk")
     if cfg.model.path and not cfg.dry_run and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         problems.append(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json)")
+    elif cfg.model.path and not cfg.dry_run and (missing := missing_tokenizer_files(cfg.model.path)):
+        # Every process loads the tokenizer from the model directory; found here, not in their logs.
+        problems.append(f"model.path={cfg.model.path!r} has no tokenizer: missing {', '.join(missing)} (save the "
+                        "model's tokenizer into that directory with save_pretrained)")
     return problems
 
 
@@ -79,6 +85,10 @@ def _rollout(cfg: RunConfig) -> list[str]:
     if cfg.recover.retries and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
         problems.append(f"recover.retries={cfg.recover.retries} restarts a run from its last checkpoint, and this run "
                         "saves none before its end: set checkpoint.every_steps or checkpoint.every_minutes")
+    if cfg.algorithm.group_size > MAX_N:
+        # A group is one request with n=group_size, which the server refuses mid-run.
+        problems.append(f"algorithm.group_size={cfg.algorithm.group_size} exceeds the generation server's limit of "
+                        f"{MAX_N} samples per prompt (sampling_params.n)")
     if cfg.recover.retries and cfg.launcher.type == "slurm":
         problems.append("recover.retries restarts the processes the launcher watches, and a Slurm job runs on its own: "
                         "requeue the job with resume=auto instead (docs/reliability.md)")

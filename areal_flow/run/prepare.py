@@ -11,7 +11,7 @@ from rich.console import Console
 from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import ConfigError, check_model_config, load_model_config
 from areal_flow.data.dataset import DatasetError, load_rows
-from areal_flow.data.loading import dataset_paths, load_prompts, row_format
+from areal_flow.data.loading import dataset_paths, load_prompts, prompt_room, row_format
 from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import sglang_missing
 from areal_flow.graph.dag import Graph, graph_from_config
@@ -65,13 +65,37 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     if cfg.generation.backend == "sglang" and (problem := sglang_missing()):
         raise ConfigError([problem])
     check_rewards(cfg, graph, console)
-    train_path, eval_path = prepare_data(cfg, graph.dataset_input(graph.generate))
+    prompt_key = graph.dataset_input(graph.generate)
+    train_path, eval_path = prepare_data(cfg, prompt_key)
     model_path = prepare_model(cfg)
     check_model_config(cfg.model.path)
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
+    check_prompt_room(cfg, model_path, prompt_key, ((train_path, cfg.dataset.train_split),
+                                                    (eval_path, cfg.dataset.eval_split)), console)
     return Prepared(run_dir=os.path.abspath(cfg.output_dir), model_path=model_path, train_path=train_path,
                     eval_path=eval_path, judge_models=prepare_judges(cfg, graph, model_path, train_path))
+
+
+def check_prompt_room(cfg: RunConfig, model_path: str, prompt_key: str, splits, console: Console) -> None:
+    """Every prompt, templated and tokenized as the run will, fits the model's context with its
+    answer: drawn, a longer one would stop the run at a generation server, naming no file. It is
+    refused naming its file and line, or (dataset.long_prompts=skip) left out, said here once."""
+    from areal_flow.models.tokenizer import load_tokenizer  # here: transformers takes seconds to import
+
+    if (room := prompt_room(cfg, model_path)) is None:
+        return
+    tokenizer = load_tokenizer(model_path)
+    for path, split in splits:
+        skipped: list[str] = []
+        kept = load_prompts(cfg.dataset, path, split, prompt_key, tokenizer, room, skipped)
+        if skipped and not kept:
+            raise DatasetError(f"{path}: every prompt is over the {room} tokens the model's context leaves beside "
+                               "algorithm.max_new_tokens (dataset.long_prompts=skip left none)")
+        if skipped:
+            console.print(f"dataset.long_prompts=skip: {len(skipped)} of {len(kept) + len(skipped)} rows of {path} "
+                          f"left out, their prompts over {room} tokens (the first: {skipped[0]})",
+                          highlight=False, markup=False)
 
 
 def prepare_judges(cfg: RunConfig, graph: Graph, model_path: str, train_path: str) -> dict[str, str]:
@@ -83,9 +107,11 @@ def prepare_judges(cfg: RunConfig, graph: Graph, model_path: str, train_path: st
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError([f"node '{node.name}': {key}={node.model!r} is not a Hugging Face model directory "
                                "(no config.json)"])
-        positions = load_model_config(path, key).max_position_embeddings
-        from areal_flow.models.tokenizer import load_tokenizer  # here: transformers takes seconds to import
+        from areal_flow.models.tokenizer import load_tokenizer, missing_tokenizer_files  # transformers: seconds
 
+        if missing := missing_tokenizer_files(path):
+            raise ConfigError([f"node '{node.name}': {key}={path!r} has no tokenizer: missing {', '.join(missing)}"])
+        positions = load_model_config(path, key).max_position_embeddings
         tokenizer = load_tokenizer(path)
         try:
             if node.chat_template:

@@ -22,6 +22,7 @@ from areal_flow.launchers.commands import judge_command, python_role, server_com
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
 from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
+from areal_flow.run.lock import hold_run_dir
 from areal_flow.run.ports import watched_spec
 from areal_flow.run.prepare import Prepared
 from areal_flow.run.stop import Terminated, interrupt, stop_with_checkpoint
@@ -141,6 +142,7 @@ def start_watched(raw: DictConfig, cfg: RunConfig, placement: Placement, prepare
     process dies: the exit code of the last attempt, and its spec."""
     resume, prepared = find_resume(raw, cfg, prepared, console)
     run_dir = prepared.run_dir
+    hold_run_dir(run_dir, f"resume={cfg.resume}: its run directory {run_dir}")  # held already unless resume=PATH
     for attempt in range(cfg.recover.retries + 1):
         if resume is not None:
             console.print(f"resuming from {resume} (step {store.read_manifest(resume)['step']})", highlight=False)

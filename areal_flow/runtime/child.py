@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 
+from areal_flow.runtime.disk import DiskFull
 from areal_flow.runtime.spec import read_run
 
 ROLES = {
@@ -24,6 +25,9 @@ ROLES = {
     "inference": "areal_flow.training.inference",  # a replica of a node on a mesh of its own
 }
 
+
+ONE_LINE_ERROR = "error: "
+"""How a process's last log line begins when it stopped on an error it could say in one line."""
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun gives each process it starts; all of them present means this process is one of its workers."""
@@ -64,7 +68,12 @@ def main(argv: list[str]) -> None:
 
     hf_logging.disable_progress_bar()  # a weight save every step would print a bar into the log
     cfg, spec = read_run(run_dir)
-    importlib.import_module(ROLES[role]).main(cfg, spec, name, rank)
+    try:
+        importlib.import_module(ROLES[role]).main(cfg, spec, name, rank)
+    except DiskFull as e:
+        # One line, the log's last, which the launcher reports as it is (launchers/local.py: last_traceback).
+        print(f"{ONE_LINE_ERROR}{e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

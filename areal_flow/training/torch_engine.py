@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.metrics.profile import Phases
+from areal_flow.runtime.disk import torch_save
 from areal_flow.training import attention as attention_impl
 from areal_flow.training.engine import (
     RANK_RNG,
@@ -506,7 +507,7 @@ class TorchEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             if train_state is not None:
-                torch.save(train_state, os.path.join(tmp, TRAIN_STATE))
+                torch_save(train_state, os.path.join(tmp, TRAIN_STATE))
 
         if self.rank == 0:
             atomic_write_dir(path, write)
@@ -563,9 +564,9 @@ class TorchEngine:
                 tokenizer.save_pretrained(path)
         del weights
         write_sharded_state(path, self._sharded_state(), self._group, alone=self._group is None)
-        torch.save(self._rng_state(), os.path.join(path, RANK_RNG.format(rank=self.rank)))
+        torch_save(self._rng_state(), os.path.join(path, RANK_RNG.format(rank=self.rank)))
         if self.rank == 0:
-            torch.save({"engine": "torch", "world_size": self._world_size, "version": self.version,
+            torch_save({"engine": "torch", "world_size": self._world_size, "version": self.version,
                         "nan_in_a_row": self._nan_in_a_row, "extra": dict(self.extra_state),
                         "scheduler": None if self._scheduler is None else self._scheduler.state_dict()},
                        os.path.join(path, RESUMABLE_META))

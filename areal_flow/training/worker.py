@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property, partial
@@ -38,6 +39,7 @@ from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.child import torchrun_rank
+from areal_flow.runtime.disk import DiskFull, writing
 from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
@@ -377,6 +379,17 @@ class ModelWorker:
                             self.cfg.algorithm, skip)
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> None:
+        try:
+            with writing("the checkpoint", msg.path):
+                self._save_checkpoint(msg)
+        except DiskFull:
+            if msg.groups is not None:
+                # A temporary folder (store.begin) that nothing reads: its space is wanted for the
+                # log line that says what happened, on the same disk, and by the user.
+                shutil.rmtree(msg.path, ignore_errors=True)
+            raise
+
+    def _save_checkpoint(self, msg: SaveCheckpoint) -> None:
         """The end of a run (`msg.groups` None): the trained role's Hugging Face directory at
         `msg.path`, with its training state beside it, and a trained critic's in its `critic/`
         folder. A resumable checkpoint: every trained role's `save_resumable` folder (Hugging Face

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from areal_flow.runtime.disk import writing
 from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ class FileChannel(WeightChannel):
 
     def after_step(self, engine: Engine, version: int, rank: int) -> str:
         path = os.path.join(self.root, f"v{version}")
-        engine.save_weights(path)  # every rank takes part; rank 0 writes
+        with writing("the weights", path):
+            engine.save_weights(path)  # every rank takes part; rank 0 writes
         if rank == 0:
             prune(self.root, keep=version, every=self.keep_every)
         return path

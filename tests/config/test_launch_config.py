@@ -255,6 +255,8 @@ def test_a_model_path_with_a_corrupt_config_json_fails_before_anything_starts(tm
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2",\n')
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # present, so that only config.json is wrong
+        (model / name).write_text("{}")
     r = launch(f"model.path={model}", f"cache_dir={tmp_path}/cache", "dataset.n_train=20", "dataset.n_eval=4",
                cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr

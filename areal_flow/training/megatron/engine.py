@@ -67,6 +67,7 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.graph.layout import Layout, layout_problems
 from areal_flow.metrics.profile import Phases
+from areal_flow.runtime.disk import torch_save
 from areal_flow.training.engine import (
     RANK_RNG,
     RESUMABLE_META,
@@ -555,7 +556,7 @@ class MegatronEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             if train_state is not None:
-                torch.save(train_state, os.path.join(tmp, TRAIN_STATE))
+                torch_save(train_state, os.path.join(tmp, TRAIN_STATE))
 
         if dist.get_rank() == 0:
             atomic_write_dir(path, write)
@@ -587,9 +588,9 @@ class MegatronEngine:
         if self._optimizer is not None:
             with self._compat():
                 write_sharded_state(path, self._sharded_state(), None, alone=False)
-            torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, RANK_RNG.format(rank=rank)))
+            torch_save({"cpu": torch.get_rng_state()}, os.path.join(path, RANK_RNG.format(rank=rank)))
             if rank == 0:
-                torch.save({"engine": "megatron", "layout": str(self.layout), "world_size": dist.get_world_size(),
+                torch_save({"engine": "megatron", "layout": str(self.layout), "world_size": dist.get_world_size(),
                             "optimizer_kind": self._optimizer_kind,
                             "step": self._step, "version": self.version, "nan_in_a_row": self._nan_in_a_row,
                             "extra": dict(self.extra_state)}, os.path.join(path, RESUMABLE_META))
