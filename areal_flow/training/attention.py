@@ -50,14 +50,13 @@ FLEX_BLOCK = 128
 FLEX_CUDA_MIN_HEAD_DIM = 16
 """Compiled FlexAttention on CUDA refuses smaller heads ("embedding dimension ... must be at least 16",
 torch 2.11 on an H200): those run the per-document loop, which is exact."""
-CPU_AUTO = "varlen"
-"""What "auto" runs on the CPU. Measured on tools/bench_packing.py's batch (64 tiny_arith samples,
-2,651 tokens, the bootstrapped 4-layer tiny Qwen2; one thread, 4,096-token micro-batches, the
-variants interleaved in one process, 21 repetitions, medians; a busy shared 2-core machine): a
-train step took 0.231 s with varlen (documents grouped by length, GROUP_RATIO) over one row per
-micro-batch, 0.253 s with varlen over rows of 128 tokens, 0.251 s with transformers' sdpa and its
-dense mask over rows of 128 (the tiny_arith recipe), 0.292 s with one SDPA call per document and
-1.29 s with sdpa over one row; logprobs 0.080 s (varlen, one row) against 0.085 s (sdpa, rows)."""
+CPU_AUTO = "sdpa"
+"""What "auto" runs on the CPU: transformers' sdpa with its dense block mask over the recipe's
+packed rows. In whole tiny_arith runs (η = 4, algorithm.ppo_epochs=2, 40 steps, alternated, 2 cores,
+2026-11-27) its train step took 0.455 and 0.463 s against varlen's 0.511 and 0.540 s (+12%), and
+the run trained 117.9-127.0 samples/s against 109.8-114.1: varlen's per-length document groups
+cost more than the small dense masks of 128-token rows. (An isolated benchmark of one step on a busy
+machine had put varlen over one row per micro-batch first, 0.231 s against sdpa's 0.251 s.)"""
 PACKING_KWARG = "packing"
 """The forward keyword that carries the `Packing` to the registered transformers attention."""
 HF_NAMES = {"varlen": "areal_varlen", "flex": "areal_flex"}

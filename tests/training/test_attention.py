@@ -84,7 +84,7 @@ def test_document_boundaries_come_from_restarting_positions_of_every_row():
 
 
 def test_resolve_picks_a_cpu_implementation_and_names_the_choices_for_an_unknown_one():
-    assert A.resolve("auto", "cpu") == A.CPU_AUTO == "varlen"
+    assert A.resolve("auto", "cpu") == A.CPU_AUTO == "sdpa"
     assert [A.resolve(a, "cpu") for a in ("sdpa", "varlen", "flex", "flex_attention")] == \
         ["sdpa", "varlen", "flex", "flex"]
     with pytest.raises(ValueError, match=r"attention must be one of auto, sdpa, varlen, flex, got 'flash'"):
