@@ -405,6 +405,7 @@ class Controller:
         """A step has trained: its window (seconds, the servers' counts over it, controller CPU) ends
         now, and the next step's starts. A step's row then covers that step's own training and what
         generation did meanwhile, the last step's too (its weights' load comes after)."""
+        self.waiting_for = "the generation servers' counts of the step (/get_server_info)"
         (last, before, cpu), now, counts = self.mark, time.monotonic(), await self.server_counts()
         self.mark = (now, counts, time.process_time())
         return now - last, {key: value - before[key] for key, value in counts.items() if key in before}, \
@@ -503,8 +504,8 @@ class Controller:
             msg = await self.replies.get()
             if isinstance(msg, kind):
                 got[msg.rank] = msg
-                missing = ", ".join(f"trainer{r}" for r in sorted(set(self.ranks) - set(got)))
-                self.waiting_for = f"{missing} to finish {what}"
+                if missing := ", ".join(f"trainer{r}" for r in sorted(set(self.ranks) - set(got))):
+                    self.waiting_for = f"{missing} to finish {what}"
             else:
                 log.error("controller: unexpected %s from a trainer rank while waiting for %s, dropped",
                           type(msg).__name__, what)
