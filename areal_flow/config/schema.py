@@ -488,6 +488,11 @@ class DumpConfig:
     every_steps: int = doc(0, "every Nth step, each trainer rank writes the samples it trained (prompt, answer, reward, "
                            "versions, advantage, staleness) to run_dir/dumps/step-NNNNNNNN-rankR.jsonl (0 = never)",
                            ge=0)
+    tokens: bool = doc(False, "dumps also carry each sample's arrays as lists (prompt and answer ids, behaviour and "
+                       "π_prox logprobs, versions, ...), to recompute them offline")
+    weights: bool = doc(False, "the trainer also saves the weights of every version it starts a step from, as a "
+                        "Hugging Face directory run_dir/dumps/weights/vNNNNNNNN (every step, whatever every_steps: a "
+                        "check of the logprobs, tests/test_logprob_audit.py; a model's size a step)")
 
 
 @dataclass

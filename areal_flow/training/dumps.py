@@ -16,6 +16,14 @@ sees part of a file. Each object:
     staleness_mean         the token-weighted mean of step − version; None without versions
     advantage              the mean advantage over the answer's tokens in the loss; None without any
     advantages             the advantage of every answer token (rounded to 6 significant digits)
+    arrays                 with `dump.tokens`: every array of the sample as a list ({key: [...]}: the
+                           prompt and answer ids, behav_logprobs, prox_logprobs, versions, ...), exact
+                           (a float32 round-trips through JSON's doubles)
+
+With `dump.weights`, the trainer also saves the weights it starts each step from, as a Hugging Face
+directory `<run_dir>/dumps/weights/vNNNNNNNN` (`weights_path`): the version that step's π_prox is,
+and the version the servers loaded under that number. With both, every trained token's behaviour and
+π_prox logprobs can be recomputed offline (tests/test_logprob_audit.py).
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ DUMPS = "dumps"
 """The run directory's folder of sample dumps."""
 
 
+def weights_path(run_dir: str, version: int) -> str:
+    """Where `dump.weights` keeps the weights of `version`."""
+    return os.path.join(run_dir, DUMPS, "weights", f"v{version:08d}")
+
+
 def dump_due(every_steps: int, step: int) -> bool:
     """Whether step `step` (counted from 0) is dumped: step + 1 a multiple of `every_steps` (0: never)."""
     return every_steps > 0 and (step + 1) % every_steps == 0
@@ -44,9 +57,9 @@ def dump_path(run_dir: str, step: int, rank: int) -> str:
 
 def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, output_key: str, reward_key: str,
                   versions_key: str | None, advantages: np.ndarray | None, mask: np.ndarray | None,
-                  decode: Callable[[np.ndarray], str]) -> dict:
+                  decode: Callable[[np.ndarray], str], arrays: bool = False) -> dict:
     """One sample's dump object (the module's docstring); `step` counted from 0, `mask` the answer
-    tokens in the loss (None: all), `decode` token ids to text."""
+    tokens in the loss (None: all), `decode` token ids to text, `arrays` whether to add every array."""
     prompt, output = sample.array(prompt_key), sample.array(output_key)
     mask = np.ones(len(output), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
     versions = sample.array(versions_key) if versions_key and versions_key in sample.arrays else None
@@ -58,7 +71,7 @@ def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, outp
         staleness = int(step - values.min())
         staleness_mean = float(np.mean(step - versions.astype(np.float64)))
     adv = np.asarray(advantages, dtype=np.float64) if advantages is not None else None
-    return {
+    record = {
         "step": step + 1, "rank": rank, "uid": sample.uid, "group_id": sample.group_id, "index": sample.index,
         "prompt_id": sample.prompt_id,
         "prompt": decode(prompt), "answer": decode(output), "fields": dict(sample.fields),
@@ -69,6 +82,9 @@ def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, outp
         "advantage": float(adv[mask].mean()) if adv is not None and mask.any() else None,
         "advantages": [float(f"{a:.6g}") for a in adv] if adv is not None else None,
     }
+    if arrays:
+        record["arrays"] = {k: sample.array(k).tolist() for k in sorted(sample.arrays)}
+    return record
 
 
 def write_dump(path: str, records: Sequence[dict]) -> None:
@@ -90,14 +106,14 @@ def write_dump(path: str, records: Sequence[dict]) -> None:
 
 def dump_step(run_dir: str, step: int, rank: int, samples: Sequence[Sample], *, prompt_key: str, output_key: str,
               reward_key: str, versions_key: str | None, advantages: Sequence[np.ndarray] | None,
-              masks: Sequence[np.ndarray] | None, decode: Callable[[np.ndarray], str]) -> str:
+              masks: Sequence[np.ndarray] | None, decode: Callable[[np.ndarray], str], arrays: bool = False) -> str:
     """Write the dump of step `step` (from 0) by `rank`: one object per sample, in order, with its
     advantages and loss mask (per sample, in the samples' order; None: unknown / all valid).
     Returns the file's path."""
     records = [sample_record(s, step=step, rank=rank, prompt_key=prompt_key, output_key=output_key,
                              reward_key=reward_key, versions_key=versions_key,
                              advantages=None if advantages is None else advantages[i],
-                             mask=None if masks is None else masks[i], decode=decode)
+                             mask=None if masks is None else masks[i], decode=decode, arrays=arrays)
                for i, s in enumerate(samples)]
     path = dump_path(run_dir, step, rank)
     write_dump(path, records)

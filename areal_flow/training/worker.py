@@ -43,7 +43,7 @@ from areal_flow.runtime.disk import DiskFull, writing
 from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.dumps import dump_due, dump_step
+from areal_flow.training.dumps import dump_due, dump_step, weights_path
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
 from areal_flow.training.join import DuplicateResult, Join, Remote
 from areal_flow.training.torch_engine import TorchEngine
@@ -249,6 +249,9 @@ class ModelWorker:
         self.wait_for(plan.groups, f"step {plan.step}")
         samples = [s for g in plan.groups for s in self.held.pop(g).samples]
         trained = self.engines[self.graph.train.role]
+        if self.cfg.dump.weights:  # π_prox of this step, and what the servers load as this version
+            with self.phases("dump"):
+                trained.save_weights(weights_path(self.spec.run_dir, trained.version))
         # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
         # union of what the controller gave each of them; one of them logs it.
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
@@ -361,7 +364,8 @@ class ModelWorker:
                       versions_key=self.graph.output(self.graph.generate, "versions"),
                       advantages=None if inputs is None else inputs.advantages,
                       masks=None if inputs is None else inputs.valid_masks(),
-                      decode=lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False))
+                      decode=lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+                      arrays=self.cfg.dump.tokens)
         except OSError:  # a full disk loses the dump, not the run
             log.exception("%s: the sample dump of step %d was not written", self.name, step + 1)
 

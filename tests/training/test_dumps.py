@@ -121,3 +121,18 @@ def test_the_trainer_rank_dumps_with_its_graphs_keys_and_the_policys_advantages(
     (record,) = [json.loads(line) for line in open(tmp_path / "dumps" / "step-00000006-rank0.jsonl")]
     assert record["prompt"] == "2+3=" and record["answer"] == "5" and record["reward"] == 1.0
     assert record["versions"] == {"6": 1} and record["advantage"] == 0.5
+
+
+def test_with_tokens_a_dump_carries_every_array_exactly(tmp_path):
+    lp = np.array([-0.1234567, -2.0000001e-3, -7.5], np.float32)
+    s = sample(3, 0, "123", [4, 4, 5], 1.0)
+    s.arrays["behav_logprobs"] = Array.of(lp)
+    path = dump_step(str(tmp_path), 0, 0, [s], prompt_key="prompt_ids", output_key="output_ids", reward_key="rewards",
+                     versions_key="versions", advantages=None, masks=None, decode=decode, arrays=True)
+    (rec,) = [json.loads(line) for line in open(path)]
+    assert sorted(rec["arrays"]) == ["behav_logprobs", "output_ids", "prompt_ids", "versions"]
+    assert rec["arrays"]["versions"] == [4, 4, 5] and rec["arrays"]["output_ids"] == TOK.encode("123")
+    assert np.array_equal(np.asarray(rec["arrays"]["behav_logprobs"], np.float32), lp)  # bit for bit
+    path = dump_step(str(tmp_path), 1, 0, [s], prompt_key="prompt_ids", output_key="output_ids", reward_key="rewards",
+                     versions_key="versions", advantages=None, masks=None, decode=decode)
+    assert "arrays" not in json.loads(open(path).readline())  # off by default
