@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
@@ -40,6 +40,25 @@ CONF_DIR = next((d for d in (Path(__file__).resolve().parent / "conf", ROOT / "c
                  if (d / "config.yaml").is_file()), ROOT / "conf")
 
 register_configs()
+
+NAME_BYTES = 200
+"""A multirun job's folder name is its overrides (hydra.sweep.subdir); past this many bytes it is
+cut and ends in a hash of the whole, so that a long sweep fits the file system's 255 bytes a name."""
+
+
+def short_name(name: str) -> str:
+    """`name` as it is when short enough, else its first bytes and a hash of all of it: the same
+    overrides give the same folder, so a multirun with resume=auto finds each job again."""
+    import hashlib
+
+    raw = name.encode()
+    if len(raw) <= NAME_BYTES:
+        return name
+    head = raw[:NAME_BYTES - 17].decode(errors="ignore").rstrip(",")
+    return f"{head},{hashlib.sha1(raw).hexdigest()[:16]}"
+
+
+OmegaConf.register_new_resolver("short_name", short_name, replace=True)
 
 
 def run(raw: DictConfig, console: Console) -> int:

@@ -5,7 +5,11 @@ every trained sample's arrays (dump.weights, dump.tokens). Offline, with Hugging
 code (not the trainer's, not the servers'), every trained token's logprob is recomputed under the
 weights of the version recorded for that token and compared with the recorded `behav_logprobs`; and
 every `prox_logprobs` with the weights the trainer started that step from. A mismatch is a bug in
-stitching an interrupted answer, in the versions, in weight delivery or in π_prox."""
+stitching an interrupted answer, in the versions, in weight delivery or in π_prox.
+
+The same run checks the staleness warning end to end: its behaviour-weight bounds are both 1, so
+every token whose π_prox and π_behav differ at all is outside them (what it trains does not matter
+to the logprobs checked here), and the run warns once, on the console and in the metrics."""
 
 import numpy as np
 import pytest
@@ -42,9 +46,14 @@ def test_every_trained_token_has_the_logprobs_of_its_version_at_eta_8_with_inter
     run_dir = tmp_path / "run"
     result = launch(run_dir, run_cache, *ANSWERS_SOME, "rollout.max_staleness=8", "rollout.interrupt=true",
                     "rollout.max_concurrent=48", "algorithm.n_minibatches=3", "algorithm.prox_shortcut=false",
-                    "total_steps=8", "eval_at_start=false", "eval_at_end=false",
-                    "dump.every_steps=1", "dump.tokens=true", "dump.weights=true")
+                    "total_steps=10", "eval_at_start=false", "eval_at_end=false",
+                    "dump.every_steps=1", "dump.tokens=true", "dump.weights=true",
+                    "algorithm.behav_weight_cap=1", "algorithm.behav_weight_floor=1", "algorithm.stale_warn_steps=1")
     assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["kind"] == "staleness", warnings
+    assert "rollout.max_staleness=8" in warnings[0]["message"]
+    assert result.stdout.count("warning: staleness: ") == 1, result.stdout[-3000:]
     temperature = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["algorithm"]["temperature"]
     models: dict[int, torch.nn.Module] = {}
 
@@ -78,7 +87,7 @@ def test_every_trained_token_has_the_logprobs_of_its_version_at_eta_8_with_inter
             if gap > TOLERANCE:
                 bad.append(f"step {rec['step']} {rec['uid']}: prox_logprobs off by {gap:.2e}")
     print(counts, worst)
-    assert len(steps_of(run_dir)) == 8
+    assert len(steps_of(run_dir)) == 10
     # The run exercised what the check is for: stale tokens, and answers stitched across an update.
     assert counts["stale"] > 0 and counts["interrupted"] > 0, counts
     assert not bad, "\n".join(bad[:20])

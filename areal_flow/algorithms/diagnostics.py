@@ -28,6 +28,22 @@ length; under seq-mean-token-mean every answer carries the same weight whatever 
 The behaviour weight w_t = π_prox/π_behav (before its cap and floor) per valid token: a histogram
 over `behav_weight_edges(cap, floor)` (`behav_weight_bins`, one count per bin under BEHAV_WEIGHT_BIN) and
 the effective sample size `ess_fraction` from Σw, Σw² and N.
+
+By staleness: a token sampled d versions before the weights its step started from (d = the step's
+π_prox version − the token's version) falls in one of STALENESS_BUCKETS (0, 1, 2, 3-4, 5-8, 9+).
+Per bucket the loss sums (`staleness_bucket_sums`, keys STALE.format(bucket, what)):
+
+    tokens      the valid tokens
+    weight_sum  Σ w_t (before the cap and floor; 1 per token without π_prox)
+    weight_max  the largest w_t
+    capped      the tokens whose w_t is outside [floor, cap] (masked or clamped)
+    grad        Σ |∂loss/∂log π_θ(t)| × the denominator: |A_t|·ratio_t·w_t·token_weight_t over the
+                tokens that keep a gradient (PPO: not clipped; CISPO: every valid one, with its
+                clipped ratio): the bucket's weight in the step's gradient, before ∇log π itself
+
+and the trainer adds, per step, the share of `grad` from the step's stalest bucket in each
+minibatch (`stalest_share`): the largest, and the last minibatch's, which trains furthest from
+π_prox.
 """
 
 from __future__ import annotations
@@ -46,6 +62,14 @@ LENGTH_BUCKETS = ("q1", "q2", "q3", "q4")
 
 ADV_SUM, ADV_SEQS, LOSS_WEIGHT = "by_length/adv_sum/{}", "by_length/adv_seqs/{}", "by_length/loss_weight/{}"
 """The trainer's per-bucket sums (formatted with a LENGTH_BUCKETS name)."""
+
+STALENESS_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
+"""Versions behind the step's π_prox, grouped: each bucket's lowest value is _STALENESS_LOW's."""
+_STALENESS_LOW = (0, 1, 2, 3, 5, 9)
+STALE = "stale/{}/{}"
+"""The loss stats' key of one bucket's sum (formatted with a STALENESS_BUCKETS name and a what)."""
+STALE_WHATS = ("tokens", "weight_sum", "weight_max", "capped", "grad")
+STALEST_SHARE_MAX, STALEST_SHARE_LAST = "stale/stalest_grad_share_max", "stale/stalest_grad_share_last"
 
 BEHAV_WEIGHT_BIN = "behav_weight_bin/{:02d}"
 """The loss stats' key of bin i of the behaviour weight's histogram."""
@@ -146,3 +170,64 @@ def ess_fraction(weight_sum: float, weight_sq_sum: float, n: float) -> float | N
     if n <= 0 or weight_sq_sum <= 0:
         return None
     return weight_sum * weight_sum / (n * weight_sq_sum)
+
+
+def staleness_bucket(d: torch.Tensor) -> torch.Tensor:
+    """Each token's STALENESS_BUCKETS index from its versions behind `d` (negative counts as 0)."""
+    return (d.unsqueeze(-1) >= d.new_tensor(_STALENESS_LOW[1:])).sum(-1)
+
+
+def staleness_bucket_sums(staleness: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, capped: torch.Tensor,
+                          grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The module's per-bucket sums (0-d tensors in `weight`'s dtype) of one micro-batch: every key
+    of every bucket, 0 for an empty one, so that micro-batches and ranks add the same keys."""
+    n = len(STALENESS_BUCKETS)
+    index = staleness_bucket(staleness.reshape(-1).long())
+    # One-hot rows masked to the valid tokens: a boolean index would cost a device synchronisation.
+    hits = ((index.unsqueeze(-1) == index.new_tensor(list(range(n)))) & mask.reshape(-1).bool().unsqueeze(-1))
+    onehot = hits.to(weight.dtype)
+    w = weight.detach().reshape(-1, 1)
+    sums = {"tokens": onehot.sum(0), "weight_sum": (onehot * w).sum(0),
+            "weight_max": w.expand_as(hits).masked_fill(~hits, 0.0).amax(0) if len(w) else onehot.sum(0),
+            "capped": (onehot * capped.reshape(-1, 1).to(weight.dtype)).sum(0),
+            "grad": (onehot * grad.detach().reshape(-1, 1).to(weight.dtype)).sum(0)}
+    return {STALE.format(b, what): v[i] for what, v in sums.items() for i, b in enumerate(STALENESS_BUCKETS)}
+
+
+def stalest_shares(minibatch_stats: Sequence[dict[str, float]]) -> dict[str, float]:
+    """From each minibatch's stats (summed over its micro-batches and ranks): the share of its
+    `grad` from the stalest bucket with tokens in the whole step, its largest over the minibatches
+    and the last one's. {} without staleness sums or gradient."""
+    if not minibatch_stats or STALE.format(STALENESS_BUCKETS[0], "tokens") not in minibatch_stats[0]:
+        return {}
+    present = [b for b in STALENESS_BUCKETS if sum(m.get(STALE.format(b, "tokens"), 0.0) for m in minibatch_stats) > 0]
+    if not present:
+        return {}
+    shares = []
+    for m in minibatch_stats:
+        total = sum(m.get(STALE.format(b, "grad"), 0.0) for b in STALENESS_BUCKETS)
+        shares.append(m.get(STALE.format(present[-1], "grad"), 0.0) / total if total > 0 else 0.0)
+    return {STALEST_SHARE_MAX: max(shares), STALEST_SHARE_LAST: shares[-1]}
+
+
+def staleness_metrics(stats: dict[str, float]) -> dict[str, float | None]:
+    """From a step's stats: per bucket with tokens, stale/<bucket>/tokens, weight_mean, weight_max,
+    capped_fraction and grad_share (of Σ grad over every bucket), plus the stalest-bucket shares.
+    {} without staleness sums."""
+    if STALE.format(STALENESS_BUCKETS[0], "tokens") not in stats:
+        return {}
+    total_grad = sum(stats.get(STALE.format(b, "grad"), 0.0) for b in STALENESS_BUCKETS)
+    out: dict[str, float | None] = {}
+    for b in STALENESS_BUCKETS:
+        n = stats.get(STALE.format(b, "tokens"), 0.0)
+        if n <= 0:
+            continue
+        out[f"stale/{b}/tokens"] = n
+        out[f"stale/{b}/weight_mean"] = stats[STALE.format(b, "weight_sum")] / n
+        out[f"stale/{b}/weight_max"] = stats[STALE.format(b, "weight_max")]
+        out[f"stale/{b}/capped_fraction"] = stats[STALE.format(b, "capped")] / n
+        out[f"stale/{b}/grad_share"] = stats[STALE.format(b, "grad")] / total_grad if total_grad > 0 else None
+    for key in (STALEST_SHARE_MAX, STALEST_SHARE_LAST):
+        if key in stats:
+            out[key] = stats[key]
+    return out

@@ -62,7 +62,7 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         importance_level=algo.importance_level, seq_ids=batch.get("seq_ids"),
         behav_weight_cap=algo.behav_weight_cap, behav_weight_floor=algo.behav_weight_floor,
         behav_weight_action=algo.behav_weight_action, token_weights=batch.get("token_weights"),
-        n_valid_tokens=denominator, entropy=batch.get("entropy"))
+        n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"))
 
 
 # ---- built-in advantage estimators:
@@ -178,6 +178,8 @@ def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torc
     """The loss the train node minimises on one micro-batch: the policy loss, plus kl_coef·KL to the
     reference when KL is a loss term (kl_in=loss). `prox_source` None is naive PPO against π_behav."""
     prox = prox_logprobs(logprobs, batch, prox_source, prox_version)
+    if "versions" in batch:  # each token's versions behind this step's start, for the diagnostics
+        batch = {**batch, "staleness": prox_version - batch["versions"]}
     policy_loss = resolve("policy_loss", algo.policy_loss, "algorithm.policy_loss")
     loss, stats = policy_loss(logprobs, prox, batch, mask, denominator, algo)
     if algo.kl_in == "loss" and kl_coef and "ref_logprobs" in batch:

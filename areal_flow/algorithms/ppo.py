@@ -11,7 +11,12 @@ from typing import NamedTuple
 
 import torch
 
-from areal_flow.algorithms.diagnostics import BEHAV_WEIGHT_BIN, behav_weight_bins, behav_weight_edges
+from areal_flow.algorithms.diagnostics import (
+    BEHAV_WEIGHT_BIN,
+    behav_weight_bins,
+    behav_weight_edges,
+    staleness_bucket_sums,
+)
 
 Stats = dict[str, torch.Tensor]
 
@@ -107,6 +112,7 @@ def decoupled_ppo_loss(
     token_weights: torch.Tensor | None = None,
     n_valid_tokens: float | None = None,
     entropy: torch.Tensor | None = None,
+    staleness: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
 
@@ -139,7 +145,9 @@ def decoupled_ppo_loss(
     (w_t outside [floor, cap], masked or clamped), ratio_sum (of r_t), behav_weight_sum and
     behav_weight_max (of w_t before the cap and floor); with `entropy` (the policy's per-token entropy,
     as the engines pass it in batch["entropy"]), entropy_sum over the valid tokens (divide by n_tokens
-    for the mean). Entropy is only reported: it adds no term to the loss.
+    for the mean). Entropy is only reported: it adds no term to the loss. With `staleness` (each
+    token's versions behind π_prox, an int tensor of the same shape), the per-staleness sums of
+    diagnostics.staleness_bucket_sums: the weights, capped tokens and gradient weight by age.
     """
     _check_options(kind, importance_level, behav_weight_action, c_clip, seq_ids, behav_weight_cap, behav_weight_floor)
     _check_shapes(logprobs, behav_logprobs=behav_logprobs, advantages=advantages, mask=mask,
@@ -159,8 +167,16 @@ def decoupled_ppo_loss(
         applied_weight, capped = behaviour_weight(x.weight, mask, behav_weight_cap, behav_weight_floor,
                                                   behav_weight_action)
     loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
-    return loss, loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy,
-                            edges=behav_weight_edges(behav_weight_cap, behav_weight_floor))
+    stats = loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy,
+                       edges=behav_weight_edges(behav_weight_cap, behav_weight_floor))
+    if staleness is not None:
+        _check_shapes(logprobs, staleness=staleness)
+        # |∂pg_t/∂logp_t|: the (clipped, for CISPO) ratio times |A| where the token keeps a gradient.
+        keeps = mask & ~took_clip & ~dual if kind == "ppo" else mask
+        factor = ratio if kind == "ppo" else clipped_ratio
+        grad = torch.where(keeps, x.adv.abs() * factor * applied_weight * x.token_weights, x.zero).detach()
+        stats.update(staleness_bucket_sums(staleness, mask, x.weight, capped, grad))
+    return loss, stats
 
 
 def _check_options(kind: str, importance_level: str, behav_weight_action: str, c_clip: float | None,

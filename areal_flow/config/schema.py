@@ -205,6 +205,12 @@ class AlgorithmConfig:
     behav_weight_action: str = doc("mask", "a weight outside [floor, cap]: mask (the token gets no loss but stays in "
                                    "the denominator, AReaL) | clamp (the weight is clamped, the token keeps its "
                                    "gradient)", choices=("mask", "clamp"))
+    stale_warn_capped: float = doc(0.05, "warn once (console and metrics) when more than this share of a step's tokens "
+                                   "has a behaviour weight outside [floor, cap] for stale_warn_steps steps in a row; "
+                                   "0 = never", ge=0, le=1)
+    stale_warn_ess: float = doc(0.5, "warn likewise when the behaviour weights' effective sample size is below this "
+                                "fraction of the tokens; 0 = never", ge=0, le=1)
+    stale_warn_steps: int = doc(5, "steps in a row before a staleness warning", ge=1)
     decoupled: bool = doc(True, "the decoupled objective when the train node reads prox_logprobs; false = naive PPO "
                           "against π_behav (the prox node does not run), as the staleness study compares")
     prox_logp: str = doc("recompute", "how π_prox is had when the train node reads prox_logprobs: recompute (the prox "

@@ -30,6 +30,7 @@ from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
+from areal_flow.controller.weight_alarm import WeightAlarm
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, train_metrics
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
@@ -124,6 +125,8 @@ class Controller:
                 prompt_key=keys["prompt_ids"], reward_key=graph.input(train, "rewards"),
             ))
         self.filter_streak = FilterStreak(algo.filter_stall_batches * self.B)
+        self.weight_alarm = WeightAlarm(algo.stale_warn_capped, algo.stale_warn_ess, algo.stale_warn_steps,
+                                        cfg.rollout.max_staleness)
         self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
         # Groups a restarted rollout worker was running: still admitted (their versions kept), given
         # to a worker again; a copy that comes back first wins, a later one is refused as not running.
@@ -519,8 +522,8 @@ class Controller:
         algo = self.cfg.algorithm
         self.traffic.report("controller", sent_bytes())
         traffic = self.traffic.step()
-        self.metrics.log(
-            "step", step=step + 1,
+        row = dict(
+            step=step + 1,
             **batch_metrics([meta for meta, _, _ in batch.values()], step, self.intake.reward_key, self.intake.output_keys[0],
                             max_new_tokens=algo.max_new_tokens, judges=list(self.judge_pools)),
             **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
@@ -541,6 +544,11 @@ class Controller:
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.state.filtered - self.state.filtered_logged,
         )
+        warning = self.weight_alarm.observe(row)
+        self.metrics.log("step", **row, stale_trouble_steps=self.weight_alarm.in_a_row)
+        if warning:
+            log.warning("controller: %s", warning)
+            self.metrics.log("warning", step=step + 1, kind="staleness", message=warning)
         self.state.generated_tokens, self.state.filtered_logged = 0, self.state.filtered
         self.ledger.flush()
 

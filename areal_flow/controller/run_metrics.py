@@ -20,6 +20,7 @@ from areal_flow.algorithms.diagnostics import (
     ess_fraction,
     length_bucket_metrics,
     length_buckets,
+    staleness_metrics,
 )
 from areal_flow.graph.keys import JUDGE_STATS
 from areal_flow.transport.messages import Finish, GroupMeta
@@ -138,11 +139,13 @@ def train_metrics(stats: dict[str, float], behav_weight_cap: float | None = None
         train/ess_fraction             (Σw)² / (N·Σw²), 1 when every weight is equal
         by_length/advantage/qK         the mean over the bucket's answers of their mean advantage
         by_length/loss_share/qK        the bucket's share of Σ |A|·token weight (the length bias)
+        stale/<d>/...                  by versions behind π_prox: tokens, weight_mean, weight_max,
+                                       capped_fraction, grad_share (diagnostics.staleness_metrics)
 
     N is the number of tokens in the histogram (the valid tokens the loss ran, every minibatch
     and epoch), or n_valid_tokens − skipped_tokens when the loss gave no histogram. Keys whose
     inputs are missing (a loss function of one's own, the critic's stats) are left out."""
-    row = {f"train/{k}": v for k, v in stats.items() if not k.startswith((BIN_PREFIX, "by_length/"))}
+    row = {f"train/{k}": v for k, v in stats.items() if not k.startswith((BIN_PREFIX, "by_length/", "stale/"))}
     if hist := behav_weight_hist(stats):
         row["train/behav_weight_hist"] = hist
         edges = behav_weight_edges(behav_weight_cap, behav_weight_floor)
@@ -156,6 +159,7 @@ def train_metrics(stats: dict[str, float], behav_weight_cap: float | None = None
     if "behav_weight_sq_sum" in stats and "behav_weight_sum" in stats:
         row["train/ess_fraction"] = ess_fraction(stats["behav_weight_sum"], stats["behav_weight_sq_sum"], n)
     row.update(length_bucket_metrics(stats))
+    row.update({f"train/{k}": v for k, v in staleness_metrics(stats).items()})
     return row
 
 

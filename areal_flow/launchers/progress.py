@@ -7,6 +7,7 @@ import json
 import os
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -68,6 +69,8 @@ class RunProgress:
                 # own), then a line every 10 steps.
                 self.console.print(f"step {row['step']}: {info}", highlight=False)
             self.steps_shown += 1
+        elif row["event"] == "warning":
+            self.progress.console.print(f"[yellow]warning:[/] {escape(row['message'])}", highlight=False)
         elif row["event"] in ("summary", "failure") and row.get("stop_reason"):
             self.ended(row["stop_reason"], say=row["event"] == "summary")
 

@@ -186,6 +186,8 @@ def extras(snap: Snapshot) -> Table | None:
         parts = key.split("/")
         if parts[0] == "by_length" and len(parts) >= 3:
             grid.setdefault("/".join(parts[1:-1]), {})[parts[-1]] = v
+        elif key.startswith(STALE_PREFIX):
+            continue  # by_staleness's table
         else:
             single[key] = v
     if not grid and not single:
@@ -197,6 +199,35 @@ def extras(snap: Snapshot) -> Table | None:
         t.add_row(f"by length: {name}", *(value(row.get(b)) for b in buckets))
     for key, v in single.items():
         t.add_row(key, value(v), *([""] * (len(buckets) - 1)))
+    return t
+
+
+STALE_PREFIX = "train/stale/"
+STALE_FIGURES = ("tokens", "weight_mean", "weight_max", "capped_fraction", "grad_share")
+
+
+def by_staleness(snap: Snapshot) -> Table | None:
+    """The last step's behaviour weights π_prox/π_behav by versions behind π_prox (the columns):
+    tokens, mean and largest weight, the share capped (masked or clamped) and of the gradient; and
+    the stalest tokens' share of a minibatch's gradient (the largest, the last minibatch's)."""
+    grid: dict[str, dict[str, object]] = {}
+    single = {}
+    for key, v in snap.extras.items():
+        if not key.startswith(STALE_PREFIX):
+            continue
+        bucket, _, figure = key[len(STALE_PREFIX):].partition("/")
+        if figure:
+            grid.setdefault(figure, {})[bucket] = v
+        else:
+            single[bucket] = v
+    if not grid:
+        return None
+    buckets = list(dict.fromkeys(b for row in grid.values() for b in row))
+    t = table("by versions behind (last step)", "", *buckets)
+    for figure in (f for f in STALE_FIGURES if f in grid):
+        t.add_row(figure.replace("_", " "), *(value(grid[figure].get(b)) for b in buckets))
+    for key, v in single.items():
+        t.add_row(key.replace("_", " "), value(v), *([""] * (len(buckets) - 1)))
     return t
 
 
@@ -239,4 +270,5 @@ def render(snap: Snapshot) -> RenderableType:
                  side_by_side(progress(snap), evaluation(snap)), Text(""),
                  side_by_side(throughput(snap), busy(snap)), Text(""),
                  side_by_side(staleness(snap), extras(snap)), Text(""),
+                 *((t, Text("")) if (t := by_staleness(snap)) is not None else ()),
                  processes(snap))

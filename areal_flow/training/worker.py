@@ -27,7 +27,7 @@ import torch.distributed as dist
 import zmq
 
 from areal_flow.algorithms import library
-from areal_flow.algorithms.diagnostics import length_bucket_sums
+from areal_flow.algorithms.diagnostics import length_bucket_sums, stalest_shares
 from areal_flow.algorithms.inputs import TrainInputs, train_inputs
 from areal_flow.algorithms.kl import behaviour_kl, kl_controller
 from areal_flow.algorithms.library import AllReduce
@@ -484,10 +484,13 @@ def train_update(engine: Engine, group_ids: list[int], seqs: list[tuple[np.ndarr
     """n_minibatches optimizer steps per epoch over the batch (each sample's group in `group_ids`),
     their stats added up; the sequences marked in `skip` are not run (Engine.train_step)."""
     stats: dict[str, float] = {}
+    each = []
     for idx in minibatches(group_ids, algo.n_minibatches, algo.ppo_epochs):
-        accumulate_stats(stats, engine.train_step(
+        each.append(engine.train_step(
             [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn,
             skip=None if skip is None else [skip[i] for i in idx]))
+        accumulate_stats(stats, each[-1])
+    stats.update(stalest_shares(each))  # the stalest tokens' share of each minibatch's gradient
     return stats
 
 

@@ -11,12 +11,19 @@ import torch
 from areal_flow.algorithms import library
 from areal_flow.algorithms.diagnostics import (
     BEHAV_WEIGHT_BIN,
+    STALE,
+    STALENESS_BUCKETS,
+    STALEST_SHARE_LAST,
+    STALEST_SHARE_MAX,
     behav_weight_bins,
     behav_weight_edges,
     ess_fraction,
     length_bucket_metrics,
     length_bucket_sums,
     length_buckets,
+    stalest_shares,
+    staleness_bucket,
+    staleness_metrics,
 )
 from areal_flow.algorithms.inputs import TrainInputs
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
@@ -166,3 +173,74 @@ def test_loss_stats_give_the_weights_square_sum_and_histogram():
     _, plain = decoupled_ppo_loss(prox.clone(), None, behav, torch.ones(5, dtype=torch.float64), mask, eps_clip=0.2)
     assert plain[BEHAV_WEIGHT_BIN.format(5)].item() == 4  # (0.95, 1.05]
     assert ess_fraction(plain["behav_weight_sum"].item(), plain["behav_weight_sq_sum"].item(), 4) == 1.0
+
+
+def test_staleness_buckets_group_versions_behind():
+    d = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 8, 9, 40])
+    assert [STALENESS_BUCKETS[i] for i in staleness_bucket(d).tolist()] == [
+        "0", "0", "1", "2", "3-4", "3-4", "5-8", "5-8", "9+", "9+"]
+
+
+@pytest.mark.parametrize("kind", ["ppo", "cispo"])
+def test_the_gradient_weight_by_staleness_is_the_losss_own_gradient(kind):
+    """Per bucket, `grad` is Σ |∂loss/∂log π_θ(t)| × the denominator, as autograd gives it: clipped,
+    masked-out (over the cap) and invalid tokens count 0, and the behaviour weights by age are the
+    inputs' own."""
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    behav = -torch.rand(n, generator=g) * 2
+    prox = behav + torch.randn(n, generator=g) * 0.6  # some weights past the cap of 1.5
+    logp = (prox + torch.randn(n, generator=g) * 0.3).requires_grad_()
+    adv = torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.2
+    staleness = torch.randint(0, 12, (n,), generator=g)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, kind=kind, behav_weight_cap=1.5,
+                                     n_valid_tokens=float(mask.sum()), staleness=staleness)
+    loss.backward()
+    per_token = logp.grad.abs() * float(mask.sum())
+    weight = torch.exp(prox - behav)
+    bucket = staleness_bucket(staleness)
+    for i, b in enumerate(STALENESS_BUCKETS):
+        mine = mask & (bucket == i)
+        assert float(stats[STALE.format(b, "tokens")]) == int(mine.sum())
+        assert float(stats[STALE.format(b, "grad")]) == pytest.approx(float(per_token[mine].sum()), rel=1e-5, abs=1e-6)
+        assert float(stats[STALE.format(b, "weight_sum")]) == pytest.approx(float(weight[mine].sum()), rel=1e-5)
+        assert float(stats[STALE.format(b, "capped")]) == int((mine & (weight > 1.5)).sum())
+    assert sum(float(stats[STALE.format(b, "capped")]) for b in STALENESS_BUCKETS) == float(stats["capped_tokens"]) > 0
+    assert not any(float(stats[STALE.format(b, "grad")]) == 0 for b in STALENESS_BUCKETS
+                   if float(stats[STALE.format(b, "tokens")]) > 2)  # not trivially zero
+
+
+def test_without_staleness_the_loss_reports_none():
+    x = torch.zeros(3)
+    _, stats = decoupled_ppo_loss(x, x, x, x, torch.ones(3, dtype=torch.bool), eps_clip=0.2)
+    assert not any(k.startswith("stale/") for k in stats)
+
+
+def mb(grads: dict[str, float], tokens: dict[str, float]) -> dict[str, float]:
+    out = {STALE.format(b, "tokens"): tokens.get(b, 0.0) for b in STALENESS_BUCKETS}
+    out.update({STALE.format(b, "grad"): grads.get(b, 0.0) for b in STALENESS_BUCKETS})
+    return out
+
+
+def test_the_stalest_share_is_of_the_steps_stalest_bucket_in_each_minibatch():
+    # The step's stalest tokens are 3-4 versions behind; the first minibatch has none of them.
+    each = [mb({"0": 1.0, "1": 1.0}, {"0": 5, "1": 5}), mb({"0": 1.0, "3-4": 3.0}, {"0": 2, "3-4": 4}),
+            mb({"1": 1.0, "3-4": 1.0}, {"1": 1, "3-4": 1})]
+    assert stalest_shares(each) == {STALEST_SHARE_MAX: 0.75, STALEST_SHARE_LAST: 0.5}
+    assert stalest_shares([{"loss": 1.0}]) == {}  # a loss without staleness sums
+    assert stalest_shares([mb({}, {"0": 3})]) == {STALEST_SHARE_MAX: 0.0, STALEST_SHARE_LAST: 0.0}  # no gradient
+
+
+def test_staleness_metrics_per_bucket_with_tokens():
+    stats = mb({"0": 3.0, "5-8": 1.0}, {"0": 10, "5-8": 4})
+    stats.update({STALE.format(b, w): 0.0 for b in STALENESS_BUCKETS for w in ("weight_sum", "weight_max", "capped")})
+    stats.update({STALE.format("0", "weight_sum"): 10.0, STALE.format("0", "weight_max"): 1.0,
+                  STALE.format("5-8", "weight_sum"): 10.0, STALE.format("5-8", "weight_max"): 6.0,
+                  STALE.format("5-8", "capped"): 1.0, STALEST_SHARE_MAX: 0.4})
+    out = staleness_metrics(stats)
+    assert out == {"stale/0/tokens": 10, "stale/0/weight_mean": 1.0, "stale/0/weight_max": 1.0,
+                   "stale/0/capped_fraction": 0.0, "stale/0/grad_share": 0.75,
+                   "stale/5-8/tokens": 4, "stale/5-8/weight_mean": 2.5, "stale/5-8/weight_max": 6.0,
+                   "stale/5-8/capped_fraction": 0.25, "stale/5-8/grad_share": 0.25, STALEST_SHARE_MAX: 0.4}
+    assert staleness_metrics({"loss": 1.0}) == {}

@@ -262,3 +262,17 @@ def test_a_model_path_with_a_corrupt_config_json_fails_before_anything_starts(tm
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"model.path: {model}/config.json is not valid JSON (" in r.stdout
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("spec.json"))
+
+
+def test_a_long_multirun_job_name_is_cut_and_hashed_under_the_file_systems_limit():
+    from areal_flow.launch import NAME_BYTES, short_name
+
+    short = "rollout.max_staleness=4,seed=1"
+    assert short_name(short) == short  # a name that fits is the overrides themselves
+    overrides = [f"algorithm.key_{i}={'x' * 12}" for i in range(20)]
+    long_a, long_b = ",".join(overrides), ",".join(overrides[:-1] + ["algorithm.key_19=y"])
+    a, b = short_name(long_a), short_name(long_b)
+    assert len(a.encode()) <= NAME_BYTES and len(b.encode()) <= NAME_BYTES
+    assert a == short_name(long_a) and a != b  # the same overrides give the same folder, others another
+    assert a.startswith("algorithm.key_0=") and long_a.startswith(a.rsplit(",", 1)[0])
+    assert len(short_name("é" * 300).encode()) <= NAME_BYTES  # cut on a character, not inside one

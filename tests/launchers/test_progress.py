@@ -79,3 +79,14 @@ def test_a_controller_that_failed_leaves_its_reason_on_the_bar_read_after_the_la
         with RunProgress(str(tmp_path / "other.jsonl"), 10, piped()[0]) as progress:
             raise KeyboardInterrupt
     assert progress.progress.tasks[0].description == "interrupted"
+
+
+def test_a_warning_row_is_printed_once_as_written(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    console, out = piped()
+    with RunProgress(str(metrics), 20, console) as progress:
+        append(metrics, step_row(1, 0.5), {"event": "warning", "step": 1, "kind": "staleness",
+                                           "message": "staleness: lower rollout.max_staleness [not markup]"})
+        progress.tick()
+        progress.tick()
+    assert out.getvalue().count("warning: staleness: lower rollout.max_staleness [not markup]") == 1

@@ -37,7 +37,10 @@ STEPS = [  # what the controller's log_step writes, the keys the view reads (oth
          gen_tokens_per_second=2000.0, train_tokens_per_second=3000.0, trainer_idle=0.2, generator_idle=0.0,
          **{"reward_busy/reward": 0.06, "train/n_valid_tokens": 80.0, "train/ess_fraction": 0.9,
             "by_length/reward/q1": 0.8, "by_length/reward/q2": 0.6,
-            "by_length/samples/q1": 3, "by_length/samples/q2": None}, staleness_mean=1.0, staleness_max=1, staleness_hist=[0, 80], elapsed=4.0),
+            "by_length/samples/q1": 3, "by_length/samples/q2": None,
+            "train/stale/0/weight_mean": 1.0, "train/stale/0/capped_fraction": 0.0,
+            "train/stale/3-4/weight_mean": 1.75, "train/stale/3-4/capped_fraction": 0.125,
+            "train/stale/stalest_grad_share_max": 0.625}, staleness_mean=1.0, staleness_max=1, staleness_hist=[0, 80], elapsed=4.0),
 ]
 
 
@@ -151,7 +154,10 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
     last = snap.last_eval
     assert (last.accuracy, last.step, last.version, last.n) == (0.5, 2, 2, 200)
     assert snap.extras == {"train/ess_fraction": 0.9, "by_length/reward/q1": 0.8, "by_length/reward/q2": 0.6,
-                           "by_length/samples/q1": 3, "by_length/samples/q2": None}
+                           "by_length/samples/q1": 3, "by_length/samples/q2": None,
+                           "train/stale/0/weight_mean": 1.0, "train/stale/0/capped_fraction": 0.0,
+                           "train/stale/3-4/weight_mean": 1.75, "train/stale/3-4/capped_fraction": 0.125,
+                           "train/stale/stalest_grad_share_max": 0.625}
 
     procs = {p.name: p for p in snap.processes}
     assert [p.name for p in snap.processes] == ["controller", "gen_server0", "rollout0", "reward0", "trainer0"]
@@ -175,6 +181,11 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
     lines = text.splitlines()
     assert any(" ".join(line.split()).endswith("│by length: reward │ 0.8 │ 0.6│") for line in lines), text
     assert any(" ".join(line.split()).endswith("│by length: samples │ 3 │ -│") for line in lines), text
+    # The behaviour weights by versions behind, one column a bucket, in a table of their own.
+    assert "by versions behind (last step)" in text
+    assert any(" ".join(line.split()).endswith("│weight mean │ 1 │ 1.75│") for line in lines), text
+    assert any(" ".join(line.split()).endswith("│capped fraction │ 0 │ 0.125│") for line in lines), text
+    assert any(" ".join(line.split()).endswith("│stalest grad share max │ 0.625 │ │") for line in lines), text
     assert any("loaded version (servers)" in line and line.rstrip(" │").endswith("3") for line in lines)
     assert any("trained version" in line and line.rstrip(" │").endswith("4") for line in lines)
 
