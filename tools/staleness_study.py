@@ -1,11 +1,14 @@
-"""The staleness study (AReaL's Table 2 on tiny_arith): η × {decoupled objective, naive PPO} × seeds,
-one Hydra multirun, then a table and a plot.
+"""The staleness study (AReaL's Table 2 on tiny_arith): η × objective × seeds, a Hydra multirun per
+objective, then a table and a plot.
 
-    python tools/staleness_study.py run [--etas 0 1 2 4 8] [--seeds 1 2] [--steps 40] [--dir DIR] [-- overrides]
+    python tools/staleness_study.py run [--etas 0 1 2 4 8] [--seeds 1 2] [--steps 40] [--dir DIR]
+                                        [--objectives decoupled naive ...] [-- overrides]
     python tools/staleness_study.py collect DIR
 
-`run` launches `python -m areal_flow.launch -m` over rollout.max_staleness × algorithm.decoupled ×
-seed with the study's settings (STUDY: every run trains the same number of samples), then collects.
+`run` launches `python -m areal_flow.launch -m` over rollout.max_staleness × seed for each objective
+(OBJECTIVES: the default decoupled objective, naive PPO, and the candidates of docs/algorithms.md)
+with the study's settings (STUDY: every run trains the same number of samples), into one sweep
+directory (a later `run` into it adds to it), then collects.
 `collect` reads every run of a sweep directory (its .hydra/overrides.yaml, summary.json and
 metrics.jsonl) and prints, per η and objective, the final held-out accuracy (mean ± std over
 seeds), wall time, trained samples/s and realised staleness; it writes the table to
@@ -45,15 +48,38 @@ STUDY = [
 ]
 
 
+OBJECTIVES = {
+    "decoupled": ["algorithm.decoupled=true"],  # the project's default: behaviour weight masked above 5
+    "naive": ["algorithm.decoupled=false"],  # PPO clipped against π_behav, no π_prox
+    "m2po": ["algorithm.decoupled=true", "algorithm.behav_weight_m2=0.04"],  # M2PO's second-moment mask
+    "icepop": ["algorithm.decoupled=true", "algorithm.behav_weight_floor=0.5"],  # two-sided mask [0.5, 5]
+    "clamp": ["algorithm.decoupled=true", "algorithm.behav_weight_action=clamp"],  # clamp at 5, not mask
+}
+"""The objectives the study compares, by name: the overrides that make each."""
+LABELS = {"decoupled": "decoupled (default)", "naive": "naive PPO"}
+
+
 def run(args: argparse.Namespace) -> None:
     sweep = Path(args.dir or "multirun/staleness_study").resolve()
-    cmd = [sys.executable, "-m", "areal_flow.launch", "-m",
-           "rollout.max_staleness=" + ",".join(map(str, args.etas)), "algorithm.decoupled=true,false",
-           "seed=" + ",".join(map(str, args.seeds)), f"total_steps={args.steps}", *STUDY, *args.overrides,
-           f"hydra.sweep.dir={sweep}"]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True)
+    for objective in args.objectives:
+        cmd = [sys.executable, "-m", "areal_flow.launch", "-m",
+               "rollout.max_staleness=" + ",".join(map(str, args.etas)), *OBJECTIVES[objective],
+               "seed=" + ",".join(map(str, args.seeds)), f"total_steps={args.steps}", *STUDY, *args.overrides,
+               f"hydra.sweep.dir={sweep}"]
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
     collect(sweep, args.out, args.plot, " ".join(sys.argv[1:]))
+
+
+def objective_of(overrides: dict[str, str]) -> str:
+    """The OBJECTIVES name whose overrides a run has (naive PPO whatever else it sets)."""
+    if overrides.get("algorithm.decoupled", "true").lower() == "false":
+        return "naive"
+    for name, settings in OBJECTIVES.items():
+        extra = [o for o in settings if not o.startswith("algorithm.decoupled=")]
+        if extra and all(overrides.get(o.split("=", 1)[0]) == o.split("=", 1)[1] for o in extra):
+            return name
+    return "decoupled"
 
 
 def read_run(run_dir: Path) -> dict:
@@ -61,9 +87,11 @@ def read_run(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [m for m in read_metrics(str(run_dir / "metrics.jsonl")) if m["event"] == "step"]
     counts = [sum(m["staleness_hist"]) for m in steps]
+    capped = [m["train/capped_fraction"] for m in steps if m.get("train/capped_fraction") is not None]
     return {
         "eta": int(overrides["rollout.max_staleness"]),
-        "decoupled": overrides["algorithm.decoupled"].lower() == "true",
+        "objective": objective_of(overrides),
+        "capped": statistics.fmean(capped) if capped else None,
         "seed": int(overrides["seed"]),
         "acc_start": summary["accuracy_start"],
         "acc_end": summary["accuracy_end"],
@@ -83,32 +111,37 @@ def collect(sweep: Path, out: str, plot: str, command: str) -> None:
     runs = [read_run(p) for p in sorted(sweep.iterdir()) if (p / "summary.json").exists()]
     if not runs:
         raise SystemExit(f"{sweep}: no finished run (no */summary.json)")
-    cells: dict[tuple[int, bool], list[dict]] = defaultdict(list)
+    cells: dict[tuple[int, str], list[dict]] = defaultdict(list)
     for r in runs:
-        cells[(r["eta"], r["decoupled"])].append(r)
+        cells[(r["eta"], r["objective"])].append(r)
+    order = list(OBJECTIVES)
     starts = sorted({round(r["acc_start"], 4) for r in runs if r["acc_start"] is not None})
     lines = [f"machine: {machine()}", f"command: python tools/staleness_study.py {command}", "",
              f"held-out accuracy at the start (every run): {', '.join(f'{100 * a:.1f}%' for a in starts)}", "",
-             "| η | objective | seeds | final accuracy | wall s | trained samples/s | staleness mean / max | samples |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| η | objective | seeds | final accuracy | wall s | trained samples/s | staleness mean / max "
+             "| tokens capped | samples |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = []
-    for (eta, decoupled), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], not kv[0][1])):
+    for (eta, objective), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         acc, acc_sd = mean_std([r["acc_end"] for r in rs])
         wall, _ = mean_std([r["wall"] for r in rs])
         rate, rate_sd = mean_std([r["samples_per_s"] for r in rs])
-        rows.append({"eta": eta, "decoupled": decoupled, "acc": acc, "acc_sd": acc_sd, "rate": rate})
-        lines.append(f"| {eta} | {'decoupled' if decoupled else 'naive PPO'} | {len(rs)} | "
+        rows.append({"eta": eta, "objective": objective, "acc": acc, "acc_sd": acc_sd, "rate": rate})
+        capped = [r["capped"] for r in rs if r["capped"] is not None]
+        lines.append(f"| {eta} | {LABELS.get(objective, objective)} | {len(rs)} | "
                      f"{100 * acc:.1f} ± {100 * acc_sd:.1f}% | {wall:.0f} | {rate:.1f} ± {rate_sd:.1f} | "
                      f"{statistics.fmean(r['staleness_mean'] for r in rs):.2f} / {max(r['staleness_max'] for r in rs)} | "
-                     f"{rs[0]['trained']} |")
+                     f"{f'{100 * statistics.fmean(capped):.2f}%' if capped else '-'} | {rs[0]['trained']} |")
     text = "\n".join(lines)
     print("\n" + text)
     Path(out).write_text("# Staleness study: the table\n\nWritten by `tools/staleness_study.py`; "
                          "docs/benchmarks.md discusses it.\n\n" + text + "\n")
     fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for decoupled, style in ((True, "o-"), (False, "s--")):
-        mine = [r for r in rows if r["decoupled"] == decoupled]
-        label = "decoupled" if decoupled else "naive PPO"
+    styles = {"decoupled": "o-", "naive": "s--"}
+    for objective in (o for o in order if any(r["objective"] == o for r in rows)):
+        mine = [r for r in rows if r["objective"] == objective]
+        style = styles.get(objective, "^:") if len(mine) > 1 else styles.get(objective, "^")
+        label = LABELS.get(objective, objective)
         ax_acc.errorbar([r["eta"] for r in mine], [100 * r["acc"] for r in mine],
                         yerr=[100 * r["acc_sd"] for r in mine], fmt=style, capsize=3, label=label)
         ax_rate.plot([r["eta"] for r in mine], [r["rate"] for r in mine], style, label=label)
@@ -128,6 +161,7 @@ def main() -> None:
     r.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     r.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--objectives", nargs="+", default=["decoupled", "naive"], choices=list(OBJECTIVES))
     r.add_argument("--dir", help="the sweep directory (default multirun/staleness_study)")
     r.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     c = sub.add_parser("collect", help="collect a finished (or partial) sweep")

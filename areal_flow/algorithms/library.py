@@ -62,7 +62,8 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         importance_level=algo.importance_level, seq_ids=batch.get("seq_ids"),
         behav_weight_cap=algo.behav_weight_cap, behav_weight_floor=algo.behav_weight_floor,
         behav_weight_action=algo.behav_weight_action, token_weights=batch.get("token_weights"),
-        n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"))
+        n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
+        behav_weight_m2=algo.behav_weight_m2)
 
 
 # ---- built-in advantage estimators:

@@ -113,6 +113,7 @@ def decoupled_ppo_loss(
     n_valid_tokens: float | None = None,
     entropy: torch.Tensor | None = None,
     staleness: torch.Tensor | None = None,
+    behav_weight_m2: float | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
 
@@ -148,6 +149,8 @@ def decoupled_ppo_loss(
     for the mean). Entropy is only reported: it adds no term to the loss. With `staleness` (each
     token's versions behind π_prox, an int tensor of the same shape), the per-staleness sums of
     diagnostics.staleness_bucket_sums: the weights, capped tokens and gradient weight by age.
+    `behav_weight_m2` (M2PO's τ, `m2_keep`) masks, besides the bounds, the tokens of largest
+    |log w_t| until the second moment of the others' log w is at most τ; they count as capped.
     """
     _check_options(kind, importance_level, behav_weight_action, c_clip, seq_ids, behav_weight_cap, behav_weight_floor)
     _check_shapes(logprobs, behav_logprobs=behav_logprobs, advantages=advantages, mask=mask,
@@ -166,6 +169,10 @@ def decoupled_ppo_loss(
     else:
         applied_weight, capped = behaviour_weight(x.weight, mask, behav_weight_cap, behav_weight_floor,
                                                   behav_weight_action)
+        if behav_weight_m2 is not None:
+            dropped = mask & ~m2_keep(torch.log(x.weight), mask, behav_weight_m2)
+            applied_weight = torch.where(dropped, x.zero, applied_weight)
+            capped = capped | dropped
     loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
     stats = loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy,
                        edges=behav_weight_edges(behav_weight_cap, behav_weight_floor))
@@ -291,6 +298,28 @@ def behaviour_weight(weight: torch.Tensor, mask: torch.Tensor, cap: float | None
     if action == "mask":
         return torch.where(capped, torch.zeros_like(weight), weight), capped
     return torch.clamp(weight, min=0.0 if floor is None else floor, max=cap), capped
+
+
+def m2_keep(log_weight: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
+    """M2PO's token mask (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161): the
+    valid tokens to keep so that the second moment of their log weights, mean((log w)²), is at most
+    `tau`, found by dropping the tokens of largest (log w)² first; the fewest such drops. Invalid
+    tokens are not counted, and are returned False. On the device without a host synchronisation.
+    Applied per micro-batch here (the paper: per batch)."""
+    if tau < 0:
+        raise ValueError(f"behav_weight_m2 (M2PO's tau) must be >= 0, got {tau}")
+    sq = torch.where(mask, log_weight.detach().float() ** 2, torch.zeros_like(log_weight, dtype=torch.float32))
+    flat = sq.reshape(-1)
+    if flat.numel() == 0:
+        return mask.clone()
+    s = torch.sort(flat, descending=True).values  # the invalid tokens' 0s sort last
+    n = mask.sum().to(torch.float32)
+    j = torch.arange(flat.numel() + 1, device=flat.device, dtype=torch.float32)  # tokens dropped
+    kept_sum = flat.sum() - torch.cat([s.new_zeros(1), torch.cumsum(s, 0)])
+    fits = kept_sum <= tau * (n - j).clamp(min=0) + 1e-12
+    first = torch.argmax(fits.to(torch.int8))  # the fewest drops that fit (j = n always fits)
+    threshold = torch.cat([s, s.new_full((1,), -1.0)])[first]  # the largest (log w)² kept
+    return mask & (sq <= threshold)
 
 
 def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tensor, mask: torch.Tensor,

@@ -648,3 +648,32 @@ def test_property_gspo_with_one_token_per_sequence_is_token_level(batch):
     torch.testing.assert_close(seq_grad, token_grad, rtol=1e-12, atol=1e-15)
     for key, value in token_stats.items():
         assert seq_stats[key].item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15), key
+
+
+def test_m2po_drops_the_largest_log_weights_first_until_the_second_moment_fits():
+    from areal_flow.algorithms.ppo import m2_keep
+
+    lw = torch.tensor([0.1, -2.0, 0.0, 1.0, 0.3, 5.0])
+    mask = torch.tensor([True, True, True, True, True, False])  # the 5.0 is not a valid token
+    # Valid (log w)²: .01, 4, 0, 1, .09 (mean 1.02). Dropping 4 leaves mean .275; dropping 1 too, .0333.
+    assert m2_keep(lw, mask, 0.04).tolist() == [True, False, True, False, True, False]
+    assert m2_keep(lw, mask, 0.3).tolist() == [True, False, True, True, True, False]
+    assert m2_keep(lw, mask, 2.0).tolist() == mask.tolist()  # already fits: nothing dropped
+    kept = m2_keep(lw, mask, 0.0)
+    assert kept.tolist() == [False, False, True, False, False, False]  # only log w = 0 fits τ = 0
+    # Shapes [B, T] and an empty micro-batch.
+    assert m2_keep(lw.reshape(2, 3), mask.reshape(2, 3), 0.04).reshape(-1).tolist() == [True, False, True, False, True, False]
+    assert m2_keep(torch.zeros(0), torch.zeros(0, dtype=torch.bool), 0.04).numel() == 0
+
+
+def test_m2po_masks_in_the_loss_and_counts_as_capped():
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    behav = torch.tensor([-1.0, -3.0, -1.1, -1.0])  # log w = 0, 2, 0.1, 0
+    adv = torch.ones(4)
+    mask = torch.ones(4, dtype=torch.bool)
+    loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, mask, eps_clip=0.2, behav_weight_cap=None,
+                                     behav_weight_m2=0.04)
+    loss.backward()
+    assert float(stats["capped_tokens"]) == 1
+    assert logp.grad[1] == 0 and all(logp.grad[i] != 0 for i in (0, 2, 3))  # the log w = 2 token is dropped
+    assert float(loss) == pytest.approx(-(1 + math.exp(0.1) + 1) / 4)  # still in the denominator
