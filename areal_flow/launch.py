@@ -23,7 +23,7 @@ from areal_flow.data.dataset import DatasetError
 from areal_flow.graph import GraphError, place
 from areal_flow.graph.allocation import AllocationError
 from areal_flow.launchers.slurm import SlurmError
-from areal_flow.run.checks import validate
+from areal_flow.run.checks import staleness_warning, validate
 from areal_flow.run.compose import compose
 from areal_flow.run.dry_run import dry_run
 from areal_flow.run.lock import RunDirBusy, hold_run_dir
@@ -65,6 +65,8 @@ def run(raw: DictConfig, console: Console) -> int:
     """Compose → validate → plan → start; the exit code of the run."""
     cfg = compose(raw, console)
     graph = validate(cfg)
+    if warning := staleness_warning(cfg):
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     placement = place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
     if cfg.dry_run:
         return dry_run(cfg, graph, placement, console)

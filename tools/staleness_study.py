@@ -54,6 +54,10 @@ OBJECTIVES = {
     "m2po": ["algorithm.decoupled=true", "algorithm.behav_weight_m2=0.04"],  # M2PO's second-moment mask
     "icepop": ["algorithm.decoupled=true", "algorithm.behav_weight_floor=0.5"],  # two-sided mask [0.5, 5]
     "clamp": ["algorithm.decoupled=true", "algorithm.behav_weight_action=clamp"],  # clamp at 5, not mask
+    "clip_behav": ["algorithm.decoupled=true", "algorithm.clip_behav=true"],  # the clip of naive PPO as well
+    "cap2": ["algorithm.decoupled=true", "algorithm.behav_weight_cap=2"],  # mask above 2
+    # truncated importance weights as V-trace's ρ̄ = 1: a stale token is weighted down, never up
+    "clamp1": ["algorithm.decoupled=true", "algorithm.behav_weight_cap=1", "algorithm.behav_weight_action=clamp"],
 }
 """The objectives the study compares, by name: the overrides that make each."""
 LABELS = {"decoupled": "decoupled (default)", "naive": "naive PPO"}
@@ -75,11 +79,14 @@ def objective_of(overrides: dict[str, str]) -> str:
     """The OBJECTIVES name whose overrides a run has (naive PPO whatever else it sets)."""
     if overrides.get("algorithm.decoupled", "true").lower() == "false":
         return "naive"
-    for name, settings in OBJECTIVES.items():
+    matched = "decoupled"
+    for name, settings in OBJECTIVES.items():  # the one with the most settings, all of them in the run's
         extra = [o for o in settings if not o.startswith("algorithm.decoupled=")]
-        if extra and all(overrides.get(o.split("=", 1)[0]) == o.split("=", 1)[1] for o in extra):
-            return name
-    return "decoupled"
+        # a multirun writes a sweep's booleans back as Hydra prints them (True), a single value as given
+        if extra and all(str(overrides.get(o.split("=", 1)[0])).lower() == o.split("=", 1)[1].lower() for o in extra) and \
+                len(extra) > len(OBJECTIVES[matched]) - 1:
+            matched = name
+    return matched
 
 
 def read_run(run_dir: Path) -> dict:

@@ -63,7 +63,7 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         behav_weight_cap=algo.behav_weight_cap, behav_weight_floor=algo.behav_weight_floor,
         behav_weight_action=algo.behav_weight_action, token_weights=batch.get("token_weights"),
         n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
-        behav_weight_m2=algo.behav_weight_m2)
+        behav_weight_m2=algo.behav_weight_m2, clip_behav=algo.clip_behav)
 
 
 # ---- built-in advantage estimators:

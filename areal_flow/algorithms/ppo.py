@@ -114,6 +114,7 @@ def decoupled_ppo_loss(
     entropy: torch.Tensor | None = None,
     staleness: torch.Tensor | None = None,
     behav_weight_m2: float | None = None,
+    clip_behav: bool = False,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
 
@@ -151,6 +152,9 @@ def decoupled_ppo_loss(
     diagnostics.staleness_bucket_sums: the weights, capped tokens and gradient weight by age.
     `behav_weight_m2` (M2PO's τ, `m2_keep`) masks, besides the bounds, the tokens of largest
     |log w_t| until the second moment of the others' log w is at most τ; they count as capped.
+    `clip_behav` (PPO, with prox) also clips the whole ratio π_θ/π_behav = r_t·w_t as naive PPO
+    does (`behav_clip_term`): a token the policy has moved past the clip since it was sampled, in
+    its advantage's direction, gets no gradient, however many versions that took.
     """
     _check_options(kind, importance_level, behav_weight_action, c_clip, seq_ids, behav_weight_cap, behav_weight_floor)
     _check_shapes(logprobs, behav_logprobs=behav_logprobs, advantages=advantages, mask=mask,
@@ -161,6 +165,9 @@ def decoupled_ppo_loss(
     clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_high is None else eps_clip_high))
     if kind == "ppo":
         pg, took_clip, dual = ppo_term(x.adv, ratio, clipped_ratio, mask, c_clip)
+        if clip_behav and prox_logprobs is not None:
+            high = eps_clip if eps_clip_high is None else eps_clip_high
+            pg, took_clip = behav_clip_term(pg, took_clip, x.adv, ratio, x.weight, mask, eps_clip, high)
     else:
         pg, took_clip = cispo_term(x.logp, x.adv, ratio, clipped_ratio, mask)
         dual = torch.zeros_like(mask)
@@ -263,6 +270,21 @@ def ppo_term(adv: torch.Tensor, ratio: torch.Tensor, clipped_ratio: torch.Tensor
         dual = mask & (pg > bound)
         pg = torch.where(dual, bound, pg)
     return pg, took_clip, dual
+
+
+def behav_clip_term(pg: torch.Tensor, took_clip: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor,
+                    weight: torch.Tensor, mask: torch.Tensor, low: float, high: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pg_t, clipped) with a third, pessimistic term: naive PPO's clip of the whole ratio
+    π_θ/π_behav = r_t·w_t, divided by w_t so that the behaviour weight the loss multiplies by gives
+    naive PPO's clipped objective back: pg_t = max(pg_t, -A_t·clip(r_t·w_t, 1 - low, 1 + high)/w_t).
+    Where that clip is active the term is a constant (no gradient); where it is not, it equals
+    -A_t·r_t and is never taken over pg_t. A token with w_t = 0 keeps pg_t."""
+    safe = torch.where(weight > 0, weight, torch.ones_like(weight))
+    total = torch.clamp(ratio * safe, 1.0 - low, 1.0 + high) / safe
+    behav_clipped = -adv * total
+    took = mask & (weight > 0) & (behav_clipped > pg)
+    return torch.where(took, behav_clipped, pg), took_clip | took
 
 
 def cispo_term(logp: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, clipped_ratio: torch.Tensor,

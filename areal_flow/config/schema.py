@@ -208,6 +208,8 @@ class AlgorithmConfig:
     behav_weight_m2: Optional[float] = doc(None, "M2PO's τ (arXiv 2510.01161): per micro-batch, mask the tokens of "
                                            "largest |log w| until mean((log w)²) of the rest is at most τ (the paper: "
                                            "0.04); null = off", ge=0)
+    clip_behav: bool = doc(False, "decoupled PPO also clips the whole ratio π_θ/π_behav as naive PPO does: a stale "
+                           "token the policy already moved past the clip since it was sampled gets no gradient")
     stale_warn_capped: float = doc(0.05, "warn once (console and metrics) when more than this share of a step's tokens "
                                    "has a behaviour weight outside [floor, cap] for stale_warn_steps steps in a row; "
                                    "0 = never", ge=0, le=1)
@@ -277,6 +279,9 @@ class RolloutConfig:
 
     max_staleness: int = doc(4, "η: admit a group only while accepted + running < (η + v + 1)·B; 0 = synchronous", ge=0)
     max_concurrent: int = doc(64, "most prompt groups generating at once", ge=1)
+    staleness_shown: Optional[int] = doc(None, "the largest η at which this recipe was shown to end as well as at "
+                                         "η = 0 (docs/staleness_study.md); a run with a larger max_staleness warns at "
+                                         "start; null = no evidence either way, no warning", ge=0)
     workers: int = doc(1, "rollout worker processes", ge=1)
     interrupt: bool = doc(True, "a weight update interrupts the running requests, which resume under the new "
                           "weights; false: it waits until they finish")

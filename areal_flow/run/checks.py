@@ -259,3 +259,14 @@ def check_tokenizer(cfg: RunConfig, model_path: str) -> None:
         from areal_flow.models.tokenizer import load_tokenizer
 
         check_chat_template(load_tokenizer(model_path), model_path)
+
+
+def staleness_warning(cfg: RunConfig) -> str | None:
+    """A line to print at launch when η is past what the recipe was shown to hold
+    (rollout.staleness_shown), else None: the run goes on, its user told."""
+    shown, eta = cfg.rollout.staleness_shown, cfg.rollout.max_staleness
+    if shown is None or eta <= shown:
+        return None
+    return (f"rollout.max_staleness={eta}: recipe {cfg.recipe or '(none)'} was shown to end as well as synchronous "
+            f"training only up to η = {shown} (rollout.staleness_shown; docs/staleness_study.md); past it, runs of "
+            f"this size ended lower with every objective tried")

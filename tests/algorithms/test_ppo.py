@@ -677,3 +677,28 @@ def test_m2po_masks_in_the_loss_and_counts_as_capped():
     assert float(stats["capped_tokens"]) == 1
     assert logp.grad[1] == 0 and all(logp.grad[i] != 0 for i in (0, 2, 3))  # the log w = 2 token is dropped
     assert float(loss) == pytest.approx(-(1 + math.exp(0.1) + 1) / 4)  # still in the denominator
+
+
+def test_clip_behav_stops_the_gradient_where_naive_ppo_would_and_keeps_it_elsewhere():
+    # Four tokens at r = 1 (the step's start), A > 0; the policy moved since sampling: w = 1, 1.1, 1.5, 0.5.
+    behav = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    prox = torch.log(torch.tensor([0.5, 0.55, 0.75, 0.25]))
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0])
+    mask = torch.ones(4, dtype=torch.bool)
+
+    def grads(clip_behav: bool) -> torch.Tensor:
+        logp = prox.clone().requires_grad_()
+        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, clip_behav=clip_behav)
+        loss.backward()
+        return logp.grad, stats
+
+    plain, _ = grads(False)
+    both, stats = grads(True)
+    assert all(plain != 0)  # the decoupled objective pushes every token at the step's start
+    # w = 1.5 with A > 0 (moved past 1.2 in the advantage's direction) and w = 0.5 with A < 0: none.
+    assert both[0] == plain[0] and both[1] == plain[1] and both[2] == 0 and both[3] == 0
+    assert float(stats["clipped_tokens"]) == 2
+    # Naive PPO (no prox) at the same point gives the same zeros: the clip is its own.
+    logp = prox.clone().requires_grad_()
+    decoupled_ppo_loss(logp, None, behav, adv, mask, eps_clip=0.2)[0].backward()
+    assert logp.grad[2] == 0 and logp.grad[3] == 0 and logp.grad[1] != 0

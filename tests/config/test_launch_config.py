@@ -276,3 +276,15 @@ def test_a_long_multirun_job_name_is_cut_and_hashed_under_the_file_systems_limit
     assert a == short_name(long_a) and a != b  # the same overrides give the same folder, others another
     assert a.startswith("algorithm.key_0=") and long_a.startswith(a.rsplit(",", 1)[0])
     assert len(short_name("é" * 300).encode()) <= NAME_BYTES  # cut on a character, not inside one
+
+
+def test_an_eta_past_what_the_recipe_was_shown_to_hold_warns_at_launch():
+    from areal_flow.config.schema import RolloutConfig, RunConfig
+    from areal_flow.run.checks import staleness_warning
+
+    def cfg(eta: int, shown: int | None) -> RunConfig:
+        return RunConfig(recipe="tiny_arith", rollout=RolloutConfig(max_staleness=eta, staleness_shown=shown))
+
+    assert staleness_warning(cfg(4, 4)) is None and staleness_warning(cfg(8, None)) is None
+    warning = staleness_warning(cfg(8, 4))
+    assert warning.startswith("rollout.max_staleness=8: recipe tiny_arith was shown") and "up to η = 4" in warning

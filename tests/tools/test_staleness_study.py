@@ -19,6 +19,7 @@ def test_each_objectives_overrides_read_back_as_that_objective():
     # naive PPO whatever else is set; nothing said is the default objective
     assert objective_of({"algorithm.decoupled": "False", "algorithm.behav_weight_m2": "0.04"}) == "naive"
     assert objective_of({"seed": "3"}) == "decoupled"
+    assert objective_of({"algorithm.clip_behav": "True"}) == "clip_behav"  # as a multirun writes it back
 
 
 def run_dir(root: Path, name: str, overrides: list[str], acc_end: float, capped: float | None) -> None:
