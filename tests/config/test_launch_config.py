@@ -288,3 +288,13 @@ def test_an_eta_past_what_the_recipe_was_shown_to_hold_warns_at_launch():
     assert staleness_warning(cfg(4, 4)) is None and staleness_warning(cfg(8, None)) is None
     warning = staleness_warning(cfg(8, 4))
     assert warning.startswith("rollout.max_staleness=8: recipe tiny_arith was shown") and "up to η = 4" in warning
+
+
+@pytest.mark.slow  # two dry-run launches, about 3 s
+def test_the_default_recipe_warns_at_launch_past_the_staleness_it_was_shown_to_hold(tmp_path):
+    r = launch("dry_run=true", "rollout.max_staleness=8", f"cache_dir={tmp_path}/c", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "warning: rollout.max_staleness=8: recipe tiny_arith was shown to end as well as synchronous " \
+           "training only up to η = 4" in " ".join(r.stdout.split())
+    quiet = launch("dry_run=true", "rollout.max_staleness=4", f"cache_dir={tmp_path}/c", cwd=tmp_path)
+    assert quiet.returncode == 0 and "warning:" not in quiet.stdout
