@@ -89,12 +89,14 @@ def ensure_base_model(
     with _exclusive(final + ".lock"):
         if os.path.isdir(final):  # another process finished it while we waited
             return _checked(final)
+        # Imported here: torch and transformers take seconds to import, and the launcher calls this
+        # on every run, where the model is almost always cached already. Before the temporary
+        # directory, so that it appears once training is about to start: a Ctrl-C inside these
+        # imports can be swallowed by a library's bare `except:` around an optional import.
+        from areal_flow.models.supervised import train_and_save
+
         tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".tmp-{os.path.basename(final)}-")
         try:
-            # Imported here: torch and transformers take seconds to import, and the launcher calls
-            # this on every run, where the model is almost always cached already.
-            from areal_flow.models.supervised import train_and_save
-
             if device == "cpu":
                 train_and_save(tmp, settings, progress)
             else:

@@ -62,12 +62,16 @@ def test_ctrl_c_during_the_bootstrap_exits_130_in_one_line_and_caches_no_partial
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     models = cache / "models"
     deadline = time.monotonic() + 120
-    while not (models.is_dir() and any(p.name.startswith(".tmp-") for p in models.iterdir())):
-        assert proc.poll() is None and time.monotonic() < deadline, "the bootstrap never started"
-        time.sleep(0.2)
-    time.sleep(1)  # into its training steps
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        # The temporary directory appears once torch is imported and training is about to start.
+        while not (models.is_dir() and any(p.name.startswith(".tmp-") for p in models.iterdir())):
+            assert proc.poll() is None and time.monotonic() < deadline, "the bootstrap never started"
+            time.sleep(0.2)
+        time.sleep(1)  # into its training steps
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a launcher that ignored the signal would train on through the rest of the suite
     assert proc.returncode == 130, out + err
     assert "Traceback" not in out + err
     assert "interrupted before the run started: nothing half-made was cached" in out
