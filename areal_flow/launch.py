@@ -8,6 +8,7 @@ is a module of `areal_flow/run/`; this module only puts them in order, and is Hy
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -141,6 +142,10 @@ def check_run_dir(argv: list[str]) -> str | None:
 
 
 if __name__ == "__main__":
+    # A shell starts a background job (`cmd &` in a script, CI, nohup) with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: a later `kill -INT` or Ctrl-C would be lost and the
+    # run would never stop gracefully. The launcher always listens for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if problem := check_yaml(sys.argv[1:]) or check_run_dir(sys.argv[1:]):
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {problem}", highlight=False)
         sys.exit(2)

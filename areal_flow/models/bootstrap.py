@@ -91,8 +91,11 @@ def ensure_base_model(
             return _checked(final)
         # Imported here: torch and transformers take seconds to import, and the launcher calls this
         # on every run, where the model is almost always cached already. Before the temporary
-        # directory, so that it appears once training is about to start: a Ctrl-C inside these
-        # imports can be swallowed by a library's bare `except:` around an optional import.
+        # directory (the model's module too, which transformers would import on first use), so that
+        # it appears once training is about to start: a Ctrl-C inside these imports can be swallowed
+        # by a library's bare `except:` around an optional import.
+        import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (transformers imports it lazily)
+
         from areal_flow.models.supervised import train_and_save
 
         tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".tmp-{os.path.basename(final)}-")

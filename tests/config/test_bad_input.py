@@ -67,7 +67,7 @@ def test_ctrl_c_during_the_bootstrap_exits_130_in_one_line_and_caches_no_partial
         while not (models.is_dir() and any(p.name.startswith(".tmp-") for p in models.iterdir())):
             assert proc.poll() is None and time.monotonic() < deadline, "the bootstrap never started"
             time.sleep(0.2)
-        time.sleep(1)  # into its training steps
+        time.sleep(2)  # into its training steps
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
