@@ -68,7 +68,6 @@ STALENESS_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
 _STALENESS_LOW = (0, 1, 2, 3, 5, 9)
 STALE = "stale/{}/{}"
 """The loss stats' key of one bucket's sum (formatted with a STALENESS_BUCKETS name and a what)."""
-STALE_WHATS = ("tokens", "weight_sum", "weight_max", "capped", "grad")
 STALEST_SHARE_MAX, STALEST_SHARE_LAST = "stale/stalest_grad_share_max", "stale/stalest_grad_share_last"
 
 BEHAV_WEIGHT_BIN = "behav_weight_bin/{:02d}"
@@ -152,16 +151,19 @@ def behav_weight_bins(weight: torch.Tensor, mask: torch.Tensor, edges: Sequence[
     """Counts [len(edges) - 1] of the valid tokens' weights per bin of `edges` (behav_weight_edges'
     rule: right-closed bins, the first one from 0, the last open above), in `weight`'s dtype."""
     n_bins = len(edges) - 1
-    # Every token is binned and the mask applied to the one-hot rows: `weight[mask]` has a size only
-    # the values tell, which on a GPU is a device synchronisation per micro-batch.
     w = weight.detach().reshape(-1)
-    valid = mask.reshape(-1).bool()
     inner = w.new_tensor(list(edges[1:-1]))
     # The number of inner edges strictly below w: bin i holds e_i < w <= e_{i+1}.
     index = (w.unsqueeze(-1) > inner).sum(-1)
-    # Counted by comparison rather than bincount, which has no deterministic CUDA kernel.
-    hits = (index.unsqueeze(-1) == index.new_tensor(list(range(n_bins)))) & valid.unsqueeze(-1)
-    return hits.sum(0).to(weight.dtype)
+    return _masked_onehot(index, mask, n_bins).sum(0).to(weight.dtype)
+
+
+def _masked_onehot(index: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, n] bool: token t's row has True at index[t] when the token is valid. Every token is
+    binned and the mask applied to the rows: `x[mask]` has a size only the values tell, which on a
+    GPU is a device synchronisation per micro-batch; and comparison rather than bincount, which has
+    no deterministic CUDA kernel."""
+    return (index.unsqueeze(-1) == index.new_tensor(list(range(n)))) & mask.reshape(-1).bool().unsqueeze(-1)
 
 
 def ess_fraction(weight_sum: float, weight_sq_sum: float, n: float) -> float | None:
@@ -181,10 +183,7 @@ def staleness_bucket_sums(staleness: torch.Tensor, mask: torch.Tensor, weight: t
                           grad: torch.Tensor) -> dict[str, torch.Tensor]:
     """The module's per-bucket sums (0-d tensors in `weight`'s dtype) of one micro-batch: every key
     of every bucket, 0 for an empty one, so that micro-batches and ranks add the same keys."""
-    n = len(STALENESS_BUCKETS)
-    index = staleness_bucket(staleness.reshape(-1).long())
-    # One-hot rows masked to the valid tokens: a boolean index would cost a device synchronisation.
-    hits = ((index.unsqueeze(-1) == index.new_tensor(list(range(n)))) & mask.reshape(-1).bool().unsqueeze(-1))
+    hits = _masked_onehot(staleness_bucket(staleness.reshape(-1).long()), mask, len(STALENESS_BUCKETS))
     onehot = hits.to(weight.dtype)
     w = weight.detach().reshape(-1, 1)
     sums = {"tokens": onehot.sum(0), "weight_sum": (onehot * w).sum(0),

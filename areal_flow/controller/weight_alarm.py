@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_flow.algorithms.diagnostics import STALENESS_BUCKETS
+
 
 @dataclass
 class WeightAlarm:
@@ -41,7 +43,7 @@ class WeightAlarm:
             return None
         self.raised = True
         stalest = max((k.split("/")[2] for k in row if k.startswith("train/stale/") and k.endswith("/tokens")),
-                      key=_bucket_order, default=None)
+                      key=STALENESS_BUCKETS.index, default=None)
         where = f"; the stalest tokens ({stalest} versions behind)" if stalest else ""
         weight = row.get(f"train/stale/{stalest}/weight_mean") if stalest else None
         where += f" had a mean weight of {weight:.2f}" if weight is not None else ""
@@ -51,6 +53,3 @@ class WeightAlarm:
                 f"rollout.max_staleness, or lower algorithm.lr or algorithm.n_minibatches "
                 f"(docs/algorithms.md, \"Staleness diagnostics\")")
 
-
-def _bucket_order(name: str) -> int:
-    return int(name.split("-")[0].rstrip("+"))
