@@ -50,13 +50,20 @@ def test_without_a_prox_node_it_trains_plain_ppo_against_the_behaviour_policy(tm
         assert m["train/behav_weight_sum"] == m["train/n_valid_tokens"] and m["train/behav_weight_max"] == 1.0
 
 
-def test_a_ref_node_adds_a_reference_model_and_the_kl_term(tmp_path, run_cache):
+@pytest.fixture(scope="module")
+def ref_broadcast_run(tmp_path_factory, run_cache) -> Path:
+    """One run for two tests: a ref node with the KL term, its weights broadcast over gloo."""
     graph = copy.deepcopy(BASE["graph"])
     graph["actor_ref"] = {"type": "inference", "role": "ref", "inputs": ["prompt_ids", "output_ids"],
                           "outputs": ["ref_logprobs"], "mesh": "1", "micro_batch_tokens": 256}
     graph["actor_train"]["inputs"].append("ref_logprobs")
-    run_dir = run_variant(tmp_path, run_cache, "with_ref", graph, "algorithm.kl_coef=0.05",
-                          "algorithm.kl_target=1.0", "algorithm.kl_horizon=8")
+    return run_variant(tmp_path_factory.mktemp("ref"), run_cache, "with_ref", graph, "algorithm.kl_coef=0.05",
+                       "algorithm.kl_target=1.0", "algorithm.kl_horizon=8",
+                       "rollout.weight_update_mode=distributed", "rollout.weight_bucket_mb=1", "rollout.interrupt=true")
+
+
+def test_a_ref_node_adds_a_reference_model_and_the_kl_term(ref_broadcast_run):
+    run_dir = ref_broadcast_run
     # One optimizer step per update: π_prox is the trained logprobs themselves, so the prox node
     # does not run; the ref node does, before the train node.
     assert nodes_run(run_dir) == [["actor_ref", "actor_train"]] * 3
@@ -89,7 +96,9 @@ def test_two_reward_nodes_combine_by_their_declared_weights(tmp_path, run_cache)
     assert nodes_run(run_dir) == [["actor_train"]] * 3
 
 
-def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache):
+@pytest.fixture(scope="module")
+def renamed_shm_run(tmp_path_factory, run_cache) -> tuple[Path, set]:
+    """One run for two tests: renamed keys, its weights through /dev/shm with retracting updates."""
     graph = copy.deepcopy(BASE["graph"])
     graph["generate"]["outputs"] = ["q_ids", "a_ids", "a_logp", "a_ver"]
     graph["generate"]["keys"] = {"prompt_ids": "q_ids", "output_ids": "a_ids", "behav_logprobs": "a_logp",
@@ -97,8 +106,16 @@ def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache
     graph["reward"] |= {"inputs": ["a_ids", "answer"], "outputs": ["score"]}
     graph["actor_prox"] |= {"inputs": ["q_ids", "a_ids"], "outputs": ["old_logp"], "keys": {"prox_logprobs": "old_logp"}}
     graph["actor_train"]["inputs"] = ["q_ids", "a_ids", "a_logp", "a_ver", "old_logp", "score"]
+    before = set(Path("/dev/shm").glob("areal_flow-*"))
     # Without the shortcut the prox node runs every step, even for one optimizer step.
-    run_dir = run_variant(tmp_path, run_cache, "renamed", graph, "algorithm.prox_shortcut=false")
+    run_dir = run_variant(tmp_path_factory.mktemp("renamed"), run_cache, "renamed", graph,
+                          "algorithm.prox_shortcut=false", "rollout.weight_update_mode=shm", "rollout.interrupt=true",
+                          "rollout.pause_mode=retract")
+    return run_dir, before
+
+
+def test_renamed_keys_are_followed_by_their_declared_meaning(renamed_shm_run):
+    run_dir, _ = renamed_shm_run
     steps = steps_of(run_dir)
     assert all(m["response_length"] > 0 and sum(m["staleness_hist"]) > 0 for m in steps)
     # π_prox came from the renamed key, through a forward pass that took time.
@@ -106,12 +123,10 @@ def test_renamed_keys_are_followed_by_their_declared_meaning(tmp_path, run_cache
     assert all(m["train/prox_seconds"] > 0 for m in steps)
 
 
-def test_weights_through_shared_memory_with_retracting_updates(tmp_path, run_cache):
+def test_weights_through_shared_memory_with_retracting_updates(renamed_shm_run):
     """rollout.weight_update_mode=shm: each version goes through /dev/shm, not the run directory,
     and is gone after the run; retracting updates keep the accounting exact."""
-    before = set(Path("/dev/shm").glob("areal_flow-*"))
-    run_dir = run_variant(tmp_path, run_cache, "shm_retract", copy.deepcopy(BASE["graph"]),
-                          "rollout.weight_update_mode=shm", "rollout.interrupt=true", "rollout.pause_mode=retract")
+    run_dir, before = renamed_shm_run
     log = (run_dir / "logs" / "gen_server0.log").read_text()
     loaded = [line for line in log.splitlines() if "loaded, version" in line]
     assert len(loaded) == 3 and all("from /dev/shm/areal_flow-" in line for line in loaded)
@@ -119,13 +134,11 @@ def test_weights_through_shared_memory_with_retracting_updates(tmp_path, run_cac
     assert set(Path("/dev/shm").glob("areal_flow-*")) == before  # removed at the end
 
 
-def test_weights_by_broadcast_from_trainer_rank_0_over_gloo(tmp_path, run_cache):
+def test_weights_by_broadcast_from_trainer_rank_0_over_gloo(ref_broadcast_run):
     """rollout.weight_update_mode=distributed: each version goes from trainer rank 0 to the server
     in buckets over a gloo group (SGLang's /update_weights_from_distributed), never through a file,
     between the controller's pause and continue; the server's version advances with every step."""
-    run_dir = run_variant(tmp_path, run_cache, "broadcast", copy.deepcopy(BASE["graph"]),
-                          "rollout.weight_update_mode=distributed", "rollout.weight_bucket_mb=1",
-                          "rollout.interrupt=true")
+    run_dir = ref_broadcast_run
     log = (run_dir / "logs" / "gen_server0.log").read_text()
     loaded = [line for line in log.splitlines() if "loaded, version" in line]
     assert all("from weights group 'weight_update_group'" in line for line in loaded)

@@ -2,15 +2,16 @@
 objective, then a table and a plot.
 
     python tools/staleness_study.py run [--etas 0 1 2 4 8] [--seeds 1 2] [--steps 40] [--dir DIR]
-                                        [--objectives decoupled naive ...] [-- overrides]
+                                        [--objectives default naive ...] [-- overrides]
     python tools/staleness_study.py collect DIR
 
 `run` launches `python -m areal_flow.launch -m` over rollout.max_staleness × seed for each objective
-(OBJECTIVES: the default decoupled objective, naive PPO, and the candidates of docs/algorithms.md)
+(OBJECTIVES: the project's default, AReaL's decoupled objective, naive PPO, and the candidates of
+docs/algorithms.md)
 with the study's settings (STUDY: every run trains the same number of samples), into one sweep
 directory (a later `run` into it adds to it), then collects.
-`collect` reads every run of a sweep directory (its .hydra/overrides.yaml, summary.json and
-metrics.jsonl) and prints, per η and objective, the final held-out accuracy (mean ± std over
+`collect` reads every run of a sweep directory (its config.yaml, .hydra/overrides.yaml, summary.json
+and metrics.jsonl) and prints, per η and objective, the final held-out accuracy (mean ± std over
 seeds), wall time, trained samples/s and realised staleness; it writes the table to
 docs/staleness_study.md and the plot to docs/staleness_study.png.
 """
@@ -34,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from _bench import machine, save_plot  # noqa: E402
 
+from areal_flow.config.schema import AlgorithmConfig  # noqa: E402
 from areal_flow.metrics.writer import read_metrics  # noqa: E402
 
 STUDY = [
@@ -48,26 +50,37 @@ STUDY = [
 ]
 
 
-OBJECTIVES = {
-    "decoupled": ["algorithm.decoupled=true"],  # the project's default: behaviour weight masked above 5
-    "naive": ["algorithm.decoupled=false"],  # PPO clipped against π_behav, no π_prox
-    "m2po": ["algorithm.decoupled=true", "algorithm.behav_weight_m2=0.04"],  # M2PO's second-moment mask
-    "icepop": ["algorithm.decoupled=true", "algorithm.behav_weight_floor=0.5"],  # two-sided mask [0.5, 5]
-    "clamp": ["algorithm.decoupled=true", "algorithm.behav_weight_action=clamp"],  # clamp at 5, not mask
-    "clip_behav": ["algorithm.decoupled=true", "algorithm.clip_behav=true"],  # the clip of naive PPO as well
-    "cap2": ["algorithm.decoupled=true", "algorithm.behav_weight_cap=2"],  # mask above 2
+AREAL = {"clip_behav": False}  # AReaL's decoupled objective: the behaviour weight, no clip against π_behav
+OBJECTIVES: dict[str, dict] = {
+    "default": {},  # the project's default: decoupled, weight masked above 5, naive PPO's clip as well
+    "areal": AREAL,
+    "naive": {"decoupled": False},  # PPO clipped against π_behav, no π_prox
+    "m2po": AREAL | {"behav_weight_m2": 0.04},  # M2PO's second-moment mask
+    "icepop": AREAL | {"behav_weight_floor": 0.5},  # two-sided mask [0.5, 5]
+    "clamp": AREAL | {"behav_weight_action": "clamp"},  # clamp at 5, not mask
+    "cap2": AREAL | {"behav_weight_cap": 2.0},  # mask above 2
     # truncated importance weights as V-trace's ρ̄ = 1: a stale token is weighted down, never up
-    "clamp1": ["algorithm.decoupled=true", "algorithm.behav_weight_cap=1", "algorithm.behav_weight_action=clamp"],
+    "clamp1": AREAL | {"behav_weight_cap": 1.0, "behav_weight_action": "clamp"},
 }
-"""The objectives the study compares, by name: the overrides that make each."""
-LABELS = {"decoupled": "decoupled (default)", "naive": "naive PPO"}
+"""The objectives the study compares, by name: their algorithm settings that differ from the default's."""
+BASE = {name: getattr(AlgorithmConfig(), name) for name in
+        ("decoupled", "clip_behav", "behav_weight_cap", "behav_weight_floor", "behav_weight_action", "behav_weight_m2")}
+"""The settings that tell the objectives apart, at their defaults."""
+OLD_DEFAULTS = {"clip_behav": False}
+"""What a run written before a setting existed had instead (clip_behav: AReaL's objective until 2026-11-28)."""
+LABELS = {"default": "default (clip_behav)", "areal": "decoupled (AReaL)", "naive": "naive PPO"}
+
+
+def overrides_of(objective: str) -> list[str]:
+    """The launcher overrides that make an objective."""
+    return [f"algorithm.{k}={'null' if v is None else str(v).lower()}" for k, v in OBJECTIVES[objective].items()]
 
 
 def run(args: argparse.Namespace) -> None:
     sweep = Path(args.dir or "multirun/staleness_study").resolve()
     for objective in args.objectives:
         cmd = [sys.executable, "-m", "areal_flow.launch", "-m",
-               "rollout.max_staleness=" + ",".join(map(str, args.etas)), *OBJECTIVES[objective],
+               "rollout.max_staleness=" + ",".join(map(str, args.etas)), *overrides_of(objective),
                "seed=" + ",".join(map(str, args.seeds)), f"total_steps={args.steps}", *STUDY, *args.overrides,
                f"hydra.sweep.dir={sweep}"]
         print("$", " ".join(cmd[1:]), flush=True)
@@ -75,29 +88,28 @@ def run(args: argparse.Namespace) -> None:
     collect(sweep, args.out, args.plot, " ".join(sys.argv[1:]))
 
 
-def objective_of(overrides: dict[str, str]) -> str:
-    """The OBJECTIVES name whose overrides a run has (naive PPO whatever else it sets)."""
-    if overrides.get("algorithm.decoupled", "true").lower() == "false":
+def objective_of(algorithm: dict) -> str:
+    """The OBJECTIVES name of a run's resolved `algorithm` settings (naive PPO whatever else it sets);
+    "other" when none matches."""
+    if not algorithm.get("decoupled", True):
         return "naive"
-    matched = "decoupled"
-    for name, settings in OBJECTIVES.items():  # the one with the most settings, all of them in the run's
-        extra = [o for o in settings if not o.startswith("algorithm.decoupled=")]
-        # a multirun writes a sweep's booleans back as Hydra prints them (True), a single value as given
-        if extra and all(str(overrides.get(o.split("=", 1)[0])).lower() == o.split("=", 1)[1].lower() for o in extra) and \
-                len(extra) > len(OBJECTIVES[matched]) - 1:
-            matched = name
-    return matched
+    have = {k: algorithm.get(k, OLD_DEFAULTS.get(k, v)) for k, v in BASE.items()}
+    for name, settings in OBJECTIVES.items():
+        if have == BASE | settings:
+            return name
+    return "other"
 
 
 def read_run(run_dir: Path) -> dict:
     overrides = dict(o.split("=", 1) for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()))
+    algorithm = yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [m for m in read_metrics(str(run_dir / "metrics.jsonl")) if m["event"] == "step"]
     counts = [sum(m["staleness_hist"]) for m in steps]
     capped = [m["train/capped_fraction"] for m in steps if m.get("train/capped_fraction") is not None]
     return {
         "eta": int(overrides["rollout.max_staleness"]),
-        "objective": objective_of(overrides),
+        "objective": objective_of(algorithm),
         "capped": statistics.fmean(capped) if capped else None,
         "seed": int(overrides["seed"]),
         "acc_start": summary["accuracy_start"],
@@ -121,7 +133,7 @@ def collect(sweep: Path, out: str, plot: str, command: str) -> None:
     cells: dict[tuple[int, str], list[dict]] = defaultdict(list)
     for r in runs:
         cells[(r["eta"], r["objective"])].append(r)
-    order = list(OBJECTIVES)
+    order = [*OBJECTIVES, "other"]
     starts = sorted({round(r["acc_start"], 4) for r in runs if r["acc_start"] is not None})
     lines = [f"machine: {machine()}", f"command: python tools/staleness_study.py {command}", "",
              f"held-out accuracy at the start (every run): {', '.join(f'{100 * a:.1f}%' for a in starts)}", "",
@@ -144,7 +156,7 @@ def collect(sweep: Path, out: str, plot: str, command: str) -> None:
     Path(out).write_text("# Staleness study: the table\n\nWritten by `tools/staleness_study.py`; "
                          "docs/benchmarks.md discusses it.\n\n" + text + "\n")
     fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(10, 3.8))
-    styles = {"decoupled": "o-", "naive": "s--"}
+    styles = {"default": "o-", "areal": "d-.", "naive": "s--"}
     for objective in (o for o in order if any(r["objective"] == o for r in rows)):
         mine = [r for r in rows if r["objective"] == objective]
         style = styles.get(objective, "^:") if len(mine) > 1 else styles.get(objective, "^")
@@ -168,7 +180,7 @@ def main() -> None:
     r.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     r.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     r.add_argument("--steps", type=int, default=40)
-    r.add_argument("--objectives", nargs="+", default=["decoupled", "naive"], choices=list(OBJECTIVES))
+    r.add_argument("--objectives", nargs="+", default=["default", "naive"], choices=list(OBJECTIVES))
     r.add_argument("--dir", help="the sweep directory (default multirun/staleness_study)")
     r.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     c = sub.add_parser("collect", help="collect a finished (or partial) sweep")

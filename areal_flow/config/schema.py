@@ -208,8 +208,9 @@ class AlgorithmConfig:
     behav_weight_m2: Optional[float] = doc(None, "M2PO's τ (arXiv 2510.01161): per micro-batch, mask the tokens of "
                                            "largest |log w| until mean((log w)²) of the rest is at most τ (the paper: "
                                            "0.04); null = off", ge=0)
-    clip_behav: bool = doc(False, "decoupled PPO also clips the whole ratio π_θ/π_behav as naive PPO does: a stale "
-                           "token the policy already moved past the clip since it was sampled gets no gradient")
+    clip_behav: bool = doc(True, "decoupled PPO also clips the whole ratio π_θ/π_behav as naive PPO does: a stale "
+                           "token the policy already moved past the clip since it was sampled gets no gradient "
+                           "(false = AReaL's decoupled objective)")
     stale_warn_capped: float = doc(0.05, "warn once (console and metrics) when more than this share of a step's tokens "
                                    "has a behaviour weight outside [floor, cap] for stale_warn_steps steps in a row; "
                                    "0 = never", ge=0, le=1)

@@ -26,7 +26,7 @@ def batch(seed=0, n=12):
 
 def test_the_current_prox_source_is_the_trained_logprobs_detached():
     logp, data, mask = batch()
-    algo = AlgorithmConfig(behav_weight_cap=None)
+    algo = AlgorithmConfig(behav_weight_cap=None, clip_behav=False)  # AReaL's objective: every token weighted by w
     loss, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
     want, _ = decoupled_ppo_loss(logp, logp.detach().clone(), data["behav_logprobs"], data["advantages"], mask,
                                  eps_clip=0.2, n_valid_tokens=12.0)
@@ -50,7 +50,7 @@ def test_behav_and_loglinear_prox_sources():
     prox = data["behav_logprobs"] + torch.cat([torch.zeros(6), torch.full((6,), 2 / 3)]).double() * (
         logp.detach() - data["behav_logprobs"])
     want, _ = decoupled_ppo_loss(logp, prox, data["behav_logprobs"], data["advantages"], mask, eps_clip=0.2,
-                                 n_valid_tokens=12.0)
+                                 n_valid_tokens=12.0, clip_behav=True)  # the default's clip against π_behav too
     assert loglinear.item() == pytest.approx(want.item())
 
 
@@ -146,7 +146,8 @@ def test_answers_the_train_step_may_skip_have_no_gradient(config):
     advantages 0) get exactly 0 gradient, and the others are not marked."""
     logp, data, mask = batch(seed=4)
     data["advantages"][data["seq_ids"] == 1] = 0.0  # the second answer: a group of equal rewards
-    algo = AlgorithmConfig(behav_weight_cap=None, **config)
+    # Without the clip against π_behav, which would also stop some of the others' tokens here.
+    algo = AlgorithmConfig(behav_weight_cap=None, clip_behav=False, **config)
     per_answer = [data["advantages"][data["seq_ids"] == i].numpy() for i in range(4)]
     assert zero_gradient(per_answer, algo, kl_in_loss=False) == [False, True, False, False]
     loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
