@@ -23,8 +23,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from areal_flow.data.arith import DATA_VERSION
-from areal_flow.models.tokenizer import CHARS
+from areal_flow.models.tasks import bootstrap_task
 
 # Bump when the training procedure changes, so directories trained the old way are not reused.
 BOOTSTRAP_VERSION = 1
@@ -54,6 +53,7 @@ def ensure_base_model(
     heldout: tuple[int, int] = (HELDOUT_N, HELDOUT_SEED),
     progress: bool = True,
     device: str = "cpu",
+    task: str = "tiny_arith",
 ) -> str:
     """Return a directory with the bootstrapped model and its tokenizer, training it if needed.
 
@@ -64,16 +64,18 @@ def ensure_base_model(
     trains on the first GPU this process sees (bf16 autocast, fp32 weights), in a child process
     of its own, so that the caller (the launcher, which lives as long as the run) holds no GPU
     memory; the device is not one of the settings (a model trained on either is reused on both).
+    `task` (models/tasks.py) says what it learns: its characters, data and chat template.
     """
     if steps < 1 or batch_size < 1 or warmup_steps < 0 or lr <= 0:
         raise ValueError(
             "ensure_base_model: need steps >= 1, batch_size >= 1, warmup_steps >= 0, lr > 0; got "
             f"steps={steps}, batch_size={batch_size}, warmup_steps={warmup_steps}, lr={lr}"
         )
+    spec = bootstrap_task(task)
     settings = {
         "version": BOOTSTRAP_VERSION,
-        "data_version": DATA_VERSION,
-        "chars": CHARS,
+        "data_version": spec.data_version,
+        "chars": spec.chars,
         "heldout": list(heldout),  # (n_eval, seed) of the held-out set the bootstrap must not see
         "arch": dict(sorted((arch or {}).items())),
         "steps": steps,
@@ -82,6 +84,8 @@ def ensure_base_model(
         "warmup_steps": warmup_steps,
         "seed": seed,
     }
+    if spec.name != "tiny_arith":  # the arithmetic model's directory keeps the name it always had
+        settings["task"] = spec.name
     final = os.path.join(cache_dir, settings_dir_name(settings))
     if os.path.isdir(final):  # fast path: no lock, no torch work
         return _checked(final)

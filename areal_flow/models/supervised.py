@@ -1,4 +1,5 @@
-"""Supervised training of the tiny model on arithmetic, and greedy scoring of a saved model.
+"""Supervised training of a tiny model on its task (models/tasks.py), and greedy scoring of a
+saved arithmetic model.
 
 The bootstrap (`areal_flow.models.bootstrap`) calls `train_and_save` when its cache has no
 directory for the settings; the tests and tools score checkpoints with `greedy_accuracy`.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -25,14 +25,9 @@ from rich.progress import (
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from areal_flow.data.arith import (
-    arith_reward,
-    completion_text,
-    heldout_problems,
-    prompt_text,
-    sample_operands,
-)
+from areal_flow.data.arith import arith_reward
 from areal_flow.models.bootstrap import HELDOUT_N, HELDOUT_SEED, INFO_FILE
+from areal_flow.models.tasks import BootstrapTask, bootstrap_task
 from areal_flow.models.tiny import build_tiny_qwen2, tiny_qwen2_config
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 from areal_flow.runtime.devices import local_device
@@ -58,7 +53,8 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
 def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, device: str = "cpu") -> None:
     """Train the tiny model `settings` describe (see `ensure_base_model`) on `device` and save it,
     its tokenizer and `bootstrap.json` into `out_dir`."""
-    tokenizer = build_char_tokenizer()
+    task = bootstrap_task(settings.get("task", "tiny_arith"))
+    tokenizer = build_char_tokenizer(task.chars, chat=task.chat)
     # The initial weights are part of the cached settings; fork so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings["seed"])
@@ -67,6 +63,7 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, devic
     losses = train_supervised(
         model,
         tokenizer,
+        task=task,
         steps=settings["steps"],
         lr=settings["lr"],
         batch_size=settings["batch_size"],
@@ -93,14 +90,15 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, devic
 
 
 def supervised_batch(
-    tokenizer: PreTrainedTokenizerFast, problems: list[tuple[int, int]]
+    tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]
 ) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and `labels` for prompt + completion + EOS.
+    """Right-padded `input_ids`, `attention_mask` and `labels` for prompt + completion + EOS, from
+    (prompt, completion) texts.
 
     Labels are -100 on prompt and padding tokens, so the loss covers the completion and its EOS.
     """
-    prompts = tokenizer([prompt_text(a, b) for a, b in problems], add_special_tokens=False)
-    answers = tokenizer([completion_text(a, b) for a, b in problems], add_special_tokens=False)
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)
+    answers = tokenizer([c for _, c in pairs], add_special_tokens=False)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     seqs = [(p, c + [eos]) for p, c in zip(prompts["input_ids"], answers["input_ids"])]
     width = max(len(p) + len(c) for p, c in seqs)
@@ -119,6 +117,7 @@ def train_supervised(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerFast,
     *,
+    task: BootstrapTask | None = None,
     steps: int,
     lr: float,
     batch_size: int,
@@ -128,13 +127,12 @@ def train_supervised(
     progress: bool = False,
     device: str = "cpu",
 ) -> list[float]:
-    """Train `model` in place on fresh problems (held-out prompts excluded); return step losses.
-    On "cuda" it trains on the first visible GPU with bf16 autocast over fp32 weights, and leaves
-    the model on the CPU."""
+    """Train `model` in place on fresh problems of `task` (default arithmetic; held-out prompts
+    excluded); return step losses. On "cuda" it trains on the first visible GPU with bf16 autocast
+    over fp32 weights, and leaves the model on the CPU."""
     on = local_device(device)
     model.to(on)
-    excluded = {prompt_text(a, b) for a, b in heldout_problems(*heldout)}
-    rng = random.Random(f"bootstrap-{seed}")
+    pairs = (task or bootstrap_task("tiny_arith")).pairs(seed, heldout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
@@ -146,11 +144,7 @@ def train_supervised(
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("bootstrap", total=steps, loss="-")
         for _ in range(steps):
-            problems: list[tuple[int, int]] = []
-            while len(problems) < batch_size:
-                a, b = sample_operands(rng)
-                if prompt_text(a, b) not in excluded:
-                    problems.append((a, b))
+            problems = [next(pairs) for _ in range(batch_size)]
             batch = {k: v.to(on) for k, v in supervised_batch(tokenizer, problems).items()}
             with torch.autocast(on.type, dtype=torch.bfloat16, enabled=on.type == "cuda"):
                 loss = model(**batch).loss

@@ -1,4 +1,5 @@
-"""The character-level tokenizer of the tiny arithmetic task: 15 characters + 3 specials.
+"""The character-level tokenizers of the tiny tasks: the arithmetic task's 15 characters + 3
+specials, and the code task's printable ASCII with a chat template.
 
 Built with the `tokenizers` library (WordLevel over single characters, a pre-tokenizer that
 isolates every character, a decoder that concatenates them) and wrapped in
@@ -21,16 +22,29 @@ if TYPE_CHECKING:  # transformers is imported where a tokenizer is made: it take
     )
 
 CHARS = "0123456789+=;# "
+# The code task's characters: a newline and printable ASCII (a tab is not one: indents are spaces).
+CODE_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Specials first so their ids (0, 1, 2) do not move if the character set ever grows.
 SPECIALS = (PAD, EOS, UNK)
+# The chat template's role markers (ChatML, as Qwen's), one token each, after the characters.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = ("{% for m in messages %}" + IM_START + "{{ m['role'] }}\n{{ m['content'] }}" + IM_END + "\n"
+                 "{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
+"""ChatML over the character tokenizer: `<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n`."""
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A fresh tokenizer: ids 0-2 are `<pad> <eos> <unk>`, then the 15 characters in order."""
+def build_char_tokenizer(chars: str = CHARS, chat: bool = False) -> PreTrainedTokenizerFast:
+    """A fresh tokenizer: ids 0-2 are `<pad> <eos> <unk>`, then `chars` in order; with `chat`, the
+    two role markers and CHAT_TEMPLATE (the arithmetic task has neither)."""
+    if len(set(chars)) != len(chars):
+        raise ValueError("build_char_tokenizer: repeated characters")
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for c in CHARS:
+    for c in chars:
         vocab[c] = len(vocab)
+    markers = (IM_START, IM_END) if chat else ()
+    for m in markers:
+        vocab[m] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # `[\s\S]` rather than `.`, which would leave a newline glued to nothing and unsplit.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -38,14 +52,18 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     core.decoder = decoders.Fuse()
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
         eos_token=EOS,
         unk_token=UNK,
+        additional_special_tokens=list(markers),
         # The space is a real token ("#### 4690"); clean-up would strip spaces around digits.
         clean_up_tokenization_spaces=False,
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

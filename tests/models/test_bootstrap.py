@@ -7,7 +7,7 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-from areal_flow.data.arith import extract_answer
+from areal_flow.data.arith import completion_text, extract_answer, prompt_text
 from areal_flow.models import bootstrap, supervised
 from areal_flow.models.bootstrap import REQUIRED_FILES, ensure_base_model, publish_dir
 from areal_flow.models.supervised import (
@@ -69,7 +69,7 @@ def test_different_settings_get_a_different_directory(cache, base_dir):
 
 def test_loss_covers_completion_and_eos_only():
     tok = build_char_tokenizer()
-    batch = supervised_batch(tok, [(3, 4), (123, 4567)])
+    batch = supervised_batch(tok, [(prompt_text(a, b), completion_text(a, b)) for a, b in ((3, 4), (123, 4567))])
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     short = tok.decode(ids[0][mask[0] == 1])
     assert short == "3+4=3+4+0=7;#### 7<eos>"
