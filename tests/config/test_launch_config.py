@@ -295,6 +295,6 @@ def test_the_default_recipe_warns_at_launch_past_the_staleness_it_was_shown_to_h
     r = launch("dry_run=true", "rollout.max_staleness=8", f"cache_dir={tmp_path}/c", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "warning: rollout.max_staleness=8: recipe tiny_arith was shown to end as well as synchronous " \
-           "training only up to η = 4" in " ".join(r.stdout.split())
-    quiet = launch("dry_run=true", "rollout.max_staleness=4", f"cache_dir={tmp_path}/c", cwd=tmp_path)
+           "training only up to η = 2" in " ".join(r.stdout.split())
+    quiet = launch("dry_run=true", "rollout.max_staleness=2", f"cache_dir={tmp_path}/c", cwd=tmp_path)
     assert quiet.returncode == 0 and "warning:" not in quiet.stdout
