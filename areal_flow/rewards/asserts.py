@@ -32,8 +32,9 @@ from areal_flow.rewards.sandbox import CaseResult
 LOAD = -1  # the index of the program's own start in the harness's reports
 GRACE_SECONDS = 0.5  # past its deadline, a check that swallowed the timeout has this long before its process ends
 ERROR_CHARS = 500  # the tail of a failing check's traceback that is reported
+STATUSES = ("passed", "wrong_answer", "runtime_error", "memory_limit", "timeout", "not_run")  # the harness's
 
-HARNESS = r"""import json, linecache, os, signal, sys, time, traceback
+HARNESS = r"""import json, os, signal, sys, time
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 job = json.loads(sys.stdin.read())
@@ -58,9 +59,16 @@ def alarm(signum, frame):
     raise Deadline
 
 
+def explain(e, source, name):
+    # The traceback's tail, showing the check's lines, without run()'s frame. Imported here: a
+    # program that passes pays for neither import (about 10 ms of a process's start).
+    import linecache, traceback
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    return "".join(traceback.format_exception(e, e, e.__traceback__.tb_next))[-job["error_chars"]:]
+
+
 def run(index, source, name):
     report(index)
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # tracebacks show the line
     state.update(index=index, fired=False, start=time.monotonic())
     status, error = "passed", ""
     try:
@@ -75,7 +83,7 @@ def run(index, source, name):
     except BaseException as e:
         status = "wrong_answer" if isinstance(e, AssertionError) and index != -1 else (
             "memory_limit" if isinstance(e, MemoryError) else "runtime_error")
-        error = "".join(traceback.format_exception(e, e, e.__traceback__.tb_next))[-job["error_chars"]:]  # not run()'s frame
+        error = explain(e, source, name)
     report(index, status, time.monotonic() - state["start"], error)
     return status, error
 
@@ -111,8 +119,9 @@ class Reports:
                 continue
             if len(fields) == 2:
                 self.started.add(fields[1])
-            elif fields[1] not in self.ended:  # a forked copy of the harness reports again: the first counts
-                self.ended[fields[1]] = (str(fields[2]), float(fields[3]), str(fields[4]))
+            elif fields[1] not in self.ended and fields[2] in STATUSES and isinstance(fields[3], (int, float)):
+                # The first report counts: a forked copy of the harness reports again.
+                self.ended[fields[1]] = (fields[2], float(fields[3]), str(fields[4]))
 
 
 def died(case: CaseResult) -> tuple[str, float, str]:

@@ -12,8 +12,9 @@ import pytest
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import AssertTests, parse_tests, row_tests
+from areal_flow.rewards.asserts import Reports, settle
 from areal_flow.rewards.code import CodeReward, score_program
-from areal_flow.rewards.sandbox import Sandbox
+from areal_flow.rewards.sandbox import CaseResult, Sandbox
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 
@@ -71,6 +72,23 @@ def test_a_rows_own_keys_become_the_tests_field():
         row_tests({"test_list": ["assert f(1)", "assert ("]})
     with pytest.raises(ValueError, match="^entry_point: expected the name"):
         row_tests({"test": CHECK})
+
+
+def test_only_the_jobs_reports_with_a_known_status_count_and_a_death_mid_test_is_that_tests():
+    lines = [["n", -1], ["n", -1, "passed", 0.01, ""], ["n", 0], ["n", 0, "wrong_answer", 0.1, "AssertionError"],
+             ["n", 0, "passed", 0.1, ""],  # a forked copy of the harness: the first report counts
+             ["other", 1, "passed", 0.0, ""], ["n", 1, "forged", 0.0, ""], ["n", 1]]
+    reports = Reports("\n".join(map(json.dumps, lines)) + '\n["n", 1, "pass', "n")  # the output limit cut the last
+    assert reports.started == {-1, 0, 1}
+    assert reports.ended == {-1: ("passed", 0.01, ""), 0: ("wrong_answer", 0.1, "AssertionError")}
+    case = CaseResult("output_limit", exit_code=-9, seconds=0.5)
+    settled, again = settle(case, reports, 3, fail_fast=False)
+    assert [s[0] for s in settled] == ["wrong_answer", "output_limit"] and again  # test 2 runs in a new process
+    assert "process ended under it: output_limit, exit code -9" in settled[1][2]
+    assert settle(case, reports, 3, fail_fast=True)[1] is False
+    # A process that never finished loading the program: every test alike, none run again.
+    assert settle(CaseResult("timeout", seconds=2.0), Reports("", "n"), 2, fail_fast=False)[0] == [
+        ("timeout", 2.0, "[the test's process ended under it: timeout, exit code None]"), ("timeout", 0.0, "")]
 
 
 # ---- running them -----------------------------------------------------------------------------

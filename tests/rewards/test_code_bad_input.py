@@ -84,12 +84,21 @@ def programs_left(seconds: float = 5.0) -> dict[int, int]:
 @pytest.fixture(scope="module")
 def scorer():
     """One worker process, as a reward node with workers: 1 runs it."""
+    before = set(descendants(os.getpid()))  # what earlier tests left is theirs to answer for
     node = NodeScorer("reward", "code", workers=1, timeout=60, shaping=Shaping(), sandbox=CFG)
     yield node
     node.close()
-    # multiprocessing's resource tracker serves this process until it exits: not the scorer's.
-    left = [p for p in descendants(os.getpid()) if "multiprocessing.resource_tracker" not in cmdline(p)]
-    assert left == [], "a worker, a sandbox init or a program outlived the scorer"
+    deadline = time.monotonic() + 5.0  # a killed process is gone a moment later, not at once
+    while (left := scorers_processes(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == {}, "a worker, a sandbox init or a program outlived the scorer"
+
+
+def scorers_processes(before: set[int]) -> dict[int, str]:
+    """pid -> command line of the processes below this one that were not there before the scorer;
+    multiprocessing's resource tracker serves this process until it exits: not the scorer's."""
+    new = {p: cmdline(p) for p in set(descendants(os.getpid())) - before}
+    return {p: cmd for p, cmd in new.items() if "multiprocessing.resource_tracker" not in cmd}
 
 
 def cmdline(pid: int) -> str:
