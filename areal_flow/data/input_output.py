@@ -55,10 +55,8 @@ class AssertTests:
         return len(self.checks)
 
 
-AnyTests = Union[Tests, AssertTests]
+AnyTests = Union[Tests, AssertTests]  # what parse_tests returns: the code reward runs either
 SHAPES = "{inputs, outputs, fn_name?}, {test, entry_point} or {asserts, setup?}"
-# A row's own keys that hold assert-style tests (MBPP calls its list test_list).
-ROW_KEYS = ("test", "asserts", "test_list")
 
 
 def parse_tests(input_output: str | dict) -> AnyTests:
@@ -90,7 +88,7 @@ def row_tests(row: dict) -> dict | None:
     if row.get("test") is not None:
         _check_tests(row["test"], row.get("entry_point"), "test", "entry_point")
         return {"test": row["test"], "entry_point": row["entry_point"]}
-    key = next((k for k in ("asserts", "test_list") if row.get(k) is not None), None)
+    key = next((k for k in ("asserts", "test_list") if row.get(k) is not None), None)  # MBPP's is test_list
     if key is None:
         return None
     imports = row.get("test_imports") or []
