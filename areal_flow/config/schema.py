@@ -122,15 +122,17 @@ class DatasetConfig:
     """Prompts for training and the held-out set."""
 
     name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache), 'jsonl' (generic rows), 'areal_math' "
-                    "(AReaL math rows: query_id, prompt, solutions) or 'areal_code' (AReaL code rows: query_id, "
-                    "prompt, input_output); docs/datasets.md",
-                    choices=("tiny_arith", "jsonl", "areal_math", "areal_code"))
+                    "(AReaL math rows: query_id, prompt, solutions), 'areal_code' (AReaL code rows: query_id, "
+                    "prompt, input_output or assert-style tests) or 'humaneval' (areal_code rows to train on, "
+                    "HumanEval's 164 problems held out); docs/datasets.md",
+                    choices=("tiny_arith", "jsonl", "areal_math", "areal_code", "humaneval"))
     train_path: Optional[str] = doc(None, "training prompts: a .jsonl file, a .parquet file or a directory saved by "
                                     "datasets (all but tiny_arith; null with sample=true)")
     eval_path: Optional[str] = doc(None, "held-out prompts, as train_path; with tiny_arith, a file of {prompt, answer} "
                                    "rows that replaces the generated held-out set (e.g. the problems a peer is scored on)")
     sample: bool = doc(False, "areal_math/areal_code: train and evaluate on the small sample set shipped in "
-                       "areal_flow/data/samples/ (train_path/eval_path stay null)")
+                       "areal_flow/data/samples/ (train_path/eval_path stay null); humaneval: train on the code "
+                       "samples")
     train_split: str = doc("train", "split of train_path when it is a saved DatasetDict")
     eval_split: str = doc("test", "split of eval_path when it is a saved DatasetDict")
     fields: List[str] = doc(help="fields every row must have; they become graph keys", factory=lambda: ["prompt", "answer"])
@@ -397,6 +399,8 @@ class SandboxConfig:
     open_files: int = doc(64, "open files of a program (RLIMIT_NOFILE)", ge=16)
     output_bytes: int = doc(1 << 20, "more stdout or stderr than this stops a test case", ge=1024)
     fail_fast: bool = doc(True, "stop a program's tests at the first that crashes or times out (the rest: not_run)")
+    partial_credit: bool = doc(False, "the code reward is the fraction of a program's tests that pass, not 1 only "
+                               "when all pass (tests not run count as failed: see fail_fast)")
     allow_unsandboxed: bool = doc(False, "run programs without namespaces where the machine cannot make them: "
                                   "UNSAFE, they reach the network and every world-readable file")
     python: Optional[str] = doc(None, "interpreter of the programs; null = the one running areal_flow")

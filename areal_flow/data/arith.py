@@ -114,7 +114,7 @@ def _row(row_id: str, a: int, b: int) -> dict[str, str]:
     return {"id": row_id, "prompt": prompt_text(a, b), "answer": str(a + b)}
 
 
-def _write_jsonl_atomic(path: str, rows: list[dict[str, str]]) -> None:
+def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
     """Write to a temp file in the same folder, then rename: readers see all rows or no file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".jsonl")
     try:
@@ -159,6 +159,6 @@ def ensure_arith_data(
         a, b = sample_operands(rng)
         if prompt_text(a, b) not in excluded:
             train.append(_row(f"train-{len(train)}", a, b))
-    _write_jsonl_atomic(eval_path, [_row(f"eval-{i}", a, b) for i, (a, b) in enumerate(heldout)])
-    _write_jsonl_atomic(train_path, train)
+    write_jsonl_atomic(eval_path, [_row(f"eval-{i}", a, b) for i, (a, b) in enumerate(heldout)])
+    write_jsonl_atomic(train_path, train)
     return train_path, eval_path

@@ -10,7 +10,11 @@ A row format decides what a row must hold and where its id comes from:
   of reference answers.
 - `areal_code` (AReaL's code rows, the LiveCodeBench/APPS shape): `query_id`, `prompt`,
   `input_output`, an object (or its JSON text) with `inputs` and `outputs`, non-empty lists of the
-  same length, and an optional `fn_name` string.
+  same length, and an optional `fn_name` string; or assert-style tests, `{test, entry_point}` or
+  `{asserts}` (areal_flow/data/input_output.py).
+Where the fields name `input_output` (always for `areal_code`), a row without it but with
+HumanEval's `test` and `entry_point`, or `asserts` (MBPP's `test_list`), gets it from them, so the
+code reward reads one field whatever the row's shape; a row with none of these is refused.
 The reader is chosen by the path, whatever the format: a `.jsonl` file, a `.parquet` file, or a
 directory written by `datasets` (`Dataset` or `DatasetDict`, whose `split` is then chosen).
 """
@@ -22,7 +26,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from areal_flow.data.input_output import parse_tests
+from areal_flow.data.input_output import parse_tests, row_tests
 
 FORMATS = ("jsonl", "areal_math", "areal_code")
 INSTALL_HINT = "pip install -e '.[data]'"
@@ -158,6 +162,19 @@ def _check_input_output(value: Any) -> str | None:
     return None
 
 
+def _tests_from_row(obj: dict, where: str) -> None:
+    """Give a code row without `input_output` the field, from its assert-style tests."""
+    try:
+        spec = row_tests(obj)
+    except ValueError as e:
+        raise DatasetError(f"{where}: {e}") from None
+    if spec is None:
+        has = ", ".join(k for k, v in obj.items() if v is not None) or "no fields"  # a Parquet row's nulls are absent
+        raise DatasetError(f"{where}: missing field 'input_output', and no assert-style tests to take it from "
+                           f"('test' with 'entry_point', 'asserts' or 'test_list') (row has: {has})")
+    obj["input_output"] = spec
+
+
 def _check_prompt(value: Any) -> str | None:
     if not isinstance(value, str):
         return f"prompt: expected a string, got {type(value).__name__}"
@@ -202,12 +219,17 @@ def _collect(path: str, objects: Iterator[tuple[str, str, Any]], required: Seque
              places: list[str] | None = None) -> list[dict[str, str]]:
     id_field, own, checks = _FORMATS[fmt]
     fields = list(dict.fromkeys([*own, *required]))
+    code = "input_output" in fields  # the code reward's tests: checked, and taken from assert-style rows
+    if code:
+        checks = {**checks, "input_output": _check_input_output}
     stem = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
     rows: list[dict[str, str]] = []
     id_place: dict[str, str] = {}
     for where, place, obj in objects:
         if not isinstance(obj, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if code and obj.get("input_output") is None:
+            _tests_from_row(obj, where)
         for field in fields:
             if field not in obj:
                 has = ", ".join(obj) or "no fields"

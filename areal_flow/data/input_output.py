@@ -1,4 +1,6 @@
-"""The `input_output` field of AReaL's code data (from APPS and LiveCodeBench): a problem's tests.
+"""A problem's tests, in the shapes code data comes in; the code reward runs either shape.
+
+`input_output`, from AReaL's code data (APPS and LiveCodeBench):
 
     {"inputs": [...], "outputs": [...], "fn_name": optional}
 
@@ -7,15 +9,26 @@ the expected stdout. With `fn_name` the program defines that function (or a meth
 `class Solution`) and each input is its arguments: a list (APPS), or a string with one JSON value
 per line (LiveCodeBench); each output is the expected return value (a JSON text or a value).
 
+Assert-style, the shape of HumanEval, MBPP and most code-RL data: Python run after the program, in
+its namespace, that passes when it raises nothing.
+
+    {"test": "def check(candidate): ...", "entry_point": "name"}   one test: check(name) (HumanEval)
+    {"asserts": ["assert f(1) == 2", ...], "setup": optional}       one test per item (MBPP's test_list)
+
+A dataset row without `input_output` but with HumanEval's `test`/`entry_point`, or `asserts` (MBPP's
+`test_list`), gets the field in the assert-style shape from `row_tests`, so the graph's reward
+node reads one field whatever shape its rows hold.
+
 One reader for both places that need it: the dataset loader checks every row at start (an error
 names the file and line), and the code reward reads the tests it runs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +39,29 @@ class Tests:
     outputs: list[Any]  # expected stdout text, or (fn_name) the expected value
     fn_name: str | None = None
 
+    def __len__(self) -> int:
+        return len(self.inputs)
 
-def parse_tests(input_output: str | dict) -> Tests:
-    """Read the field (JSON text or its object). Raises ValueError saying what is wrong, starting
-    `input_output: `."""
+
+@dataclasses.dataclass(frozen=True)
+class AssertTests:
+    """Assert-style tests: each of `checks` is Python source run after the program and `setup`, in
+    their namespace; a test passes when its check raises nothing."""
+
+    checks: list[str]
+    setup: str = ""  # MBPP's test_setup_code and test_imports: run once, before the checks
+
+    def __len__(self) -> int:
+        return len(self.checks)
+
+
+AnyTests = Union[Tests, AssertTests]  # what parse_tests returns: the code reward runs either
+SHAPES = "{inputs, outputs, fn_name?}, {test, entry_point} or {asserts, setup?}"
+
+
+def parse_tests(input_output: str | dict) -> AnyTests:
+    """Read the field (JSON text or its object) in any of its shapes. Raises ValueError saying what
+    is wrong, starting `input_output: `."""
     spec = input_output
     if isinstance(spec, str):
         try:
@@ -37,7 +69,74 @@ def parse_tests(input_output: str | dict) -> Tests:
         except json.JSONDecodeError as e:
             raise ValueError(f"input_output: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(spec, dict):
-        raise ValueError(f"input_output: expected an object with 'inputs' and 'outputs', got {type(spec).__name__}")
+        raise ValueError(f"input_output: expected an object, {SHAPES}; got {type(spec).__name__}")
+    # A Parquet struct column holds every key of every shape, null where a row has none.
+    spec = {k: v for k, v in spec.items() if v is not None}
+    if "test" in spec or "entry_point" in spec:
+        return _check_tests(spec.get("test"), spec.get("entry_point"), "input_output: 'test'",
+                            "input_output: 'entry_point'")
+    if "asserts" in spec:
+        return _assert_tests(spec["asserts"], spec.get("setup"), "input_output: 'asserts'", "input_output: 'setup'")
+    return _io_tests(spec)
+
+
+def row_tests(row: dict) -> dict | None:
+    """The assert-style tests of a dataset row, in the shape `input_output` holds them: HumanEval's
+    `test` with `entry_point`, or `asserts` (MBPP's `test_list`, with its `test_setup_code` and
+    `test_imports` as the setup); None when the row has none of these keys. Raises ValueError naming
+    the row's key that is wrong."""
+    if row.get("test") is not None:
+        _check_tests(row["test"], row.get("entry_point"), "test", "entry_point")
+        return {"test": row["test"], "entry_point": row["entry_point"]}
+    key = next((k for k in ("asserts", "test_list") if row.get(k) is not None), None)  # MBPP's is test_list
+    if key is None:
+        return None
+    imports = row.get("test_imports") or []
+    setup = "\n".join([str(row.get("test_setup_code") or ""),
+                       *(map(str, imports) if isinstance(imports, list) else [str(imports)])]).strip()
+    _assert_tests(row[key], setup, key, "test_setup_code and test_imports")
+    return {"asserts": row[key], **({"setup": setup} if setup else {})}
+
+
+def _python(source: Any, what: str) -> ast.Module:
+    """The syntax tree of `source` (nothing runs); ValueError naming `what` when it is not Python."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"{what}: expected Python source, got {source!r:.60}")
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte
+        line = f" at line {e.lineno}" if isinstance(e, SyntaxError) else ""
+        raise ValueError(f"{what}: not valid Python ({type(e).__name__}{line}: {getattr(e, 'msg', e)})") from None
+
+
+def _check_tests(test: Any, entry_point: Any, test_key: str, entry_key: str) -> AssertTests:
+    """HumanEval's shape: `test` defines check(candidate), called with the function `entry_point`."""
+    if test is None:
+        raise ValueError(f"{entry_key}: given without the test code that checks it ({test_key})")
+    tree = _python(test, test_key)
+    if not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        raise ValueError(f"{entry_key}: expected the name of the function the test checks (a Python identifier), "
+                         f"got {entry_point!r}")
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body):
+        raise ValueError(f"{test_key}: defines no function check(candidate)")
+    return AssertTests([f"{test}\ncheck({entry_point})\n"])
+
+
+def _assert_tests(asserts: Any, setup: Any, key: str, setup_key: str) -> AssertTests:
+    if not isinstance(asserts, list):
+        raise ValueError(f"{key}: expected a list of assert statements, got {type(asserts).__name__}")
+    if not asserts:
+        raise ValueError(f"{key}: no tests (the list is empty)")
+    for i, item in enumerate(asserts):
+        _python(item, f"{key}[{i}]")
+    if setup:
+        _python(setup, setup_key)
+    return AssertTests(list(asserts), setup or "")
+
+
+def _io_tests(spec: dict) -> Tests:
+    if "inputs" not in spec and "outputs" not in spec:
+        raise ValueError(f"input_output: no tests in any shape: expected {SHAPES} (it has: {', '.join(spec) or 'nothing'})")
     for key in ("inputs", "outputs"):
         if key not in spec:
             raise ValueError(f"input_output: missing {key!r} (it has: {', '.join(spec) or 'nothing'})")
@@ -48,7 +147,6 @@ def parse_tests(input_output: str | dict) -> Tests:
         raise ValueError("input_output: no test cases ('inputs' is empty)")
     if len(inputs) != len(outputs):
         raise ValueError(f"input_output: 'inputs' has {len(inputs)} cases, 'outputs' has {len(outputs)}")
-    # A Parquet struct column gives rows without fn_name a null: that is the same as absent.
     fn_name = spec.get("fn_name")
     if fn_name is None:
         return Tests([_text(x) for x in inputs], [_text(y) for y in outputs])

@@ -23,8 +23,9 @@ SAMPLES = {
 
 
 def row_format(name: str) -> str:
-    """The row format (`dataset.load_rows`) of a `dataset.name`: tiny_arith writes generic JSONL."""
-    return "jsonl" if name == "tiny_arith" else name
+    """The row format (`dataset.load_rows`) of a `dataset.name`: tiny_arith writes generic JSONL,
+    humaneval's rows (train and held out) are code rows."""
+    return {"tiny_arith": "jsonl", "humaneval": "areal_code"}.get(name, name)
 
 
 def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
@@ -39,6 +40,8 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
         train, held_out = ensure_arith_data(os.path.join(cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
         # An external held-out file (e.g. the problems a peer is scored on) replaces the generated one.
         held_out = ds.eval_path or held_out
+    elif ds.name == "humaneval":
+        train, held_out = humaneval_paths(ds, cache_dir)
     elif ds.sample:
         if ds.name not in SAMPLES:
             raise DatasetError(f"dataset.sample=true needs dataset.name in {', '.join(SAMPLES)}, not {ds.name!r}")
@@ -52,8 +55,23 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
             raise DatasetError(f"dataset.name={ds.name} needs dataset.train_path and dataset.eval_path{hint}")
         train, held_out = ds.train_path, ds.eval_path
     else:
-        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected tiny_arith, jsonl, areal_math or areal_code")
+        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected tiny_arith, jsonl, areal_math, areal_code "
+                           "or humaneval")
     return os.path.abspath(train), os.path.abspath(held_out)
+
+
+def humaneval_paths(ds, cache_dir: str) -> tuple[str, str]:
+    """dataset.name=humaneval: code rows to train on (dataset.train_path, or the code samples with
+    dataset.sample=true), and HumanEval's problems held out, written into `cache_dir`/data once."""
+    from areal_flow.data.humaneval import ensure_humaneval
+
+    if ds.eval_path:
+        raise DatasetError("dataset.name=humaneval holds out HumanEval's 164 problems: leave dataset.eval_path null")
+    if bool(ds.train_path) == ds.sample:
+        raise DatasetError("dataset.name=humaneval trains on dataset.train_path (areal_code rows) or, with "
+                           "dataset.sample=true, on the shipped code samples: set exactly one of them")
+    train = ds.train_path or str(SAMPLES_DIR / SAMPLES["areal_code"][0])
+    return train, ensure_humaneval(os.path.join(cache_dir, "data"))
 
 
 def prompt_room(cfg, model_path: str) -> int | None:

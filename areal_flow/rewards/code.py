@@ -1,11 +1,14 @@
 """The code reward: the completion's last fenced code block, run in the sandbox against the
-problem's tests, scores 1.0 when every test passes and 0.0 otherwise.
+problem's tests, scores 1.0 when every test passes and 0.0 otherwise (with sandbox.partial_credit,
+the fraction of its tests that pass).
 
-Tests come in the `input_output` shape of AReaL's code data (areal_flow/data/input_output.py).
-Without `fn_name` each input is the program's stdin and its output the expected stdout, compared
-after normalising whitespace. With `fn_name` the program defines that function (or a method of
-`class Solution`) called with each input's arguments; the return value must equal the expected
-output (APPS wraps it in a one-element list).
+Tests come in two kinds of shape (areal_flow/data/input_output.py). AReaL's `input_output`: without
+`fn_name` each input is the program's stdin and its output the expected stdout, compared after
+normalising whitespace; with `fn_name` the program defines that function (or a method of
+`class Solution`) called with each input's arguments, and the return value must equal the expected
+output (APPS wraps it in a one-element list). Assert-style, HumanEval's `{test, entry_point}` (one
+test: check(entry_point)) and MBPP's `{asserts}` (one test per assert): the program and its checks
+run together in one sandboxed process (areal_flow/rewards/asserts.py).
 
 Debug one program as a user would before a long run:
 
@@ -26,7 +29,8 @@ from typing import Any
 import msgspec
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.data.input_output import Tests, parse_tests
+from areal_flow.data.input_output import SHAPES, AnyTests, AssertTests, Tests, parse_tests
+from areal_flow.rewards.asserts import run_asserts
 from areal_flow.rewards.remote_sandbox import RemoteSandbox
 from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
 
@@ -81,15 +85,16 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox | RemoteSandbox:
 
 
 class CodeReward:
-    """The `code` reward function of a worker process: (completion, input_output) -> scores."""
+    """The `code` reward function of a worker process: (completion, tests field) -> scores."""
 
     def __init__(self, cfg: SandboxConfig):
         self.sandbox = make_sandbox(cfg)
+        self.partial_credit = cfg.partial_credit
 
     def __call__(self, completion: str, reference: str) -> dict[str, float]:
         """The reward and `tests_<status>`: the fraction of the sample's tests that ended so, for
         every status of TEST_STATUSES (0.0 included, so a step's mean is over all its samples)."""
-        result = score_program(self.sandbox, extract_code(completion), parse_tests(reference))
+        result = score_program(self.sandbox, extract_code(completion), parse_tests(reference), self.partial_credit)
         return {"reward": result["reward"], **status_fractions(result["tests"])}
 
 
@@ -101,20 +106,31 @@ def status_fractions(tests: list[TestResult]) -> dict[str, float]:
     return {f"tests_{status}": n / len(tests) for status, n in counts.items()}
 
 
-def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: Tests) -> dict[str, Any]:
-    """{reward, tests_passed, tests_total, tests: [TestResult]}; reward 1.0 only when every test passes."""
-    n = len(tests.inputs)
+def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: AnyTests,
+                  partial_credit: bool = False) -> dict[str, Any]:
+    """{reward, tests_passed, tests_total, tests: [TestResult]}; reward 1.0 only when every test
+    passes, or with `partial_credit` the fraction that pass."""
+    n = len(tests)
     if program is None:
-        return {"reward": 0.0, "tests_passed": 0, "tests_total": n, "tests": [TestResult("no_code")] * n}
+        scored = [TestResult("no_code")] * n
+    elif isinstance(tests, AssertTests):
+        scored = [TestResult(status, seconds, error) for status, seconds, error in run_asserts(sandbox, program, tests)]
+    else:
+        scored = run_cases(sandbox, program, tests)
+    n_passed = sum(t.status == "passed" for t in scored)
+    reward = n_passed / n if partial_credit else float(n_passed == n)
+    return {"reward": reward, "tests_passed": n_passed, "tests_total": n, "tests": scored}
+
+
+def run_cases(sandbox: Sandbox | RemoteSandbox, program: str, tests: Tests) -> list[TestResult]:
+    """The `input_output` tests: one sandboxed process per case, its output compared here."""
     results = sandbox.run(program, tests.inputs, fn_name=tests.fn_name)
     scored = []
     for r, expected in zip(results, tests.outputs):
         ok = passed(r, expected, tests.fn_name is not None)
         status = "passed" if ok else ("wrong_answer" if r.status == "ok" else r.status)
         scored.append(TestResult(status, r.seconds, "" if ok else r.stderr[-500:]))
-    scored += [TestResult("not_run")] * (n - len(scored))
-    n_passed = sum(t.status == "passed" for t in scored)
-    return {"reward": float(n_passed == n), "tests_passed": n_passed, "tests_total": n, "tests": scored}
+    return scored + [TestResult("not_run")] * (len(tests) - len(scored))
 
 
 def _read(path: str) -> str:
@@ -131,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one program in the code sandbox against a tests file and "
                                                  "print the reward and per-test results as JSON.")
     parser.add_argument("program", help="the program file (Python source, not a completion)")
-    parser.add_argument("tests", help="a JSON file in the input_output shape: {inputs, outputs, fn_name?}")
+    parser.add_argument("tests", help=f"a JSON file of the tests, in any shape: {SHAPES}")
     defaults = SandboxConfig()
     parser.add_argument("--timeout", type=float, default=defaults.wall_seconds, help="seconds per test case")
     parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="address space of the program")
+    parser.add_argument("--partial-credit", action="store_true", help="score the fraction of tests passed")
     parser.add_argument("--remote", metavar="URL", help="run on a SandboxFusion-style service instead of locally")
     parser.add_argument("--allow-unsandboxed", action="store_true",
                         help="run without namespaces where the machine cannot make them (unsafe)")
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = score_program(sandbox, program, tests)
+    result = score_program(sandbox, program, tests, args.partial_credit)
     where = sandbox.describe()
     print(json.dumps(msgspec.to_builtins({**result, "sandbox": where})))
     return 0

