@@ -121,15 +121,16 @@ class ModelConfig:
 class DatasetConfig:
     """Prompts for training and the held-out set."""
 
-    name: str = doc("tiny_arith", "'tiny_arith' (generated into the cache), 'jsonl' (generic rows), 'areal_math' "
-                    "(AReaL math rows: query_id, prompt, solutions), 'areal_code' (AReaL code rows: query_id, "
-                    "prompt, input_output or assert-style tests) or 'humaneval' (areal_code rows to train on, "
-                    "HumanEval's 164 problems held out); docs/datasets.md",
-                    choices=("tiny_arith", "jsonl", "areal_math", "areal_code", "humaneval"))
+    name: str = doc("tiny_arith", "'tiny_arith' or 'tiny_code' (generated into the cache), 'jsonl' (generic rows), "
+                    "'areal_math' (AReaL math rows: query_id, prompt, solutions), 'areal_code' (AReaL code rows: "
+                    "query_id, prompt, input_output or assert-style tests) or 'humaneval' (areal_code rows to train "
+                    "on, HumanEval's 164 problems held out); docs/datasets.md",
+                    choices=("tiny_arith", "tiny_code", "jsonl", "areal_math", "areal_code", "humaneval"))
     train_path: Optional[str] = doc(None, "training prompts: a .jsonl file, a .parquet file or a directory saved by "
-                                    "datasets (all but tiny_arith; null with sample=true)")
-    eval_path: Optional[str] = doc(None, "held-out prompts, as train_path; with tiny_arith, a file of {prompt, answer} "
-                                   "rows that replaces the generated held-out set (e.g. the problems a peer is scored on)")
+                                    "datasets (all but tiny_arith and tiny_code; null with sample=true)")
+    eval_path: Optional[str] = doc(None, "held-out prompts, as train_path; with tiny_arith (tiny_code), a file of "
+                                   "{prompt, answer} (AReaL code) rows that replaces the generated held-out set (e.g. "
+                                   "the problems a peer is scored on)")
     sample: bool = doc(False, "areal_math/areal_code: train and evaluate on the small sample set shipped in "
                        "areal_flow/data/samples/ (train_path/eval_path stay null); humaneval: train on the code "
                        "samples")
@@ -143,8 +144,8 @@ class DatasetConfig:
     long_prompts: str = doc("refuse", "a prompt whose tokens leave less than algorithm.max_new_tokens of the model's "
                             "context: 'refuse' stops the launch naming its file:line, 'skip' leaves the row out "
                             "(counted once at launch)", choices=("refuse", "skip"))
-    n_train: int = doc(20000, "generated training problems (tiny_arith)", ge=1)
-    n_eval: int = doc(200, "generated held-out problems (tiny_arith)", ge=1)
+    n_train: int = doc(20000, "generated training problems (tiny_arith, tiny_code)", ge=1)
+    n_eval: int = doc(200, "generated held-out problems (tiny_arith, tiny_code)", ge=1)
     seed: int = doc(0, "seed of the generated data and of the prompt order")
 
 

@@ -22,22 +22,33 @@ SAMPLES = {
 }
 
 
+# dataset.name -> the row format of the files it generates (`dataset.load_rows`)
+GENERATED = {"tiny_arith": "jsonl", "tiny_code": "areal_code"}
+
+
 def row_format(name: str) -> str:
     """The row format (`dataset.load_rows`) of a `dataset.name`: tiny_arith writes generic JSONL,
-    humaneval's rows (train and held out) are code rows."""
-    return {"tiny_arith": "jsonl", "humaneval": "areal_code"}.get(name, name)
+    tiny_code's and humaneval's (train and held out) AReaL's code rows."""
+    return (GENERATED | {"humaneval": "areal_code"}).get(name, name)
+
+
+def _generate(ds, data_dir: str) -> tuple[str, str]:
+    """The train and held-out files of a generated task, written into `data_dir` once."""
+    if ds.name == "tiny_code":
+        from areal_flow.data.tiny_code import ensure_tiny_code_data as ensure
+    else:
+        from areal_flow.data.arith import ensure_arith_data as ensure
+    return ensure(data_dir, ds.n_train, ds.n_eval, ds.seed)
 
 
 def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
-    """Absolute paths of the train and held-out data a `DatasetConfig` names; tiny_arith's are
-    generated into `cache_dir`/data first."""
-    if ds.name == "tiny_arith":
-        from areal_flow.data.arith import ensure_arith_data
-
+    """Absolute paths of the train and held-out data a `DatasetConfig` names; tiny_arith's and
+    tiny_code's are generated into `cache_dir`/data first."""
+    if ds.name in GENERATED:
         if ds.train_path:
-            raise DatasetError("dataset.name=tiny_arith generates its training problems: leave dataset.train_path "
+            raise DatasetError(f"dataset.name={ds.name} generates its training problems: leave dataset.train_path "
                                "null (dataset.eval_path may name an external held-out file)")
-        train, held_out = ensure_arith_data(os.path.join(cache_dir, "data"), ds.n_train, ds.n_eval, ds.seed)
+        train, held_out = _generate(ds, os.path.join(cache_dir, "data"))
         # An external held-out file (e.g. the problems a peer is scored on) replaces the generated one.
         held_out = ds.eval_path or held_out
     elif ds.name == "humaneval":
@@ -55,8 +66,8 @@ def dataset_paths(ds, cache_dir: str) -> tuple[str, str]:
             raise DatasetError(f"dataset.name={ds.name} needs dataset.train_path and dataset.eval_path{hint}")
         train, held_out = ds.train_path, ds.eval_path
     else:
-        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected tiny_arith, jsonl, areal_math, areal_code "
-                           "or humaneval")
+        raise DatasetError(f"unknown dataset.name {ds.name!r}; expected tiny_arith, tiny_code, jsonl, areal_math, "
+                           "areal_code or humaneval")
     return os.path.abspath(train), os.path.abspath(held_out)
 
 

@@ -30,7 +30,7 @@ class Prepared:
 
 
 def prepare_data(cfg: RunConfig, prompt_key: str | None = None) -> tuple[str, str]:
-    """Absolute paths of the train and held-out data, generated for tiny_arith; every row is read
+    """Absolute paths of the train and held-out data, generated for tiny_arith and tiny_code; every row is read
     and checked, and the prompt template applied to `prompt_key` (the generate node's dataset
     input, found from the graph when not given), so a bad row or template stops the run here."""
     ds = cfg.dataset

@@ -19,7 +19,7 @@ def test_every_broken_bound_is_named_with_its_full_key_nested_and_in_graph_nodes
         "algorithm.top_p=1.5 must be ≤ 1",
         "algorithm.temperature=0.0 must be > 0",
         "rollout.max_staleness=-1 must be ≥ 0",
-        "dataset.name='parquet' must be one of tiny_arith, jsonl, areal_math, areal_code, humaneval",
+        "dataset.name='parquet' must be one of tiny_arith, tiny_code, jsonl, areal_math, areal_code, humaneval",
         "graph.train.micro_batch_tokens=0 must be ≥ 1",
     ])
 
