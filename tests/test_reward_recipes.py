@@ -2,11 +2,14 @@
 code rewards in their worker pools (the code one in the sandbox), shaped rewards and the reward
 metrics reach the trainer and metrics.jsonl."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
-from run_helpers import RECIPE_ETA, check_accounting, launch_recipe, steps_of
+from run_helpers import RECIPE_ETA, TRAIN_EVERY_GROUP, check_accounting, jsonl, launch_recipe, steps_of
 
+from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.code import TEST_STATUSES
 
 pytestmark = pytest.mark.slow
@@ -15,20 +18,28 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox's namespaces need root, as on CI")
 def test_code_tiny_runs_every_completion_in_the_sandbox(tmp_path, run_cache):
     run_dir = tmp_path / "code_tiny"
-    r = launch_recipe(run_dir, run_cache, "code_tiny", "eval_at_start=false", "total_steps=2")
+    # A 5-step bootstrap writes nothing that passes, so the filter would drop every group: trained here.
+    r = launch_recipe(run_dir, run_cache, "code_tiny", "eval_at_start=false", "total_steps=2", TRAIN_EVERY_GROUP,
+                      "algorithm.n_minibatches=2", "model.bootstrap_steps=5")  # SMALL has 2 groups a step
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "reward node reward: local sandbox (pid_namespace, network_namespace, mount_namespace" in r.stdout
-    check_accounting(run_dir, eta=RECIPE_ETA)
+    check_accounting(run_dir, eta=4)  # code_7b's η
+    # The code model: its own characters (printable ASCII) and chat template, bootstrapped on tiny_code.
+    model_dir = Path(json.loads((run_dir / "spec.json").read_text())["model_path"])
+    assert json.loads((model_dir / "bootstrap.json").read_text())["settings"]["task"] == "tiny_code"
+    assert len(load_tokenizer(str(model_dir))) == 101
     for m in steps_of(run_dir):
-        # The tiny model writes no Python: every program fails, shaped to -5 (AReaL's ±5).
-        assert m["reward"] == -5.0 and m["reward/reward_raw"] == 0.0
+        # AReaL's ±5: a program passes every hidden test (+5) or not (-5).
+        assert -5.0 <= m["reward"] <= 5.0 and m["reward"] == pytest.approx(10 * (m["reward/reward_raw"] - 0.5))
         assert m["reward/reward_error"] == 0.0 and m["reward/reward_timeout"] == 0.0
-        # The programs ran (no sandbox errors) and failed their tests; every status has its share.
+        # The programs ran (no sandbox errors); every status has its share.
         shares = {k.removeprefix("reward/reward_tests_"): v for k, v in m.items() if k.startswith("reward/reward_tests_")}
         assert set(shares) == set(TEST_STATUSES) and sum(shares.values()) == pytest.approx(1.0)
-        assert shares["sandbox_error"] == shares["passed"] == 0.0 and shares["runtime_error"] > 0
+        assert shares["sandbox_error"] == 0.0 and shares["no_code"] < 1.0
         assert m["reward/reward_seconds"] > 0
         assert 0 < m["reward_busy/reward"]
+    held_out = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "eval"]
+    assert held_out and all(0.0 <= m["accuracy"] <= 1.0 for m in held_out)
 
 
 def test_math_tiny_scores_with_math_verify_in_worker_processes(tmp_path, run_cache):

@@ -11,8 +11,8 @@ import dataclasses
 import random
 from typing import Callable, Iterator
 
-from areal_flow.data import arith
-from areal_flow.models.tokenizer import CHARS
+from areal_flow.data import arith, tiny_code
+from areal_flow.models.tokenizer import CHARS, CODE_CHARS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +38,15 @@ def arith_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]
             yield prompt, arith.completion_text(a, b)
 
 
+def code_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
+    """Fresh tiny_code problems as (prompt, reference function), no held-out identity among them."""
+    for problem in tiny_code.training_problems(seed, heldout, stream="bootstrap"):
+        yield problem.prompt, problem.solution
+
+
 TASKS: dict[str, BootstrapTask] = {
     "tiny_arith": BootstrapTask("tiny_arith", CHARS, False, arith.DATA_VERSION, arith_pairs),
+    "tiny_code": BootstrapTask("tiny_code", CODE_CHARS, True, tiny_code.DATA_VERSION, code_pairs),
 }
 """The bootstrap's tasks by `dataset.name`."""
 
