@@ -22,14 +22,15 @@ SAMPLES = {
 }
 
 
-# dataset.name -> the row format of the files it generates (`dataset.load_rows`)
-GENERATED = {"tiny_arith": "jsonl", "tiny_code": "areal_code"}
+# dataset.name -> its rows' format (`dataset.load_rows`) where the name is not a format itself:
+# tiny_arith writes generic JSONL; tiny_code and humaneval (train and held out) AReaL's code rows.
+ROW_FORMATS = {"tiny_arith": "jsonl", "tiny_code": "areal_code", "humaneval": "areal_code"}
+GENERATED = ("tiny_arith", "tiny_code")  # the names whose data is generated into the cache
 
 
 def row_format(name: str) -> str:
-    """The row format (`dataset.load_rows`) of a `dataset.name`: tiny_arith writes generic JSONL,
-    tiny_code's and humaneval's (train and held out) AReaL's code rows."""
-    return (GENERATED | {"humaneval": "areal_code"}).get(name, name)
+    """The row format (`dataset.load_rows`) of a `dataset.name`."""
+    return ROW_FORMATS.get(name, name)
 
 
 def _generate(ds, data_dir: str) -> tuple[str, str]:
