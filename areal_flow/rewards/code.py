@@ -7,8 +7,9 @@ Tests come in two kinds of shape (areal_flow/data/input_output.py). AReaL's `inp
 normalising whitespace; with `fn_name` the program defines that function (or a method of
 `class Solution`) called with each input's arguments, and the return value must equal the expected
 output (APPS wraps it in a one-element list). Assert-style, HumanEval's `{test, entry_point}` (one
-test: check(entry_point)) and MBPP's `{asserts}` (one test per assert): the program and its checks
-run together in one sandboxed process (areal_flow/rewards/asserts.py).
+test: check(entry_point)) and MBPP's `{asserts}` (one test per assert). Every shape but stdin runs
+its tests in one sandboxed process with the program (areal_flow/rewards/asserts.py): a function
+call is a check too.
 
 Debug one program as a user would before a long run:
 
@@ -30,7 +31,7 @@ import msgspec
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import SHAPES, AnyTests, AssertTests, Tests, parse_tests
-from areal_flow.rewards.asserts import run_asserts
+from areal_flow.rewards.asserts import call_checks, run_asserts
 from areal_flow.rewards.remote_sandbox import RemoteSandbox
 from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
 
@@ -47,16 +48,9 @@ def extract_code(completion: str) -> str | None:
     return blocks[-1] if blocks and blocks[-1].strip() else None
 
 
-def passed(result: CaseResult, expected: Any, call: bool) -> bool:
-    if result.status != "ok":
-        return False
-    if not call:
-        return result.stdout.split() == str(expected).split()
-    try:
-        got = json.loads(result.stdout)
-    except json.JSONDecodeError:
-        return False
-    return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
+def passed(result: CaseResult, expected: str) -> bool:
+    """A stdin test's case: it finished and printed the expected output, whitespace aside."""
+    return result.status == "ok" and result.stdout.split() == expected.split()
 
 
 # Every status a test can end with: passed, wrong_answer, the sandbox's statuses of a program that
@@ -113,8 +107,9 @@ def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: 
     n = len(tests)
     if program is None:
         scored = [TestResult("no_code")] * n
-    elif isinstance(tests, AssertTests):
-        scored = [TestResult(status, seconds, error) for status, seconds, error in run_asserts(sandbox, program, tests)]
+    elif isinstance(tests, AssertTests) or tests.fn_name is not None:
+        checks = tests if isinstance(tests, AssertTests) else call_checks(tests)
+        scored = [TestResult(status, seconds, error) for status, seconds, error in run_asserts(sandbox, program, checks)]
     else:
         scored = run_cases(sandbox, program, tests)
     n_passed = sum(t.status == "passed" for t in scored)
@@ -123,11 +118,11 @@ def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: 
 
 
 def run_cases(sandbox: Sandbox | RemoteSandbox, program: str, tests: Tests) -> list[TestResult]:
-    """The `input_output` tests: one sandboxed process per case, its output compared here."""
-    results = sandbox.run(program, tests.inputs, fn_name=tests.fn_name)
+    """The stdin tests: one sandboxed process per case (its own stdin), its output compared here."""
+    results = sandbox.run(program, tests.inputs)
     scored = []
     for r, expected in zip(results, tests.outputs):
-        ok = passed(r, expected, tests.fn_name is not None)
+        ok = passed(r, expected)
         status = "passed" if ok else ("wrong_answer" if r.status == "ok" else r.status)
         scored.append(TestResult(status, r.seconds, "" if ok else r.stderr[-500:]))
     return scored + [TestResult("not_run")] * (len(tests) - len(scored))

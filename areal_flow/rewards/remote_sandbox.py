@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import CaseResult, harness
+from areal_flow.rewards.sandbox import CaseResult
 
 
 class RemoteSandbox:
@@ -33,10 +33,9 @@ class RemoteSandbox:
     def describe(self) -> str:
         return f"remote sandbox at {self.url}"
 
-    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None, script: str | None = None,
+    def run(self, program: str, inputs: list[str], *, script: str | None = None,
             scale: float = 1.0) -> list[CaseResult]:
         """The same contract as `Sandbox.run`: per case, what the program printed and a status."""
-        script = script if fn_name is None else harness(fn_name)
         if script is None:
             code, files = program, {}
         else:

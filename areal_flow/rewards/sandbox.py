@@ -55,32 +55,6 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 ROOT_PREFIX = "areal_flow_sandbox_"
 
 
-# The function-call harness: the program runs as a module that is not __main__ (so its
-# `if __name__ == "__main__":` block stays quiet), its prints go to stderr, and the return value
-# goes to the real stdout as JSON. Arguments arrive on stdin as a JSON list. The program shares the
-# harness's interpreter, so it could forge the value it prints: the sandbox contains a program, it
-# does not make one honest.
-HARNESS = """import json, os, sys
-out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-args = json.loads(sys.stdin.read())
-scope = {"__name__": "solution"}
-exec(compile(open("solution.py").read(), "solution.py", "exec"), scope)
-name = %r
-cls = scope.get("Solution")
-fn = getattr(cls(), name) if cls is not None and hasattr(cls, name) else scope[name]
-out.write(json.dumps(fn(*args)))
-out.flush()
-"""
-
-
-def harness(fn_name: str) -> str:
-    """The script that calls `fn_name` of solution.py (fn_name: a Python identifier)."""
-    if not fn_name.isidentifier():
-        raise ValueError(f"fn_name must be a Python identifier, got {fn_name!r}")
-    return HARNESS % fn_name
-
-
 class SandboxUnavailable(RuntimeError):
     """The machine cannot isolate programs and the configuration did not opt out of isolation."""
 
@@ -161,12 +135,11 @@ class Sandbox:
         layers = [k for k, on in msgspec.structs.asdict(iso).items() if on]
         return f"local sandbox ({', '.join(layers) or 'no isolation'})"
 
-    def run(self, program: str, inputs: list[str], *, fn_name: str | None = None, script: str | None = None,
+    def run(self, program: str, inputs: list[str], *, script: str | None = None,
             scale: float = 1.0) -> list[CaseResult]:
-        """Run `program` once per input: as a script fed the input on stdin (fn_name None), or
-        calling `fn_name` (a function, or a method of class Solution) with the arguments in the
-        input, a JSON list, and printing the JSON of what it returns, or running `script`, a harness
-        of the caller's that reads the program from solution.py. Each case gets `scale` times the
+        """Run `program` once per input: as a script fed the input on stdin, or running `script`
+        (fed the input), a harness of the caller's that reads the program from solution.py
+        (areal_flow/rewards/asserts.py's runs a program's tests). Each case gets `scale` times the
         configured wall and CPU seconds (a harness that runs several tests in one case). Stops at the
         first case that does not finish cleanly when fail_fast. Never raises for anything the
         program does."""
@@ -174,7 +147,6 @@ class Sandbox:
             self.isolation()
         if (failed := self._does_not_compile(program)) is not None:
             return [failed] if self.cfg.fail_fast else [failed] * len(inputs)
-        script = script if fn_name is None else harness(fn_name)
         reply = self._launch(program, inputs, script, isolate=self._isolate, scale=scale)
         if "error" in reply:
             return [CaseResult("sandbox_error", stderr=reply["error"])]

@@ -241,7 +241,7 @@ def test_reference_solutions_pass_in_the_sandbox_a_sample_across_families():
 
 
 @needs_root
-@pytest.mark.slow
+@pytest.mark.slow  # 300 programs, ~7 s: the full suite runs it
 def test_every_reference_solution_of_the_held_out_set_and_100_training_problems_passes_in_the_sandbox():
     sandbox = make_sandbox(SandboxConfig())  # the 200 held out and 100 training: about 40 s on 2 cores
     ps = heldout_problems(200, 0) + list(itertools.islice(training_problems(0, (200, 0), "train"), 100))

@@ -52,12 +52,9 @@ def test_malformed_input_output_says_what_is_wrong(bad, message):
 
 
 def test_outputs_compare_after_normalising_whitespace():
-    assert passed(CaseResult("ok", stdout="1  2\n3 \n\n"), "1 2\n3", call=False)
-    assert not passed(CaseResult("ok", stdout="1 2 4"), "1 2 3", call=False)
-    assert not passed(CaseResult("timeout", stdout="1 2 3"), "1 2 3", call=False)
-    assert passed(CaseResult("ok", stdout="[1, 2]"), [1, 2], call=True)
-    assert passed(CaseResult("ok", stdout="5"), [5], call=True)  # APPS wraps the value
-    assert not passed(CaseResult("ok", stdout="not json"), "not json", call=True)
+    assert passed(CaseResult("ok", stdout="1  2\n3 \n\n"), "1 2\n3")
+    assert not passed(CaseResult("ok", stdout="1 2 4"), "1 2 3")
+    assert not passed(CaseResult("timeout", stdout="1 2 3"), "1 2 3")
 
 
 @needs_root
@@ -72,6 +69,32 @@ def test_score_program_passes_only_when_every_test_passes():
     crash = score_program(box, "raise SystemExit(3)", tests)
     assert crash["reward"] == 0.0 and [t.status for t in crash["tests"]] == ["runtime_error", "not_run", "not_run"]
     assert score_program(box, None, tests)["tests"][0].status == "no_code"
+
+
+@needs_root
+def test_function_call_tests_run_in_one_process_and_compare_the_json_round_trip():
+    box = Sandbox(SandboxConfig(wall_seconds=2.0, cpu_seconds=2, fail_fast=False))
+    tests = parse_tests({"inputs": [[[1, 2], 3], [[], 1], [[4], 2], [[5], 0]],
+                         "outputs": [[3, 6], [], [[8]], [1]], "fn_name": "scale"})
+    # A method of class Solution; a tuple returned is a list after the round trip; an expected value
+    # wrapped in a one-element list (APPS) matches the value itself; prints cannot corrupt the value.
+    program = ("print('noise')\nclass Solution:\n    def scale(self, xs, k):\n        print('more')\n"
+               "        return tuple(x * k for x in xs)\n")
+    got = score_program(box, program, tests, partial_credit=True)
+    assert [t.status for t in got["tests"]] == ["passed", "passed", "passed", "wrong_answer"]
+    assert got["reward"] == 0.75
+    assert "scale(...) returned [0], expected [1]" in got["tests"][3].stderr
+    # Every case shares the program's one process: a counter kept in a global sees the earlier calls.
+    counter = "calls = []\ndef count():\n    calls.append(1)\n    return len(calls)\n"
+    counted = parse_tests({"inputs": [[], [], []], "outputs": [1, 2, 3], "fn_name": "count"})
+    assert score_program(box, counter, counted)["reward"] == 1.0
+    # No such function, a value JSON cannot encode: runtime errors, as a harness that could not call
+    # or print it had.
+    for program, why in (("def other(xs, k):\n    return xs\n", "KeyError"),
+                         ("def scale(xs, k):\n    return {object()}\n", "not JSON serializable")):
+        failed = score_program(box, program, tests)
+        assert failed["tests"][0].status == "runtime_error" and why in failed["tests"][0].stderr
+    box.close()
 
 
 @needs_root

@@ -73,9 +73,10 @@ def test_stdio_and_function_call_tests_score_as_locally(service):
     calls = parse_tests({"inputs": ["[1, 2]\n3"], "outputs": ["[3, 6]"], "fn_name": "scale"})
     program = "class Solution:\n    def scale(self, xs, k):\n        return [x * k for x in xs]\n"
     assert score_program(box, program, calls)["reward"] == 1.0
-    sent = requests[-1]
-    assert sent["stdin"] == "[[1, 2], 3]" and base64.b64decode(sent["files"]["solution.py"]).decode() == program
-    assert sent["run_timeout"] == 2.0 and sent["memory_limit_MB"] == 1024
+    sent = requests[-1]  # the call is a check of the harness, with the program as a file
+    assert "[[1, 2], 3]" in json.loads(sent["stdin"])["checks"][0]
+    assert base64.b64decode(sent["files"]["solution.py"]).decode() == program
+    assert sent["run_timeout"] == 2.0 * 2 and sent["memory_limit_MB"] == 1024
 
 
 def test_assert_style_tests_run_the_harness_with_the_program_as_a_file(service):

@@ -285,15 +285,6 @@ def test_a_daemon_left_behind_is_killed_with_its_case(sandbox, tmp_path):
     # The fixture checks that no process of the sandbox's uid is left on the host.
 
 
-def test_function_call_cases_return_json(sandbox):
-    program = "class Solution:\n    def twice(self, xs, k):\n        return [x * k for x in xs]\n"
-    results = sandbox.run(program, ["[[1, 2], 3]", "[[], 1]"], fn_name="twice")
-    assert [(r.status, json.loads(r.stdout)) for r in results] == [("ok", [3, 6]), ("ok", [])]
-    # Prints of the program go to stderr, so they cannot corrupt the returned value.
-    (r,) = sandbox.run("print('noise')\ndef f(x):\n    print('more')\n    return x\n", ["[5]"], fn_name="f")
-    assert (r.stdout, r.stderr) == ("5", "noise\nmore\n")
-
-
 # ---- programs that attack other processes: run inside a PID namespace of the test's own ----------
 
 CONTAIN = r"""
