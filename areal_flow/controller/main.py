@@ -31,7 +31,7 @@ from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
 from areal_flow.controller.weight_alarm import WeightAlarm
-from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, train_metrics
+from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, reward_wait, train_metrics
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller import state as run_state
@@ -107,6 +107,7 @@ class _Trained:
     # servers' counts over it (Publisher.server_counts) and the controller's CPU seconds in it.
     window: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
     update: asyncio.Task | None = None  # loading its weights on the generation servers
+    reward_wait: float = 0.0  # seconds of the wait for its batch that went to rewards (run_metrics.reward_wait)
 
 
 class Controller:
@@ -345,6 +346,7 @@ class Controller:
                 if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
                     self.wall_time_reached = True
                     break
+                waited_from = time.time()  # wall clock, as the groups' stage times
                 try:
                     batch = await self.next_batch(step, done.update if done else None)
                 except _Stop:
@@ -353,7 +355,8 @@ class Controller:
                 stats, weights = await self.run_step(step, batch)
                 self.steps_trained += 1
                 trained = _Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed(),
-                                   await self.end_window())
+                                   await self.end_window(),
+                                   reward_wait=reward_wait([meta for meta, _, _ in batch.values()], waited_from))
                 if done is not None:
                     await self.close_step(done)
                 trained.update = asyncio.create_task(self.update(weights, step + 1))
@@ -534,6 +537,7 @@ class Controller:
             samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.state.generated_tokens / seconds,
             train_tokens_per_second=stats.get("n_tokens", 0.0) / train_seconds,
             trainer_idle=1 - train_seconds / seconds,
+            trainer_reward_wait=done.reward_wait / seconds,
             generator_idle=1 - servers["busy_seconds"] / seconds if "busy_seconds" in servers else None,
             generator_load=servers["load_seconds"] / seconds if "load_seconds" in servers else None,
             # Each judge's servers' idle share of the step, as generator_idle (SGLang reports none).

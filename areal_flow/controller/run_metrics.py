@@ -177,3 +177,15 @@ def reward_busy(groups: list[GroupMeta], nodes, seconds: float) -> dict[str, flo
     samples = [s for g in groups for s in g.samples]
     return {f"reward_busy/{n.name}": sum(s.scalars.get(f"{n.name}_seconds", 0.0) for s in samples) / (n.workers * seconds)
             for n in nodes if seconds > 0}
+
+
+def reward_wait(groups: list[GroupMeta], waited_from: float) -> float:
+    """Seconds of the trainer's wait for a batch that went to its rewards: from when the batch's
+    last group was generated (or the trainer began to wait, if later) to when its last group was
+    scored; 0 when the rewards were done before the trainer asked. `waited_from` and the groups'
+    stage times are wall clock (time.time()), each stamped by the process of that stage."""
+    stages = [g.times for g in groups if "scored" in g.times]
+    if not stages:
+        return 0.0
+    generated = max(t.get("judged", t.get("generated", t["scored"])) for t in stages)
+    return max(0.0, max(t["scored"] for t in stages) - max(generated, waited_from))

@@ -108,6 +108,11 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
         if idle:
             t.add_row("generator busy", pct(1 - sum(idle) / len(idle)))
         t.add_row("max realised staleness", str(max(s["staleness_max"] for s in steps)))
+        if waits := [s["trainer_reward_wait"] for s in steps if "trainer_reward_wait" in s]:  # newer runs
+            t.add_row("trainer waiting on rewards", pct(sum(waits) / len(waits)))
+        for key in sorted({k for s in steps for k in s if k.startswith("reward_busy/")}):
+            busy = [s[key] for s in steps if key in s]
+            t.add_row(f"reward workers busy ({key.split('/', 1)[1]})", pct(sum(busy) / len(busy)))
     t.add_row("checkpoint", summary["checkpoint"])
     return t
 

@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics
+from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_wait
 from areal_flow.transport.messages import Finish, GroupMeta, SampleMeta
 
 
@@ -108,3 +108,23 @@ def test_truncated_fraction_counts_samples_that_did_not_stop():
     groups = [GroupMeta(0, "w", [sample(str(i), 5, {0: 5}, {"rewards": 0.0}, f) for i, f in enumerate(finishes)])]
     m = batch_metrics(groups, step=0, reward_key="rewards", output_key="output_ids")
     assert m["truncated_fraction"] == 0.5
+
+
+# ---- the trainer's wait on rewards ------------------------------------------------------------
+
+def timed(generated: float, scored: float, **more: float) -> GroupMeta:
+    return GroupMeta(0, "w", [], times={"requested": 0.0, "generated": generated, "scored": scored, **more})
+
+
+def test_the_wait_on_rewards_runs_from_the_last_group_generated_to_the_last_scored():
+    # Generated at 10 and 14, scored at 15 and 14.5: without rewards the batch was ready at 14.
+    batch = [timed(10.0, 15.0), timed(14.0, 14.5)]
+    assert reward_wait(batch, waited_from=0.0) == pytest.approx(1.0)
+    # The trainer began to wait later: only what is left of the scoring counts.
+    assert reward_wait(batch, waited_from=14.6) == pytest.approx(0.4)
+    # Everything scored before the trainer asked: no wait on rewards.
+    assert reward_wait(batch, waited_from=20.0) == 0.0
+    # A judge's stage belongs to generation: scoring starts after it.
+    assert reward_wait([timed(10.0, 13.0, judged=12.5)], waited_from=0.0) == pytest.approx(0.5)
+    # Groups without stage times (an old checkpoint's) give no figure rather than a wrong one.
+    assert reward_wait([GroupMeta(0, "w", [])], waited_from=0.0) == 0.0

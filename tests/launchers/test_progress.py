@@ -90,3 +90,19 @@ def test_a_warning_row_is_printed_once_as_written(tmp_path):
         progress.tick()
         progress.tick()
     assert out.getvalue().count("warning: staleness: lower rollout.max_staleness [not markup]") == 1
+
+
+def test_the_summary_table_gives_the_trainers_wait_on_rewards_and_each_reward_nodes_busy_share():
+    summary = {"steps": 2, "accuracy_start": 0.1, "accuracy_end": 0.5, "trained_samples": 8, "train_wall_seconds": 9.0,
+               "samples_per_second": 1.0, "trainer_busy_fraction": 0.9, "checkpoint": "ckpt"}
+    steps = [{"event": "step", "staleness_max": 1, "trainer_reward_wait": w, "reward_busy/code": b}
+             for w, b in ((0.02, 0.3), (0.06, 0.5))]
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, steps))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table.getvalue().splitlines()
+            if line.count("│") == 3}
+    assert rows["trainer waiting on rewards"] == "4.0%" and rows["reward workers busy (code)"] == "40.0%"
+    # A run from before the figure existed shows no row rather than 0%.
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, [{"event": "step", "staleness_max": 1}]))
+    assert "waiting on rewards" not in table.getvalue()
