@@ -78,14 +78,17 @@ def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, pr
 
     Advantages come from the configured pipeline (library.advantages: shaping, normalisation, KL
     as a reward, the estimator); with `mask_truncated`, answers cut at the length limit get a zero
-    loss mask. prox_logprobs are passed on only when `prox_source` is 'data' (the prox node's
-    output is this step's π_prox)."""
+    loss mask, and where the node reads `loss_mask` (multi-turn answers) the observation tokens get
+    0 too: every statistic of the pipeline is over the policy's tokens alone. prox_logprobs are
+    passed on only when `prox_source` is 'data' (the prox node's output is this step's π_prox)."""
     seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
     truncated = [s.finish != Finish.STOP for s in samples]
     masks = [np.full(len(out), not (algo.mask_truncated and cut)) for (_, out), cut in zip(seqs, truncated)]
+    if (mask_key := key("loss_mask")) is not None:
+        masks = [m & (s.array(mask_key) != 0) for m, s in zip(masks, samples)]
     token_data = per_token_inputs(samples, key, prox_source)
     scores = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
-    kl = kl_rewards(token_data, algo, kl_coef)
+    kl = kl_rewards(token_data, algo, kl_coef, masks)
     # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
     token_data["advantages"], returns = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
                                                            values=token_data.get("values"), all_reduce=all_reduce)
@@ -95,7 +98,8 @@ def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, pr
     share = None
     if algo.loss_agg != "token-mean":
         token_data["token_weights"], share = library.aggregation(masks, algo)
-    return TrainInputs(seqs, token_data, loss_mask=masks if algo.mask_truncated else None, loss_share=share)
+    masked = algo.mask_truncated or mask_key is not None
+    return TrainInputs(seqs, token_data, loss_mask=masks if masked else None, loss_share=share)
 
 
 def per_token_inputs(samples: list[Sample], key: KeyOf, prox_source: str | None) -> dict[str, list[np.ndarray]]:
@@ -110,11 +114,11 @@ def per_token_inputs(samples: list[Sample], key: KeyOf, prox_source: str | None)
 
 
 def kl_rewards(token_data: dict[str, list[np.ndarray]], algo: AlgorithmConfig,
-               kl_coef: float) -> list[np.ndarray] | None:
-    """Per token, the KL estimate of π_behav to π_ref that enters the rewards (kl_in=reward), or
-    None when KL is not a reward this step."""
+               kl_coef: float, masks: list[np.ndarray]) -> list[np.ndarray] | None:
+    """Per token, the KL estimate of π_behav to π_ref that enters the rewards (kl_in=reward), 0
+    where the mask is 0 (an observation has no π_behav), or None when KL is not a reward this step."""
     if algo.kl_in != "reward" or not kl_coef or "ref_logprobs" not in token_data:
         return None
-    return [kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
-                        algo.kl_estimator, algo.kl_clamp).numpy()
-            for b, r in zip(token_data["behav_logprobs"], token_data["ref_logprobs"])]
+    return [np.where(m, kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
+                                    algo.kl_estimator, algo.kl_clamp).numpy(), 0.0).astype(np.float32)
+            for b, r, m in zip(token_data["behav_logprobs"], token_data["ref_logprobs"], masks)]

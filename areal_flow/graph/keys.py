@@ -40,6 +40,8 @@ KEYS: dict[str, KeySpec] = {
     "prox_logprobs": KeySpec("<f4", "output", "log π_prox: the trained role's logprobs before this update"),
     "ref_logprobs": KeySpec("<f4", "output", "logprobs under the reference model (KL)"),
     "values": KeySpec("<f4", "output", "the critic's value of the state before each answer token, before this update"),
+    "loss_mask": KeySpec("|u1", "output", "1 on each answer token the policy generated, 0 on tokens an environment or "
+                         "tool added (observations): the loss, advantages, KL and entropy count only the 1s"),
     "rewards": KeySpec("<f4", "sample", "one reward per sample"),
     "judge_ids": KeySpec("<i4", "judge", "token ids of a judge's answer (a generate node of role judge)"),
 }
@@ -108,7 +110,8 @@ JUDGE = NodeKind(
     streaming=True, reads=("output_ids",), writes=("judge_ids",), must_write=("judge_ids",), n_outputs=1,
     any_dataset_fields=True, dataset_field="the fields its template names", roles=("judge",))
 register("node", "generate")(NodeKind(
-    streaming=True, writes=("prompt_ids", "output_ids", "behav_logprobs", "versions"), must_write=("output_ids",),
+    streaming=True, writes=("prompt_ids", "output_ids", "behav_logprobs", "versions", "loss_mask"),
+    must_write=("output_ids",),
     dataset_field="its prompt", roles=("actor", "judge"), by_role=(("judge", JUDGE),)))
 register("node", "reward")(NodeKind(
     streaming=True, reads=("output_ids",), may_read=("judge_ids",), writes=("rewards",), must_write=("rewards",),
@@ -123,6 +126,6 @@ register("node", "inference")(NodeKind(
     role_writes=(("prox_logprobs", "actor"), ("ref_logprobs", "ref"), ("values", "critic"))))
 register("node", "train")(NodeKind(
     streaming=False, reads=("prompt_ids", "output_ids", "behav_logprobs", "rewards"),
-    may_read=("prox_logprobs", "ref_logprobs", "versions", "values"), roles=("actor", "critic")))
+    may_read=("prox_logprobs", "ref_logprobs", "versions", "values", "loss_mask"), roles=("actor", "critic")))
 
 ROLES = ("actor", "ref", "critic", "judge")

@@ -199,7 +199,8 @@ class RolloutWorker:
                 index=i,
                 birth_time=group.birth_time,
                 fields=group.fields,
-                arrays=self.arrays({"prompt_ids": prompt_ids, **o}),
+                # One turn: every answer token is the policy's (loss_mask, where the recipe declares it).
+                arrays=self.arrays({"prompt_ids": prompt_ids, "loss_mask": np.ones(len(o["output_ids"])), **o}),
                 finish=o["finish"],
             )
             for i, o in enumerate(outs)
