@@ -1,7 +1,7 @@
 """Exact reproduction: at η = 0 two runs with the same seeds train bit-identical weights.
 
 The batches are the same groups (the controller takes them in group order), each sample draws from
-its own seed (rollout/worker.py: group_seed), and the servers decode batch-invariantly, so a
+its own seed (rollout/requests.py: group_seed), and the servers decode batch-invariantly, so a
 sample's tokens and behaviour logprobs do not depend on which requests it was batched with."""
 
 import json

@@ -21,7 +21,7 @@ from generation_helpers import (
 from areal_flow.generation.client import GenerationClient
 from areal_flow.generation.router import ServerPool
 from areal_flow.generation.server import GenerationServer
-from areal_flow.rollout.worker import generate_group, generate_sample
+from areal_flow.rollout.requests import generate_group, generate_sample
 
 PROMPT = [2, 7, 3, 9]
 LONG = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True}

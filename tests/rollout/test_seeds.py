@@ -6,7 +6,7 @@ import asyncio
 from sglang_standin import StandIn, serving
 
 from areal_flow.generation.router import ServerPool
-from areal_flow.rollout.worker import SEED_LIMIT, generate_group, group_seed
+from areal_flow.rollout.requests import SEED_LIMIT, generate_group, group_seed
 
 
 def test_every_sample_of_a_run_has_its_own_seed_fixed_by_run_seed_group_and_index():

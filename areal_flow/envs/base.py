@@ -1,0 +1,67 @@
+"""The environment interface: what a multi-turn rollout talks to between the policy's turns.
+
+An environment is made for one trajectory from its dataset row and the recipe's settings. The
+rollout worker generates a policy turn until one of the environment's `stop` strings, EOS or the
+length budget, then passes the turn's text to `step`, which answers with an observation (text the
+worker tokenizes alone and appends, loss mask 0), an optional reward and whether the trajectory is
+done. A recipe names an environment as it names a reward function: a name of `ENVS`
+(`graph.generate.env: python_tool`) or 'package.module:Class'.
+
+An environment never raises for anything the policy wrote: a tool that fails is an observation
+that says so. It may be slow (a tool runs in the sandbox): `step` is a coroutine, and a worker runs
+many trajectories at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+from areal_flow.config.import_path import import_callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """An environment's answer to one policy turn."""
+
+    observation: str = ""  # text to append after the turn ("" = none); the policy is trained on none of it
+    reward: float | None = None  # a reward for this turn, where the environment gives one
+    done: bool = False  # the trajectory ends here
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)  # per-turn counts: tool_calls, tool_errors, ...
+
+
+class Environment(abc.ABC):
+    """One trajectory's environment. Subclasses set `stop` and implement `step`; `close` frees what
+    the trajectory held."""
+
+    stop: tuple[str, ...] = ()  # strings that end a policy turn (a tool call's closing tag)
+
+    def __init__(self, row: dict[str, Any], **settings: Any):
+        self.row = row
+
+    @abc.abstractmethod
+    async def step(self, turn: str) -> Step:
+        """The answer to the policy's turn `turn` (its text, the stop string included)."""
+
+    async def close(self) -> None:
+        """Called once the trajectory ends, whatever ended it."""
+
+
+def resolve_env(name: str, where: str) -> type[Environment]:
+    """The Environment class `name` names (one of ENVS, or 'package.module:Class'). ValueError
+    naming `where` (the config key) when there is none."""
+    from areal_flow.envs.registry import ENVS
+
+    if name in ENVS:
+        return ENVS[name]
+    if ":" not in name:
+        raise ValueError(f"{where}: no environment {name!r}; built in: {', '.join(sorted(ENVS))}, or "
+                         "'package.module:Class' of your own")
+    try:
+        cls = import_callable(name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"{where}: {name!r} is not a subclass of areal_flow.envs.base.Environment")
+    return cls

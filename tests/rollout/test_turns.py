@@ -1,0 +1,107 @@
+"""A multi-turn trajectory (rollout/turns.py) against a scripted /generate: the policy's turns and
+the environment's observations as tokens, never re-tokenized, with their mask, logprobs and
+versions; interruption inside a turn; and each way a trajectory ends."""
+
+import asyncio
+
+import pytest
+from sglang_standin import StandIn, serving
+
+from areal_flow.envs.base import Environment, Step
+from areal_flow.generation.router import ServerPool
+from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
+from areal_flow.rollout.turns import generate_trajectory, turn_seed
+from areal_flow.transport.messages import Finish
+
+TOK = build_char_tokenizer(CODE_CHARS, chat=True)
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+class Scripted(StandIn):
+    """Answers request k with SCRIPT[k]: (text, finish reason, version)."""
+
+    SCRIPT: list[tuple[str, str, str]] = []
+
+    def answer(self, body: dict) -> object:
+        text, reason, version = type(self).SCRIPT[len(type(self).calls) - 1]
+        out = ids(text)
+        return {"text": text, "output_ids": out, "meta_info": {
+            "id": "x", "weight_version": version, "finish_reason": {"type": reason},
+            "output_token_logprobs": [[-0.25, t, None] for t in out]}}
+
+
+class Calculator(Environment):
+    """Answers `<c>EXPR</c>` with `=VALUE;`; done on a turn without a call; 0.5 reward per call."""
+
+    stop = ("</c>",)
+    closed = 0
+
+    async def step(self, turn: str) -> Step:
+        if not turn.endswith("</c>"):
+            return Step(done=True)
+        expr = turn[turn.rfind("<c>") + 3:-4]
+        return Step(f"={eval(expr)};", reward=0.5, figures={"tool_calls": 1.0})
+
+    async def close(self) -> None:
+        type(self).closed += 1
+
+
+def run(script, prompt="Q:", max_turns=4, token_budget=200, max_new_tokens=50, env=None):
+    Scripted.SCRIPT = script
+
+    async def go(url):
+        async with ServerPool([url]) as pool:
+            return await generate_trajectory(pool, env or Calculator({}), TOK, ids(prompt),
+                                             {"max_new_tokens": max_new_tokens, "temperature": 1.0},
+                                             max_turns=max_turns, token_budget=token_budget, rid="r", key="g0",
+                                             seed=7)
+
+    with serving(Scripted) as url:
+        return asyncio.run(go(url)), Scripted.calls
+
+
+def test_observations_are_appended_as_their_own_tokens_masked_and_the_history_is_never_retokenized():
+    got, calls = run([("<c>2+3</c>", "stop", "4"), ("#### 5", "stop", "5")])
+    assert TOK.decode(got["output_ids"]) == "<c>2+3</c>=5;#### 5"
+    assert got["loss_mask"] == [1] * 10 + [0] * 3 + [1] * 6
+    assert got["behav_logprobs"] == [-0.25] * 10 + [0.0] * 3 + [-0.25] * 6
+    # An observation carries its turn's version; each turn's tokens their own.
+    assert got["versions"] == [4] * 13 + [5] * 6
+    assert (got["finish"], got["turns"], got["end"]) == (Finish.STOP, 2, "done")
+    assert got["figures"] == {"env_reward": 0.5, "tool_calls": 1.0}
+    # The second request is the first's tokens plus the observation's, exactly; each turn asks to
+    # stop at the environment's stop strings, with a seed of its own.
+    assert calls[1]["input_ids"] == ids("Q:") + got["output_ids"][:13]
+    assert [c["sampling_params"]["stop"] for c in calls] == [["</c>"]] * 2
+    assert [c["sampling_params"]["sampling_seed"] for c in calls] == [7, turn_seed(7, 1)] and turn_seed(7, 1) != 7
+    assert Calculator.closed >= 1
+
+
+def test_an_interrupted_turn_is_resubmitted_with_its_tokens_and_its_versions_kept():
+    got, calls = run([("<c>1", "abort", "1"), ("+1</c>", "stop", "2"), ("#### 2", "stop", "2")])
+    assert TOK.decode(got["output_ids"]) == "<c>1+1</c>=2;#### 2"
+    assert calls[1]["input_ids"] == ids("Q:<c>1")
+    assert got["versions"][:4] == [1] * 4 and got["versions"][4:10] == [2] * 6
+    assert got["loss_mask"] == [1] * 10 + [0] * 3 + [1] * 6
+
+
+@pytest.mark.parametrize("script, kwargs, end, finish, turns", [
+    ([("<c>1</c>", "stop", "0")] * 2, dict(max_turns=2), "max_turns", Finish.STOP, 2),
+    ([("<c>1+", "length", "0")], {}, "turn_length", Finish.LENGTH, 1),
+    # Prompt 2 + turn 8 + observation 3 = 13 tokens: a budget of 13 has no room for it.
+    ([("<c>1</c>", "stop", "0")], dict(token_budget=13), "observation_too_long", Finish.STOP, 1),
+    ([], dict(token_budget=2), "budget", Finish.STOP, 0),  # the prompt fills it
+])
+def test_each_way_a_trajectory_ends_is_recorded_and_it_never_passes_its_token_budget(script, kwargs, end, finish,
+                                                                                     turns):
+    got, calls = run(script, **kwargs)
+    assert (got["end"], got["finish"], got["turns"]) == (end, finish, turns)
+    assert len(ids("Q:")) + len(got["output_ids"]) <= kwargs.get("token_budget", 200)
+    assert len(got["loss_mask"]) == len(got["output_ids"]) == len(got["versions"]) == len(got["behav_logprobs"])
+    # No turn asks for more tokens than the trajectory has room for.
+    for call in calls:
+        room = kwargs.get("token_budget", 200) - len(call["input_ids"])
+        assert call["sampling_params"]["max_new_tokens"] <= room
