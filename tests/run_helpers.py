@@ -60,15 +60,19 @@ def launch(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedP
     return _launch(SMALL, run_dir, cache, overrides)
 
 
-def launch_recipe(run_dir: Path, cache: Path, recipe: str, *overrides: str) -> subprocess.CompletedProcess:
+def launch_recipe(run_dir: Path, cache: Path, recipe: str, *overrides: str,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A small run of recipes/RECIPE.yaml as shipped: SMALL's sizes and the test's `overrides`, and
-    nothing else changed (TRAIN_EVERY_GROUP only where the test names it)."""
-    return _launch(SHIPPED, run_dir, cache, (f"recipe={recipe}", *overrides))
+    nothing else changed (TRAIN_EVERY_GROUP only where the test names it); `env`: added to the
+    launcher's environment (a PYTHONPATH for a test's own module)."""
+    return _launch(SHIPPED, run_dir, cache, (f"recipe={recipe}", *overrides), env)
 
 
-def _launch(base: list[str], run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> subprocess.CompletedProcess:
+def _launch(base: list[str], run_dir: Path, cache: Path, overrides: tuple[str, ...],
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "areal_flow.launch", *base, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -50,3 +50,28 @@ def test_math_tiny_scores_with_math_verify_in_worker_processes(tmp_path, run_cac
     for m in steps_of(run_dir):
         assert m["reward"] == -5.0 and m["reward/reward_error"] == 0.0 and m["reward/reward_timeout"] == 0.0
         assert 0 < m["reward_busy/reward"] < 1
+
+
+MULTI_TURN = ("graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions,loss_mask]",
+              "graph.actor_train.inputs=[prompt_ids,output_ids,behav_logprobs,versions,prox_logprobs,rewards,loss_mask]")
+
+
+def test_a_multi_turn_run_trains_trajectories_with_observations_between_their_turns(tmp_path, run_cache):
+    run_dir = tmp_path / "nudged"
+    r = launch_recipe(run_dir, run_cache, "code_tiny", "eval_at_start=false", "eval_at_end=false", "total_steps=2",
+                      TRAIN_EVERY_GROUP, "algorithm.n_minibatches=2", "model.bootstrap_steps=5", *MULTI_TURN,
+                      "+graph.generate.env=nudge_env:Nudge", "graph.generate.max_turns=2",
+                      env={"PYTHONPATH": str(Path(__file__).parent / "envs")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "generate node generate: environment nudge_env:Nudge, up to 2 turns" in r.stdout
+    check_accounting(run_dir, eta=4)  # every group trained once, realised staleness within η
+    for m in steps_of(run_dir):
+        ends = {k: v for k, v in m.items() if k.startswith("env/end_")}
+        assert sum(ends.values()) == pytest.approx(1.0)
+        # The nudge is never done: a trajectory ends at its second turn, or at a turn cut at the
+        # answer budget. The nudge's tokens are observations: in the answer, out of the loss.
+        assert ends["env/end_max_turns"] + ends["env/end_turn_length"] == pytest.approx(1.0)
+        assert 1 + ends["env/end_max_turns"] <= m["env/turns"] <= 2
+        if m["env/turns"] > 1:
+            assert m["env/nudges"] > 0 and m["env/observation_tokens"] > 0
+            assert m["train/n_valid_tokens"] < m["response_length"] * 8  # 8 answers a step

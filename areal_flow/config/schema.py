@@ -81,6 +81,14 @@ class NodeConfig:
                                         "algorithm.max_new_tokens", ge=1)
     temperature: float = doc(0.0, "generate nodes of role judge: the judge's sampling temperature; 0 = greedy "
                              "(reproducible verdicts)", ge=0)
+    env: Optional[str] = doc(None, "generate nodes of role actor: the environment that answers each policy turn "
+                             "(docs/agents.md): python_tool, or 'package.module:Class'; null = one turn a sample")
+    env_settings: Dict[str, Any] = doc(help="generate nodes with env: the environment's settings (python_tool: open, "
+                                       "close, wall_seconds, max_output_chars, ascii_only, concurrency)", factory=dict)
+    max_turns: int = doc(4, "generate nodes with env: policy turns a trajectory may take at most", ge=1)
+    max_trajectory_tokens: Optional[int] = doc(None, "generate nodes with env: token budget of a trajectory, its "
+                                               "prompt and every turn and observation; null = the model's context "
+                                               "(max_position_embeddings)", ge=1)
 
 
 def node_config(name: str, node: Any) -> NodeConfig:

@@ -68,6 +68,9 @@ class Traffic:
         return delta
 
 
+ENV_PREFIX = "env/"  # a multi-turn trajectory's scalars (rollout/turns.py) are logged under their own names
+
+
 def _group_of(scalar: str, judges: Sequence[str]) -> str:
     """Where a sample's scalar is logged: judge/ for a judge's, reward/ for the reward nodes'."""
     return "judge" if scalar in {f"{j}_{stat}" for j in judges for stat in JUDGE_STATS} else "reward"
@@ -101,7 +104,7 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
-        **{f"{_group_of(k, judges)}/{k}": v for k, v in per_key.items()},
+        **{k if k.startswith(ENV_PREFIX) else f"{_group_of(k, judges)}/{k}": v for k, v in per_key.items()},
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],

@@ -36,6 +36,7 @@ class Environment(abc.ABC):
     the trajectory held."""
 
     stop: tuple[str, ...] = ()  # strings that end a policy turn (a tool call's closing tag)
+    figures: tuple[str, ...] = ()  # the Step.figures it reports: a trajectory that never reports one counts 0
 
     def __init__(self, row: dict[str, Any], **settings: Any):
         self.row = row
@@ -46,6 +47,10 @@ class Environment(abc.ABC):
 
     async def close(self) -> None:
         """Called once the trajectory ends, whatever ended it."""
+
+    def check(self) -> None:
+        """Called once at launch on an environment made from an empty row: raise ValueError for what
+        would fail every trajectory (a tool the machine cannot run), so the run fails at start."""
 
 
 def resolve_env(name: str, where: str) -> type[Environment]:

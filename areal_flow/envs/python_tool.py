@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.envs.base import Environment, Step
-from areal_flow.rewards.sandbox import UID_BASE, CaseResult, Sandbox
+from areal_flow.rewards.sandbox import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
 
 PID_SPAN = 1 << 22  # Linux's largest pid_max: uid UID_BASE + k·PID_SPAN + pid is the k-th box of pid, unique
 PRINTABLE = frozenset(map(chr, range(32, 127))) | {"\n"}
@@ -101,6 +101,8 @@ class ToolSettings:
 
 
 class PythonTool(Environment):
+    figures = ("tool_calls", "tool_errors", "tool_seconds")
+
     def __init__(self, row: dict[str, Any], *, sandbox: SandboxConfig | None = None, **settings: Any):
         super().__init__(row)
         try:
@@ -108,10 +110,19 @@ class PythonTool(Environment):
         except TypeError as e:
             raise ValueError(f"python_tool: {e}") from None
         s = self.settings
-        cfg = dataclasses.replace(sandbox or SandboxConfig(), wall_seconds=s.wall_seconds,
-                                  cpu_seconds=max(1, round(s.wall_seconds)), fail_fast=True)
-        self.pool = shared_pool(cfg, s.concurrency)
+        self.sandbox = dataclasses.replace(sandbox or SandboxConfig(), wall_seconds=s.wall_seconds,
+                                           cpu_seconds=max(1, round(s.wall_seconds)), fail_fast=True)
         self.stop = (s.close,)
+
+    def check(self) -> None:
+        """The sandbox can isolate programs here (or the run's sandbox config opted out)."""
+        box = Sandbox(self.sandbox)
+        try:
+            box.isolation()
+        except SandboxUnavailable as e:
+            raise ValueError(f"python_tool: {e}") from None
+        finally:
+            box.close()
 
     def tool_call(self, turn: str) -> str | None:
         """The code of the turn's tool call: between the last opening tag and the closing tag that
@@ -128,7 +139,7 @@ class PythonTool(Environment):
         if code is None:
             return Step(done=True)
         t0 = time.monotonic()
-        result = await self.pool.run(code)
+        result = await shared_pool(self.sandbox, self.settings.concurrency).run(code)
         seconds = time.monotonic() - t0
         failed = result.status != "ok"
         text = result.stdout if not failed else self.error(result)

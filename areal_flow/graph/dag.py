@@ -50,6 +50,10 @@ class Node:
     chat_template: bool = False  # judges: wrap the prompt in the judge tokenizer's chat template
     max_new_tokens: int | None = None  # judges: the answer budget (None = algorithm.max_new_tokens)
     temperature: float = 0.0  # judges: sampling temperature
+    env: str | None = None  # the policy's generate node: the environment of multi-turn trajectories
+    env_settings: tuple[tuple[str, Any], ...] = ()  # its settings, (name, value)
+    max_turns: int = 4  # with env: policy turns a trajectory may take
+    max_trajectory_tokens: int | None = None  # with env: a trajectory's token budget (None = the model's context)
 
     @property
     def kind(self) -> NodeKind | None:
@@ -319,8 +323,15 @@ def build_graph(
             chat_template=bool(_field(c, "chat_template", False)),
             max_new_tokens=_field(c, "max_new_tokens"),
             temperature=float(_field(c, "temperature", 0.0)),
+            env=_field(c, "env"),
+            env_settings=tuple(dict(_field(c, "env_settings", {}) or {}).items()),
+            max_turns=int(_field(c, "max_turns", 4)),
+            max_trajectory_tokens=_field(c, "max_trajectory_tokens"),
         )
         problems += _judge_setting_problems(nodes[name], _field(c, "parallel"))
+        if nodes[name].env is not None and (ntype != "generate" or role != "actor"):
+            problems.append(f"node '{name}': env ({key}.env) is for the policy's generate node (type generate, "
+                            "role actor), which takes the turns")
 
     producers = _check_keys(nodes, dataset_keys, problems)
     meaning = {k: TEXT for k in dataset_keys} | {k: nodes[p].meaning_of_output(k) for k, p in producers.items()}

@@ -13,10 +13,13 @@ token budget (prompt + every turn), recorded as its `end`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
-from areal_flow.envs.base import Environment
+from areal_flow.config.schema import RunConfig, SandboxConfig
+from areal_flow.config.validate import load_model_config
+from areal_flow.envs.base import Environment, resolve_env
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.requests import SEED_LIMIT, generate_sample
 from areal_flow.transport.messages import Finish
@@ -84,3 +87,38 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
     finally:
         await env.close()
     return {**out, "finish": finish, "turns": turns, "end": end, "figures": figures}
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    """How the policy's generate node runs multi-turn trajectories (its `env` and limits)."""
+
+    env: type[Environment]
+    settings: dict[str, Any]
+    sandbox: SandboxConfig  # every environment gets the run's sandbox settings (`sandbox=`)
+    max_turns: int
+    token_budget: int
+
+    @classmethod
+    def of(cls, node: Any, cfg: RunConfig, model_path: str) -> "Turns | None":
+        """The generate node's turns, or None when it names no environment (one turn a sample)."""
+        if node.env is None:
+            return None
+        budget = node.max_trajectory_tokens or load_model_config(model_path).max_position_embeddings
+        return cls(resolve_env(node.env, f"graph.{node.name}.env"), dict(node.env_settings), cfg.sandbox,
+                   node.max_turns, budget)
+
+    async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
+                  rid: str, key: str, seed: int | None) -> dict:
+        """One trajectory from `row`, with its per-sample scalars, env/<name> (every sample has each,
+        so a step's mean is over all): turns, observation_tokens (their share of the answer), the environment's
+        summed figures, and `end_<why>` 1 for why it ended, 0 for the other ENDS."""
+        env = self.env(row, sandbox=self.sandbox, **self.settings)
+        got = await generate_trajectory(pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns,
+                                        token_budget=self.token_budget, rid=rid, key=key, seed=seed)
+        n = len(got["loss_mask"])
+        scalars = {"turns": float(got["turns"]), "observation_tokens": (n - sum(got["loss_mask"])) / n if n else 0.0,
+                   **dict.fromkeys(self.env.figures, 0.0), **got["figures"],
+                   **{f"end_{end}": float(end == got["end"]) for end in ENDS}}
+        got["scalars"] = {f"env/{name}": value for name, value in scalars.items()}  # logged as env/<name>
+        return got

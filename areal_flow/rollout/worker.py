@@ -23,6 +23,7 @@ from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rollout.judge import make_judge
 from areal_flow.rollout.requests import generate_group, group_seed
+from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -60,6 +61,7 @@ class RolloutWorker:
         self.prompt_key = graph.dataset_input(graph.generate)
         # Each judge, and the key its answer goes under (docs/judge.md).
         self.judges = [(make_judge(cfg, spec, node), graph.output(node, "judge_ids")) for node in graph.judges]
+        self.turns = Turns.of(graph.generate, cfg, spec.model_path)  # None: one turn a sample
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
         # Generated groups not yet scored and routed: sent again should a reward worker die with them.
@@ -114,8 +116,14 @@ class RolloutWorker:
         prompt_ids = self.tokenizer.encode(group.fields[self.prompt_key], add_special_tokens=False)
         # One request for the group: it goes to the least-loaded server, which prefills the prompt once.
         requested = time.time()
-        outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
-                                    seed=group_seed(self.seed, group.group_id, group.group_size))
+        seed = group_seed(self.seed, group.group_id, group.group_size)
+        if self.turns is None:
+            outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
+                                        seed=seed)
+        else:  # every sample its own trajectory: they part at the first turn's first token
+            outs = await asyncio.gather(*[self.turns.run(self.pool, self.tokenizer, group.fields, prompt_ids,
+                                                         self.params, f"g{group.group_id}-{i}", f"g{group.group_id}",
+                                                         seed + i) for i in range(group.group_size)])
         generated = time.time()
         samples = [
             Sample(
@@ -128,6 +136,7 @@ class RolloutWorker:
                 # One turn: every answer token is the policy's (loss_mask, where the recipe declares it).
                 arrays=self.arrays({"prompt_ids": prompt_ids, "loss_mask": np.ones(len(o["output_ids"])), **o}),
                 finish=o["finish"],
+                scalars=dict(o.get("scalars", {})),
             )
             for i, o in enumerate(outs)
         ]

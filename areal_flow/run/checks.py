@@ -253,6 +253,38 @@ def check_rewards(cfg: RunConfig, graph: Graph, console: Console) -> None:
         raise ConfigError(problems)
 
 
+def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -> None:
+    """A multi-turn generate node's environment: it exists, takes its settings and can run here
+    (Environment.check); the tokenizer can write its stop strings; the trajectory's token budget
+    fits the model's context. Raise ConfigError naming each key that is wrong."""
+    node = graph.generate
+    if node.env is None:
+        return
+    from areal_flow.envs.base import resolve_env
+    from areal_flow.models.tokenizer import load_tokenizer
+
+    key = f"graph.{node.name}"
+    try:
+        env = resolve_env(node.env, f"{key}.env")(dict(), sandbox=cfg.sandbox, **dict(node.env_settings))
+        env.check()
+    except (ValueError, TypeError) as e:
+        raise ConfigError([e if str(e).startswith(key) else f"{key}.env={node.env} with {key}.env_settings: {e}"])
+    problems = []
+    tokenizer = load_tokenizer(model_path)
+    for stop in env.stop:
+        ids = tokenizer.encode(stop, add_special_tokens=False)
+        if tokenizer.unk_token_id in ids or tokenizer.decode(ids) != stop:
+            problems.append(f"{key}.env={node.env}: the tokenizer of {model_path} cannot write the stop string "
+                            f"{stop!r} (it reads back as {tokenizer.decode(ids)!r}): no turn could end there")
+    context = load_model_config(model_path).max_position_embeddings
+    if node.max_trajectory_tokens is not None and node.max_trajectory_tokens > context:
+        problems.append(f"{key}.max_trajectory_tokens={node.max_trajectory_tokens}: larger than the model's context "
+                        f"({context} positions, {model_path})")
+    if problems:
+        raise ConfigError(problems)
+    console.print(f"generate node {node.name}: environment {node.env}, up to {node.max_turns} turns", highlight=False)
+
+
 def check_tokenizer(cfg: RunConfig, model_path: str) -> None:
     """dataset.chat_template needs a tokenizer that has one: found here, not in the controller's log."""
     if cfg.dataset.chat_template:

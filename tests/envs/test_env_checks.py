@@ -1,0 +1,79 @@
+"""A recipe's multi-turn settings checked at launch (run/checks.py: check_env, the graph's own
+rules, the schema's ranges): each refusal names the key, before any process starts."""
+
+import io
+
+import pytest
+import transformers
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+
+from areal_flow.config.validate import ConfigError
+from areal_flow.graph.dag import GraphError
+from areal_flow.launch import CONF_DIR
+from areal_flow.models.tokenizer import CHARS, CODE_CHARS, build_char_tokenizer
+from areal_flow.run.checks import check_env, validate
+from areal_flow.runtime.spec import typed
+
+MULTI_TURN = ["+graph.generate.env=python_tool",
+              "graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions,loss_mask]"]
+
+
+def config(*overrides: str):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = typed(compose("config", overrides=["output_dir=/tmp/unused", *overrides]))
+    return cfg, validate(cfg)
+
+
+def model(tmp_path, chars: str, positions: int = 384) -> str:
+    """A model directory as check_env reads it: a character tokenizer and a config."""
+    build_char_tokenizer(chars, chat=chars == CODE_CHARS).save_pretrained(tmp_path)
+    transformers.Qwen2Config(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=positions).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def check(cfg, graph, model_path) -> str:
+    out = io.StringIO()
+    check_env(cfg, graph, model_path, Console(file=out))
+    return out.getvalue()
+
+
+def test_a_python_tool_with_a_tokenizer_that_writes_its_tags_passes_and_says_so(tmp_path):
+    cfg, graph = config(*MULTI_TURN, "graph.generate.max_turns=3")
+    assert "generate node generate: environment python_tool, up to 3 turns" in check(cfg, graph, model(tmp_path, CODE_CHARS))
+
+
+def test_an_environment_that_does_not_exist_is_refused_naming_the_key(tmp_path):
+    cfg, graph = config("+graph.generate.env=calculator")
+    with pytest.raises(ConfigError, match=r"graph.generate.env: no environment 'calculator'; built in: python_tool"):
+        check(cfg, graph, model(tmp_path, CODE_CHARS))
+
+
+def test_settings_the_environment_does_not_take_are_refused_naming_the_key(tmp_path):
+    cfg, graph = config(*MULTI_TURN, "+graph.generate.env_settings.timeout=3")
+    with pytest.raises(ConfigError, match=r"graph.generate.env=python_tool with graph.generate.env_settings: "
+                                          r"python_tool: .*'timeout'"):
+        check(cfg, graph, model(tmp_path, CODE_CHARS))
+
+
+def test_a_stop_string_the_tokenizer_cannot_write_is_refused(tmp_path):
+    cfg, graph = config(*MULTI_TURN)  # the arithmetic tokenizer has digits, + = ; # and space only
+    with pytest.raises(ConfigError, match=r"cannot write the stop string '</python>'"):
+        check(cfg, graph, model(tmp_path, CHARS))
+
+
+def test_a_token_budget_past_the_models_context_is_refused(tmp_path):
+    cfg, graph = config(*MULTI_TURN, "graph.generate.max_trajectory_tokens=1000")
+    with pytest.raises(ConfigError, match=r"graph.generate.max_trajectory_tokens=1000: larger than the model's "
+                                          r"context \(384 positions"):
+        check(cfg, graph, model(tmp_path, CODE_CHARS))
+
+
+def test_max_turns_below_one_and_an_env_on_another_node_are_refused():
+    with pytest.raises(ConfigError, match=r"graph.generate.max_turns"):
+        config(*MULTI_TURN, "graph.generate.max_turns=0")
+    with pytest.raises(GraphError, match=r"node 'actor_prox': env \(graph.actor_prox.env\) is for the policy's "
+                                         r"generate node"):
+        config("+graph.actor_prox.env=python_tool")
