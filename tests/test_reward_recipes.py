@@ -60,7 +60,7 @@ def test_a_multi_turn_run_trains_trajectories_with_observations_between_their_tu
     run_dir = tmp_path / "nudged"
     r = launch_recipe(run_dir, run_cache, "code_tiny", "eval_at_start=false", "eval_at_end=false", "total_steps=2",
                       TRAIN_EVERY_GROUP, "algorithm.n_minibatches=2", "model.bootstrap_steps=5", *MULTI_TURN,
-                      "+graph.generate.env=nudge_env:Nudge", "graph.generate.max_turns=2",
+                      "+graph.generate.env=nudge_env:Nudge", "graph.generate.max_turns=2", "dump.every_steps=1",
                       env={"PYTHONPATH": str(Path(__file__).parent / "envs")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "generate node generate: environment nudge_env:Nudge, up to 2 turns" in r.stdout
@@ -75,3 +75,8 @@ def test_a_multi_turn_run_trains_trajectories_with_observations_between_their_tu
         if m["env/turns"] > 1:
             assert m["env/nudges"] > 0 and m["env/observation_tokens"] > 0
             assert m["train/n_valid_tokens"] < m["response_length"] * 8  # 8 answers a step
+    # The sample dumps show each trajectory's turns and the nudge between them, marked.
+    dumped = [r for f in sorted((run_dir / "dumps").glob("step-*.jsonl")) for r in jsonl(f)]
+    assert dumped and all("".join(p["text"] for p in r["turns"]) == r["answer"] for r in dumped)
+    nudged = [r for r in dumped if len(r["turns"]) > 1]
+    assert nudged and all(r["turns"][1] == {"by": "env", "tokens": 9, "text": "\n# again\n"} for r in nudged)

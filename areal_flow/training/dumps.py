@@ -16,6 +16,8 @@ sees part of a file. Each object:
     staleness_mean         the token-weighted mean of step − version; None without versions
     advantage              the mean advantage over the answer's tokens in the loss; None without any
     advantages             the advantage of every answer token (rounded to 6 significant digits)
+    turns                  a multi-turn answer (one with a loss_mask key) in its parts, in order:
+                           [{"by": "policy" | "env", "tokens": n, "text": decoded}]; None otherwise
     arrays                 with `dump.tokens`: every array of the sample as a list ({key: [...]}: the
                            prompt and answer ids, behav_logprobs, prox_logprobs, versions, ...), exact
                            (a float32 round-trips through JSON's doubles)
@@ -57,9 +59,11 @@ def dump_path(run_dir: str, step: int, rank: int) -> str:
 
 def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, output_key: str, reward_key: str,
                   versions_key: str | None, advantages: np.ndarray | None, mask: np.ndarray | None,
-                  decode: Callable[[np.ndarray], str], arrays: bool = False) -> dict:
+                  decode: Callable[[np.ndarray], str], arrays: bool = False,
+                  loss_mask_key: str | None = None) -> dict:
     """One sample's dump object (the module's docstring); `step` counted from 0, `mask` the answer
-    tokens in the loss (None: all), `decode` token ids to text, `arrays` whether to add every array."""
+    tokens in the loss (None: all), `decode` token ids to text, `arrays` whether to add every array,
+    `loss_mask_key` the key of the generate node's loss_mask (who wrote each token)."""
     prompt, output = sample.array(prompt_key), sample.array(output_key)
     mask = np.ones(len(output), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
     versions = sample.array(versions_key) if versions_key and versions_key in sample.arrays else None
@@ -81,10 +85,21 @@ def sample_record(sample: Sample, *, step: int, rank: int, prompt_key: str, outp
         "versions": counts, "staleness": staleness, "staleness_mean": staleness_mean,
         "advantage": float(adv[mask].mean()) if adv is not None and mask.any() else None,
         "advantages": [float(f"{a:.6g}") for a in adv] if adv is not None else None,
+        "turns": (turn_parts(output, sample.array(loss_mask_key), decode)
+                  if loss_mask_key and loss_mask_key in sample.arrays else None),
     }
     if arrays:
         record["arrays"] = {k: sample.array(k).tolist() for k in sorted(sample.arrays)}
     return record
+
+
+def turn_parts(output: np.ndarray, written_by_policy: np.ndarray, decode: Callable[[np.ndarray], str]) -> list[dict]:
+    """The answer cut where the writer changes: the policy's turns (mask 1) and the environment's
+    observations (mask 0), each decoded on its own."""
+    policy = np.asarray(written_by_policy) != 0
+    cuts = [0, *(np.flatnonzero(policy[1:] != policy[:-1]) + 1).tolist(), len(output)]
+    return [{"by": "policy" if policy[a] else "env", "tokens": b - a, "text": decode(output[a:b])}
+            for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def write_dump(path: str, records: Sequence[dict]) -> None:
@@ -106,14 +121,16 @@ def write_dump(path: str, records: Sequence[dict]) -> None:
 
 def dump_step(run_dir: str, step: int, rank: int, samples: Sequence[Sample], *, prompt_key: str, output_key: str,
               reward_key: str, versions_key: str | None, advantages: Sequence[np.ndarray] | None,
-              masks: Sequence[np.ndarray] | None, decode: Callable[[np.ndarray], str], arrays: bool = False) -> str:
+              masks: Sequence[np.ndarray] | None, decode: Callable[[np.ndarray], str], arrays: bool = False,
+              loss_mask_key: str | None = None) -> str:
     """Write the dump of step `step` (from 0) by `rank`: one object per sample, in order, with its
     advantages and loss mask (per sample, in the samples' order; None: unknown / all valid).
     Returns the file's path."""
     records = [sample_record(s, step=step, rank=rank, prompt_key=prompt_key, output_key=output_key,
                              reward_key=reward_key, versions_key=versions_key,
                              advantages=None if advantages is None else advantages[i],
-                             mask=None if masks is None else masks[i], decode=decode, arrays=arrays)
+                             mask=None if masks is None else masks[i], decode=decode, arrays=arrays,
+                             loss_mask_key=loss_mask_key)
                for i, s in enumerate(samples)]
     path = dump_path(run_dir, step, rank)
     write_dump(path, records)

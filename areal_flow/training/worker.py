@@ -362,6 +362,7 @@ class ModelWorker:
                       prompt_key=self.graph.input(train, "prompt_ids"), output_key=self.graph.input(train, "output_ids"),
                       reward_key=self.graph.input(train, "rewards"),
                       versions_key=self.graph.output(self.graph.generate, "versions"),
+                      loss_mask_key=self.graph.output(self.graph.generate, "loss_mask"),
                       advantages=None if inputs is None else inputs.advantages,
                       masks=None if inputs is None else inputs.valid_masks(),
                       decode=lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False),

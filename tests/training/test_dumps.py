@@ -79,6 +79,19 @@ def test_without_versions_or_advantages_those_fields_are_empty(tmp_path):
     assert record["advantage"] is None and record["advantages"] is None and record["lengths"]["trained"] == 1
 
 
+def test_a_multi_turn_answer_is_dumped_in_its_parts_each_marked_by_who_wrote_it(tmp_path):
+    turn = sample(3, 0, "12;34;5", [1] * 7, 1.0)
+    turn.arrays["mask"] = Array.of(np.array([1, 1, 1, 0, 0, 0, 1], dtype=np.uint8))  # "34;" came from a tool
+    path = dump_step(str(tmp_path), 0, 0, [turn, SAMPLES[0]], prompt_key="prompt_ids", output_key="output_ids",
+                     reward_key="rewards", versions_key="versions", advantages=None, masks=None, decode=decode,
+                     loss_mask_key="mask")
+    multi, single = [json.loads(line) for line in open(path)]
+    assert multi["turns"] == [{"by": "policy", "tokens": 3, "text": "12;"}, {"by": "env", "tokens": 3, "text": "34;"},
+                              {"by": "policy", "tokens": 1, "text": "5"}]
+    assert "".join(p["text"] for p in multi["turns"]) == multi["answer"]
+    assert single["turns"] is None  # no loss_mask array: a one-turn answer of a recipe without one
+
+
 def test_a_dump_is_renamed_into_place_whole(tmp_path, monkeypatch):
     path = str(tmp_path / "dumps" / "step-00000001-rank0.jsonl")
     seen = []
