@@ -25,6 +25,7 @@ from areal_flow.envs.base import Environment, Step
 from areal_flow.rewards.sandbox import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
 
 PID_SPAN = 1 << 22  # Linux's largest pid_max: uid UID_BASE + k·PID_SPAN + pid is the k-th box of pid, unique
+MAX_BOXES = 64  # sandboxes a worker process may hold: their uids stay below 2^31
 PRINTABLE = frozenset(map(chr, range(32, 127))) | {"\n"}
 
 
@@ -90,14 +91,15 @@ class ToolSettings:
     wall_seconds: float = 2.0  # wall time of one tool run (the sandbox's CPU limit follows it)
     max_output_chars: int = 256  # an observation's output is cut past this many characters
     ascii_only: bool = True  # replace characters outside printable ASCII (a character tokenizer holds no others)
-    concurrency: int = 2  # sandboxes per worker process, shared by its trajectories
+    concurrency: int = 2  # sandboxes per worker process, shared by its trajectories (at most MAX_BOXES)
 
     def __post_init__(self) -> None:
         for name in ("open", "close"):
             if not getattr(self, name):
                 raise ValueError(f"python_tool: {name!r} must be a non-empty string")
-        if self.wall_seconds <= 0 or self.max_output_chars < 1 or self.concurrency < 1:
-            raise ValueError("python_tool: wall_seconds must be > 0, max_output_chars and concurrency ≥ 1")
+        if self.wall_seconds <= 0 or self.max_output_chars < 1 or not 1 <= self.concurrency <= MAX_BOXES:
+            raise ValueError(f"python_tool: wall_seconds must be > 0, max_output_chars ≥ 1 and concurrency in "
+                             f"1..{MAX_BOXES}")
 
 
 class PythonTool(Environment):

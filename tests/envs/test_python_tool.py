@@ -103,3 +103,5 @@ def test_bad_python_tool_settings_are_refused_by_name():
         asyncio.run(make(close=""))
     with pytest.raises(ValueError, match="python_tool: wall_seconds must be > 0"):
         asyncio.run(make(wall_seconds=0))
+    with pytest.raises(ValueError, match=r"concurrency in 1\.\.64"):
+        asyncio.run(make(concurrency=65))
