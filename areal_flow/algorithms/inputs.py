@@ -88,7 +88,7 @@ def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, pr
         masks = [m & (s.array(mask_key) != 0) for m, s in zip(masks, samples)]
     token_data = per_token_inputs(samples, key, prox_source)
     scores = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
-    kl = kl_rewards(token_data, algo, kl_coef, masks)
+    kl = kl_rewards(token_data, algo, kl_coef)
     # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
     token_data["advantages"], returns = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
                                                            values=token_data.get("values"), all_reduce=all_reduce)
@@ -114,11 +114,12 @@ def per_token_inputs(samples: list[Sample], key: KeyOf, prox_source: str | None)
 
 
 def kl_rewards(token_data: dict[str, list[np.ndarray]], algo: AlgorithmConfig,
-               kl_coef: float, masks: list[np.ndarray]) -> list[np.ndarray] | None:
-    """Per token, the KL estimate of π_behav to π_ref that enters the rewards (kl_in=reward), 0
-    where the mask is 0 (an observation has no π_behav), or None when KL is not a reward this step."""
+               kl_coef: float) -> list[np.ndarray] | None:
+    """Per token, the KL estimate of π_behav to π_ref that enters the rewards (kl_in=reward), or
+    None when KL is not a reward this step. Masked tokens (observations, cut answers) get none of it:
+    advantages.token_rewards adds the penalty on valid tokens only."""
     if algo.kl_in != "reward" or not kl_coef or "ref_logprobs" not in token_data:
         return None
-    return [np.where(m, kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
-                                    algo.kl_estimator, algo.kl_clamp).numpy(), 0.0).astype(np.float32)
-            for b, r, m in zip(token_data["behav_logprobs"], token_data["ref_logprobs"], masks)]
+    return [kl_estimate(torch.tensor(b), torch.tensor(r), torch.ones(len(b), dtype=torch.bool),
+                        algo.kl_estimator, algo.kl_clamp).numpy()
+            for b, r in zip(token_data["behav_logprobs"], token_data["ref_logprobs"])]

@@ -68,12 +68,13 @@ class Traffic:
         return delta
 
 
-ENV_PREFIX = "env/"  # a multi-turn trajectory's scalars (rollout/turns.py) are logged under their own names
-
-
-def _group_of(scalar: str, judges: Sequence[str]) -> str:
-    """Where a sample's scalar is logged: judge/ for a judge's, reward/ for the reward nodes'."""
-    return "judge" if scalar in {f"{j}_{stat}" for j in judges for stat in JUDGE_STATS} else "reward"
+def _logged_name(scalar: str, judges: Sequence[str]) -> str:
+    """The name a sample's scalar is logged under: a multi-turn trajectory's (env/..., rollout/turns.py)
+    as it is, a judge's under judge/, the reward nodes' under reward/."""
+    if scalar.startswith("env/"):
+        return scalar
+    judged = {f"{j}_{stat}" for j in judges for stat in JUDGE_STATS}
+    return f"judge/{scalar}" if scalar in judged else f"reward/{scalar}"
 
 
 def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_key: str,
@@ -104,7 +105,7 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
-        **{k if k.startswith(ENV_PREFIX) else f"{_group_of(k, judges)}/{k}": v for k, v in per_key.items()},
+        **{_logged_name(k, judges): v for k, v in per_key.items()},
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],

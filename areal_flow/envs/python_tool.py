@@ -33,9 +33,9 @@ class SandboxPool:
     """`size` sandboxes for one worker process, lent one run at a time."""
 
     def __init__(self, cfg: SandboxConfig, size: int):
-        self.all = [Sandbox(cfg, uid=UID_BASE + (k + 1) * PID_SPAN + os.getpid()) for k in range(size)]
         self.boxes: asyncio.Queue[Sandbox] = asyncio.Queue()
-        for box in self.all:
+        for k in range(size):
+            box = Sandbox(cfg, uid=UID_BASE + (k + 1) * PID_SPAN + os.getpid())
             box.isolation()  # a machine that cannot isolate programs fails here (SandboxUnavailable)
             self.boxes.put_nowait(box)
 
@@ -52,10 +52,6 @@ class SandboxPool:
         async with self.box() as box:
             (result,) = await asyncio.to_thread(box.run, program, [""])
             return result
-
-    def close(self) -> None:
-        for box in self.all:
-            box.close()
 
 
 _POOLS: dict[tuple[str, int, int], SandboxPool] = {}  # (configuration, size, event loop) -> this process's pool

@@ -133,7 +133,8 @@ class RolloutWorker:
                 index=i,
                 birth_time=group.birth_time,
                 fields=group.fields,
-                # One turn: every answer token is the policy's (loss_mask, where the recipe declares it).
+                # One turn: every answer token is the policy's (loss_mask, where the recipe declares
+                # it); a multi-turn trajectory's own loss_mask replaces this.
                 arrays=self.arrays({"prompt_ids": prompt_ids, "loss_mask": np.ones(len(o["output_ids"])), **o}),
                 finish=o["finish"],
                 scalars=dict(o.get("scalars", {})),

@@ -268,7 +268,7 @@ def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -
         env = resolve_env(node.env, f"{key}.env")(dict(), sandbox=cfg.sandbox, **dict(node.env_settings))
         env.check()
     except (ValueError, TypeError) as e:
-        raise ConfigError([e if str(e).startswith(key) else f"{key}.env={node.env} with {key}.env_settings: {e}"])
+        raise ConfigError([str(e) if str(e).startswith(key) else f"{key}.env={node.env} with {key}.env_settings: {e}"])
     problems = []
     tokenizer = load_tokenizer(model_path)
     for stop in env.stop:
