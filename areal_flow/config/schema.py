@@ -123,6 +123,10 @@ class ModelConfig:
     bootstrap_steps: int = doc(250, "supervised bootstrap steps when the base model is built here", ge=0)
     bootstrap_lr: float = doc(3e-3, "learning rate of the supervised bootstrap", gt=0)
     bootstrap_batch_size: int = doc(64, "problems per bootstrap step", ge=1)
+    bootstrap_task: Optional[str] = doc(None, "what the tiny model is bootstrapped on: null for dataset.name's own task, "
+                                        "'tiny_arith_tool' (arithmetic, the Python tool used some of the time) or "
+                                        "'tiny_code_feedback' (code, some first attempts repaired after a failed test)",
+                                        choices=("tiny_arith", "tiny_arith_tool", "tiny_code", "tiny_code_feedback"))
 
 
 @dataclass

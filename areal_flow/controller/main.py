@@ -25,7 +25,7 @@ import zmq.asyncio
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller.ending import record_failure, run_summary, why_it_ended, write_summary
-from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_accuracy
+from areal_flow.controller.evaluation import Evaluation, VersionPin, held_out_accuracy, write_answers
 from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
@@ -51,6 +51,7 @@ from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import RewardService
+from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.disk import writing
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
@@ -137,6 +138,7 @@ class Controller:
         if spec.resume:
             self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
+        self.turns = Turns.of(graph.generate, cfg, spec.model_path)  # held-out trajectories take turns too
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
@@ -604,14 +606,15 @@ class Controller:
 
         result: Evaluation = await held_out_accuracy(
             self.publisher.pool, self.tokenizer, self.eval_rows, score, self.graph.dataset_input(self.graph.generate),
-            self.graph.reference(reward), self.cfg.algorithm.max_new_tokens)
+            self.graph.reference(reward), self.cfg.algorithm.max_new_tokens, self.turns)
+        write_answers(self.spec.run_dir, version, result.answers)
         if set(result.versions) != {version}:
             log.warning("held-out evaluation at %s: answers came from versions %s, not only %d", when,
                         result.versions, version)
         self.metrics.log("eval", when=when, step=version, version=version, accuracy=result.accuracy, n=result.n,
                          answer_versions={str(v): n for v, n in sorted(result.versions.items())},
                          trainer_steps_meanwhile=self.steps_trained - steps_before,
-                         seconds=time.monotonic() - t0, samples=result.samples)
+                         seconds=time.monotonic() - t0, samples=result.samples, **result.figures)
         log.info("held-out accuracy at %s: %.1f%%", when, 100 * result.accuracy)
         return result.accuracy
 

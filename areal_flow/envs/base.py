@@ -43,7 +43,7 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def step(self, turn: str) -> Step:
-        """The answer to the policy's turn `turn` (its text, the stop string included)."""
+        """The answer to the policy's turn `turn` (its text, the stop string included, special tokens such as EOS left out)."""
 
     async def close(self) -> None:
         """Called once the trajectory ends, whatever ended it."""
@@ -70,3 +70,4 @@ def resolve_env(name: str, where: str) -> type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"{where}: {name!r} is not a subclass of areal_flow.envs.base.Environment")
     return cls
+

@@ -21,6 +21,7 @@ import time
 from typing import Any, AsyncIterator
 
 from areal_flow.config.schema import SandboxConfig
+from areal_flow.data.observations import MAX_OUTPUT_CHARS, PYTHON_CLOSE, PYTHON_OPEN, output_observation
 from areal_flow.envs.base import Environment, Step
 from areal_flow.rewards.sandbox import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
 
@@ -66,26 +67,38 @@ def shared_pool(cfg: SandboxConfig, size: int) -> SandboxPool:
     return _POOLS[key]
 
 
+def tool_sandbox(run: SandboxConfig | None, wall_seconds: float) -> SandboxConfig:
+    """The run's sandbox settings (`sandbox=`) with a tool's own wall time (and a CPU limit that
+    follows it), stopping at the first case that fails."""
+    return dataclasses.replace(run or SandboxConfig(), wall_seconds=wall_seconds,
+                               cpu_seconds=max(1, round(wall_seconds)), fail_fast=True)
+
+
+def check_sandbox(cfg: SandboxConfig, env: str) -> None:
+    """ValueError naming `env` unless the sandbox can isolate programs here (or the run's sandbox
+    config opted out of isolation)."""
+    box = Sandbox(cfg)
+    try:
+        box.isolation()
+    except SandboxUnavailable as e:
+        raise ValueError(f"{env}: {e}") from None
+    finally:
+        box.close()
+
+
 def printable(text: str) -> str:
     """`text` with every character but printable ASCII and newline replaced by '?' (a tab by a space)."""
     return "".join(c if c in PRINTABLE else (" " if c == "\t" else "?") for c in text)
-
-
-def cut(text: str, limit: int) -> str:
-    """`text` up to `limit` characters, with a marker saying how many more there were."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}\n[cut: {len(text) - limit} more characters]"
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolSettings:
     """What a recipe may set under `graph.<generate>.env_settings` for python_tool."""
 
-    open: str = "<python>"  # a tool call starts with this ...
-    close: str = "</python>"  # ... and ends with this, which also ends the policy's turn
+    open: str = PYTHON_OPEN  # a tool call starts with this ...
+    close: str = PYTHON_CLOSE  # ... and ends with this, which also ends the policy's turn
     wall_seconds: float = 2.0  # wall time of one tool run (the sandbox's CPU limit follows it)
-    max_output_chars: int = 256  # an observation's output is cut past this many characters
+    max_output_chars: int = MAX_OUTPUT_CHARS  # an observation's output is cut past this many characters
     ascii_only: bool = True  # replace characters outside printable ASCII (a character tokenizer holds no others)
     concurrency: int = 2  # sandboxes per worker process, shared by its trajectories (at most MAX_BOXES)
 
@@ -107,20 +120,11 @@ class PythonTool(Environment):
             self.settings = ToolSettings(**settings)
         except TypeError as e:
             raise ValueError(f"python_tool: {e}") from None
-        s = self.settings
-        self.sandbox = dataclasses.replace(sandbox or SandboxConfig(), wall_seconds=s.wall_seconds,
-                                           cpu_seconds=max(1, round(s.wall_seconds)), fail_fast=True)
-        self.stop = (s.close,)
+        self.sandbox = tool_sandbox(sandbox, self.settings.wall_seconds)
+        self.stop = (self.settings.close,)
 
     def check(self) -> None:
-        """The sandbox can isolate programs here (or the run's sandbox config opted out)."""
-        box = Sandbox(self.sandbox)
-        try:
-            box.isolation()
-        except SandboxUnavailable as e:
-            raise ValueError(f"python_tool: {e}") from None
-        finally:
-            box.close()
+        check_sandbox(self.sandbox, "python_tool")
 
     def tool_call(self, turn: str) -> str | None:
         """The code of the turn's tool call: between the last opening tag and the closing tag that
@@ -143,8 +147,7 @@ class PythonTool(Environment):
         text = result.stdout if not failed else self.error(result)
         if self.settings.ascii_only:
             text = printable(text)
-        observation = f"\n<output>\n{cut(text, self.settings.max_output_chars)}\n</output>\n"
-        return Step(observation, figures={"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds})
+        return Step(output_observation(text, self.settings.max_output_chars), figures={"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds})
 
     def error(self, result: CaseResult) -> str:
         """What a failed run says: its status, and the last line of its traceback where it has one."""

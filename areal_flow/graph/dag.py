@@ -339,6 +339,7 @@ def build_graph(
     for n in nodes.values():
         if n.kind is not None:
             _check_node(n, n.kind, nodes, producers, meaning, problems)
+    _check_loss_mask(nodes, meaning, problems)
     _check_shape(nodes, problems)
     _check_meshes(nodes, problems)
     _check_engines(nodes, problems)
@@ -374,6 +375,23 @@ def _check_keys(nodes: dict[str, Node], dataset_keys: Sequence[str], problems: l
                             f"node reads {them}: list {them} in the inputs of the node that uses {them}, or remove "
                             f"the node (~graph.{n.name})")
     return producers
+
+
+def _check_loss_mask(nodes: dict[str, Node], meaning: dict[str, str], problems: list[str]) -> None:
+    """A generate node that takes turns writes loss_mask, and every node training the policy reads
+    it: without it an environment's observations would be trained as if the policy wrote them."""
+    policy = next((n for n in nodes.values() if n.env is not None), None)
+    if policy is None:
+        return
+    if not any(meaning.get(k) == "loss_mask" for k in policy.outputs):
+        problems.append(f"node '{policy.name}': with an environment (graph.{policy.name}.env) it must write "
+                        f"loss_mask: add it to graph.{policy.name}.outputs")
+        return
+    for n in nodes.values():
+        if n.type == "train" and n.role == "actor" and not any(meaning.get(k) == "loss_mask" for k in n.inputs):
+            problems.append(f"node '{n.name}': graph.{policy.name} takes turns with an environment, so the policy's "
+                            f"train node must read loss_mask (add it to graph.{n.name}.inputs): observations are "
+                            "not the policy's tokens")
 
 
 def _check_node(n: Node, kind: NodeKind, nodes: dict[str, Node], producers: dict[str, str], meaning: dict[str, str],

@@ -16,7 +16,7 @@ would run it (`RUNTIME_KINDS`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TEXT = "text"
@@ -129,3 +129,11 @@ register("node", "train")(NodeKind(
     may_read=("prox_logprobs", "ref_logprobs", "versions", "values", "loss_mask"), roles=("actor", "critic")))
 
 ROLES = ("actor", "ref", "critic", "judge")
+
+
+def final_turn(output_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
+    """A trajectory's last policy turn: the tokens after its last observation (loss_mask 0). The
+    reward of a multi-turn trajectory reads it (the answer after the tools), as AReaL's multi-turn
+    workflow scores the last turn; with no observation it is the whole answer."""
+    observed = [i for i, m in enumerate(loss_mask) if not m]
+    return list(output_ids[observed[-1] + 1:] if observed else output_ids)

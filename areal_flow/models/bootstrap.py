@@ -86,6 +86,8 @@ def ensure_base_model(
     }
     if spec.name != "tiny_arith":  # the arithmetic model's directory keeps the name it always had
         settings["task"] = spec.name
+    if spec.words:
+        settings["words"] = list(spec.words)
     final = os.path.join(cache_dir, settings_dir_name(settings))
     if os.path.isdir(final):  # fast path: no lock, no torch work
         return _checked(final)

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from areal_flow.data.arith import arith_reward
 from areal_flow.models.bootstrap import HELDOUT_N, HELDOUT_SEED, INFO_FILE
-from areal_flow.models.tasks import BootstrapTask, bootstrap_task
+from areal_flow.models.tasks import BootstrapTask, Completion, bootstrap_task
 from areal_flow.models.tiny import build_tiny_qwen2, tiny_qwen2_config
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 from areal_flow.runtime.devices import local_device
@@ -54,7 +54,7 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, devic
     """Train the tiny model `settings` describe (see `ensure_base_model`) on `device` and save it,
     its tokenizer and `bootstrap.json` into `out_dir`."""
     task = bootstrap_task(settings.get("task", "tiny_arith"))
-    tokenizer = build_char_tokenizer(task.chars, chat=task.chat)
+    tokenizer = build_char_tokenizer(task.chars, chat=task.chat, words=task.words)
     # The initial weights are part of the cached settings; fork so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings["seed"])
@@ -90,26 +90,34 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, devic
 
 
 def supervised_batch(
-    tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]
+    tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, Completion]]
 ) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` and `labels` for prompt + completion + EOS, from
-    (prompt, completion) texts.
+    (prompt, completion) texts. A completion is a text, or its parts as (text, trained) pairs, each
+    tokenized alone as a multi-turn rollout does (a tool's answer: trained False).
 
-    Labels are -100 on prompt and padding tokens, so the loss covers the completion and its EOS.
+    Labels are -100 on prompt and padding tokens and on untrained parts, so the loss covers the
+    completion's trained parts and its EOS.
     """
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)
-    answers = tokenizer([c for _, c in pairs], add_special_tokens=False)
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    seqs = [(p, c + [eos]) for p, c in zip(prompts["input_ids"], answers["input_ids"])]
-    width = max(len(p) + len(c) for p, c in seqs)
+    seqs = []
+    for p, completion in zip(prompts, (c for _, c in pairs)):
+        parts = [(completion, True)] if isinstance(completion, str) else completion
+        ids, labels = list(p), [-100] * len(p)
+        for text, trained in parts:
+            part = tokenizer.encode(text, add_special_tokens=False)
+            ids += part
+            labels += part if trained else [-100] * len(part)
+        seqs.append((ids + [eos], labels + [eos]))
+    width = max(len(ids) for ids, _ in seqs)
     input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (p, c) in enumerate(seqs):
-        n = len(p) + len(c)
-        input_ids[i, :n] = torch.tensor(p + c)
-        labels[i, len(p) : n] = torch.tensor(c)
-        mask[i, :n] = 1
+    for i, (ids, labs) in enumerate(seqs):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(labs)
+        mask[i, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 

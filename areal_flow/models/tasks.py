@@ -8,11 +8,25 @@ task's characters and data version, so a change to either trains a new model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
-from typing import Callable, Iterator
+import re
+from typing import Callable, Iterator, Union
 
 from areal_flow.data import arith, tiny_code
-from areal_flow.models.tokenizer import CHARS, CODE_CHARS
+from areal_flow.data.observations import (
+    OUTPUT_CLOSE,
+    OUTPUT_OPEN,
+    PYTHON_CLOSE,
+    PYTHON_OPEN,
+    call_text,
+    failed_test,
+    output_observation,
+)
+from areal_flow.models.tokenizer import CHARS, CODE_CHARS, EOS
+
+Completion = Union[str, list[tuple[str, bool]]]
+"""A reference completion: its text, or its parts as (text, trained): a tool's answer is not trained."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +38,8 @@ class BootstrapTask:
     chat: bool  # the tokenizer carries the chat template
     data_version: int  # the task's DATA_VERSION: new data, new model
     # (seed, (n_eval, eval_seed)) -> endless fresh (prompt, completion) pairs, none of them held out
-    pairs: Callable[[int, tuple[int, int]], Iterator[tuple[str, str]]]
+    pairs: Callable[[int, tuple[int, int]], Iterator[tuple[str, Completion]]]
+    words: tuple[str, ...] = ()  # strings the tokenizer holds as one token each (a tool call's tags)
 
 
 def arith_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
@@ -38,17 +53,107 @@ def arith_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]
             yield prompt, arith.completion_text(a, b)
 
 
+TOOL_WORDS = (PYTHON_OPEN, PYTHON_CLOSE, OUTPUT_OPEN, OUTPUT_CLOSE)  # python_tool's default tags, one token each
+TOOL_SHARE = 0.3  # of the bootstrap's problems answered with the tool, whatever their length
+
+
+def tool_completion(a: int, b: int) -> list[tuple[str, bool]]:
+    """a+b answered with python_tool: the call, the observation the tool gives back (untrained),
+    then the answer, e.g. `<python>print(12+345)</python>`, `\\n<output>\\n357\\n\\n</output>\\n`, `#### 357`."""
+    call = f"{PYTHON_OPEN}print({a}+{b}){PYTHON_CLOSE}"
+    return [(call, True), (output_observation(f"{a + b}\n"), False), (f"#### {a + b}", True)]
+
+
+def arith_tool_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, Completion]]:
+    """tiny_arith's problems, TOOL_SHARE of them answered with the Python tool and the others with
+    the scratchpad: RL decides when the tool pays (the problem stream is arith_pairs')."""
+    rng = random.Random(f"bootstrap-tool-{seed}")
+    for prompt, scratchpad in arith_pairs(seed, heldout):
+        if rng.random() < TOOL_SHARE:
+            a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+            yield prompt, tool_completion(a, b)
+        else:
+            yield prompt, scratchpad
+
+
 def code_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
     """Fresh tiny_code problems as (prompt, reference function), no held-out identity among them."""
     for problem in tiny_code.training_problems(seed, heldout, stream="bootstrap"):
         yield problem.prompt, problem.solution
 
 
+REPAIR_SHARE = 0.3  # of the bootstrap's code problems first attempted wrong, then repaired after the failed test
+_NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+# A slip of the kind a model makes, where the body has no number to get wrong.
+_SWAPS = ((" + ", " - "), (" - ", " + "), (" < ", " > "), (" > ", " < "), (" <= ", " < "), (" >= ", " > "),
+          (" == ", " != "), ("max(", "min("), ("min(", "max("), (".upper()", ".lower()"), (".lower()", ".upper()"),
+          ("[::-1]", ""), (" and ", " or "), (" or ", " and "))
+
+
+def slip(solution: str, rng: random.Random) -> str:
+    """The reference with one slip in its body: a number off by one, else an operator swapped
+    (unchanged when it has neither)."""
+    head, _, body = solution.partition("\n")
+    numbers = list(_NUMBER.finditer(body))
+    if numbers:
+        m = rng.choice(numbers)
+        n = int(m.group())
+        wrong = n + 1 if n == 0 or rng.random() < 0.5 else n - 1
+        return f"{head}\n{body[:m.start()]}{wrong}{body[m.end():]}"
+    swaps = [(a, b) for a, b in _SWAPS if a in body]
+    if not swaps:
+        return solution
+    a, b = rng.choice(swaps)
+    return f"{head}\n{body.replace(a, b, 1)}"
+
+
+def first_failure(program: str, problem: tiny_code.Problem) -> tuple[int, str] | None:
+    """What code_feedback's sandboxed driver reports for `program` on `problem`'s tests: (the first
+    failing test, what it gave), or None. Run here, in this process: the program is one of ours."""
+    scope: dict = {"__name__": "solution"}
+    exec(compile(program, "solution.py", "exec"), scope)
+    fn = scope[problem.spec.name]
+    for i, (args, want) in enumerate(zip(problem.inputs, problem.outputs)):
+        try:
+            got = fn(*json.loads(json.dumps(list(args))))
+        except Exception as e:
+            return i, f"{type(e).__name__}: {e}"
+        if json.loads(json.dumps(got)) != json.loads(json.dumps(want)):
+            return i, repr(got)
+    return None
+
+
+def repaired(problem: tiny_code.Problem, rng: random.Random) -> list[tuple[str, bool]] | None:
+    """A wrong first attempt (the reference with a slip), the test it fails as code_feedback writes
+    it (untrained), then the reference; None when the slip passes every test."""
+    wrong = slip(problem.solution, rng)
+    failed = first_failure(wrong, problem) if wrong != problem.solution else None
+    if failed is None:
+        return None
+    i, got = failed
+    args, want = json.loads(json.dumps([list(problem.inputs[i]), problem.outputs[i]]))
+    return [(wrong + EOS, True), (failed_test(call_text(problem.spec.name, args), want, got), False),
+            (problem.solution, True)]
+
+
+def code_feedback_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, Completion]]:
+    """tiny_code's bootstrap problems (code_pairs' stream), REPAIR_SHARE of them attempted wrong
+    first and repaired after the failed test, each attempt ending in EOS as a turn does."""
+    rng = random.Random(f"bootstrap-repair-{seed}")
+    for problem in tiny_code.training_problems(seed, heldout, stream="bootstrap"):
+        parts = repaired(problem, rng) if rng.random() < REPAIR_SHARE else None
+        yield problem.prompt, parts or problem.solution
+
+
 TASKS: dict[str, BootstrapTask] = {
     "tiny_arith": BootstrapTask("tiny_arith", CHARS, False, arith.DATA_VERSION, arith_pairs),
+    "tiny_arith_tool": BootstrapTask("tiny_arith_tool", CODE_CHARS, False, arith.DATA_VERSION, arith_tool_pairs,
+                                     words=TOOL_WORDS),
     "tiny_code": BootstrapTask("tiny_code", CODE_CHARS, True, tiny_code.DATA_VERSION, code_pairs),
+    "tiny_code_feedback": BootstrapTask("tiny_code_feedback", CODE_CHARS, True, tiny_code.DATA_VERSION,
+                                        code_feedback_pairs),
 }
-"""The bootstrap's tasks by `dataset.name`."""
+"""The bootstrap's tasks by name: a dataset's own (`dataset.name`), or `model.bootstrap_task`."""
 
 
 def bootstrap_task(name: str) -> BootstrapTask:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is made: it takes a second, and the
     from transformers import (
@@ -34,18 +34,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}" + IM_START + "{{ m['role'] }}\n{{ m['
 """ChatML over the character tokenizer: `<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n`."""
 
 
-def build_char_tokenizer(chars: str = CHARS, chat: bool = False) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A fresh tokenizer: ids 0-2 are `<pad> <eos> <unk>`, then `chars` in order; with `chat`, the
-    two role markers and CHAT_TEMPLATE (the arithmetic task has neither)."""
-    if len(set(chars)) != len(chars):
-        raise ValueError("build_char_tokenizer: repeated characters")
+    two role markers and CHAT_TEMPLATE (the arithmetic task has neither); then `words`, strings
+    of several characters that are one token each, written and read back as text (a tool call's
+    tags, as Qwen's `<tool_call>`)."""
+    if len(set(chars)) != len(chars) or len(set(words)) != len(words):
+        raise ValueError("build_char_tokenizer: repeated characters or words")
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for c in chars:
         vocab[c] = len(vocab)
     markers = (IM_START, IM_END) if chat else ()
-    for m in markers:
+    for m in (*markers, *words):
         vocab[m] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Not special: a decode that skips special tokens (the reward's) still reads the tags.
+    core.add_tokens([AddedToken(w, normalized=False) for w in words])
     # `[\s\S]` rather than `.`, which would leave a newline glued to nothing and unsplit.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins tokens with no separator; the default decoder would put spaces between them.

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
+from areal_flow.graph.keys import final_turn
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
@@ -56,9 +57,14 @@ async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: R
     it weighs. The samples of a group are scored concurrently. `judge_tokenizers`: each judge's
     (by node name), which decode the answers a reward node reads as its reference."""
     output_key = graph.output(graph.generate, "output_ids")
+    # A trajectory that took turns is scored on its final turn (graph/keys.py: final_turn).
+    mask_key = graph.output(graph.generate, "loss_mask") if graph.generate.env is not None else None
 
     async def one(sample) -> None:
-        text = tokenizer.decode(sample.array(output_key).tolist(), skip_special_tokens=True)
+        ids = sample.array(output_key).tolist()
+        if mask_key is not None:
+            ids = final_turn(ids, sample.array(mask_key).tolist())
+        text = tokenizer.decode(ids, skip_special_tokens=True)
         for node in graph.scorers:
             if node.type == "reward":
                 score = await service.score(node.name, text,

@@ -121,9 +121,8 @@ class RolloutWorker:
             outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
                                         seed=seed)
         else:  # every sample its own trajectory: they part at the first turn's first token
-            outs = await asyncio.gather(*[self.turns.run(self.pool, self.tokenizer, group.fields, prompt_ids,
-                                                         self.params, f"g{group.group_id}-{i}", f"g{group.group_id}",
-                                                         seed + i) for i in range(group.group_size)])
+            outs = await self.turns.run_group(self.pool, self.tokenizer, group.fields, prompt_ids, self.params,
+                                              group.group_size, f"g{group.group_id}", seed)
         generated = time.time()
         samples = [
             Sample(

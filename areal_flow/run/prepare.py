@@ -56,7 +56,7 @@ def prepare_model(cfg: RunConfig) -> str:
     return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
                              steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,
                              seed=cfg.dataset.seed, heldout=(cfg.dataset.n_eval, cfg.dataset.seed), progress=True,
-                             device=cfg.cluster.device_type, task=cfg.dataset.name)
+                             device=cfg.cluster.device_type, task=m.bootstrap_task or cfg.dataset.name)
 
 
 def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:

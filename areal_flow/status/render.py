@@ -133,6 +133,24 @@ def busy(snap: Snapshot) -> Table:
     return figures("busy", snap, rows)
 
 
+ENV_ROWS = {"turns": ("turns", num), "tool_calls": ("tool calls", num), "tool_errors": ("tool errors", num),
+            "tool_seconds": ("tool seconds", num), "observation_tokens": ("observation tokens (share)", pct)}
+"""How the environment's figures read, in this order; the others (an environment's own, repair
+rates, why trajectories ended) follow under their names."""
+
+
+def environment(snap: Snapshot) -> Table | None:
+    """A multi-turn run's figures per trajectory: turns, tool calls, errors and seconds, the share of
+    observation tokens, the repair rates and why trajectories ended (None for a single-turn run)."""
+    if not snap.env:
+        return None
+    rows = []
+    for k in [*(k for k in ENV_ROWS if k in snap.env), *(k for k in snap.env if k not in ENV_ROWS)]:
+        name, fmt = ENV_ROWS.get(k) or (k.replace("_", " "), pct if k.startswith(("end_", "repair_")) else num)
+        rows.append((name, snap.env[k], fmt))
+    return figures("environment (per trajectory)", snap, rows)
+
+
 def staleness(snap: Snapshot) -> Table:
     s = snap.staleness
     t = table("staleness (versions behind)", "", "")
@@ -270,5 +288,6 @@ def render(snap: Snapshot) -> RenderableType:
                  side_by_side(progress(snap), evaluation(snap)), Text(""),
                  side_by_side(throughput(snap), busy(snap)), Text(""),
                  side_by_side(staleness(snap), extras(snap)), Text(""),
+                 *((t, Text("")) if (t := environment(snap)) is not None else ()),
                  *((t, Text("")) if (t := by_staleness(snap)) is not None else ()),
                  processes(snap))

@@ -119,6 +119,7 @@ class Snapshot:
     trainer_busy: Figure = field(default_factory=Figure)
     generator_busy: Figure = field(default_factory=Figure)
     reward_busy: dict[str, Figure] = field(default_factory=dict)  # reward node -> busy fraction
+    env: dict[str, Figure] = field(default_factory=dict)  # a multi-turn run's env/<figure> (turns, tool_calls, ...)
     staleness: Staleness = field(default_factory=Staleness)
     first_eval: Evaluation | None = None
     last_eval: Evaluation | None = None
@@ -377,6 +378,7 @@ class RunReader:
         snap.trainer_busy = figure(rows, "trainer_idle", of=lambda x: 1 - x)
         snap.generator_busy = figure(rows, "generator_idle", of=lambda x: 1 - x)
         snap.reward_busy = {k.split("/", 1)[1]: figure(rows, k) for k in last if k.startswith("reward_busy/")}
+        snap.env = {k.split("/", 1)[1]: figure(rows, k) for k in sorted(last) if k.startswith("env/")}
         snap.staleness = Staleness(mean=last.get("staleness_mean"), max=last.get("staleness_max"),
                                    hist=list(last.get("staleness_hist") or []),
                                    window_mean=weighted(rows, "staleness_mean", weight="train/n_valid_tokens"),

@@ -16,7 +16,8 @@ from areal_flow.run.checks import check_env, validate
 from areal_flow.runtime.spec import typed
 
 MULTI_TURN = ["+graph.generate.env=python_tool",
-              "graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions,loss_mask]"]
+              "graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions,loss_mask]",
+              "graph.actor_train.inputs=[prompt_ids,output_ids,behav_logprobs,versions,prox_logprobs,rewards,loss_mask]"]
 
 
 def config(*overrides: str):
@@ -46,8 +47,8 @@ def test_a_python_tool_with_a_tokenizer_that_writes_its_tags_passes_and_says_so(
 
 
 def test_an_environment_that_does_not_exist_is_refused_naming_the_key(tmp_path):
-    cfg, graph = config("+graph.generate.env=calculator")
-    with pytest.raises(ConfigError, match=r"graph.generate.env: no environment 'calculator'; built in: python_tool"):
+    cfg, graph = config(*MULTI_TURN[1:], "+graph.generate.env=calculator")
+    with pytest.raises(ConfigError, match=r"graph.generate.env: no environment 'calculator'; built in: code_feedback, python_tool"):
         check(cfg, graph, model(tmp_path, CODE_CHARS))
 
 
@@ -77,3 +78,13 @@ def test_max_turns_below_one_and_an_env_on_another_node_are_refused():
     with pytest.raises(GraphError, match=r"node 'actor_prox': env \(graph.actor_prox.env\) is for the policy's "
                                          r"generate node"):
         config("+graph.actor_prox.env=python_tool")
+
+
+def test_an_environment_without_a_loss_mask_is_refused():
+    """Observations trained as the policy's tokens is the bug the loss mask exists for: a recipe
+    with an environment that does not write it, or a train node that does not read it, is refused."""
+    with pytest.raises(GraphError, match=r"graph.generate.env.*must write loss_mask: add it to graph.generate.outputs"):
+        config("+graph.generate.env=python_tool")
+    with pytest.raises(GraphError, match=r"must read loss_mask \(add it to graph.actor_train.inputs\)"):
+        config(*MULTI_TURN[:2])
+    config(*MULTI_TURN)  # both: accepted

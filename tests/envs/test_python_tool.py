@@ -7,7 +7,8 @@ import os
 import pytest
 
 from areal_flow.envs.base import Environment, Step, resolve_env
-from areal_flow.envs.python_tool import PythonTool, cut, printable
+from areal_flow.data.observations import cut
+from areal_flow.envs.python_tool import PythonTool, printable
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 
@@ -85,7 +86,7 @@ class Echo(Environment):
 def test_environments_are_named_by_word_or_by_import_path_and_bad_names_are_refused():
     assert resolve_env("python_tool", "graph.generate.env") is PythonTool
     assert resolve_env(f"{__name__}:Echo", "graph.generate.env") is Echo
-    with pytest.raises(ValueError, match=r"graph.generate.env: no environment 'calculator'; built in: python_tool"):
+    with pytest.raises(ValueError, match=r"graph.generate.env: no environment 'calculator'; built in: code_feedback, python_tool"):
         resolve_env("calculator", "graph.generate.env")
     with pytest.raises(ValueError, match=r"graph.generate.env: cannot import 'no_such_pkg'"):
         resolve_env("no_such_pkg:Env", "graph.generate.env")
@@ -105,3 +106,15 @@ def test_bad_python_tool_settings_are_refused_by_name():
         asyncio.run(make(wall_seconds=0))
     with pytest.raises(ValueError, match=r"concurrency in 1\.\.64"):
         asyncio.run(make(concurrency=65))
+
+
+@needs_root
+def test_the_bootstrap_traces_show_the_very_observation_the_tool_gives():
+    """tiny_arith_tool's reference traces (models/tasks.py) teach the model to read the tool's answer:
+    their observation is what python_tool gives back for the same call, character for character."""
+    from areal_flow.models.tasks import tool_completion
+
+    (call, trained), (observation, untrained), (final, _) = tool_completion(123, 4567)
+    assert trained and not untrained and final == "#### 4690"
+    (step,) = steps([call])
+    assert step.observation == observation and step.figures["tool_errors"] == 0.0

@@ -71,7 +71,8 @@ def test_observations_are_appended_as_their_own_tokens_masked_and_the_history_is
     # An observation carries its turn's version; each turn's tokens their own.
     assert got["versions"] == [4] * 13 + [5] * 6
     assert (got["finish"], got["turns"], got["end"]) == (Finish.STOP, 2, "done")
-    assert got["figures"] == {"env_reward": 0.5, "tool_calls": 1.0}
+    # The call's reward (0.5, below 1) and a last turn with none: a failure not repaired at turn 2.
+    assert got["figures"] == {"env_reward": 0.5, "tool_calls": 1.0, "repair_turn2": 0.0}
     # The second request is the first's tokens plus the observation's, exactly; each turn asks to
     # stop at the environment's stop strings, with a seed of its own.
     assert calls[1]["input_ids"] == ids("Q:") + got["output_ids"][:13]
@@ -105,3 +106,126 @@ def test_each_way_a_trajectory_ends_is_recorded_and_it_never_passes_its_token_bu
     for call in calls:
         room = kwargs.get("token_budget", 200) - len(call["input_ids"])
         assert call["sampling_params"]["max_new_tokens"] <= room
+
+
+def test_a_held_out_evaluation_takes_turns_and_scores_the_final_one():
+    """With an environment the held-out answers are trajectories too (greedy), scored on their final
+    turn as the reward node scores them, each answer's env figures kept and averaged."""
+    from areal_flow.config.schema import SandboxConfig
+    from areal_flow.controller.evaluation import held_out_accuracy
+    from areal_flow.rollout.turns import Turns
+
+    Scripted.SCRIPT = [("<c>2+3</c>", "stop", "3"), ("#### 5", "stop", "3")]
+    turns = Turns(Calculator, {}, SandboxConfig(), max_turns=3, token_budget=200)
+    scored = []
+
+    async def score(text, reference):
+        scored.append(text)
+        return float(text == reference)
+
+    async def go(url):
+        async with ServerPool([url]) as pool:
+            return await held_out_accuracy(pool, TOK, [{"q": "Q:", "a": "#### 5"}], score, "q", "a", 50, turns)
+
+    with serving(Scripted) as url:
+        result = asyncio.run(go(url))
+        calls = Scripted.calls
+    assert scored == ["#### 5"] and result.accuracy == 1.0 and result.versions == {3: 1}
+    assert all(c["sampling_params"]["temperature"] == 0.0 for c in calls) and len(calls) == 2
+    (answer,) = result.answers
+    assert answer["answer"] == "<c>2+3</c>=5;#### 5" and answer["score"] == 1.0
+    assert answer["env/turns"] == 2.0 and answer["env/tool_calls"] == 1.0 and answer["env/end_done"] == 1.0
+    assert result.figures["env/tool_calls"] == 1.0 and result.figures["env/env_reward"] == 0.5
+
+
+class Grader(Environment):
+    """Rewards 1 and ends on a turn that says "ok"; else 0 and asks again."""
+
+    async def step(self, turn: str) -> Step:
+        return Step(done=True, reward=1.0) if turn.endswith("ok") else Step("\nagain: ", reward=0.0)
+
+
+def test_repairs_count_the_failures_at_turn_k_fixed_at_turn_k_plus_1():
+    got, _ = run([("bad", "stop", "1"), ("bad", "stop", "1"), ("ok", "stop", "1")], env=Grader({}))
+    assert (got["turns"], got["end"]) == (3, "done")
+    assert got["figures"] == {"env_reward": 1.0, "repair_turn2": 0.0, "repair_turn3": 1.0}
+    got, _ = run([("ok", "stop", "1")], env=Grader({}))
+    assert got["figures"] == {"env_reward": 1.0}  # no failure: no repair figure (a step's mean leaves it out)
+    got, _ = run([("bad", "stop", "1"), ("bad", "stop", "1")], env=Grader({}), max_turns=2)
+    assert got["figures"] == {"env_reward": 0.0, "repair_turn2": 0.0}  # the last failure had no next turn
+
+
+class ByPrompt(StandIn):
+    """Answers "ok" to A's first turn and to any retry, "bad" to B's first turn."""
+
+    def answer(self, body: dict) -> object:
+        seen = TOK.decode(body["input_ids"])
+        text = "bad" if seen == "B:" else "ok"
+        out = ids(text)
+        return {"text": text, "output_ids": out, "meta_info": {
+            "id": "x", "weight_version": "1", "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.25, t, None] for t in out]}}
+
+
+def test_an_evaluation_averages_each_figure_over_the_answers_that_have_it():
+    """A repair rate exists only where the turn before failed: the held-out mean is over those."""
+    from areal_flow.config.schema import SandboxConfig
+    from areal_flow.controller.evaluation import held_out_accuracy
+    from areal_flow.rollout.turns import Turns
+
+    turns = Turns(Grader, {}, SandboxConfig(), max_turns=3, token_budget=200)
+
+    async def score(text, reference):
+        return float(text == reference)
+
+    async def go(url):
+        async with ServerPool([url]) as pool:
+            return await held_out_accuracy(pool, TOK, [{"q": "A:", "a": "ok"}, {"q": "B:", "a": "ok"}], score,
+                                           "q", "a", 50, turns)
+
+    with serving(ByPrompt) as url:
+        result = asyncio.run(go(url))
+    first, second = result.answers
+    assert "env/repair_turn2" not in first and second["env/repair_turn2"] == 1.0
+    assert result.figures["env/repair_turn2"] == 1.0  # over the one answer that has it, not 0.5
+    assert result.figures["env/turns"] == 1.5 and result.accuracy == 1.0
+
+
+class GroupFirst(StandIn):
+    """The group's request (n = 3) answers ok, bad, bad; every later turn ok."""
+
+    def answer(self, body: dict) -> object:
+        def one(text):
+            out = ids(text)
+            return {"text": text, "output_ids": out, "meta_info": {
+                "id": "x", "weight_version": "2", "finish_reason": {"type": "stop"},
+                "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+
+        n = body["sampling_params"].get("n", 1)
+        return [one(t) for t in ("ok", "bad", "bad")] if n == 3 else one("ok")
+
+
+def test_a_groups_first_turns_come_from_one_request_and_each_trajectory_goes_on_alone():
+    from areal_flow.config.schema import SandboxConfig
+    from areal_flow.rollout.turns import Turns
+
+    turns = Turns(Grader, {}, SandboxConfig(), max_turns=3, token_budget=200)
+
+    async def go(url):
+        async with ServerPool([url]) as pool:
+            return await turns.run_group(pool, TOK, {}, ids("Q:"), {"max_new_tokens": 20, "temperature": 1.0},
+                                         3, "g5", seed=100)
+
+    with serving(GroupFirst) as url:
+        got = asyncio.run(go(url))
+        calls = GroupFirst.calls
+    first, *later = calls
+    assert first["sampling_params"]["n"] == 3 and first["sampling_params"]["sampling_seed"] == 100
+    assert first["input_ids"] == ids("Q:") and len(later) == 2
+    # Trajectories 1 and 2 go on alone, each from its own tokens, with its own turn-1 seed.
+    assert sorted(c["sampling_params"]["sampling_seed"] for c in later) == sorted(turn_seed(100 + i, 1) for i in (1, 2))
+    assert all(c["input_ids"] == ids("Q:bad\nagain: ") and "n" not in c["sampling_params"] for c in later)
+    assert [TOK.decode(g["output_ids"]) for g in got] == ["ok", "bad\nagain: ok", "bad\nagain: ok"]
+    assert [g["scalars"]["env/turns"] for g in got] == [1.0, 2.0, 2.0]
+    assert "env/repair_turn2" not in got[0]["scalars"] and got[1]["scalars"]["env/repair_turn2"] == 1.0
+    assert got[1]["loss_mask"] == [1] * 3 + [0] * 8 + [1] * 2 and got[1]["behav_logprobs"][:3] == [-0.5] * 3

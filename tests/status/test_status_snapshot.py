@@ -188,6 +188,28 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
     assert any(" ".join(line.split()).endswith("│stalest grad share max │ 0.625 │ │") for line in lines), text
     assert any("loaded version (servers)" in line and line.rstrip(" │").endswith("3") for line in lines)
     assert any("trained version" in line and line.rstrip(" │").endswith("4") for line in lines)
+    assert "environment (per trajectory)" not in text and snap.env == {}  # one turn a sample: no such table
+
+
+def test_a_multi_turn_run_shows_its_tool_figures(tmp_path, server):
+    """The env/<figure>s of a run whose generate node takes turns: a table of their own, the last
+    step's and the window's (weighted by step time, as every figure)."""
+    now = time.time()
+    steps = [dict(s, **{"env/turns": t, "env/tool_calls": t - 1, "env/tool_errors": 0.25 * (t - 1),
+                        "env/tool_seconds": 0.02, "env/observation_tokens": 0.1 * t, "env/end_done": 1.0,
+                        "env/repair_turn2": 0.5})
+             for s, t in zip(STEPS, (1.0, 1.5, 2.0))]
+    build(tmp_path / "run", server, now, steps=steps)
+    snap = RunReader(str(tmp_path / "run"), probe=False).snapshot(now=now)
+    assert snap.env["tool_calls"].last == 1.0 and snap.env["tool_calls"].window == pytest.approx(0.375)  # (0·2 + .5 + 1) / 4
+    assert set(snap.env) == {"turns", "tool_calls", "tool_errors", "tool_seconds", "observation_tokens", "end_done",
+                             "repair_turn2"}
+    lines = [" ".join(line.split()) for line in export(snap).splitlines()]
+    assert any("environment (per trajectory)" in line for line in lines)
+    for shown in ("│turns │ 2.00 │ 1.38│", "│tool calls │ 1.00 │ 0.38│", "│tool errors │ 0.25 │ 0.09│",
+                  "│observation tokens (share) │ 20.0% │ 13.8%│", "│repair turn2 │ 50.0% │ 50.0%│",
+                  "│end done │ 100.0% │ 100.0%│"):
+        assert any(line.endswith(shown) for line in lines), (shown, lines)
 
 
 def test_the_window_holds_the_last_steps(tmp_path, server):
