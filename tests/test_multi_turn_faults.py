@@ -1,0 +1,96 @@
+"""Multi-turn runs survive faults as one-turn runs do: a checkpoint taken while trajectories are
+mid-turn resumes with every group trained once (the ledger exact), and a rollout worker killed
+mid-tool-call is restarted alone, leaving no sandboxed program or sandbox behind."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from run_helpers import check_accounting, leftover_processes
+from test_resume_end_to_end import start, wait_for_step
+
+from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
+from areal_flow.rewards.sandbox import UID_BASE
+from chaos import run_processes
+
+pytestmark = pytest.mark.slow
+
+ENVS = str(Path(__file__).parent / "envs")
+MULTI_TURN = ("+graph.generate.env=sleepy_env:Sleepy", "graph.generate.max_turns=3",
+              "graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions,loss_mask]",
+              "graph.actor_train.inputs=[prompt_ids,output_ids,behav_logprobs,versions,prox_logprobs,rewards,"
+              "loss_mask]")
+
+
+@pytest.fixture(autouse=True)
+def sleepy_importable(monkeypatch):
+    """The launcher and its processes import the test's environment by its module path."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ENVS, os.environ.get("PYTHONPATH")])))
+
+
+def processes_of_uids(uids: set[int]) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid in uids:
+                pids.append(int(pid))
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_a_checkpoint_mid_turn_resumes_with_every_group_trained_once(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start(run_dir, run_cache, "total_steps=200", "resume=auto", "checkpoint.every_steps=2", *MULTI_TURN)
+    try:
+        wait_for_step(run_dir, 3, proc)
+        proc.send_signal(signal.SIGTERM)  # trajectories are mid-turn: most of their life is a tool call
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    steps = check_accounting(run_dir, eta=2)["steps"]
+    r = start(run_dir, run_cache, "resume=auto", f"total_steps={steps + 2}", *MULTI_TURN)
+    out, _ = r.communicate(timeout=300)
+    assert r.returncode == 0, out[-3000:]
+    summary = check_accounting(run_dir, eta=2)
+    assert summary["steps"] == steps + 2 and summary["resumes"] == 1
+    assert summary["trained_samples"] == (steps + 2) * 2 * 4
+    assert not leftover_processes(run_dir)
+
+
+def test_a_rollout_worker_killed_mid_tool_call_is_restarted_alone_and_leaves_nothing_running(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start(run_dir, run_cache, "total_steps=8", *MULTI_TURN)
+    try:
+        wait_for_step(run_dir, 2, proc)
+        worker = run_processes(str(run_dir))["rollout0"]
+        box_uids = {UID_BASE + (k + 1) * PID_SPAN + worker for k in range(MAX_BOXES)}
+        deadline = time.monotonic() + 30
+        while not processes_of_uids(box_uids):  # a tool call in flight: a sandboxed program running
+            assert time.monotonic() < deadline, "no tool call seen in flight"
+            time.sleep(0.02)
+        inits = children(worker)  # its sandboxes' resident inits
+        os.kill(worker, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "process 'rollout0' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
+    assert "recover:" not in out  # the run itself was never restarted
+    assert inits and not [p for p in inits if Path(f"/proc/{p}").exists()]
+    assert processes_of_uids(box_uids) == []  # no program of the killed worker's sandboxes runs on
+    summary = check_accounting(run_dir, eta=2)
+    assert summary["steps"] == 8 and summary["trained_samples"] == 8 * 2 * 4
+    assert not leftover_processes(run_dir)
