@@ -149,3 +149,15 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
         if ("train", v + 1) in position:
             assert position[("loaded", v)] < position[("train", v + 1)], f"step {v + 1} began before v{v} was loaded"
     return summary
+
+
+def processes_of_uids(uids: set[int]) -> list[int]:
+    """The pids of processes running as one of `uids` (a sandbox's programs left behind)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid in uids:
+                pids.append(int(pid))
+        except FileNotFoundError:
+            pass
+    return pids

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import check_accounting, leftover_processes
+from run_helpers import check_accounting, leftover_processes, processes_of_uids
 from test_resume_end_to_end import start, wait_for_step
 
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
@@ -28,17 +28,6 @@ MULTI_TURN = ("+graph.generate.env=sleepy_env:Sleepy", "graph.generate.max_turns
 def sleepy_importable(monkeypatch):
     """The launcher and its processes import the test's environment by its module path."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ENVS, os.environ.get("PYTHONPATH")])))
-
-
-def processes_of_uids(uids: set[int]) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid in uids:
-                pids.append(int(pid))
-        except FileNotFoundError:
-            pass
-    return pids
 
 
 def children(pid: int) -> list[int]:

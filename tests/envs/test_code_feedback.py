@@ -7,6 +7,7 @@ import os
 import random
 
 import pytest
+from run_helpers import processes_of_uids
 
 from areal_flow.data import tiny_code
 from areal_flow.envs.base import resolve_env
@@ -22,15 +23,7 @@ ROW = {"input_output": {"inputs": [[4], [2], [-3]], "outputs": [12, 6, -9], "fn_
 def sandboxed_processes() -> list[int]:
     """The pids of processes running as one of this process's tool sandboxes' uids (what a program
     left behind; envs/python_tool.py: SandboxPool gives box k the uid UID_BASE + (k+1)·PID_SPAN + pid)."""
-    uids = {UID_BASE + (k + 1) * PID_SPAN + os.getpid() for k in range(MAX_BOXES)}
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid in uids:
-                pids.append(int(pid))
-        except FileNotFoundError:
-            pass
-    return pids
+    return processes_of_uids({UID_BASE + (k + 1) * PID_SPAN + os.getpid() for k in range(MAX_BOXES)})
 
 
 def attempts(turns: list[str], row=ROW, **settings):
