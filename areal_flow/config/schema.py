@@ -364,7 +364,9 @@ class GenerationConfig:
                                    "SGLang's choice", ge=1)
     disable_cuda_graph: bool = doc(False, "run decode steps eagerly instead of replaying CUDA graphs "
                                    "(--disable-cuda-graph); embedded: graphs only on cuda")
-    disable_radix_cache: bool = doc(False, "sglang: --disable-radix-cache (no prefix cache shared by a group's samples)")
+    disable_radix_cache: bool = doc(False, "keep no prefix cache (--disable-radix-cache): every request, a later "
+                                    "turn's too, prefills its whole prompt; embedded: the cache is off anyway under "
+                                    "deterministic decoding")
     deterministic: Optional[bool] = doc(None, "embedded: batch-invariant decoding (--enable-deterministic-inference): a "
                                         "request's tokens and logprobs do not depend on what it is batched with, "
                                         "about 20% fewer tokens/s; null = on at rollout.max_staleness=0, where it "

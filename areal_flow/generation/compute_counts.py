@@ -37,6 +37,7 @@ class ComputeCounts:
     prefill_positions_sq: int = 0  # Σ m²
     prefill_seconds: float = 0.0  # Σ t
     prefill_position_seconds: float = 0.0  # Σ m·t
+    cached_tokens: int = 0  # prompt tokens the prefix cache spared a prefill (paged cache; not in prefill_tokens)
     waited: float = 0.0  # seconds the thread waited for work (nothing queued or running, or paused)
     answered: int = 0  # requests answered (finished or aborted), each handed to the server's event loop
 

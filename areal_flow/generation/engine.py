@@ -129,6 +129,8 @@ class GenerationResult:
     """Per prompt token from logprob_start_len on: its logprob given the tokens before it (the first is None)."""
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     """Per prompt token from logprob_start_len on: the most likely (logprob, id) at its position (the first is None)."""
+    cached_tokens: int = 0
+    """Tokens its prefills took from the prefix cache instead of computing them."""
 
     @property
     def completion_tokens(self) -> int:
@@ -198,6 +200,7 @@ class GenerationEngine:
         fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
         mem_fraction: float | None = None, batch_invariant: bool = False, page_size: int = 16,
         chunked_prefill_size: int | None = None, cuda_graphs: bool = True, time_steps: bool = False,
+        prefix_cache: bool = True,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
@@ -220,7 +223,9 @@ class GenerationEngine:
         (generation/cuda_graphs.py); False runs them eagerly (SGLang's --disable-cuda-graph).
         `time_steps` (the paged cache): split each decode step's time into the engine's host work
         and the device's (generation/step_timing.py; `step_timing()` reads it): for benchmarks,
-        off by default."""
+        off by default. `prefix_cache` (the paged cache, not batch-invariant: a request's answer
+        would then depend on what ran before it): keep ended requests' full blocks for requests
+        that start with the same tokens (generation/paged.py; SGLang's radix cache)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -266,7 +271,7 @@ class GenerationEngine:
             self._pool = BlockPool(
                 layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=page_size,
                 num_blocks=None if max_total_tokens is None else -(-max_total_tokens // page_size),
-                dtype=dtype, device=self.device)
+                dtype=dtype, device=self.device, prefix_cache=prefix_cache and not self.batch_invariant)
         # The graphs that replay decode steps (None: eager).
         self.cuda_graphs = GraphRunner(self._decode_step, max_rows=max_batch_size, capture=True) if (
             self._pool is not None and cuda_graphs and self.device.type == "cuda" and not self.batch_invariant) else None
@@ -275,6 +280,7 @@ class GenerationEngine:
         # Prompt tokens per forward (None: whole prompts, as batch-invariant decoding needs).
         self.chunked_prefill_size = None if batch_invariant or chunked_prefill_size == -1 else chunked_prefill_size
         self.page_size = page_size if self._pool is not None else None  # None: the left-padded cache
+        self.prefix_cache = self._pool is not None and self._pool.prefix_cache  # ended requests' blocks kept
         if batch_invariant and not self.batch_invariant:
             logger.warning("batch-invariant decoding needs the engine's own decode step, which %s does not take: "
                            "a request's logprobs may depend on the batch", model_path)
@@ -289,6 +295,7 @@ class GenerationEngine:
         self._updates: deque[_WeightUpdate] = deque()
         self._aborts: list[_Abort] = []
         self._paused = False
+        self._flush = False  # flush_cache asked: the decode thread empties the prefix cache next
         self._inflight: set[str] = set()
         self._stopping = False
         self._running: list[Row] = []  # the live rows after the last decode step
@@ -426,6 +433,12 @@ class GenerationEngine:
             self._paused = False
             self._cond.notify_all()
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (SGLang's /flush_cache) before the next request is admitted."""
+        with self._cond:
+            self._flush = True
+            self._cond.notify_all()
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -464,6 +477,7 @@ class GenerationEngine:
             # The paged cache's blocks (0 over the transformers path; a total of 0: it grows).
             "kv_blocks_used": 0 if self._pool is None else self._pool.used_blocks,
             "kv_blocks_total": 0 if self._pool is None or self._pool.growable else self._pool.num_blocks,
+            "kv_blocks_cached": 0 if self._pool is None else self._pool.cached_blocks,
             "paused": self._paused,
             "num_pending_weight_updates": updates,
             "generated_tokens": self._generated_tokens,
@@ -572,6 +586,7 @@ class GenerationEngine:
                     if self._stopping:
                         break
                     aborts, self._aborts = self._aborts, []
+                    flush, self._flush = self._flush, False
                     if self._updates and self._updates[0].abort_all:
                         aborts.append(_Abort(None, queued_too=False))
                     if any(abort.retract for abort in aborts) and batch is not None:
@@ -587,6 +602,8 @@ class GenerationEngine:
                             update = self._updates.popleft()
                     elif not self._paused:
                         admitted = self._admit(batch)
+                if flush and self._pool is not None:
+                    self._pool.flush()  # before anything new takes from it
                 for row in aborted:
                     self._finish(row)
                 for abort in aborts:
@@ -847,6 +864,8 @@ class GenerationEngine:
             self._counts.decoded(sampled, kv, seconds * (1 - share))
         if prefill_tokens:
             self._counts.prefilled(prefill_tokens, prefill_tokens, seconds * share)
+        self._counts.cached_tokens += batch.cached_tokens
+        batch.cached_tokens = 0
         if self._timer is not None:
             self._timer.end(decode_only=bool(sampled) and not prefill_tokens)
         return batch if batch.rows else None
@@ -931,6 +950,9 @@ class GenerationEngine:
                 params[name].copy_(tensor)
             self._version = update.version
             self._label = self._label if update.label is None else update.label
+            if self._pool is not None:
+                self._pool.flush()  # cached keys and values are the old weights'
+
             if update.path is not None:
                 self.model_path = update.path
         except Exception as exc:
@@ -950,7 +972,7 @@ class GenerationEngine:
             output_logprobs=row.logprobs, output_versions=row.versions, finish_reason=finish[0],
             matched_stop=finish[1], weight_version=self._version, retractions=row.retractions,
             weight_label=self._label, output_top_logprobs=row.top_logprobs, input_logprobs=row.input_logprobs,
-            input_top_logprobs=row.input_top_logprobs,
+            input_top_logprobs=row.input_top_logprobs, cached_tokens=row.cached_tokens,
         )
 
     def _finish(self, row: Row) -> None:

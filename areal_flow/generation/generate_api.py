@@ -48,12 +48,14 @@ TEXT_SAMPLING_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_spe
 
 
 class HTTPError(Exception):
-    """Answer with this status and SGLang's `{"error": {"message": ...}}` envelope."""
+    """Answer with this status and SGLang's `{"error": {"message": ...}}` envelope; `extra` adds
+    fields to it (OpenAI's type, param and code: openai_api.py)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.extra = extra or {}
 
 
 def bad_request(message: str) -> HTTPError:
@@ -328,7 +330,7 @@ def build_answer(item: Item, result: GenerationResult, tokenizer: Any, latency: 
         "prompt_tokens": result.prompt_tokens,
         "weight_version": result.weight_label,
         "completion_tokens": result.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "num_retractions": result.retractions,
         "output_token_versions": result.output_versions,
     }

@@ -107,6 +107,8 @@ class Row:
     # tokens have their keys and values there.
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
+    epoch: int = 0  # the pool's prefix-cache epoch when its keys began: older ones are never cached
+    cached_tokens: int = 0  # tokens its prefills took from the prefix cache (SGLang's meta_info.cached_tokens)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.output_ids.append(token)

@@ -49,6 +49,7 @@ class PagedBatch:
     followers: dict[int, list[Row]] = field(default_factory=dict)  # id(leader) -> rows waiting for it
     sampling: RowSampling | None = None  # the ready rows' settings, kept while they stay the same rows
     timer: StepTimer | None = None  # times the model's forward call (engine.py: time_steps)
+    cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache spared (engine.py moves them to its counts)
     _prompt_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     # The block tables of ready[:len(_table)] on the host, padded with the null block 0 and with
     # spare columns: kept across steps (a decode step writes only the rows that took a block) so
@@ -82,8 +83,21 @@ class PagedBatch:
             if leader is None:
                 leaders.append((sequence, row))
                 self.pending.append(row)
+                self._reuse(row)
             else:
+                row.epoch = leader.epoch
                 self.followers.setdefault(id(leader), []).append(row)
+
+    def _reuse(self, row: Row) -> None:
+        """Start a leader's prefill past the blocks of its sequence the prefix cache holds: all but
+        the last token (whose logits it samples from), and none of the positions whose logits its
+        prompt logprobs need."""
+        pool = self.pool
+        row.epoch = pool.epoch
+        row.blocks = pool.match(row.sequence, (len(row.sequence) - max(1, row.prompt_positions)) // pool.block_size)
+        row.computed = len(row.blocks) * pool.block_size
+        row.cached_tokens += row.computed
+        self.cached_tokens += row.computed
 
     def prefill_progress(self) -> dict[tuple[int, ...], int]:
         """Per sequence being prefilled, the least progress (`computed`) of the rows leading its
@@ -114,6 +128,7 @@ class PagedBatch:
             if leader.finish is not None and followers:  # the first follower takes over the cache
                 heir = followers.pop(0)
                 heir.blocks, heir.computed, leader.blocks = leader.blocks, leader.computed, []
+                heir.epoch = leader.epoch
                 if id(leader) in self._prompt_logits:
                     self._prompt_logits[id(heir)] = self._prompt_logits.pop(id(leader))
                 leader = heir
@@ -137,6 +152,8 @@ class PagedBatch:
         return rows
 
     def _free(self, row: Row) -> None:
+        """Hand a row's blocks back, its computed full ones to the prefix cache."""
+        self.pool.register(row.blocks, row.sequence[: row.computed], row.epoch)
         self.pool.release(row.blocks)
         row.blocks, row.computed = [], 0
 

@@ -48,6 +48,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from areal_flow.generation import openai_api
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.engine import PAUSE_MODES, EngineShutdownError, GenerationEngine, version_for_label
 from areal_flow.generation.generate_api import (
@@ -116,17 +117,62 @@ async def route_generate(server: GenerationServer, call: Call) -> tuple[int, Pay
     if stream is not None:
         stream.watch(futures)
         return StreamingResponse(stream.events(), media_type="text/event-stream")
+    results = await _results_unless_gone(server, call, futures, [item.request.rid for item in items])
+    if results is None:
+        return 499, "client disconnected"
+    answers = [build_answer(item, result, server.tokenizer, time.perf_counter() - call.received)
+               for item, result in zip(items, results)]
+    return 200, answers if parsed.array else answers[0]
+
+
+async def _results_unless_gone(server: GenerationServer, call: Call, futures: list[Future], rids: list[str]
+                               ) -> list | None:
+    """The requests' results; None, their decoding aborted, if the client goes away first (no one
+    would read the answer, as SGLang). Raises EngineShutdownError, which the endpoint answers 503."""
     results = gather_threadsafe(futures, asyncio.get_running_loop())
     while not (await asyncio.wait({results}, timeout=DISCONNECT_POLL))[0]:
-        if await call.disconnected():  # no one would read the answer: stop decoding it (as SGLang)
-            for item in items:
-                server.engine.abort(item.request.rid, wait=False)
+        if await call.disconnected():
+            for rid in rids:
+                server.engine.abort(rid, wait=False)
             await results
-            return 499, "client disconnected"
-    # results.result() raises EngineShutdownError, which the endpoint answers with 503.
-    answers = [build_answer(item, result, server.tokenizer, time.perf_counter() - call.received)
-               for item, result in zip(items, results.result())]
-    return 200, answers if parsed.array else answers[0]
+            return None
+    return results.result()
+
+
+OPENAI_FIELDS = {
+    True: frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+                     "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice"}),
+    False: frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
+                      "stream_options", "logprobs"}),
+}
+"""The fields /v1/chat/completions (True) and /v1/completions (False) read (openai_api.IGNORED: those they ignore)."""
+
+
+async def route_openai(server: GenerationServer, call: Call, *, chat: bool) -> tuple[int, Payload] | Response:
+    """/v1/chat/completions and /v1/completions (generation/openai_api.py)."""
+    try:
+        body = json.loads(call.body) if call.body.strip() else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise openai_api.openai_error(400, f"the request body is not valid JSON: {exc}") from None
+    parsed = openai_api.parse_call(body, chat=chat, model_path=server.tokenizer_path, tokenizer=server.tokenizer,
+                                   context_length=server.engine.context_length, known=OPENAI_FIELDS[chat])
+    stream = openai_api.OpenAIStream(parsed, server.tokenizer, server.engine) if parsed.stream else None
+    requests = stream.requests if stream else parsed.requests()
+    try:
+        futures = server.engine.submit_many(requests)
+    except ValueError as exc:
+        raise openai_api.openai_error(400, str(exc), "messages" if chat else "prompt") from None
+    if stream is not None:
+        stream.watch(futures)
+        return StreamingResponse(stream.events(), media_type="text/event-stream")
+    results = await _results_unless_gone(server, call, futures, [r.rid for r in requests])
+    if results is None:
+        return 499, "client disconnected"
+    return 200, openai_api.build_response(parsed, results, server.tokenizer)
+
+
+async def route_models(server: GenerationServer, call: Call) -> tuple[int, Payload]:
+    return 200, openai_api.list_models(server.tokenizer_path, server.engine.context_length, server.started)
 
 
 def _weight_version(value: Any, current: int) -> tuple[int, str | None]:
@@ -440,6 +486,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "num_threads": engine.num_threads,
         "enable_deterministic_inference": engine.batch_invariant,
         "page_size": engine.page_size,
+        "disable_radix_cache": not engine.prefix_cache,
         "chunked_prefill_size": engine.chunked_prefill_size,
         "disable_cuda_graph": engine.cuda_graphs is None,
         "skip_tokenizer_init": server.tokenizer is None,
@@ -457,10 +504,10 @@ async def route_weight_version(server: GenerationServer, call: Call) -> tuple[in
 
 
 async def route_flush_cache(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    # The engine keeps no prefix cache between requests, so there is nothing to flush; as SGLang it
-    # refuses while requests run or wait, because clients poll it to learn that the server is idle.
+    # As SGLang it refuses while requests run or wait: clients poll it to learn that the server is idle.
     if not server.engine.is_idle():
         return 400, "Flush cache failed.\n"
+    server.engine.flush_cache()
     return 200, "Cache flushed.\n"
 
 
@@ -554,6 +601,9 @@ ROUTES: dict[str, tuple[frozenset[str], Route]] = {
     "/health_generate": (frozenset({"GET"}), route_health_generate),
     "/ready": (frozenset({"GET"}), route_ready),
     "/v1/loads": (frozenset({"GET"}), route_loads),
+    "/v1/models": (frozenset({"GET"}), route_models),
+    "/v1/completions": (frozenset({"POST"}), functools.partial(route_openai, chat=False)),
+    "/v1/chat/completions": (frozenset({"POST"}), functools.partial(route_openai, chat=True)),
     "/metrics": (frozenset({"GET"}), route_metrics),
     "/get_model_info": (frozenset({"GET"}), route_model_info),
     "/model_info": (frozenset({"GET"}), route_model_info),
@@ -595,8 +645,8 @@ def _response(status: int, payload: Payload, headers: dict[str, str] | None = No
     return Response(data, status, headers, media_type="application/json")
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return _response(status, {"error": {"message": message}}, headers)
+def _error(status: int, message: str, headers: dict[str, str] | None = None, extra: dict | None = None) -> Response:
+    return _response(status, {"error": {"message": message, **(extra or {})}}, headers)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -620,7 +670,7 @@ def _endpoint(server: GenerationServer, route: Route) -> Callable[[Request], Awa
             return answer if isinstance(answer, Response) else _response(*answer)
         except HTTPError as exc:
             # After a 413 the rest of the body may still be on its way: close instead of reading it.
-            return _error(exc.status, exc.message, {"Connection": "close"} if exc.status == 413 else None)
+            return _error(exc.status, exc.message, {"Connection": "close"} if exc.status == 413 else None, exc.extra)
         except EngineShutdownError as exc:
             return _error(503, str(exc))
         except Exception as exc:
@@ -693,6 +743,7 @@ class GenerationServer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
+        self.started = int(time.time())  # /v1/models' `created`
         self.load_report = LoadReport(engine)
         self.weight_groups: dict[str, WeightGroup] = {}  # the weights groups joined, by name
         self.weight_groups_lock = threading.Lock()
@@ -778,6 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per block of the paged KV cache")
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="prompt tokens prefilled per forward beside the decoding rows (-1 or unset: whole prompts)")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="keep no prefix cache: every request prefills its whole prompt (SGLang's flag; the "
+                             "embedded engine's prefix cache is hash-chained blocks, generation/paged.py)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="cuda: run decode steps eagerly instead of replaying captured CUDA graphs")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
@@ -818,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
         device=str(local_device(args.device)), dtype=compute_dtype(args.dtype, args.device),
         mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
-        cuda_graphs=not args.disable_cuda_graph,
+        cuda_graphs=not args.disable_cuda_graph, prefix_cache=not args.disable_radix_cache,
     )
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,

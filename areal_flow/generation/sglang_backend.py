@@ -50,7 +50,7 @@ ALIASES = {"--model": "--model-path", "--tensor-parallel-size": "--tp-size"}
 """SGLang's other spellings of mapped flags."""
 
 EMBEDDED_TOO = ("max_batch_size", "max_total_tokens", "mem_fraction_static", "dtype", "chunked_prefill_size",
-                "page_size", "disable_cuda_graph")
+                "page_size", "disable_cuda_graph", "disable_radix_cache")
 """generation.* keys both backends read."""
 
 SGLANG_ONLY = tuple(k for k in {**VALUE_FLAGS, **SWITCHES} if k not in EMBEDDED_TOO) + ("extra_args",)

@@ -57,6 +57,8 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
         argv += ["--page-size", str(gen.page_size)]
     if gen.disable_cuda_graph:
         argv += ["--disable-cuda-graph"]
+    if gen.disable_radix_cache:
+        argv += ["--disable-radix-cache"]
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.
     return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})

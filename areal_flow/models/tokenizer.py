@@ -29,9 +29,25 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
 # The chat template's role markers (ChatML, as Qwen's), one token each, after the characters.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHAT_TEMPLATE = ("{% for m in messages %}" + IM_START + "{{ m['role'] }}\n{{ m['content'] }}" + IM_END + "\n"
-                 "{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
-"""ChatML over the character tokenizer: `<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n`."""
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                  "with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_INSTRUCTION = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                     "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                     "\"arguments\": <args-json-object>}\n</tool_call>")
+CHAT_TEMPLATE = (
+    # With tools, a system turn lists them first (its own content, if any, ahead), as Qwen2.5's template.
+    "{% if tools %}" + IM_START + "system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "\n\n{% endif %}" + TOOLS_PREAMBLE + "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    + TOOLS_INSTRUCTION + IM_END + "\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "{% if m['role'] == 'tool' %}" + IM_START + "user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    + IM_END + "\n{% else %}" + IM_START + "{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{{ {'name': c['name'], 'arguments': c['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}" + IM_END + "\n{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
+"""ChatML over the character tokenizer: `<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n`; tool
+definitions, an assistant's `<tool_call>{json}</tool_call>` and tool results as Qwen2.5's template
+writes them (the OpenAI endpoints: generation/openai_api.py)."""
 
 
 def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:

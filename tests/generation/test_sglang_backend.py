@@ -89,7 +89,7 @@ def test_extra_args_of_unmapped_flags_are_accepted():
     assert generation_problems(gen, 1) == []
 
 
-@pytest.mark.parametrize("key,value", [("attention_backend", "fa3"), ("disable_radix_cache", True), ("extra_args", ["--log-level", "debug"])])
+@pytest.mark.parametrize("key,value", [("attention_backend", "fa3"), ("context_length", 4096), ("extra_args", ["--log-level", "debug"])])
 def test_sglang_settings_need_the_sglang_backend(key, value):
     problems = generation_problems(GenerationConfig(**{key: value}), 1)
     assert problems == [f"generation.{key}={value!r} is an SGLang setting; it needs generation.backend=sglang "
@@ -99,25 +99,29 @@ def test_sglang_settings_need_the_sglang_backend(key, value):
 def test_embedded_backend_takes_tp_size_batch_and_memory_settings_and_dtype():
     gen = GenerationConfig(tp_size=2, max_batch_size=16, max_total_tokens=4096, host="0.0.0.0",
                            mem_fraction_static=0.5, dtype="bfloat16", chunked_prefill_size=512, page_size=8,
-                           disable_cuda_graph=True)
+                           disable_cuda_graph=True, disable_radix_cache=True)
     assert generation_problems(gen, 2) == []
 
 
 def test_the_embedded_server_gets_the_paged_cache_settings(model_dirs):
-    """generation.chunked_prefill_size, page_size and disable_cuda_graph reach the embedded server's
-    command line; the server reports them in /server_info."""
+    """generation.chunked_prefill_size, page_size, disable_cuda_graph and disable_radix_cache reach
+    the embedded server's command line; the server reports them in /server_info."""
     from generation_helpers import http_call, running_server
 
     from areal_flow.graph.placement import Proc
     from areal_flow.launchers.commands import server_command
 
-    cfg = RunConfig(generation=GenerationConfig(chunked_prefill_size=64, page_size=8, disable_cuda_graph=True))
+    cfg = RunConfig(generation=GenerationConfig(chunked_prefill_size=64, page_size=8, disable_cuda_graph=True,
+                                                disable_radix_cache=True))
     argv, _ = server_command(cfg, Proc("gen0", "gen_server", (0,)), model_dirs.a, 0)
     assert argv[argv.index("--chunked-prefill-size") + 1] == "64" and argv[argv.index("--page-size") + 1] == "8"
-    assert "--disable-cuda-graph" in argv
-    with running_server(model_dirs.a, page_size=8, chunked_prefill_size=64, cuda_graphs=False) as server:
+    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv
+    assert "--disable-radix-cache" not in server_command(RunConfig(), Proc("gen0", "gen_server", (0,)), model_dirs.a, 0)[0]
+    with running_server(model_dirs.a, page_size=8, chunked_prefill_size=64, cuda_graphs=False,
+                        prefix_cache=False) as server:
         _, _, info = http_call(server.url, "GET", "/server_info")
-    assert (info["page_size"], info["chunked_prefill_size"], info["disable_cuda_graph"]) == (8, 64, True)
+    assert (info["page_size"], info["chunked_prefill_size"], info["disable_cuda_graph"],
+            info["disable_radix_cache"]) == (8, 64, True, True)
 
 
 @pytest.mark.parametrize("field,value,message", [

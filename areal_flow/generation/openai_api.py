@@ -1,0 +1,445 @@
+"""OpenAI's wire format in front of the embedded engine: `/v1/models`, `/v1/completions` and
+`/v1/chat/completions` (bodies, answers and errors as OpenAI's, so the `openai` client works
+unchanged).
+
+A chat request is rendered through the model's chat template (tokenizer_config.json), tool
+definitions included; with `tools`, an answer holding `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+(the Qwen/Hermes convention) comes back as `tool_calls` with finish_reason `tool_calls`, and one
+whose calls do not parse comes back as plain text with finish_reason `stop`. Every choice also
+carries the exact tokens, as SGLang's and vLLM's OpenAI endpoints can: `token_ids` (the answer's),
+`output_token_logprobs` (each token's logprob under the sampling temperature) and
+`output_token_versions` (the weight version that made it), and the answer `prompt_token_ids`: what
+an RL trainer needs, with no re-tokenization. Streaming (`stream: true`) sends OpenAI's chunks as
+server-sent events, the extension fields in each choice's last chunk; with `tools` a choice's text
+is held back until it ends (whether it is a call is known only then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import re
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from areal_flow.generation.engine import GenerationRequest, GenerationResult
+from areal_flow.generation.generate_api import HTTPError
+from areal_flow.generation.sampling import SamplingParams
+
+MAX_N = 64  # choices a request may ask for
+MAX_STOP = 4  # stop strings, as OpenAI
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Fields a client may send that change nothing here; any other unknown field is refused.
+IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "service_tier"})
+UNSUPPORTED_UNLESS_ZERO = ("presence_penalty", "frequency_penalty")  # OpenAI's default 0 is accepted
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> HTTPError:
+    """An HTTPError answered in OpenAI's envelope: message, type, param, code."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return HTTPError(status, message, extra={"type": kind, "param": param, "code": code})
+
+
+@dataclass(frozen=True)
+class OpenAICall:
+    """What a /v1 request asks the engine for, and how to answer it."""
+
+    chat: bool
+    model: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    n: int
+    stream: bool
+    logprobs: int | None  # top alternatives per token to report (0: the chosen token only); None: none
+    tools: bool  # parse tool calls out of the answers
+    echo_usage: bool  # stream_options.include_usage
+
+    def requests(self) -> list[GenerationRequest]:
+        """The call's n engine requests (one prompt, shared by the engine's prefill); with a
+        seed, choice i draws from seed + i, so that the choices differ and each is reproducible."""
+        out = []
+        for i in range(self.n):
+            seed = None if self.params.seed is None else self.params.seed + i
+            params = SamplingParams(**{**self.params.__dict__, "seed": seed})
+            out.append(GenerationRequest(self.prompt_ids, params, top_logprobs_num=self.logprobs or 0))
+        return out
+
+
+def served_models(model_path: str) -> list[str]:
+    """The names a request may give as `model`: the path the server loaded, and its last part."""
+    return [model_path, os.path.basename(os.path.normpath(model_path))]
+
+
+def list_models(model_path: str, context_length: int | None, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_path, "object": "model", "created": created,
+                                        "owned_by": "areal_flow", "root": model_path,
+                                        "max_model_len": context_length}]}
+
+
+# ---- parsing -------------------------------------------------------------------------------------
+
+
+def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, context_length: int | None,
+               known: frozenset[str]) -> OpenAICall:
+    """A /v1/chat/completions (`chat`) or /v1/completions body, checked field by field: a 400 (404
+    for an unknown model) naming the field."""
+    if not isinstance(body, dict):
+        raise openai_error(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key in UNSUPPORTED_UNLESS_ZERO:
+            if value not in (None, 0):
+                raise openai_error(400, f"{key} is not supported by the embedded engine (only 0)", key)
+        elif key not in known and key not in IGNORED:
+            raise openai_error(400, f"Unrecognized request argument supplied: {key}", key)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise openai_error(400, "you must provide a model parameter", "model")
+    if model not in served_models(model_path):
+        raise openai_error(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    if chat:
+        tools = _tools(body.get("tools"))
+        text = render_chat(tokenizer, _messages(body.get("messages")), tools)
+        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+        logprobs = _number(body, "top_logprobs", int, 0, 0, 20) if _bool(body, "logprobs", False) else None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise openai_error(400, "tool_choice must be auto or none here", "tool_choice")
+        parse_tools = bool(tools) and body.get("tool_choice") != "none"
+    else:
+        prompt = _prompt(body.get("prompt"), tokenizer)
+        logprobs, parse_tools = _number(body, "logprobs", int, None, 0, 5), False
+        max_tokens, max_key = body.get("max_tokens", COMPLETION_MAX_TOKENS), "max_tokens"
+    if not prompt:
+        raise openai_error(400, "the prompt is empty", "messages" if chat else "prompt")
+    room = None if context_length is None else context_length - len(prompt)
+    if max_tokens is None:
+        if room is None:
+            raise openai_error(400, f"{max_key} is required: the model declares no context length", max_key)
+        max_tokens = room
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise openai_error(400, f"{max_key} must be a positive integer, got {max_tokens!r}", max_key)
+    if room is not None and max_tokens > room:
+        raise openai_error(400, f"{max_key}={max_tokens} with a prompt of {len(prompt)} tokens is over the "
+                                f"model's context of {context_length} tokens", max_key)
+    params = SamplingParams(
+        max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0, stop=_stop(body.get("stop")),
+        seed=_number(body, "seed", int, None, None, None))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise openai_error(400, "stream_options must be an object", "stream_options")
+    return OpenAICall(chat=chat, model=model, prompt_ids=prompt, params=params,
+                      n=_number(body, "n", int, 1, 1, MAX_N), stream=_bool(body, "stream", False),
+                      logprobs=logprobs, tools=parse_tools, echo_usage=bool(options.get("include_usage")))
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise openai_error(400, f"{key} must be true or false, got {value!r}", key)
+    return value
+
+
+def _number(body: dict, key: str, kind: type, default: Any, low: Any, high: Any) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise openai_error(400, f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise openai_error(400, f"{key}={value!r} must be in [{low}, {high}]", key)
+    return kind(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise openai_error(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, "
+                                f"got {value!r}", "stop")
+    return tuple(stops)
+
+
+def _prompt(value: Any, tokenizer: Any) -> tuple[int, ...]:
+    """/v1/completions' prompt: a string, or a list of token ids (one prompt per request here)."""
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise openai_error(400, "a text prompt needs the model's tokenizer; send token ids", "prompt")
+        return tuple(tokenizer.encode(value, add_special_tokens=False))
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    raise openai_error(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
+
+
+def _messages(value: Any) -> list[dict]:
+    """The messages, checked (role, content shape), with content parts joined into one string."""
+    if not isinstance(value, list) or not value:
+        raise openai_error(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise openai_error(400, f"{where} must be an object", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise openai_error(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise openai_error(400, f"{where}.content parts must be text parts", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        calls = message.get("tool_calls")
+        if content is None and not (role == "assistant" and calls):
+            raise openai_error(400, f"{where}.content is required", f"{where}.content")
+        if content is not None and not isinstance(content, str):
+            raise openai_error(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        if calls is not None and (role != "assistant" or not _tool_calls_ok(calls)):
+            raise openai_error(400, f"{where}.tool_calls must be an assistant's list of function calls",
+                               f"{where}.tool_calls")
+        entry = {"role": role, "content": content or ""}
+        if calls:
+            entry["tool_calls"] = [{"name": c["function"]["name"], "arguments": _arguments(c["function"])}
+                                   for c in calls]
+        out.append(entry)
+    return out
+
+
+def _tool_calls_ok(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        for c in calls)
+
+
+def _arguments(function: dict) -> Any:
+    """A call's arguments as an object where they are JSON (the template writes them as such)."""
+    arguments = function.get("arguments", "{}")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _tools(value: Any) -> list[dict]:
+    """`tools`: function tools with a name and (optional) JSON-schema object parameters."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise openai_error(400, "tools must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise openai_error(400, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise openai_error(400, f"{where}.function.name must be 1-64 letters, digits, _ or -, got {name!r}",
+                               f"{where}.function.name")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise openai_error(400, f"{where}.function.parameters must be a JSON schema of type object",
+                               f"{where}.function.parameters")
+        tools.append({"type": "function", "function": {"name": name, "description": function.get("description", ""),
+                                                       "parameters": parameters}})
+    return tools
+
+
+def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict]) -> str:
+    """The prompt text of a conversation: the tokenizer's chat template, tools included, ending
+    where the assistant's answer starts."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise openai_error(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+
+def answer_text(result: GenerationResult, params: SamplingParams, tokenizer: Any) -> str:
+    """The answer as text, without the eos or the stop string that ended it (OpenAI's)."""
+    text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    if result.finish_reason == "stop" and isinstance(result.matched_stop, str):
+        text = text[: text.find(result.matched_stop)] if result.matched_stop in text else text
+    return text
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the calls, the calls) of an answer holding `<tool_call>` blocks, or None
+    when it holds none or one does not parse (the answer is then plain text)."""
+    found = TOOL_CALL.findall(text)
+    if not found:
+        return None
+    calls = []
+    for raw in found:
+        try:
+            call = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+    content = text[: text.find("<tool_call>")].strip()
+    return content or None, calls
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return {"stop": "stop", "length": "length"}.get(result.finish_reason or "", "abort")
+
+
+def extensions(result: GenerationResult) -> dict:
+    """The exact tokens of a choice (areal_flow's and SGLang's extension fields)."""
+    return {"token_ids": result.output_ids, "output_token_logprobs": result.output_logprobs,
+            "output_token_versions": result.output_versions, "weight_version": result.weight_label}
+
+
+def logprobs_of(call: OpenAICall, result: GenerationResult, tokenizer: Any) -> dict | None:
+    """OpenAI's `logprobs` of a choice, when asked: per token its text, logprob and the top ones."""
+    if call.logprobs is None:
+        return None
+    piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    tops = result.output_top_logprobs or [[] for _ in result.output_ids]
+    if call.chat:
+        return {"content": [
+            {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
+             "top_logprobs": [{"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())} for v, i in top]}
+            for t, lp, top in zip(result.output_ids, result.output_logprobs, tops)]}
+    return {"tokens": [piece(t) for t in result.output_ids], "token_logprobs": result.output_logprobs,
+            "top_logprobs": [{piece(i): v for v, i in top} for top in tops] if call.logprobs else None,
+            "text_offset": None}
+
+
+def choice(call: OpenAICall, index: int, result: GenerationResult, tokenizer: Any) -> dict:
+    text, reason = answer_text(result, call.params, tokenizer), finish_reason(result)
+    out: dict[str, Any] = {"index": index}
+    if call.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        parsed = parse_tool_calls(text) if call.tools else None
+        if parsed is not None:
+            message["content"], message["tool_calls"] = parsed
+            reason = "tool_calls" if reason == "stop" else reason
+        out["message"] = message
+    else:
+        out["text"] = text
+    out.update(logprobs=logprobs_of(call, result, tokenizer), finish_reason=reason, **extensions(result))
+    return out
+
+
+def usage(call: OpenAICall, results: list[GenerationResult]) -> dict:
+    completion = sum(r.completion_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(call.prompt_ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def build_response(call: OpenAICall, results: list[GenerationResult], tokenizer: Any) -> dict:
+    return {"id": f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if call.chat else "text_completion", "created": int(time.time()),
+            "model": call.model, "choices": [choice(call, i, r, tokenizer) for i, r in enumerate(results)],
+            "usage": usage(call, results), "prompt_token_ids": list(call.prompt_ids)}
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+
+
+class OpenAIStream:
+    """The server-sent events of a streamed call. Made on the event loop before the requests are
+    submitted: each request's `on_token` (the decode thread) hands a copy of its tokens so far to
+    this loop, and each result follows; `events` turns them into OpenAI's chunks. Text that may
+    still change is held back: an unfinished character, the start of a stop string, and with
+    tools the whole answer until it ends."""
+
+    def __init__(self, call: OpenAICall, tokenizer: Any, engine: Any) -> None:
+        self.call, self.tokenizer, self.engine = call, tokenizer, engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests = [dataclasses.replace(r, on_token=functools.partial(self._on_token, i))
+                         for i, r in enumerate(call.requests())]
+        self.id = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _on_token(self, index: int, partial: GenerationResult) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, list(partial.output_ids)))
+
+    def watch(self, futures: list[Future]) -> None:
+        for i, future in enumerate(futures):
+            future.add_done_callback(lambda f, i=i: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, f)))
+
+    def _chunk(self, index: int, delta: dict | str, reason: str | None = None, **more: Any) -> str:
+        piece = {"index": index, ("delta" if self.call.chat else "text"): delta, "logprobs": None,
+                 "finish_reason": reason, **more}
+        return self._event({"choices": [piece]})
+
+    def _event(self, fields: dict) -> str:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
+                 "created": self.created, "model": self.call.model, **fields}
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+    def _shown(self, ids: list[int]) -> str:
+        """The text of unfinished tokens that will not change: up to a partly decoded character or
+        a possible start of a stop string."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = text.rstrip("\ufffd")
+        longest = max((len(s) for s in self.call.params.stop), default=1)
+        return text[: len(text) - (longest - 1)] if longest > 1 else text
+
+    async def events(self):
+        call, n = self.call, self.call.n
+        sent, results = [""] * n, [None] * n
+        try:
+            if call.chat:
+                for i in range(n):
+                    yield self._chunk(i, {"role": "assistant", "content": ""})
+            while None in results:
+                i, item = await self.queue.get()
+                if results[i] is not None:
+                    continue
+                if isinstance(item, Future):
+                    exc = item.exception()
+                    if exc is not None:
+                        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+                        return
+                    results[i] = item.result()
+                    yield self._last(i, results[i], sent[i])
+                elif not call.tools:
+                    text = self._shown(item)
+                    if len(text) > len(sent[i]) and text.startswith(sent[i]):
+                        delta, sent[i] = text[len(sent[i]):], text
+                        yield self._chunk(i, {"content": delta} if call.chat else delta)
+            if call.echo_usage:
+                yield self._event({"choices": [], "usage": usage(call, results)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for request, result in zip(self.requests, results):
+                if result is None:  # the client went away: stop decoding what no one reads
+                    self.engine.abort(request.rid, wait=False)
+
+    def _last(self, index: int, result: GenerationResult, sent: str) -> str:
+        """A choice's last chunk: the rest of its text (or its tool calls), why it ended, its tokens."""
+        whole = choice(self.call, index, result, self.tokenizer)
+        more = {k: whole[k] for k in ("token_ids", "output_token_logprobs", "output_token_versions", "weight_version")}
+        more["logprobs"] = whole["logprobs"]
+        if not self.call.chat:
+            return self._chunk(index, whole["text"][len(sent):], whole["finish_reason"], **more)
+        message = whole["message"]
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"][len(sent):]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return self._chunk(index, delta, whole["finish_reason"], **more)
