@@ -1,0 +1,115 @@
+"""An agent's calls linked into trajectories, token for token: what the gateway records.
+
+Every call an agent makes comes back with its exact prompt and answer tokens (the server's
+extension fields). A later call whose prompt starts with a trajectory's tokens (its first prompt,
+then each answer and each part the agent added between calls) *extends* it: the new part of the
+prompt (tool results, the next user message) joins it as observation tokens (loss mask 0), then the
+answer (loss mask 1). A call that starts a trajectory's answer over from the same point (a second
+sample of the same turn) *forks* it: a trajectory of its own that shares the tokens up to there.
+
+A call whose prompt follows a trajectory past its first prompt but then differs from what was
+recorded, anywhere but at the start of an answer, is a **drift**: the agent re-rendered its
+history to other tokens (a template that rewrites earlier turns, text re-tokenized across a seam,
+an edited message). The recorded tokens stay as they were (the trajectory ends at its last call),
+the call starts a new trajectory whose prompt is what it sent, and the drift is counted with an
+example: nothing is ever trained on tokens the policy did not see. Unrelated calls (another
+conversation, another agent with the same system prompt) start trajectories of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trajectory:
+    """The tokens of one line of calls: the first prompt, then everything after it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)  # answers (mask 1) and what the agent added (mask 0)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprobs; 0.0 on observation tokens
+    versions: list[int] = field(default_factory=list)  # per token; an observation takes the answer's before it
+    answer_starts: list[int] = field(default_factory=list)  # where each answer starts in `tokens`
+    calls: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def add(self, observation: list[int], answer: list[int], logprobs: list[float], versions: list[int]) -> None:
+        version = self.versions[-1] if self.versions else (versions[0] if versions else 0)
+        self.output_ids += observation
+        self.loss_mask += [0] * len(observation)
+        self.logprobs += [0.0] * len(observation)
+        self.versions += [version] * len(observation)
+        self.answer_starts.append(len(self.prompt_ids) + len(self.output_ids))
+        self.output_ids += answer
+        self.loss_mask += [1] * len(answer)
+        self.logprobs += logprobs
+        self.versions += versions
+        self.calls += 1
+
+    def cut(self, end: int) -> Trajectory:
+        """A copy of its first `end` tokens (at the start of an answer: a fork point)."""
+        kept = end - len(self.prompt_ids)
+        return Trajectory(list(self.prompt_ids), self.output_ids[:kept], self.loss_mask[:kept], self.logprobs[:kept],
+                          self.versions[:kept], [s for s in self.answer_starts if s < end],
+                          sum(s < end for s in self.answer_starts))
+
+
+@dataclass(frozen=True)
+class DriftExample:
+    """Where a call's prompt left the recorded tokens: the position and both sides from there."""
+
+    position: int
+    recorded: list[int]  # the recorded tokens from `position` (at most 16)
+    sent: list[int]  # the call's prompt tokens from `position` (at most 16)
+
+
+@dataclass
+class Recorder:
+    """Links one rollout's calls (`record`) into trajectories; counts drifts."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    drifts: int = 0
+    calls: int = 0
+    examples: list[DriftExample] = field(default_factory=list)
+
+    def record(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], versions: list[int]
+               ) -> Trajectory:
+        """A call's exact tokens joined to the trajectory it extends, forks or starts."""
+        if not (len(output_ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"a call's answer has {len(output_ids)} tokens, {len(logprobs)} logprobs and "
+                             f"{len(versions)} versions")
+        self.calls += 1
+        prompt = list(prompt_ids)
+        best, shared = None, 0  # the trajectory sharing the longest prefix with the prompt
+        for trajectory in self.trajectories:
+            n = _common_prefix(trajectory.tokens, prompt)
+            if n > shared or (n == shared and best is not None and n == len(trajectory.tokens)):
+                best, shared = trajectory, n
+        if best is not None and shared == len(best.tokens):  # it extends `best`
+            best.add(prompt[shared:], list(output_ids), list(logprobs), list(versions))
+            return best
+        if best is not None and shared in best.answer_starts:  # a fork at the start of an answer
+            trajectory = best.cut(shared)
+            trajectory.add(prompt[shared:], list(output_ids), list(logprobs), list(versions))
+        else:
+            if best is not None and best.calls and shared > len(best.prompt_ids):
+                self.drifts += 1
+                self.examples.append(DriftExample(shared, best.tokens[shared: shared + 16], prompt[shared: shared + 16]))
+            trajectory = Trajectory(prompt)
+            trajectory.add([], list(output_ids), list(logprobs), list(versions))
+        self.trajectories.append(trajectory)
+        return trajectory
+
+    @property
+    def drift_rate(self) -> float:
+        """Drifts per call (`agent/drift_rate`)."""
+        return self.drifts / self.calls if self.calls else 0.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
