@@ -73,8 +73,15 @@ class GenerationClient:
         return_logprob: bool = True,
     ) -> dict:
         """One prompt; returns SGLang's response object (text, output_ids, meta_info)."""
-        return await self._call("POST", "/generate", _one_prompt(input_ids, sampling_params, rid, return_logprob,
-                                                                 stream=False))
+        return await self._call("POST", "/generate", one_prompt(input_ids, sampling_params, rid, return_logprob,
+                                                                stream=False))
+
+    async def post(self, path: str, payload: Any) -> Any:
+        """POST a JSON body to `path` (an OpenAI endpoint, say); the answer decoded."""
+        return await self._call("POST", path, payload)
+
+    async def get(self, path: str) -> Any:
+        return await self._call("GET", path, None)
 
     async def generate_stream(
         self,
@@ -87,7 +94,7 @@ class GenerationClient:
         """One prompt, streamed: yields SGLang's chunks (cumulative: each holds everything so far;
         the last one has a finish_reason). Leaving the loop early closes the connection, and the
         server aborts the request."""
-        payload = _one_prompt(input_ids, sampling_params, rid, return_logprob, stream=True)
+        payload = one_prompt(input_ids, sampling_params, rid, return_logprob, stream=True)
         url = self.base_url + "/generate"
         async with self._slots, self._http().post(url, json=payload) as answer:
             if answer.status != 200:
@@ -233,7 +240,7 @@ def _decoded(content_type: str, data: bytes) -> Any:
     return data.decode("utf-8", errors="replace")
 
 
-def _one_prompt(input_ids: Sequence[int], sampling_params: dict[str, Any] | None, rid: str | None,
+def one_prompt(input_ids: Sequence[int], sampling_params: dict[str, Any] | None, rid: str | None,
                 return_logprob: bool, *, stream: bool) -> dict[str, Any]:
     """The /generate body for one prompt."""
     payload: dict[str, Any] = {

@@ -36,7 +36,7 @@ import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.config.validate import check_ranges
-from areal_flow.generation.client import GenerationClient, GenerationError
+from areal_flow.generation.client import GenerationClient, GenerationError, one_prompt
 
 log = logging.getLogger("areal_flow.generation.router")
 
@@ -132,6 +132,14 @@ class ServerPool:
         return_logprob: bool = True,
     ) -> dict:
         """One prompt on one server (GenerationClient.generate), retried on another when it fails."""
+        return await self.post("/generate", lambda try_rid: one_prompt(input_ids, sampling_params, try_rid,
+                                                                       return_logprob, stream=False), rid=rid, key=key)
+
+    async def post(self, path: str, payload: Callable[[str], Any], *, rid: str | None = None, key: str | None = None,
+                   abortable: bool = True) -> Any:
+        """POST `payload(rid of the try)` to `path` of one server (the key's, or the least loaded),
+        retried on another when it fails; a try that may still run where it left is aborted there
+        when the request carries that rid (`abortable`: /generate's do, OpenAI bodies do not)."""
         rid = rid or uuid.uuid4().hex
         tries: list[str] = []
         for attempt in range(self.retries + 1):
@@ -144,8 +152,7 @@ class ServerPool:
             try_rid = rid if attempt == 0 else f"{rid}.retry{attempt}"
             server.in_flight += 1
             try:
-                answer = await server.client.generate(input_ids, sampling_params, rid=try_rid,
-                                                      return_logprob=return_logprob)
+                answer = await server.client.post(path, payload(try_rid))
                 self._newest = max(self._newest, _version(answer))
                 return answer
             except GenerationError as exc:
@@ -154,7 +161,7 @@ class ServerPool:
                 error: BaseException = exc
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 error = exc
-                if not isinstance(exc, aiohttp.ClientConnectorError):  # it may have reached the server
+                if abortable and not isinstance(exc, aiohttp.ClientConnectorError):  # it may have reached the server
                     self._in_background(self._abort(server, try_rid))
             finally:
                 server.in_flight -= 1
@@ -354,9 +361,15 @@ def version_number(label: object) -> int:
 
 
 def _version(answer: dict | list) -> int:
-    """The weight version an answer (or the last of a group's answers) came from."""
+    """The weight version an answer (or the last of a group's answers, or of an OpenAI answer's
+    choices) came from."""
     last = answer[-1] if isinstance(answer, list) and answer else answer
-    return version_number(last.get("meta_info", {}).get("weight_version")) if isinstance(last, dict) else -1
+    if not isinstance(last, dict):
+        return -1
+    if "choices" in last:
+        return max((version_number(c.get("weight_version")) for c in last["choices"] if isinstance(c, dict)),
+                   default=-1)
+    return version_number(last.get("meta_info", {}).get("weight_version"))
 
 
 def _describe(error: BaseException) -> str:

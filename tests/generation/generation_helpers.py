@@ -65,6 +65,21 @@ def save_model_dir(model: Qwen2ForCausalLM, path: Path, *, tokenizer: bool = Tru
     return str(path)
 
 
+def save_chat_model(path: Path, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A tiny model over the code task's character tokenizer, which has a chat template (tools
+    included), saved to `path`; returns the tokenizer."""
+    from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(CODE_CHARS, chat=True)
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return tokenizer
+
+
 def load_reference(path: str) -> Qwen2ForCausalLM:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 

@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from generation_helpers import generate_ok, running_server
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from generation_helpers import generate_ok, running_server, save_chat_model
 
 from areal_flow.generation.engine import GenerationResult
 from areal_flow.generation.openai_api import OpenAICall, build_response, parse_tool_calls
@@ -30,12 +29,7 @@ TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run
 def chat_server(tmp_path_factory: pytest.TempPathFactory):
     """A server of a tiny model over the code task's character tokenizer, which has a chat template."""
     path = tmp_path_factory.mktemp("chat_model")
-    tokenizer = build_char_tokenizer(CODE_CHARS, chat=True)
-    tokenizer.save_pretrained(path)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer = save_chat_model(path)
     with running_server(str(path)) as server:
         yield server, tokenizer
 

@@ -68,16 +68,16 @@ def spy(pool: ServerPool) -> list[tuple[str, str, str]]:
     """Record (server, rid, outcome) of every request the pool sends; the requests stay real."""
     calls: list[tuple[str, str, str]] = []
     for server in pool.servers:
-        async def generate(*args, _real=server.client.generate, _name=server.name, **kw):
+        async def post(path, payload, _real=server.client.post, _name=server.name):
             try:
-                answer = await _real(*args, **kw)
+                answer = await _real(path, payload)
             except Exception as exc:
-                calls.append((_name, kw["rid"], type(exc).__name__))
+                calls.append((_name, payload["rid"], type(exc).__name__))
                 raise
-            calls.append((_name, kw["rid"], "ok"))
+            calls.append((_name, payload["rid"], "ok"))
             return answer
 
-        server.client.generate = generate
+        server.client.post = post
     return calls
 
 

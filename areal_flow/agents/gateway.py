@@ -1,0 +1,102 @@
+"""The gateway: OpenAI's endpoints for agents, in front of the generation servers, recording every
+call's exact tokens.
+
+An agent gets a client whose base URL names its rollout: `http://HOST:PORT/t/<key>/v1`. Each call
+goes to the generation servers through the rollout worker's ServerPool with `<key>` as its routing
+key, so a rollout's calls stay on one server (its prefix cache holds their history) while the keys
+spread by load; a failed server's calls are retried on another. The server's answer carries the
+call's exact tokens (openai_api.py's extension fields): the gateway hands them to the key's
+Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
+the answer unchanged. `stream: true` is refused for now: a recorded answer is a whole one.
+
+FastAPI on uvicorn, served from the caller's event loop (`start`), as the generation server is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from areal_flow.agents.trajectories import Recorder
+from areal_flow.generation.client import GenerationError
+from areal_flow.generation.router import ServerPool, ServerPoolError
+
+OPENAI_PATHS = ("chat/completions", "completions")
+
+
+class Gateway:
+    """Serves `/t/{key}/v1/chat/completions`, `/t/{key}/v1/completions` and `/t/{key}/v1/models`
+    for the agents of one rollout worker; `recorders[key]` holds each key's trajectories."""
+
+    def __init__(self, pool: ServerPool, host: str = "127.0.0.1") -> None:
+        self.pool, self.host = pool, host
+        self.recorders: dict[str, Recorder] = {}
+        self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        for path in OPENAI_PATHS:
+            self.app.add_api_route(f"/t/{{key}}/v1/{path}", self._forwarder(f"/v1/{path}"), methods=["POST"])
+        self.app.add_api_route("/t/{key}/v1/models", self._models, methods=["GET"])
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    def base_url(self, key: str) -> str:
+        """The base URL an agent's client takes for the rollout `key`."""
+        return f"http://{self.host}:{self.port}/t/{key}/v1"
+
+    def take(self, key: str) -> Recorder:
+        """The rollout's record, removed from the gateway (the rollout is over)."""
+        return self.recorders.pop(key, Recorder())
+
+    async def start(self) -> None:
+        sock = socket.create_server((self.host, 0))
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                                     timeout_keep_alive=600))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+
+    def _forwarder(self, path: str):
+        async def forward(key: str, request: Request) -> JSONResponse:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                return _error(400, f"the request body is not valid JSON: {exc}")
+            if not isinstance(body, dict):
+                return _error(400, "the request body must be a JSON object")
+            if body.get("stream"):
+                return _error(400, "the gateway records whole answers: send stream=false", "stream")
+            try:
+                answer = await self.pool.post(path, lambda _: body, key=key, abortable=False)
+            except GenerationError as exc:  # the server refused the request: its answer, as it gave it
+                return JSONResponse(exc.body if isinstance(exc.body, dict) else {"error": {"message": str(exc.body)}},
+                                    exc.status)
+            except ServerPoolError as exc:
+                return _error(502, str(exc))
+            recorder = self.recorders.setdefault(key, Recorder())
+            for choice in answer["choices"]:
+                recorder.record(answer["prompt_token_ids"], choice["token_ids"], choice["output_token_logprobs"],
+                                choice["output_token_versions"])
+            return JSONResponse(answer)
+
+        return forward
+
+    async def _models(self, key: str) -> JSONResponse:
+        return JSONResponse(await self.pool.servers[0].client.get("/v1/models"))
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": None}}, status)

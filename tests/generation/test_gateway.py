@@ -1,0 +1,88 @@
+"""The agents' gateway (agents/gateway.py) in front of two real servers, driven by the official
+`openai` client as an agent would: a rollout's calls stay on one server and are linked into one
+trajectory with the tool's result masked; an agent that edits its history has the drift counted
+and nothing trained on the edited tokens; a refused request comes back as the server refused it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from generation_helpers import running_server, save_chat_model
+
+from areal_flow.agents.gateway import Gateway
+from areal_flow.generation.router import ServerPool
+
+openai = pytest.importorskip("openai")  # the dev extra's; not on the GPU image
+
+TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat_model")
+    tokenizer = save_chat_model(path)
+    with running_server(str(path)) as a, running_server(str(path)) as b:
+        yield str(path), tokenizer, (a, b)
+
+
+async def agent(client, model: str, edit: bool) -> None:
+    """Two calls: the second sends the first answer back with a tool result (edited, if `edit`)."""
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    first = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=5,
+                                                 temperature=0)
+    said = first.choices[0].message.content
+    if edit:  # a character of its own answer changed: what a template that rewrites history does
+        said = said[:1] + "!" + said[2:]
+    messages += [{"role": "assistant", "content": said}, {"role": "tool", "content": "5"}]
+    await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=5, temperature=0)
+
+
+def run_agents(model: str, servers, edits: dict[str, bool]):
+    async def main():
+        async with ServerPool([s.url for s in servers]) as pool:
+            gateway = Gateway(pool)
+            await gateway.start()
+            try:
+                clients = {key: openai.AsyncOpenAI(base_url=gateway.base_url(key), api_key="unused", max_retries=0)
+                           for key in edits}
+                await asyncio.gather(*[agent(clients[key], model, edit) for key, edit in edits.items()])
+                with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
+                    await next(iter(clients.values())).chat.completions.create(model=model, messages=[], max_tokens=2)
+                return {key: gateway.take(key) for key in edits}
+            finally:
+                await gateway.stop()
+
+    return asyncio.run(main())
+
+
+def finished(server) -> int:
+    return server.engine.stats()["num_finished_reqs"]
+
+
+def test_an_agent_s_calls_make_one_trajectory_on_one_server_with_the_tool_result_masked(two_servers):
+    model, tokenizer, servers = two_servers
+    before = [finished(s) for s in servers]
+    (recorder,) = run_agents(model, servers, {"a": False}).values()
+    served = [finished(s) - b for s, b in zip(servers, before)]
+    assert sorted(served) == [0, 2]  # both calls on the key's server
+    (trajectory,) = recorder.trajectories
+    assert recorder.drifts == 0 and trajectory.calls == 2
+    text = tokenizer.decode(trajectory.output_ids)
+    observation = [t for t, m in zip(trajectory.output_ids, trajectory.loss_mask) if m == 0]
+    assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(observation)  # masked, never trained
+    assert trajectory.loss_mask.count(1) == 10 and text.endswith(tokenizer.decode(trajectory.output_ids[-5:]))
+    assert len(trajectory.logprobs) == len(trajectory.versions) == len(trajectory.output_ids)
+
+
+def test_an_agent_that_edits_its_history_drifts_and_nothing_edited_is_trained(two_servers):
+    model, tokenizer, servers = two_servers
+    records = run_agents(model, servers, {"honest": False, "editor": True})
+    assert records["honest"].drifts == 0 and len(records["honest"].trajectories) == 1
+    editor = records["editor"]
+    assert editor.drifts == 1 and editor.drift_rate == 0.5 and len(editor.trajectories) == 2
+    first, second = editor.trajectories
+    assert first.calls == 1 and second.calls == 1  # the edited history starts a new sample ...
+    assert "!" in tokenizer.decode(second.prompt_ids) and second.loss_mask == [1] * len(second.output_ids)
+    (example,) = editor.examples  # ... as its prompt, never trained; the example shows where
+    assert tokenizer.decode(example.sent).startswith("!")
