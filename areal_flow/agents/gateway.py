@@ -15,11 +15,11 @@ FastAPI on uvicorn, served from the caller's event loop (`start`), as the genera
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 
+import msgspec
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from areal_flow.agents.trajectories import Recorder
@@ -27,6 +27,19 @@ from areal_flow.generation.client import GenerationError
 from areal_flow.generation.router import ServerPool, ServerPoolError
 
 OPENAI_PATHS = ("chat/completions", "completions")
+
+
+class Choice(msgspec.Struct):
+    """What the gateway reads of an answer's choice (the server's extension fields)."""
+
+    token_ids: list[int]
+    output_token_logprobs: list[float]
+    output_token_versions: list[int]
+
+
+class Answer(msgspec.Struct):
+    prompt_token_ids: list[int]
+    choices: list[Choice]
 
 
 class Gateway:
@@ -69,27 +82,31 @@ class Gateway:
             await self._task
 
     def _forwarder(self, path: str):
-        async def forward(key: str, request: Request) -> JSONResponse:
+        async def forward(key: str, request: Request) -> Response:
+            # Bodies pass through as bytes, decoded once (msgspec) to check the request and to
+            # record the answer, never encoded again: the gateway's cost is a call's (bench_gateway.py).
+            raw = await request.body()
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
                 return _error(400, f"the request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the request body must be a JSON object")
             if body.get("stream"):
                 return _error(400, "the gateway records whole answers: send stream=false", "stream")
             try:
-                answer = await self.pool.post(path, lambda _: body, key=key, abortable=False)
+                data = await self.pool.post(path, lambda _: raw, key=key, abortable=False)
             except GenerationError as exc:  # the server refused the request: its answer, as it gave it
                 return JSONResponse(exc.body if isinstance(exc.body, dict) else {"error": {"message": str(exc.body)}},
                                     exc.status)
             except ServerPoolError as exc:
                 return _error(502, str(exc))
+            answer = msgspec.json.decode(data, type=Answer)
             recorder = self.recorders.setdefault(key, Recorder())
-            for choice in answer["choices"]:
-                recorder.record(answer["prompt_token_ids"], choice["token_ids"], choice["output_token_logprobs"],
-                                choice["output_token_versions"])
-            return JSONResponse(answer)
+            for choice in answer.choices:
+                recorder.record(answer.prompt_token_ids, choice.token_ids, choice.output_token_logprobs,
+                                choice.output_token_versions)
+            return Response(data, media_type="application/json")
 
         return forward
 

@@ -83,6 +83,16 @@ class GenerationClient:
     async def get(self, path: str) -> Any:
         return await self._call("GET", path, None)
 
+    async def post_bytes(self, path: str, data: bytes) -> bytes:
+        """POST a JSON body already encoded; the answer's body as it came (a proxy's way: nothing
+        decoded and encoded again). A status other than 2xx raises GenerationError as `_call` does."""
+        url = self.base_url + path
+        async with self._slots, self._http().post(url, data=data, headers={"Content-Type": "application/json"}) as answer:
+            status, content_type, body = answer.status, answer.content_type, await answer.read()
+        if not 200 <= status < 300:
+            raise GenerationError(status, _decoded(content_type, body), url)
+        return body
+
     async def generate_stream(
         self,
         input_ids: Sequence[int],

@@ -139,7 +139,8 @@ class ServerPool:
                    abortable: bool = True) -> Any:
         """POST `payload(rid of the try)` to `path` of one server (the key's, or the least loaded),
         retried on another when it fails; a try that may still run where it left is aborted there
-        when the request carries that rid (`abortable`: /generate's do, OpenAI bodies do not)."""
+        when the request carries that rid (`abortable`: /generate's do, OpenAI bodies do not). A
+        payload of bytes is sent as it is and the answer's body comes back as bytes."""
         rid = rid or uuid.uuid4().hex
         tries: list[str] = []
         for attempt in range(self.retries + 1):
@@ -152,7 +153,10 @@ class ServerPool:
             try_rid = rid if attempt == 0 else f"{rid}.retry{attempt}"
             server.in_flight += 1
             try:
-                answer = await server.client.post(path, payload(try_rid))
+                body = payload(try_rid)
+                if isinstance(body, bytes):
+                    return await server.client.post_bytes(path, body)
+                answer = await server.client.post(path, body)
                 self._newest = max(self._newest, _version(answer))
                 return answer
             except GenerationError as exc:

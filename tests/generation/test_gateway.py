@@ -1,7 +1,8 @@
 """The agents' gateway (agents/gateway.py) in front of two real servers, driven by the official
 `openai` client as an agent would: a rollout's calls stay on one server and are linked into one
 trajectory with the tool's result masked; an agent that edits its history has the drift counted
-and nothing trained on the edited tokens; a refused request comes back as the server refused it."""
+and nothing trained on the edited tokens; a refused request comes back as the server refused it,
+and a streamed one is refused by name."""
 
 from __future__ import annotations
 
@@ -47,8 +48,12 @@ def run_agents(model: str, servers, edits: dict[str, bool]):
                 clients = {key: openai.AsyncOpenAI(base_url=gateway.base_url(key), api_key="unused", max_retries=0)
                            for key in edits}
                 await asyncio.gather(*[agent(clients[key], model, edit) for key, edit in edits.items()])
+                client = next(iter(clients.values()))
                 with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
-                    await next(iter(clients.values())).chat.completions.create(model=model, messages=[], max_tokens=2)
+                    await client.chat.completions.create(model=model, messages=[], max_tokens=2)
+                with pytest.raises(openai.BadRequestError, match="send stream=false"):
+                    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=2, stream=True)
                 return {key: gateway.take(key) for key in edits}
             finally:
                 await gateway.stop()
