@@ -952,7 +952,6 @@ class GenerationEngine:
             self._label = self._label if update.label is None else update.label
             if self._pool is not None:
                 self._pool.flush()  # cached keys and values are the old weights'
-
             if update.path is not None:
                 self.model_path = update.path
         except Exception as exc:
