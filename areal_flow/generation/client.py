@@ -86,12 +86,7 @@ class GenerationClient:
     async def post_bytes(self, path: str, data: bytes) -> bytes:
         """POST a JSON body already encoded; the answer's body as it came (a proxy's way: nothing
         decoded and encoded again). A status other than 2xx raises GenerationError as `_call` does."""
-        url = self.base_url + path
-        async with self._slots, self._http().post(url, data=data, headers={"Content-Type": "application/json"}) as answer:
-            status, content_type, body = answer.status, answer.content_type, await answer.read()
-        if not 200 <= status < 300:
-            raise GenerationError(status, _decoded(content_type, body), url)
-        return body
+        return (await self._send("POST", path, data=data, headers={"Content-Type": "application/json"}))[1]
 
     async def generate_stream(
         self,
@@ -229,13 +224,16 @@ class GenerationClient:
         return self._session
 
     async def _call(self, method: str, path: str, payload: Any) -> Any:
+        return _decoded(*await self._send(method, path, json=payload))
+
+    async def _send(self, method: str, path: str, **request: Any) -> tuple[str, bytes]:
+        """The answer's content type and body; GenerationError (the body decoded) unless a 2xx."""
         url = self.base_url + path
-        async with self._slots, self._http().request(method, url, json=payload) as answer:
+        async with self._slots, self._http().request(method, url, **request) as answer:
             status, content_type, data = answer.status, answer.content_type, await answer.read()
-        body = _decoded(content_type, data)
         if not 200 <= status < 300:
-            raise GenerationError(status, body, url)
-        return body
+            raise GenerationError(status, _decoded(content_type, data), url)
+        return content_type, data
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -68,8 +68,8 @@ class OpenAICall:
         out = []
         for i in range(self.n):
             seed = None if self.params.seed is None else self.params.seed + i
-            params = SamplingParams(**{**self.params.__dict__, "seed": seed})
-            out.append(GenerationRequest(self.prompt_ids, params, top_logprobs_num=self.logprobs or 0))
+            out.append(GenerationRequest(self.prompt_ids, dataclasses.replace(self.params, seed=seed),
+                                         top_logprobs_num=self.logprobs or 0))
         return out
 
 
@@ -268,7 +268,7 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict]) -> str:
 # ---- answers -------------------------------------------------------------------------------------
 
 
-def answer_text(result: GenerationResult, params: SamplingParams, tokenizer: Any) -> str:
+def answer_text(result: GenerationResult, tokenizer: Any) -> str:
     """The answer as text, without the eos or the stop string that ended it (OpenAI's)."""
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else ""
     if result.finish_reason == "stop" and isinstance(result.matched_stop, str):
@@ -325,7 +325,7 @@ def logprobs_of(call: OpenAICall, result: GenerationResult, tokenizer: Any) -> d
 
 
 def choice(call: OpenAICall, index: int, result: GenerationResult, tokenizer: Any) -> dict:
-    text, reason = answer_text(result, call.params, tokenizer), finish_reason(result)
+    text, reason = answer_text(result, tokenizer), finish_reason(result)
     out: dict[str, Any] = {"index": index}
     if call.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -365,15 +365,9 @@ def version_number(label: object) -> int:
 
 
 def _version(answer: dict | list) -> int:
-    """The weight version an answer (or the last of a group's answers, or of an OpenAI answer's
-    choices) came from."""
+    """The weight version an answer (or the last of a group's answers) came from."""
     last = answer[-1] if isinstance(answer, list) and answer else answer
-    if not isinstance(last, dict):
-        return -1
-    if "choices" in last:
-        return max((version_number(c.get("weight_version")) for c in last["choices"] if isinstance(c, dict)),
-                   default=-1)
-    return version_number(last.get("meta_info", {}).get("weight_version"))
+    return version_number(last.get("meta_info", {}).get("weight_version")) if isinstance(last, dict) else -1
 
 
 def _describe(error: BaseException) -> str:
