@@ -103,8 +103,9 @@ def leftover_processes(run_dir: Path) -> list[int]:
     return list(run_processes(run_dir).values())
 
 
-def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
-    """Every admitted group is trained exactly once or still accounted for; staleness ≤ η."""
+def check_accounting(run_dir: Path, eta: int, group_size: int = 4, drops: bool = False) -> dict:
+    """Every admitted group is trained exactly once or still accounted for; staleness ≤ η. `drops`:
+    groups may be dropped (each once, never also trained), as a run that expects them says."""
     ledger = jsonl(run_dir / "ledger.jsonl")
     admitted = {e["group"]: e["version"] for e in ledger if e["event"] == "admit"}
     trained_steps = {g: e["step"] for e in ledger if e["event"] == "train" for g in e["groups"]}
@@ -129,7 +130,8 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["admitted_groups"] == len(admitted) and summary["trained_groups"] == len(trained_steps)
     assert summary["buffered_groups_at_end"] == len(finished - set(trained_steps))
-    assert summary["dropped_groups"] == len(dropped) == 0
+    assert summary["dropped_groups"] == len(dropped) and (drops or not dropped)
+    assert not dropped & (finished | set(trained_steps))
     assert summary.get("filtered_groups", 0) == len(filtered)
     running = set(admitted) - finished - dropped - filtered
     assert summary["running_groups_at_end"] == len(running)

@@ -9,13 +9,20 @@ call's exact tokens (openai_api.py's extension fields): the gateway hands them t
 Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
 the answer unchanged. `stream: true` is refused for now: a recorded answer is a whole one.
 
+A key opened with `open(key, Sampling(...))` (the agent runner's rollouts) has the run's sampling
+applied to each call: the policy's model name and temperature/top_p (the trainer computes the
+policy's logprobs at the run's temperature, so an agent may not sample at another), and where the
+agent sets none, the answer budget and a seed of its own for each call.
+
 FastAPI on uvicorn, served from the caller's event loop (`start`), as the generation server is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
+from typing import Any, Callable
 
 import msgspec
 import uvicorn
@@ -42,13 +49,33 @@ class Answer(msgspec.Struct):
     choices: list[Choice]
 
 
+@dataclasses.dataclass
+class Sampling:
+    """How one key's calls sample: `forced` replaces what the agent sent, `defaults` fill what it did
+    not; call k gets seed `seeds(k)` unless it sends one (None: no seed)."""
+
+    forced: dict[str, Any]
+    defaults: dict[str, Any]
+    seeds: Callable[[int], int | None] = lambda _: None
+    calls: int = 0
+
+    def apply(self, body: dict) -> dict:
+        seed = self.seeds(self.calls)
+        self.calls += 1
+        seed = {} if seed is None else {"seed": seed}
+        return {**self.defaults, **seed, **body, **self.forced}
+
+
 class Gateway:
     """Serves `/t/{key}/v1/chat/completions`, `/t/{key}/v1/completions` and `/t/{key}/v1/models`
     for the agents of one rollout worker; `recorders[key]` holds each key's trajectories."""
 
-    def __init__(self, pool: ServerPool, host: str = "127.0.0.1") -> None:
-        self.pool, self.host = pool, host
+    def __init__(self, pool: ServerPool, host: str = "127.0.0.1", require_open: bool = False) -> None:
+        # require_open: a call on a key not opened (or taken already: a call the rollout's wall time
+        # cut off, answered late) is refused, and nothing is recorded for it.
+        self.pool, self.host, self.require_open = pool, host, require_open
         self.recorders: dict[str, Recorder] = {}
+        self.sampling: dict[str, Sampling] = {}
         self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         for path in OPENAI_PATHS:
             self.app.add_api_route(f"/t/{{key}}/v1/{path}", self._forwarder(f"/v1/{path}"), methods=["POST"])
@@ -61,8 +88,14 @@ class Gateway:
         """The base URL an agent's client takes for the rollout `key`."""
         return f"http://{self.host}:{self.port}/t/{key}/v1"
 
+    def open(self, key: str, sampling: Sampling) -> str:
+        """The base URL for rollout `key`, whose calls sample by `sampling`."""
+        self.sampling[key] = sampling
+        return self.base_url(key)
+
     def take(self, key: str) -> Recorder:
         """The rollout's record, removed from the gateway (the rollout is over)."""
+        self.sampling.pop(key, None)
         return self.recorders.pop(key, Recorder())
 
     async def start(self) -> None:
@@ -94,6 +127,10 @@ class Gateway:
                 return _error(400, "the request body must be a JSON object")
             if body.get("stream"):
                 return _error(400, "the gateway records whole answers: send stream=false", "stream")
+            if self.require_open and key not in self.sampling:
+                return _error(404, f"no rollout {key!r} is open on this gateway (it ended, or never began)")
+            if (sampling := self.sampling.get(key)) is not None:
+                raw = msgspec.json.encode(sampling.apply(body))
             try:
                 data = await self.pool.post(path, lambda _: raw, key=key, abortable=False)
             except GenerationError as exc:  # the server refused the request: its answer, as it gave it
@@ -101,6 +138,8 @@ class Gateway:
                                     exc.status)
             except ServerPoolError as exc:
                 return _error(502, str(exc))
+            if self.require_open and key not in self.sampling:  # the rollout ended while the call ran
+                return _error(404, f"rollout {key!r} ended while this call ran: its answer is not recorded")
             answer = msgspec.json.decode(data, type=Answer)
             recorder = self.recorders.setdefault(key, Recorder())
             for choice in answer.choices:

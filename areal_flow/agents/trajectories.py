@@ -75,6 +75,7 @@ class Recorder:
     drifts: int = 0
     calls: int = 0
     examples: list[DriftExample] = field(default_factory=list)
+    last: Trajectory | None = None  # the trajectory the latest call joined (its final answer's)
 
     def record(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], versions: list[int]
                ) -> Trajectory:
@@ -91,6 +92,7 @@ class Recorder:
                 best, shared = trajectory, n
         if best is not None and shared == len(best.tokens):  # it extends `best`
             best.add(prompt[shared:], list(output_ids), list(logprobs), list(versions))
+            self.last = best
             return best
         if best is not None and shared in best.answer_starts:  # a fork at the start of an answer
             trajectory = best.cut(shared)
@@ -102,6 +104,7 @@ class Recorder:
             trajectory = Trajectory(prompt)
             trajectory.add([], list(output_ids), list(logprobs), list(versions))
         self.trajectories.append(trajectory)
+        self.last = trajectory
         return trajectory
 
     @property

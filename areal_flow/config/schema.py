@@ -89,6 +89,14 @@ class NodeConfig:
     max_trajectory_tokens: Optional[int] = doc(None, "generate nodes with env: token budget of a trajectory, its "
                                                "prompt and every turn and observation; null = the model's context "
                                                "(max_position_embeddings)", ge=1)
+    agent: Optional[str] = doc(None, "generate nodes of role actor: 'package.module:function', an async function "
+                               "(client: openai.AsyncOpenAI, row: dict) -> reward that runs each rollout through the "
+                               "OpenAI gateway (docs/agents.md); null = none")
+    agent_wall_seconds: float = doc(120.0, "generate nodes with agent: wall time of one rollout; past it the agent is "
+                                    "cut off and the rollout failed", gt=0)
+    agent_retries: int = doc(1, "generate nodes with agent: a failed rollout (the agent raised, timed out, made no "
+                             "call or returned no reward) runs again this many times, then its group is dropped "
+                             "(the ledger names the failure)", ge=0)
 
 
 def node_config(name: str, node: Any) -> NodeConfig:

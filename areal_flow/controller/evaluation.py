@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_flow.graph.keys import final_turn
+from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.generation.router import ServerPool, version_number
 
 SHOWN_SAMPLES = 4
@@ -59,17 +59,22 @@ async def held_out_accuracy(
     reference_key: str,
     max_new_tokens: int,
     turns=None,
+    agent_scores: bool = False,
 ) -> Evaluation:
     """The fraction of `rows` whose greedy answer `score` (the reward function's raw value, before
     shaping) puts at 1 or more. The prompts go through the pool as the rollout workers' do: spread
     by load over the servers, retried on another server when one fails (a server down at
     evaluation time does not fail the run). With `turns` (rollout/turns.py: Turns) each prompt is a
-    trajectory with the environment, and its final turn is scored, as the reward node scores it."""
+    trajectory with the environment, and its final turn is scored, as the reward node scores it; or
+    (rollout/agent.py: AgentRunner) an agent's rollout, scored by what the agent returned where
+    `agent_scores` (the reward node's fn is `agent`)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     run = uuid.uuid4().hex[:8]  # request ids of this evaluation's own
     answers = await asyncio.gather(*[answer(pool, tokenizer, row[prompt_key], row, params, turns, f"eval-{run}-{i}")
                                      for i, row in enumerate(rows)])
-    scores = await asyncio.gather(*[score(text, row[reference_key]) for (text, _, _, _), row in zip(answers, rows)])
+    scores = await asyncio.gather(*[given(figures[AGENT_REWARD]) if AGENT_REWARD in figures and agent_scores
+                                    else score(text, row[reference_key])
+                                    for (text, _, _, figures), row in zip(answers, rows)])
     versions: dict[int, int] = {}
     for _, _, v, _ in answers:
         versions[v] = versions.get(v, 0) + 1
@@ -81,6 +86,10 @@ async def held_out_accuracy(
     return Evaluation(sum(s >= 1.0 for s in scores) / len(rows), len(rows), versions,
                       [{k: r[k] for k in ("prompt", "answer", "reference", "score")} for r in records[:SHOWN_SAMPLES]],
                       records, means)
+
+
+async def given(value: float) -> float:
+    return value
 
 
 async def answer(pool: ServerPool, tokenizer, prompt: str, row: dict, params: dict, turns, rid: str

@@ -16,7 +16,10 @@ from areal_flow.transport.messages import DROP, GroupMeta
 def group_problem(meta: GroupMeta, group_size: int, token_keys: list[str], output_keys: list[str],
                   reward_key: str) -> str | None:
     """What makes a scored group untrainable, if anything: a wrong sample count, a missing key, or
-    per-answer-token arrays of one sample (`output_keys`) that disagree in length."""
+    per-answer-token arrays of one sample (`output_keys`) that disagree in length, or the problem
+    the rollout worker named (an agent's rollout that failed every run)."""
+    if meta.problem:
+        return meta.problem
     if len(meta.samples) != group_size:
         return f"{len(meta.samples)} samples, want {group_size}"
     for s in meta.samples:

@@ -50,7 +50,8 @@ from areal_flow.graph.placement import infer_name
 from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rewards.service import RewardService
+from areal_flow.rewards.service import AGENT_FN, RewardService
+from areal_flow.rollout.agent import AgentRunner
 from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.disk import writing
 from areal_flow.runtime.spec import RunSpec
@@ -138,7 +139,8 @@ class Controller:
         if spec.resume:
             self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
-        self.turns = Turns.of(graph.generate, cfg, spec.model_path)  # held-out trajectories take turns too
+        # Held-out trajectories take turns too, or are an agent's rollouts.
+        self.turns = Turns.of(graph.generate, cfg, spec.model_path) or AgentRunner.of(graph.generate, spec.model_path)
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)
@@ -606,7 +608,7 @@ class Controller:
 
         result: Evaluation = await held_out_accuracy(
             self.publisher.pool, self.tokenizer, self.eval_rows, score, self.graph.dataset_input(self.graph.generate),
-            self.graph.reference(reward), self.cfg.algorithm.max_new_tokens, self.turns)
+            self.graph.reference(reward), self.cfg.algorithm.max_new_tokens, self.turns, reward.fn == AGENT_FN)
         write_answers(self.spec.run_dir, version, result.answers)
         if set(result.versions) != {version}:
             log.warning("held-out evaluation at %s: answers came from versions %s, not only %d", when,

@@ -70,8 +70,9 @@ class Traffic:
 
 def _logged_name(scalar: str, judges: Sequence[str]) -> str:
     """The name a sample's scalar is logged under: a multi-turn trajectory's (env/..., rollout/turns.py)
-    as it is, a judge's under judge/, the reward nodes' under reward/."""
-    if scalar.startswith("env/"):
+    and an agent's (agent/..., rollout/agent.py) as they are, a judge's under judge/, the reward
+    nodes' under reward/."""
+    if scalar.startswith(("env/", "agent/")):
         return scalar
     judged = {f"{j}_{stat}" for j in judges for stat in JUDGE_STATS}
     return f"judge/{scalar}" if scalar in judged else f"reward/{scalar}"

@@ -140,18 +140,28 @@ class PythonTool(Environment):
         code = self.tool_call(turn)
         if code is None:
             return Step(done=True)
-        t0 = time.monotonic()
-        result = await shared_pool(self.sandbox, self.settings.concurrency).run(code)
-        seconds = time.monotonic() - t0
-        failed = result.status != "ok"
-        text = result.stdout if not failed else self.error(result)
-        if self.settings.ascii_only:
-            text = printable(text)
-        return Step(output_observation(text, self.settings.max_output_chars), figures={"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds})
+        observation, figures = await run_tool(code, self.settings, self.sandbox)
+        return Step(observation, figures=figures)
 
-    def error(self, result: CaseResult) -> str:
-        """What a failed run says: its status, and the last line of its traceback where it has one."""
-        if result.status == "timeout":
-            return f"error: timeout after {self.settings.wall_seconds:g} s"
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        return f"error: {result.status}" + (f": {lines[-1]}" if lines else "")
+
+async def run_tool(code: str, settings: ToolSettings, sandbox: SandboxConfig) -> tuple[str, dict[str, float]]:
+    """`code` run in this process's sandbox pool: the observation (what it printed, or the error,
+    in `<output>` tags) and the figures tool_calls, tool_errors, tool_seconds. An agent's tool
+    calls it too (areal_flow/agents/examples/arith_tool.py)."""
+    t0 = time.monotonic()
+    result = await shared_pool(sandbox, settings.concurrency).run(code)
+    seconds = time.monotonic() - t0
+    failed = result.status != "ok"
+    text = result.stdout if not failed else error_text(result, settings.wall_seconds)
+    if settings.ascii_only:
+        text = printable(text)
+    return (output_observation(text, settings.max_output_chars),
+            {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds})
+
+
+def error_text(result: CaseResult, wall_seconds: float) -> str:
+    """What a failed run says: its status, and the last line of its traceback where it has one."""
+    if result.status == "timeout":
+        return f"error: timeout after {wall_seconds:g} s"
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    return f"error: {result.status}" + (f": {lines[-1]}" if lines else "")

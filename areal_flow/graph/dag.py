@@ -54,6 +54,14 @@ class Node:
     env_settings: tuple[tuple[str, Any], ...] = ()  # its settings, (name, value)
     max_turns: int = 4  # with env: policy turns a trajectory may take
     max_trajectory_tokens: int | None = None  # with env: a trajectory's token budget (None = the model's context)
+    agent: str | None = None  # the policy's generate node: 'module:function' run through the OpenAI gateway
+    agent_wall_seconds: float = 120.0  # with agent: a rollout's wall time
+    agent_retries: int = 1  # with agent: runs of a failed rollout before its group is dropped
+
+    @property
+    def takes_turns(self) -> bool:
+        """A trajectory of turns with observations between them (an environment's or an agent's)."""
+        return self.env is not None or self.agent is not None
 
     @property
     def kind(self) -> NodeKind | None:
@@ -327,11 +335,19 @@ def build_graph(
             env_settings=tuple(dict(_field(c, "env_settings", {}) or {}).items()),
             max_turns=int(_field(c, "max_turns", 4)),
             max_trajectory_tokens=_field(c, "max_trajectory_tokens"),
+            agent=_field(c, "agent"),
+            agent_wall_seconds=float(_field(c, "agent_wall_seconds", 120.0)),
+            agent_retries=int(_field(c, "agent_retries", 1)),
         )
         problems += _judge_setting_problems(nodes[name], _field(c, "parallel"))
         if nodes[name].env is not None and (ntype != "generate" or role != "actor"):
             problems.append(f"node '{name}': env ({key}.env) is for the policy's generate node (type generate, "
                             "role actor), which takes the turns")
+        if nodes[name].agent is not None and (ntype != "generate" or role != "actor"):
+            problems.append(f"node '{name}': agent ({key}.agent) is for the policy's generate node (type generate, "
+                            "role actor), whose rollouts it runs")
+        if nodes[name].agent is not None and nodes[name].env is not None:
+            problems.append(f"node '{name}': {key}.env and {key}.agent both run its rollouts: set one of them")
 
     producers = _check_keys(nodes, dataset_keys, problems)
     meaning = {k: TEXT for k in dataset_keys} | {k: nodes[p].meaning_of_output(k) for k, p in producers.items()}
@@ -380,16 +396,17 @@ def _check_keys(nodes: dict[str, Node], dataset_keys: Sequence[str], problems: l
 def _check_loss_mask(nodes: dict[str, Node], meaning: dict[str, str], problems: list[str]) -> None:
     """A generate node that takes turns writes loss_mask, and every node training the policy reads
     it: without it an environment's observations would be trained as if the policy wrote them."""
-    policy = next((n for n in nodes.values() if n.env is not None), None)
+    policy = next((n for n in nodes.values() if n.takes_turns), None)
     if policy is None:
         return
+    what = f"an agent (graph.{policy.name}.agent)" if policy.agent else f"an environment (graph.{policy.name}.env)"
     if not any(meaning.get(k) == "loss_mask" for k in policy.outputs):
-        problems.append(f"node '{policy.name}': with an environment (graph.{policy.name}.env) it must write "
+        problems.append(f"node '{policy.name}': with {what} it must write "
                         f"loss_mask: add it to graph.{policy.name}.outputs")
         return
     for n in nodes.values():
         if n.type == "train" and n.role == "actor" and not any(meaning.get(k) == "loss_mask" for k in n.inputs):
-            problems.append(f"node '{n.name}': graph.{policy.name} takes turns with an environment, so the policy's "
+            problems.append(f"node '{n.name}': graph.{policy.name} takes turns with {what}, so the policy's "
                             f"train node must read loss_mask (add it to graph.{n.name}.inputs): observations are "
                             "not the policy's tokens")
 

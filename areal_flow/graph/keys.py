@@ -46,6 +46,10 @@ KEYS: dict[str, KeySpec] = {
     "judge_ids": KeySpec("<i4", "judge", "token ids of a judge's answer (a generate node of role judge)"),
 }
 
+AGENT_REWARD = "agent/reward"
+"""The sample scalar holding what a rollout's agent returned (rollout/agent.py); a reward node with
+`fn: agent` trains on it."""
+
 JUDGE_STATS = ("seconds", "tokens", "cut", "truncated")
 """The scalars a judge writes for each sample, as `<judge>_<stat>` (rollout/judge.py): seconds to
 answer, answer tokens, whether the policy's answer was cut to fit, whether the verdict hit its budget."""

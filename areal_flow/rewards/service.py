@@ -51,10 +51,14 @@ class RewardPoolError(RuntimeError):
     trusted, so the caller fails (the reward worker exits and the launcher reports it)."""
 
 
+AGENT_FN = "agent"
+"""`fn: agent`: the reward is what the rollout's agent returned (rollout/agent.py), shaped."""
+
+
 def builtin_names() -> list[str]:
     from areal_flow.rewards.functions import REWARD_FNS
 
-    return [*REWARD_FNS, "code"]
+    return [*REWARD_FNS, "code", AGENT_FN]
 
 
 def resolve(fn: str, sandbox: SandboxConfig) -> RewardFn:
@@ -246,14 +250,19 @@ def _stop_pool(pool: pebble.ProcessPool) -> None:
 
 
 class RewardService:
-    """The scorers of a graph's reward nodes, by node name."""
+    """The scorers of a graph's reward nodes, by node name (`fn: agent` nodes only shape: `given`)."""
 
     def __init__(self, nodes, sandbox: SandboxConfig):
-        self.scorers = {n.name: NodeScorer(n.name, n.fn, n.workers, n.timeout, Shaping(n.scale, n.bias, n.clip), sandbox)
-                        for n in nodes}
+        self.shaping = {n.name: Shaping(n.scale, n.bias, n.clip) for n in nodes}
+        self.scorers = {n.name: NodeScorer(n.name, n.fn, n.workers, n.timeout, self.shaping[n.name], sandbox)
+                        for n in nodes if n.fn != AGENT_FN}
 
     async def score(self, node: str, completion: str, reference: str) -> Score:
         return await self.scorers[node].score(completion, reference)
+
+    def given(self, node: str, raw: float) -> Score:
+        """A reward computed elsewhere (the agent's), shaped by the node."""
+        return Score(self.shaping[node](raw), raw, {"timeout": 0.0, "error": 0.0, "seconds": 0.0, "latency": 0.0})
 
     def close(self) -> None:
         for s in self.scorers.values():

@@ -18,11 +18,11 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.keys import final_turn
+from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rewards.service import RewardService
+from areal_flow.rewards.service import AGENT_FN, RewardService
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -58,7 +58,7 @@ async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: R
     (by node name), which decode the answers a reward node reads as its reference."""
     output_key = graph.output(graph.generate, "output_ids")
     # A trajectory that took turns is scored on its final turn (graph/keys.py: final_turn).
-    mask_key = graph.output(graph.generate, "loss_mask") if graph.generate.env is not None else None
+    mask_key = graph.output(graph.generate, "loss_mask") if graph.generate.takes_turns else None
 
     async def one(sample) -> None:
         ids = sample.array(output_key).tolist()
@@ -66,13 +66,15 @@ async def score_group(group: GeneratedGroup, graph: Graph, tokenizer, service: R
             ids = final_turn(ids, sample.array(mask_key).tolist())
         text = tokenizer.decode(ids, skip_special_tokens=True)
         for node in graph.scorers:
-            if node.type == "reward":
-                score = await service.score(node.name, text,
-                                            reference_text(sample, graph, node, judge_tokenizers or {}))
-                sample.scalars[node.outputs[0]] = score.reward
-                sample.scalars.update({f"{node.name}_{k}": v for k, v in {"raw": score.raw, **score.stats}.items()})
-            else:
+            if node.type != "reward":  # a combine node
                 sample.scalars[node.outputs[0]] = sum(w * sample.scalars[k] for k, w in node.weights)
+                continue
+            if node.fn == AGENT_FN:
+                score = service.given(node.name, sample.scalars[AGENT_REWARD])
+            else:
+                score = await service.score(node.name, text, reference_text(sample, graph, node, judge_tokenizers or {}))
+            sample.scalars[node.outputs[0]] = score.reward
+            sample.scalars.update({f"{node.name}_{k}": v for k, v in {"raw": score.raw, **score.stats}.items()})
         sample.stage = Stage.SCORED
 
     await asyncio.gather(*(one(s) for s in group.samples))
@@ -133,7 +135,7 @@ class RewardWorker:
         meta = [SampleMeta.of(s, self.versions_key) for s in scored.samples]
         traffic = {**msg.traffic, self.name: sent_bytes()}
         times = {**msg.times, "scored": time.time()}
-        await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic, times))
+        await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic, times, msg.problem))
 
     async def forward(self) -> None:
         while True:

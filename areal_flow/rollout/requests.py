@@ -82,3 +82,12 @@ def token_versions(meta: dict, n: int) -> list[int]:
     for span in meta.get("weight_versions") or ():
         out[span["start"]:span["end"]] = [version_number(span["version"])] * (span["end"] - span["start"])
     return out
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of a trajectory's turn: turn 0 keeps the sample's own seed, later turns draw
+    fresh streams (a hash of both), so no turn replays another's random numbers."""
+    if seed is None or turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT

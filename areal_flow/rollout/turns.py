@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 from typing import Any
 
 from areal_flow.config.schema import RunConfig, SandboxConfig
 from areal_flow.config.validate import load_model_config
 from areal_flow.envs.base import Environment, resolve_env
 from areal_flow.generation.router import ServerPool
-from areal_flow.rollout.requests import SEED_LIMIT, generate_group, generate_sample
+from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
 from areal_flow.transport.messages import Finish
 
 # Why a trajectory ended (its `end`): the environment's done, max_turns, a turn cut at its length
 # budget, no room left for another turn, or an observation that would not fit.
 ENDS = ("done", "max_turns", "turn_length", "budget", "observation_too_long")
-
-
-def turn_seed(seed: int | None, turn: int) -> int | None:
-    """The sampling seed of a trajectory's turn: turn 0 keeps the sample's own seed, later turns draw
-    fresh streams (a hash of both), so no turn replays another's random numbers."""
-    if seed is None or turn == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}/{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_LIMIT
 
 
 async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any, prompt_ids: list[int],

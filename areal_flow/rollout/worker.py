@@ -9,6 +9,7 @@ generation runs ahead (controller/staleness.py, controller/slots.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -21,6 +22,7 @@ from areal_flow.generation.router import ServerPool
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.rollout.agent import AgentFailed, AgentRunner
 from areal_flow.rollout.judge import make_judge
 from areal_flow.rollout.requests import generate_group, group_seed
 from areal_flow.rollout.turns import Turns
@@ -61,7 +63,8 @@ class RolloutWorker:
         self.prompt_key = graph.dataset_input(graph.generate)
         # Each judge, and the key its answer goes under (docs/judge.md).
         self.judges = [(make_judge(cfg, spec, node), graph.output(node, "judge_ids")) for node in graph.judges]
-        self.turns = Turns.of(graph.generate, cfg, spec.model_path)  # None: one turn a sample
+        # None: one turn a sample; else an environment's turns or an agent's calls.
+        self.turns = Turns.of(graph.generate, cfg, spec.model_path) or AgentRunner.of(graph.generate, spec.model_path)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
         # Generated groups not yet scored and routed: sent again should a reward worker die with them.
@@ -121,8 +124,13 @@ class RolloutWorker:
             outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
                                         seed=seed)
         else:  # every sample its own trajectory: they part at the first turn's first token
-            outs = await self.turns.run_group(self.pool, self.tokenizer, group.fields, prompt_ids, self.params,
-                                              group.group_size, f"g{group.group_id}", seed)
+            try:
+                outs = await self.turns.run_group(self.pool, self.tokenizer, group.fields, prompt_ids, self.params,
+                                                  group.group_size, f"g{group.group_id}", seed)
+            except AgentFailed as e:  # dropped by name: the controller's ledger records why
+                log.error("%s: group %d: %s", self.name, group.group_id, e)
+                await self.finish(GeneratedGroup(group.group_id, [], times={"requested": requested}, problem=str(e)))
+                return
         generated = time.time()
         samples = [
             Sample(
@@ -131,7 +139,8 @@ class RolloutWorker:
                 group_id=group.group_id,
                 index=i,
                 birth_time=group.birth_time,
-                fields=group.fields,
+                # An agent's rollout whose calls drifted shows where, in the sample dump.
+                fields={**group.fields, "agent_drift": json.dumps(o["drift"])} if o.get("drift") else group.fields,
                 # One turn: every answer token is the policy's (loss_mask, where the recipe declares
                 # it); a multi-turn trajectory's own loss_mask replaces this.
                 arrays=self.arrays({"prompt_ids": prompt_ids, "loss_mask": np.ones(len(o["output_ids"])), **o}),
@@ -145,13 +154,16 @@ class RolloutWorker:
         if self.judges:
             await self.judge(group, samples)
             times["judged"] = time.time()
+        await self.finish(GeneratedGroup(group.group_id, samples, times=times))
+
+    async def finish(self, group: GeneratedGroup) -> None:
+        """Send a generated group to the reward pool, kept until the controller releases it."""
         if group.group_id in self.released:  # another copy was scored first (this worker restarted)
             self.released.discard(group.group_id)
             return
-        generated_group = GeneratedGroup(group.group_id, samples, traffic={self.name: sent_bytes()}, times=times)
-        self.kept[group.group_id] = generated_group
-        await send(self.rewards, generated_group)
-
+        group.traffic = {self.name: sent_bytes()}
+        self.kept[group.group_id] = group
+        await send(self.rewards, group)
 
     async def judge(self, group: PromptGroup, samples: list[Sample]) -> None:
         """Every judge's answer to each sample, side by side, under the judge's key with its scalars."""

@@ -25,7 +25,7 @@ from areal_flow.launchers.slurm import sbatch_missing
 from areal_flow.models.tokenizer import missing_tokenizer_files
 from areal_flow.rewards.code import CodeReward
 from areal_flow.rewards.sandbox import SandboxUnavailable
-from areal_flow.rewards.service import builtin_names, resolve
+from areal_flow.rewards.service import AGENT_FN, builtin_names, resolve
 
 SHARED_MEMORY = "/dev/shm"
 """Where rollout.weight_update_mode=shm puts the published weights."""
@@ -243,6 +243,8 @@ def check_rewards(cfg: RunConfig, graph: Graph, console: Console) -> None:
     the recipe opted out): checked at start, with the isolation in force printed."""
     problems = []
     for node in graph.rewards:
+        if node.fn == AGENT_FN:  # the agent's reward: check_agent
+            continue
         try:
             fn = resolve(node.fn, cfg.sandbox)  # a code node's sandbox probes its isolation here
             if isinstance(fn, CodeReward):
@@ -283,6 +285,26 @@ def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -
     if problems:
         raise ConfigError(problems)
     console.print(f"generate node {node.name}: environment {node.env}, up to {node.max_turns} turns", highlight=False)
+
+
+def check_agent(graph: Graph, console: Console) -> None:
+    """An agent's rollouts: the function imports and is async, the openai client is installed, and
+    a reward node with `fn: agent` has an agent to give it its reward. ConfigError naming the key."""
+    node = graph.generate
+    takers = [n.name for n in graph.rewards if n.fn == AGENT_FN]
+    if node.agent is None:
+        if takers:
+            raise ConfigError([f"graph.{name}.fn=agent: the reward the agent returns, but graph.{node.name}.agent "
+                               "names no agent" for name in takers])
+        return
+    from areal_flow.rollout.agent import import_openai, load_agent
+
+    try:
+        load_agent(node.agent, f"graph.{node.name}.agent")
+        import_openai()
+    except ValueError as e:
+        raise ConfigError([str(e) if str(e).startswith("graph.") else f"graph.{node.name}.agent: {e}"]) from None
+    console.print(f"generate node {node.name}: agent {node.agent}, {node.agent_wall_seconds:g} s a rollout", highlight=False)
 
 
 def check_tokenizer(cfg: RunConfig, model_path: str) -> None:

@@ -15,7 +15,7 @@ from areal_flow.data.loading import dataset_paths, load_prompts, prompt_room, ro
 from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import sglang_missing
 from areal_flow.graph.dag import Graph, graph_from_config
-from areal_flow.run.checks import check_env, check_model, check_rewards, check_tokenizer
+from areal_flow.run.checks import check_agent, check_env, check_model, check_rewards, check_tokenizer
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
     check_env(cfg, graph, model_path, console)
+    check_agent(graph, console)
     check_prompt_room(cfg, model_path, prompt_key, ((train_path, cfg.dataset.train_split),
                                                     (eval_path, cfg.dataset.eval_split)), console)
     return Prepared(run_dir=os.path.abspath(cfg.output_dir), model_path=model_path, train_path=train_path,

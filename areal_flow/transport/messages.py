@@ -170,6 +170,7 @@ class GeneratedGroup(msgspec.Struct, tag=True):
     samples: list[Sample]
     traffic: dict[str, int] = {}  # bytes sent so far by the process that generated it (a metric)
     times: dict[str, float] = {}  # wall clock (time.time()) of its stages so far: requested, generated
+    problem: str = ""  # why it cannot be trained, said where it was made (an agent that failed): dropped
 
 
 class ScoredGroup(msgspec.Struct, tag=True):
@@ -261,6 +262,7 @@ class GroupMeta(msgspec.Struct, tag=True):
     samples: list[SampleMeta]
     traffic: dict[str, int] = {}  # bytes sent so far by each process the group passed through (a metric)
     times: dict[str, float] = {}  # wall clock of its stages: requested, generated (rollout), scored (reward)
+    problem: str = ""  # why it cannot be trained, from the rollout worker (GeneratedGroup.problem)
 
 
 class Route(msgspec.Struct, tag=True):

@@ -1,0 +1,170 @@
+"""Rollouts run by an agent: any async function `run(client, row) -> reward` that talks to the
+policy through the official OpenAI client, trained on the exact tokens its calls sent and got.
+
+Each rollout opens a key on the worker's gateway (agents/gateway.py), hands the agent an
+`openai.AsyncOpenAI` client pointed at it and the dataset row, and waits for its reward within
+`agent_wall_seconds`. The gateway links the calls into trajectories (agents/trajectories.py); the
+rollout's sample is the trajectory of its last call, the one that ends with the final answer: its
+first prompt is the sample's prompt, what the agent added between calls (tool results) are
+observation tokens (loss mask 0). Other trajectories a rollout made (a drift's split, a second
+conversation) are counted (`agent/trajectories`), not trained.
+
+A rollout fails when the agent raises, outlasts its wall time, makes no call or returns no number:
+it runs again, `agent_retries` times, then its group is dropped with the failure named
+(`AgentFailed`; the ledger records the drop). Nothing an agent does ends the worker. An agent must
+not block the event loop (a synchronous sleep or busy loop would stall every rollout of the worker,
+and no wall time can cut it): blocking work goes to `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import math
+import time
+from typing import Any, Callable
+
+from areal_flow.agents.gateway import Gateway, Sampling
+from areal_flow.config.import_path import import_callable
+from areal_flow.generation.router import ServerPool
+from areal_flow.graph.keys import AGENT_REWARD
+from areal_flow.rollout.requests import turn_seed
+from areal_flow.transport.messages import Finish
+
+log = logging.getLogger("areal_flow.rollout")
+
+class AgentFailed(Exception):
+    """A rollout whose every run failed; the message names the agent and the last failure."""
+
+
+def load_agent(path: str, where: str) -> Callable:
+    """The async function `path` names ('package.module:function'); ValueError naming `where`."""
+    try:
+        fn = import_callable(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{where}: {path!r} is not an async function: an agent is "
+                         "`async def run(client: openai.AsyncOpenAI, row: dict) -> float`")
+    return fn
+
+
+def import_openai() -> Any:
+    try:
+        import openai
+    except ImportError:
+        raise ValueError("an agent's client is the `openai` package: pip install 'areal_flow[agents]'") from None
+    return openai
+
+
+def reward_of(value: Any) -> float:
+    """The rollout's reward from what the agent returned: a number, or per-turn numbers (summed).
+    ValueError for anything else, or a number that is not finite."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"returned {value!r}, not a reward (a number, or a list of per-turn numbers)")
+    reward = float(sum(values))
+    if not math.isfinite(reward):
+        raise ValueError(f"returned a reward that is not finite ({value!r})")
+    return reward
+
+
+@dataclasses.dataclass
+class AgentRunner:
+    """How the policy's generate node runs rollouts with an agent (graph.<node>.agent)."""
+
+    fn: Callable
+    name: str  # its import path, for messages
+    model: str  # the policy's model name on the servers (forced on every call)
+    wall_seconds: float
+    retries: int
+    gateway: Gateway | None = None
+
+    @classmethod
+    def of(cls, node: Any, model_path: str) -> "AgentRunner | None":
+        """The generate node's agent runner, or None when it names no agent."""
+        if node.agent is None:
+            return None
+        return cls(load_agent(node.agent, f"graph.{node.name}.agent"), node.agent, model_path,
+                   node.agent_wall_seconds, node.agent_retries)
+
+    async def _gateway(self, pool: ServerPool) -> Gateway:
+        if self.gateway is None:  # started on first use, in the loop that serves it
+            self.gateway = Gateway(pool, require_open=True)
+            await self.gateway.start()
+        return self.gateway
+
+    async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
+
+    async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
+                  rid: str, key: str, seed: int | None) -> dict:
+        """One rollout, run once (a held-out answer): a failure is an empty answer with reward 0."""
+        try:
+            return await self.attempt(await self._gateway(pool), row, params, key, seed)
+        except AgentFailed as e:
+            log.warning("%s", e)
+            return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
+                    "scalars": {AGENT_REWARD: 0.0, "agent/failed": 1.0}}
+
+    async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
+                        n: int, key: str, seed: int) -> list[dict]:
+        """A group's n rollouts, rollout i seeded seed + i; AgentFailed when one fails every run."""
+        gateway = await self._gateway(pool)
+        got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{i}", seed + i) for i in range(n)],
+                                   return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return got
+
+    async def rollout(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int) -> dict:
+        failures: list[str] = []
+        for attempt in range(self.retries + 1):
+            try:
+                # A run again draws other random numbers: the same ones could fail the same way.
+                got = await self.attempt(gateway, row, params, f"{key}-a{attempt}", turn_seed(seed, attempt * 1000))
+            except AgentFailed as e:
+                failures.append(str(e))
+                log.warning("rollout %s, run %d of %d: %s", key, attempt + 1, self.retries + 1, e)
+                continue
+            got["scalars"]["agent/failed_runs"] = float(attempt)
+            return got
+        raise AgentFailed(f"rollout {key} failed {len(failures)} run(s) (graph.generate.agent_retries="
+                          f"{self.retries}): {failures[-1]}")
+
+    async def attempt(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int | None) -> dict:
+        """One run of the agent: its last call's trajectory, its reward and the `agent/` scalars."""
+        openai = import_openai()
+        sampling = Sampling(forced={"model": self.model, "temperature": params["temperature"],
+                                    "top_p": params.get("top_p", 1.0)},
+                            defaults={"max_tokens": params["max_new_tokens"]},
+                            seeds=lambda call: turn_seed(seed, call))
+        client = openai.AsyncOpenAI(base_url=gateway.open(key, sampling), api_key="areal_flow", max_retries=0,
+                                    timeout=self.wall_seconds)
+        t0 = time.monotonic()
+        try:
+            value = await asyncio.wait_for(self.fn(client, dict(row)), self.wall_seconds)
+            reward = reward_of(value)
+        except asyncio.TimeoutError:
+            raise AgentFailed(f"agent {self.name} did not return within {self.wall_seconds:g} s "
+                              "(graph.generate.agent_wall_seconds)") from None
+        except Exception as e:  # noqa: BLE001 - whatever the user's agent raises fails this rollout only
+            raise AgentFailed(f"agent {self.name}: {type(e).__name__}: {e}") from e
+        finally:
+            recorder = gateway.take(key)
+            await client.close()
+        trajectory = recorder.last
+        if trajectory is None:
+            raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy")
+        scalars = {"reward": reward, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
+                   "drift_rate": recorder.drift_rate, "trajectories": float(len(recorder.trajectories)),
+                   "seconds": time.monotonic() - t0}
+        return {"prompt_ids": trajectory.prompt_ids, "output_ids": trajectory.output_ids,
+                "behav_logprobs": trajectory.logprobs, "versions": trajectory.versions,
+                "loss_mask": trajectory.loss_mask, "finish": Finish.STOP,
+                "drift": dataclasses.asdict(recorder.examples[0]) if recorder.examples else None,
+                "scalars": {f"agent/{name}": value for name, value in scalars.items()}}

@@ -1,0 +1,161 @@
+"""An agent's rollouts (rollout/agent.py) against a real server, through the runner's gateway: the
+agent's calls become one sample with what it added between them masked and its reward kept; the
+run's sampling is forced on every call; a drifting agent's sample is its last trajectory only; and
+an agent that raises, never returns, makes no call or returns no reward fails its rollout by name,
+run again before its group is given up, with nothing left behind on the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from generation_helpers import running_server, save_chat_model
+
+from areal_flow.generation.router import ServerPool
+from areal_flow.rollout.agent import AgentFailed, AgentRunner
+
+pytest.importorskip("openai")  # the agents extra's; not on the GPU image
+
+ADDED = " tool: 5\n"  # what the agents add between calls (a tool's result)
+PARAMS = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tokenizer = save_chat_model(path)
+    with running_server(str(path)) as server:
+        yield str(path), tokenizer, server
+
+
+async def two_calls(client, row, edit: bool = False, **kw) -> float:
+    kw = {"model": "policy", **kw}
+    first = await client.completions.create(prompt=row["prompt"], **kw)
+    said = first.choices[0].text
+    if edit:  # its own answer changed before it is sent back: what a history-rewriting template does
+        said = said[:1] + "!" + said[2:]
+    await client.completions.create(prompt=row["prompt"] + said + ADDED, **kw)
+    return 0.75
+
+
+def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS, seed=7):
+    runner = AgentRunner(agent, "tests:agent", model_path, wall, retries)
+
+    async def go():
+        async with ServerPool([server.url]) as pool:
+            try:
+                got = await runner.run_group(pool, None, {"prompt": "Q: 2+3"}, [], params, n, "g0", seed)
+            finally:
+                assert not runner.gateway.recorders and not runner.gateway.sampling  # nothing left behind
+                await runner.close()
+            return got
+
+    return asyncio.run(go())
+
+
+def test_an_agent_s_calls_become_one_sample_with_what_it_added_masked_and_its_reward(served):
+    model, tokenizer, server = served
+    (got,) = rollouts(model, server, two_calls)
+    assert got["prompt_ids"] == tokenizer.encode("Q: 2+3", add_special_tokens=False)
+    added = tokenizer.encode(ADDED, add_special_tokens=False)
+    assert got["loss_mask"] == [1] * 4 + [0] * len(added) + [1] * 4
+    assert got["output_ids"][4:4 + len(added)] == added
+    assert len(got["behav_logprobs"]) == len(got["versions"]) == len(got["output_ids"])
+    assert got["scalars"] == pytest.approx({"agent/reward": 0.75, "agent/calls": 2, "agent/drifts": 0,
+                                            "agent/drift_rate": 0, "agent/trajectories": 1, "agent/failed_runs": 0,
+                                            "agent/seconds": got["scalars"]["agent/seconds"]})
+    assert got["drift"] is None
+
+
+def test_the_run_s_sampling_is_forced_on_every_call_whatever_the_agent_asks(served):
+    model, _, server = served
+
+    async def hot(client, row):  # another model name and a hot temperature: both replaced
+        return await two_calls(client, row, model="not-the-policy", temperature=1.9)
+
+    greedy = {**PARAMS, "temperature": 0.0}
+    a, b = (rollouts(model, server, hot, params=greedy, seed=s)[0]["output_ids"] for s in (1, 2))
+    assert a == b  # greedy, whatever the seed: the run's temperature 0 was used
+    c, d = (rollouts(model, server, hot, params=PARAMS, seed=s)[0]["output_ids"] for s in (1, 2))
+    assert c == rollouts(model, server, hot, params=PARAMS, seed=1)[0]["output_ids"] != d  # seeded by the rollout
+
+
+def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_counted(served):
+    model, tokenizer, server = served
+
+    async def drifting(client, row):
+        return await two_calls(client, row, edit=True)
+
+    (got,) = rollouts(model, server, drifting)
+    assert got["scalars"]["agent/drifts"] == 1 and got["scalars"]["agent/drift_rate"] == 0.5
+    assert got["scalars"]["agent/trajectories"] == 2
+    # The edited history is the sample's prompt, never trained; only the last answer is the policy's.
+    prompt = tokenizer.decode(got["prompt_ids"])
+    assert prompt[len("Q: 2+3") + 1] == "!" and prompt.endswith(ADDED)
+    assert got["loss_mask"] == [1] * 4 and len(got["output_ids"]) == 4
+    assert got["drift"]["position"] == len(tokenizer.encode("Q: 2+3", add_special_tokens=False)) + 1
+
+
+def test_an_agent_that_raises_is_run_again_then_fails_its_group_by_name(served):
+    model, _, server = served
+    runs = []
+
+    async def once_broken(client, row):
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError("the tool server is down")
+        return await two_calls(client, row)
+
+    (got,) = rollouts(model, server, once_broken)
+    assert got["scalars"]["agent/failed_runs"] == 1 and got["scalars"]["agent/calls"] == 2
+
+    async def broken(client, row):
+        await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
+        raise RuntimeError("the tool server is down")
+
+    with pytest.raises(AgentFailed, match=r"rollout g0-\d failed 3 run\(s\) \(graph.generate.agent_retries=2\): "
+                                          r"agent tests:agent: RuntimeError: the tool server is down"):
+        rollouts(model, server, broken, n=2, retries=2)
+
+
+def test_an_agent_that_never_returns_is_cut_at_its_wall_time(served):
+    model, _, server = served
+
+    async def stuck(client, row):
+        await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
+        await asyncio.sleep(3600)
+
+    t0 = time.monotonic()
+    with pytest.raises(AgentFailed, match=r"agent tests:agent did not return within 0.5 s "
+                                          r"\(graph.generate.agent_wall_seconds\)"):
+        rollouts(model, server, stuck, retries=1, wall=0.5)
+    assert time.monotonic() - t0 < 10  # two runs of 0.5 s, not an hour
+
+
+@pytest.mark.parametrize("agent, why", [
+    (lambda: "yes", r"returned 'yes', not a reward"),
+    (lambda: float("nan"), r"not finite"),
+    (lambda: 1.0, r"returned 1.0 without calling the policy"),
+])
+def test_an_agent_with_no_reward_or_no_call_fails_by_name(served, agent, why):
+    model, _, server = served
+
+    async def run(client, row):
+        if agent() != 1.0:
+            await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
+        return agent()
+
+    with pytest.raises(AgentFailed, match=why):
+        rollouts(model, server, run, retries=0)
+
+
+def test_per_turn_rewards_are_summed(served):
+    model, _, server = served
+
+    async def per_turn(client, row):
+        await two_calls(client, row)
+        return [0.5, 0.25, 1]
+
+    (got,) = rollouts(model, server, per_turn)
+    assert got["scalars"]["agent/reward"] == 1.75

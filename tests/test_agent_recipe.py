@@ -1,0 +1,39 @@
+"""The agent recipe end to end: its agent's calls train as trajectories with the gateway's figures
+in every step row, and an agent that raises costs its group, dropped by name in the ledger, never
+the rollout worker or the run."""
+
+import json
+from pathlib import Path
+
+import pytest
+from run_helpers import TRAIN_EVERY_GROUP, check_accounting, jsonl, launch_recipe, steps_of
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("openai")  # the agents extra's
+
+
+def test_an_agent_run_trains_its_trajectories_and_drops_the_groups_it_failed_by_name(tmp_path, run_cache):
+    run_dir = tmp_path / "agent"
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_agent", "eval_at_start=false", "total_steps=3",
+                      TRAIN_EVERY_GROUP, "model.bootstrap_steps=5", "graph.generate.agent=flaky_agent:run",
+                      "graph.generate.agent_retries=0", "dump.every_steps=1",
+                      env={"PYTHONPATH": str(Path(__file__).parent / "agents")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "restarted" not in r.stdout  # no process died for it
+    check_accounting(run_dir, eta=2, drops=True)  # every group trained once or dropped once, staleness within η
+    drops = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "drop"]
+    assert drops and all(e["reason"].startswith("rollout g") and "agent flaky_agent:run: RuntimeError: no tool for "
+                         in e["reason"] for e in drops)
+    for m in steps_of(run_dir):
+        # A model bootstrapped 5 steps samples <unk> now and then, which the answer's text leaves
+        # out: the agent sends the text back without it, a drift, counted (a trained model: 0).
+        assert 0 <= m["agent/drift_rate"] <= 0.5 and m["agent/calls"] >= 1 and m["agent/trajectories"] >= 1
+        assert m["agent/failed_runs"] == 0 and 0 <= m["agent/reward"] <= 1
+    trained = [r for f in sorted((run_dir / "dumps").glob("step-*.jsonl")) for r in jsonl(f)]
+    assert trained and all(int(r["fields"]["answer"]) % 2 == 0 for r in trained)  # only the even ones trained
+    for r in trained:  # a drifted rollout's dump shows where: the recorded and the sent tokens part there
+        if "agent_drift" in r["fields"]:
+            drift = json.loads(r["fields"]["agent_drift"])
+            assert drift["recorded"][0] != drift["sent"][0]
+    (end,) = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "eval"]
+    assert 0 <= end["accuracy"] <= 1 and "agent/drift_rate" in end
