@@ -19,8 +19,8 @@ CHECK = ROOT / "tools" / "gpu_check.sh"
 
 # The GPU image has these, with their own dependencies.
 IMAGE = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "huggingface-hub", "triton"}
-# Imported only when enabled (a launcher, a metrics writer, a data format, a backend or a benchmark).
-OPTIONAL = {"ray", "wandb", "tensorboard", "datasets", "pyarrow", "sglang", "trl", "accelerate"}
+# Imported only when enabled (a launcher, a metrics writer, a data format, a backend, a benchmark or an agent).
+OPTIONAL = {"ray", "wandb", "tensorboard", "datasets", "pyarrow", "sglang", "trl", "accelerate", "openai"}
 STEPS = ["install", "pytest_gpu", "gpu_smoke", "bench_engine", "bench_generation"]
 
 
