@@ -2,7 +2,6 @@
 in every step row, and an agent that raises costs its group, dropped by name in the ledger, never
 the rollout worker or the run."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,12 @@ def test_an_agent_run_trains_its_trajectories_and_drops_the_groups_it_failed_by_
     assert drops and all(e["reason"].startswith("rollout g") and "agent flaky_agent:run: RuntimeError: no tool for "
                          in e["reason"] for e in drops)
     for m in steps_of(run_dir):
-        # A model bootstrapped 5 steps samples <unk> now and then, which the answer's text leaves
-        # out: the agent sends the text back without it, a drift, counted (a trained model: 0).
-        assert 0 <= m["agent/drift_rate"] <= 0.5 and m["agent/calls"] >= 1 and m["agent/trajectories"] >= 1
+        # A model bootstrapped 5 steps samples <unk> now and then: the agent asks for the text with
+        # special tokens kept, so it sends back the tokens it got, and nothing drifts.
+        assert m["agent/drift_rate"] == 0 and m["agent/calls"] >= 1 and m["agent/trajectories"] == 1
         assert m["agent/failed_runs"] == 0 and 0 <= m["agent/reward"] <= 1
     trained = [r for f in sorted((run_dir / "dumps").glob("step-*.jsonl")) for r in jsonl(f)]
     assert trained and all(int(r["fields"]["answer"]) % 2 == 0 for r in trained)  # only the even ones trained
-    for r in trained:  # a drifted rollout's dump shows where: the recorded and the sent tokens part there
-        if "agent_drift" in r["fields"]:
-            drift = json.loads(r["fields"]["agent_drift"])
-            assert drift["recorded"][0] != drift["sent"][0]
+    assert not [r for r in trained if "agent_drift" in r["fields"]]
     (end,) = [m for m in jsonl(run_dir / "metrics.jsonl") if m["event"] == "eval"]
-    assert 0 <= end["accuracy"] <= 1 and "agent/drift_rate" in end
+    assert 0 <= end["accuracy"] <= 1 and end["agent/drift_rate"] == 0

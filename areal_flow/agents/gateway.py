@@ -14,7 +14,8 @@ applied to each call: the policy's model name and temperature/top_p (the trainer
 policy's logprobs at the run's temperature, so an agent may not sample at another), and where the
 agent sets none, the answer budget and a seed of its own for each call.
 
-FastAPI on uvicorn, served from the caller's event loop (`start`), as the generation server is.
+Starlette on uvicorn, served from the caller's event loop (`start`); the agent runner's clients
+call the app in process (rollout/agent.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any, Callable
 
 import msgspec
 import uvicorn
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client import GenerationError
@@ -76,10 +79,11 @@ class Gateway:
         self.pool, self.host, self.require_open = pool, host, require_open
         self.recorders: dict[str, Recorder] = {}
         self.sampling: dict[str, Sampling] = {}
-        self.app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        for path in OPENAI_PATHS:
-            self.app.add_api_route(f"/t/{{key}}/v1/{path}", self._forwarder(f"/v1/{path}"), methods=["POST"])
-        self.app.add_api_route("/t/{key}/v1/models", self._models, methods=["GET"])
+        # Starlette, FastAPI's core: the gateway checks no request models, and FastAPI's layers cost
+        # the rollout worker a tenth of its CPU in an agent run (py-spy; bench_gateway.py).
+        routes = [Route(f"/t/{{key}}/v1/{path}", self._forwarder(f"/v1/{path}"), methods=["POST"])
+                  for path in OPENAI_PATHS]
+        self.app = Starlette(routes=[*routes, Route("/t/{key}/v1/models", self._models, methods=["GET"])])
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -115,7 +119,8 @@ class Gateway:
             await self._task
 
     def _forwarder(self, path: str):
-        async def forward(key: str, request: Request) -> Response:
+        async def forward(request: Request) -> Response:
+            key = request.path_params["key"]
             # Bodies pass through as bytes, decoded once (msgspec) to check the request and to
             # record the answer, never encoded again: the gateway's cost is a call's (bench_gateway.py).
             raw = await request.body()
@@ -149,7 +154,7 @@ class Gateway:
 
         return forward
 
-    async def _models(self, key: str) -> JSONResponse:
+    async def _models(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.pool.servers[0].client.get("/v1/models"))
 
 

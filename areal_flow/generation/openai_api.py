@@ -61,6 +61,7 @@ class OpenAICall:
     logprobs: int | None  # top alternatives per token to report (0: the chosen token only); None: none
     tools: bool  # parse tool calls out of the answers
     echo_usage: bool  # stream_options.include_usage
+    skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's and SGLang's field)
 
     def requests(self) -> list[GenerationRequest]:
         """The call's n engine requests (one prompt, shared by the engine's prefill); with a
@@ -139,7 +140,8 @@ def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, contex
         raise openai_error(400, "stream_options must be an object", "stream_options")
     return OpenAICall(chat=chat, model=model, prompt_ids=prompt, params=params,
                       n=_number(body, "n", int, 1, 1, MAX_N), stream=_bool(body, "stream", False),
-                      logprobs=logprobs, tools=parse_tools, echo_usage=bool(options.get("include_usage")))
+                      logprobs=logprobs, tools=parse_tools, echo_usage=bool(options.get("include_usage")),
+                      skip_special_tokens=_bool(body, "skip_special_tokens", True))
 
 
 def _bool(body: dict, key: str, default: bool) -> bool:
@@ -268,9 +270,15 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict]) -> str:
 # ---- answers -------------------------------------------------------------------------------------
 
 
-def answer_text(result: GenerationResult, tokenizer: Any) -> str:
-    """The answer as text, without the eos or the stop string that ended it (OpenAI's)."""
-    text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else ""
+def answer_text(result: GenerationResult, tokenizer: Any, skip_special_tokens: bool = True) -> str:
+    """The answer as text, without the eos or the stop string that ended it (OpenAI's). With
+    `skip_special_tokens` false, the special tokens it wrote before its end stay in the text, so
+    that an agent that sends the text back sends the tokens back (a sampled `<unk>` left out of the
+    text would be a drift, agents/trajectories.py)."""
+    ids = result.output_ids
+    if result.finish_reason == "stop" and isinstance(result.matched_stop, int) and ids and ids[-1] == result.matched_stop:
+        ids = ids[:-1]  # the end-of-sequence token that ended it
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
     if result.finish_reason == "stop" and isinstance(result.matched_stop, str):
         text = text[: text.find(result.matched_stop)] if result.matched_stop in text else text
     return text
@@ -327,7 +335,7 @@ def logprobs_of(call: OpenAICall, result: GenerationResult, tokenizer: Any) -> d
 
 
 def choice(call: OpenAICall, index: int, result: GenerationResult, tokenizer: Any) -> dict:
-    text, reason = answer_text(result, tokenizer), finish_reason(result)
+    text, reason = answer_text(result, tokenizer, call.skip_special_tokens), finish_reason(result)
     out: dict[str, Any] = {"index": index}
     if call.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -395,7 +403,10 @@ class OpenAIStream:
     def _shown(self, ids: list[int]) -> str:
         """The text of unfinished tokens that will not change: up to a partly decoded character or
         a possible start of a stop string."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        skip = self.call.skip_special_tokens
+        if not skip and ids and self.tokenizer is not None and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]  # the end, never text (answer_text)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip) if self.tokenizer is not None else ""
         text = text.rstrip("\ufffd")
         longest = max((len(s) for s in self.call.params.stop), default=1)
         return text[: len(text) - (longest - 1)] if longest > 1 else text

@@ -141,9 +141,10 @@ async def _results_unless_gone(server: GenerationServer, call: Call, futures: li
 
 OPENAI_FIELDS = {
     True: frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-                     "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice"}),
+                     "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
+                     "skip_special_tokens"}),
     False: frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-                      "stream_options", "logprobs"}),
+                      "stream_options", "logprobs", "skip_special_tokens"}),
 }
 """The fields /v1/chat/completions (True) and /v1/completions (False) read (openai_api.IGNORED: those they ignore)."""
 

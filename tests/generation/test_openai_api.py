@@ -105,15 +105,24 @@ def test_tools_are_rendered_into_the_prompt(chat_server, client):
     assert "<tool_response>\n5\n</tool_response>" in prompt
 
 
-def _answer(tokenizer, text: str) -> dict:
-    """The chat response for an answer that decoded to `text` (as the model ended it with eos)."""
-    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+def _answer(tokenizer, text: str, ids: list[int] | None = None, **call_kw) -> dict:
+    """The chat response for an answer that decoded to `text` (or of the tokens `ids`), as the
+    model ended it with eos."""
+    ids = (ids or tokenizer.encode(text)) + [tokenizer.eos_token_id]
     result = GenerationResult(rid="r", prompt_tokens=3, output_ids=ids, output_logprobs=[-0.5] * len(ids),
                               output_versions=[2] * len(ids), finish_reason="stop",
                               matched_stop=tokenizer.eos_token_id, weight_version=2)
     call = OpenAICall(chat=True, model="m", prompt_ids=(1, 2, 3), params=SamplingParams(), n=1, stream=False,
-                      logprobs=None, tools=True, echo_usage=False)
+                      logprobs=None, tools=True, echo_usage=False, **call_kw)
     return build_response(call, [result], tokenizer)["choices"][0]
+
+
+def test_special_tokens_stay_in_the_text_when_asked_so_that_the_text_is_the_tokens():
+    tokenizer = build_char_tokenizer(CODE_CHARS, chat=True)
+    ids = tokenizer.encode("ab", add_special_tokens=False) + [tokenizer.unk_token_id] + tokenizer.encode("c")
+    assert _answer(tokenizer, "", ids)["message"]["content"] == "abc"  # OpenAI's default: left out
+    kept = _answer(tokenizer, "", ids, skip_special_tokens=False)["message"]["content"]
+    assert kept == "ab<unk>c" and tokenizer.encode(kept, add_special_tokens=False) == ids  # the eos that ended it is not text
 
 
 def test_tool_calls_are_parsed_and_malformed_ones_stay_text():

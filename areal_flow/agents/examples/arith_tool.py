@@ -4,7 +4,8 @@ The agent asks the policy to continue the problem's text (`/v1/completions`) unt
 `<python>` call; it runs the code in the sandbox, as the python_tool environment does, appends what
 it printed and asks again; a turn without a call is the final answer, which it scores itself (the
 `####` line against the row's answer). Every text it sends extends the text it got, so the gateway
-links the calls into one trajectory token for token: `agent/drift_rate` stays 0.
+links the calls into one trajectory token for token: `agent/drift_rate` stays 0 (special tokens kept
+in the text: `skip_special_tokens: false`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ async def run(client: openai.AsyncOpenAI, row: dict) -> float:
     text = row["prompt"]
     for _ in range(MAX_CALLS):
         try:
-            out = await client.completions.create(model="policy", prompt=text, stop=[SETTINGS.close])
+            # Special tokens stay in the text (vLLM's and SGLang's field too): a sampled `<unk>` the
+            # text left out would make the next prompt differ from the tokens (a drift).
+            out = await client.completions.create(model="policy", prompt=text, stop=[SETTINGS.close],
+                                                  extra_body={"skip_special_tokens": False})
         except openai.BadRequestError:  # no room left in the model's context: the answer so far stands
             return 0.0
         choice = out.choices[0]
