@@ -14,6 +14,7 @@ from areal_flow.run.checks import check_agent, validate
 from areal_flow.runtime.spec import typed
 
 pytest.importorskip("openai")  # the agents extra's
+pytestmark = pytest.mark.slow  # a server and Hydra composes: 8-11 s; the fast tier keeps its 3 minutes
 
 
 def config(*overrides: str):

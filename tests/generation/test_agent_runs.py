@@ -16,6 +16,7 @@ from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.agent import AgentFailed, AgentRunner
 
 pytest.importorskip("openai")  # the agents extra's; not on the GPU image
+pytestmark = pytest.mark.slow  # a server and Hydra composes: 8-11 s; the fast tier keeps its 3 minutes
 
 ADDED = " tool: 5\n"  # what the agents add between calls (a tool's result)
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0}
