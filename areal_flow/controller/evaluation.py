@@ -72,9 +72,11 @@ async def held_out_accuracy(
     run = uuid.uuid4().hex[:8]  # request ids of this evaluation's own
     answers = await asyncio.gather(*[answer(pool, tokenizer, row[prompt_key], row, params, turns, f"eval-{run}-{i}")
                                      for i, row in enumerate(rows)])
-    scores = await asyncio.gather(*[given(figures[AGENT_REWARD]) if AGENT_REWARD in figures and agent_scores
-                                    else score(text, row[reference_key])
-                                    for (text, _, _, figures), row in zip(answers, rows)])
+
+    async def scored(text: str, row: dict, figures: dict[str, float]) -> float:
+        return figures[AGENT_REWARD] if agent_scores else await score(text, row[reference_key])
+
+    scores = await asyncio.gather(*[scored(text, row, figures) for (text, _, _, figures), row in zip(answers, rows)])
     versions: dict[int, int] = {}
     for _, _, v, _ in answers:
         versions[v] = versions.get(v, 0) + 1
@@ -86,10 +88,6 @@ async def held_out_accuracy(
     return Evaluation(sum(s >= 1.0 for s in scores) / len(rows), len(rows), versions,
                       [{k: r[k] for k in ("prompt", "answer", "reference", "score")} for r in records[:SHOWN_SAMPLES]],
                       records, means)
-
-
-async def given(value: float) -> float:
-    return value
 
 
 async def answer(pool: ServerPool, tokenizer, prompt: str, row: dict, params: dict, turns, rid: str

@@ -51,8 +51,7 @@ from areal_flow.graph.keys import KEYS
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import AGENT_FN, RewardService
-from areal_flow.rollout.agent import AgentRunner
-from areal_flow.rollout.turns import Turns
+from areal_flow.rollout.agent import runner_of
 from areal_flow.runtime.disk import writing
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
@@ -140,7 +139,7 @@ class Controller:
             self.restore(spec.resume)
         self.tokenizer = load_tokenizer(spec.model_path)
         # Held-out trajectories take turns too, or are an agent's rollouts.
-        self.turns = Turns.of(graph.generate, cfg, spec.model_path) or AgentRunner.of(graph.generate, spec.model_path)
+        self.turns = runner_of(graph.generate, cfg, spec.model_path)
         # The prompt templates are applied here only: rollout workers and the held-out evaluation
         # read the prompt field of these rows as it is.
         ds, prompt_key = cfg.dataset, graph.dataset_input(gen)

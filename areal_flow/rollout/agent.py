@@ -31,6 +31,7 @@ from areal_flow.config.import_path import import_callable
 from areal_flow.generation.router import ServerPool
 from areal_flow.graph.keys import AGENT_REWARD
 from areal_flow.rollout.requests import turn_seed
+from areal_flow.rollout.turns import Turns
 from areal_flow.transport.messages import Finish
 
 log = logging.getLogger("areal_flow.rollout")
@@ -49,6 +50,12 @@ def load_agent(path: str, where: str) -> Callable:
         raise ValueError(f"{where}: {path!r} is not an async function: an agent is "
                          "`async def run(client: openai.AsyncOpenAI, row: dict) -> float`")
     return fn
+
+
+def runner_of(node: Any, cfg: Any, model_path: str) -> "Turns | AgentRunner | None":
+    """How the policy's generate node runs a sample: an environment's turns (rollout/turns.py), an
+    agent's calls, or None (one turn a sample)."""
+    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path)
 
 
 def import_openai() -> Any:

@@ -22,10 +22,9 @@ from areal_flow.generation.router import ServerPool
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rollout.agent import AgentFailed, AgentRunner
+from areal_flow.rollout.agent import AgentFailed, runner_of
 from areal_flow.rollout.judge import make_judge
 from areal_flow.rollout.requests import generate_group, group_seed
-from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -64,7 +63,7 @@ class RolloutWorker:
         # Each judge, and the key its answer goes under (docs/judge.md).
         self.judges = [(make_judge(cfg, spec, node), graph.output(node, "judge_ids")) for node in graph.judges]
         # None: one turn a sample; else an environment's turns or an agent's calls.
-        self.turns = Turns.of(graph.generate, cfg, spec.model_path) or AgentRunner.of(graph.generate, spec.model_path)
+        self.turns = runner_of(graph.generate, cfg, spec.model_path)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None
         # Generated groups not yet scored and routed: sent again should a reward worker die with them.
