@@ -1,6 +1,7 @@
-"""The agent recipe end to end: its agent's calls train as trajectories with the gateway's figures
-in every step row, and an agent that raises costs its group, dropped by name in the ledger, never
-the rollout worker or the run."""
+"""The agent recipe end to end, its weight updates interrupting the agents' calls (the gateway
+carries a cut answer on): its agent's calls train as trajectories with the gateway's figures in
+every step row, every token within the staleness bound, and an agent that raises costs its group,
+dropped by name in the ledger, never the rollout worker or the run."""
 
 from pathlib import Path
 
@@ -16,6 +17,7 @@ def test_an_agent_run_trains_its_trajectories_and_drops_the_groups_it_failed_by_
     r = launch_recipe(run_dir, run_cache, "tiny_arith_agent", "eval_at_start=false", "total_steps=3",
                       TRAIN_EVERY_GROUP, "model.bootstrap_steps=5", "graph.generate.agent=flaky_agent:run",
                       "graph.generate.agent_retries=0", "dump.every_steps=1",
+                      "rollout.interrupt=true",
                       env={"PYTHONPATH": str(Path(__file__).parent / "agents")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "restarted" not in r.stdout  # no process died for it
@@ -27,7 +29,7 @@ def test_an_agent_run_trains_its_trajectories_and_drops_the_groups_it_failed_by_
         # A model bootstrapped 5 steps samples <unk> now and then: the agent asks for the text with
         # special tokens kept, so it sends back the tokens it got, and nothing drifts.
         assert m["agent/drift_rate"] == 0 and m["agent/calls"] >= 1 and m["agent/trajectories"] == 1
-        assert m["agent/failed_runs"] == 0 and 0 <= m["agent/reward"] <= 1
+        assert m["agent/failed_runs"] == 0 and 0 <= m["agent/reward"] <= 1 and m["agent/resumes"] >= 0
     trained = [r for f in sorted((run_dir / "dumps").glob("step-*.jsonl")) for r in jsonl(f)]
     assert trained and all(int(r["fields"]["answer"]) % 2 == 0 for r in trained)  # only the even ones trained
     assert not [r for r in trained if "agent_drift" in r["fields"]]

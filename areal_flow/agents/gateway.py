@@ -7,7 +7,9 @@ key, so a rollout's calls stay on one server (its prefix cache holds their histo
 spread by load; a failed server's calls are retried on another. The server's answer carries the
 call's exact tokens (openai_api.py's extension fields): the gateway hands them to the key's
 Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
-the answer unchanged. `stream: true` is refused for now: a recorded answer is a whole one.
+the answer unchanged. A choice a weight update cut (`finish_reason: abort`, an interruptible run)
+is carried on to its end first (resume.py), so the agent gets and the record keeps one whole
+answer. `stream: true` is refused for now: a recorded answer is a whole one.
 
 A key opened with `open(key, Sampling(...))` (the agent runner's rollouts) has the run's sampling
 applied to each call: the policy's model name and temperature/top_p (the trainer computes the
@@ -32,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from areal_flow.agents import resume
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client import GenerationError
 from areal_flow.generation.router import ServerPool, ServerPoolError
@@ -45,6 +48,7 @@ class Choice(msgspec.Struct):
     token_ids: list[int]
     output_token_logprobs: list[float]
     output_token_versions: list[int]
+    finish_reason: str | None = None
 
 
 class Answer(msgspec.Struct):
@@ -73,10 +77,12 @@ class Gateway:
     """Serves `/t/{key}/v1/chat/completions`, `/t/{key}/v1/completions` and `/t/{key}/v1/models`
     for the agents of one rollout worker; `recorders[key]` holds each key's trajectories."""
 
-    def __init__(self, pool: ServerPool, host: str = "127.0.0.1", require_open: bool = False) -> None:
+    def __init__(self, pool: ServerPool, host: str = "127.0.0.1", require_open: bool = False,
+                 tokenizer: Any = None) -> None:
         # require_open: a call on a key not opened (or taken already: a call the rollout's wall time
-        # cut off, answered late) is refused, and nothing is recorded for it.
-        self.pool, self.host, self.require_open = pool, host, require_open
+        # cut off, answered late) is refused, and nothing is recorded for it. tokenizer: the policy's,
+        # to derive a resumed answer's text (None: a cut answer comes back cut).
+        self.pool, self.host, self.require_open, self.tokenizer = pool, host, require_open, tokenizer
         self.recorders: dict[str, Recorder] = {}
         self.sampling: dict[str, Sampling] = {}
         # Starlette, FastAPI's core: the gateway checks no request models, and FastAPI's layers cost
@@ -146,6 +152,11 @@ class Gateway:
             if self.require_open and key not in self.sampling:  # the rollout ended while the call ran
                 return _error(404, f"rollout {key!r} ended while this call ran: its answer is not recorded")
             answer = msgspec.json.decode(data, type=Answer)
+            if self.tokenizer is not None and any(c.finish_reason == "abort" for c in answer.choices):
+                try:
+                    data, answer = await self._resumed(key, path, msgspec.json.decode(raw), data)
+                except (GenerationError, ServerPoolError) as exc:
+                    return _error(502, f"an answer cut by a weight update could not be carried on: {exc}")
             recorder = self.recorders.setdefault(key, Recorder())
             for choice in answer.choices:
                 recorder.record(answer.prompt_token_ids, choice.token_ids, choice.output_token_logprobs,
@@ -153,6 +164,32 @@ class Gateway:
             return Response(data, media_type="application/json")
 
         return forward
+
+    async def _resumed(self, key: str, path: str, body: dict, data: bytes) -> tuple[bytes, Answer]:
+        """The answer `data` to `body` with each cut choice carried on to its end (resume.py)."""
+        whole = msgspec.json.decode(data)
+        prompt = whole["prompt_token_ids"]
+        for index, choice in enumerate(whole["choices"]):
+            resumes = 0
+            while resume.cut(choice) and resume.budget_left(body, choice) != 0 and resumes < resume.MAX_RESUMES:
+                if self.require_open and key not in self.sampling:
+                    break  # the rollout ended: nothing will read the rest
+                rest = msgspec.json.encode(resume.continuation(body, prompt, index, choice))
+                more = await self.pool.post("/v1/completions", lambda _: rest, key=key, abortable=False)
+                resume.stitch(choice, msgspec.json.decode(more)["choices"][0])
+                resumes += 1
+            if resume.cut(choice) and resume.budget_left(body, choice) == 0:
+                choice["finish_reason"] = "length"  # cut at its last token: a truncation like any other
+            elif not resumes:
+                continue
+            whole["choices"][index] = {**resume.rederived(body, path.endswith("chat/completions"), index, choice,
+                                                          whole["model"], self.tokenizer), "resumes": resumes}
+            self.recorders.setdefault(key, Recorder()).resumes += resumes
+        if isinstance(whole.get("usage"), dict):
+            completion = sum(len(c["token_ids"]) for c in whole["choices"])
+            whole["usage"].update(completion_tokens=completion, total_tokens=len(prompt) + completion)
+        data = msgspec.json.encode(whole)
+        return data, msgspec.json.decode(data, type=Answer)
 
     async def _models(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.pool.servers[0].client.get("/v1/models"))

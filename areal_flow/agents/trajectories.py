@@ -75,6 +75,7 @@ class Recorder:
     drifts: int = 0
     calls: int = 0
     examples: list[DriftExample] = field(default_factory=list)
+    resumes: int = 0  # continuations of answers a weight update cut (the gateway's, agents/resume.py)
     last: Trajectory | None = None  # the trajectory the latest call joined (its final answer's)
 
     def record(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], versions: list[int]

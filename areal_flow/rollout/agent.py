@@ -99,15 +99,15 @@ class AgentRunner:
         return cls(load_agent(node.agent, f"graph.{node.name}.agent"), node.agent, model_path,
                    node.agent_wall_seconds, node.agent_retries)
 
-    async def _gateway(self, pool: ServerPool) -> Gateway:
+    async def _gateway(self, pool: ServerPool, tokenizer: Any) -> Gateway:
         """The worker's gateway, started by the first rollout (in the loop that serves it); the
         rollouts that come while it starts wait for it."""
         if self.starting is None:
-            self.starting = asyncio.ensure_future(self._start(pool))
+            self.starting = asyncio.ensure_future(self._start(pool, tokenizer))
         return await asyncio.shield(self.starting)
 
-    async def _start(self, pool: ServerPool) -> Gateway:
-        gateway = Gateway(pool, require_open=True)
+    async def _start(self, pool: ServerPool, tokenizer: Any) -> Gateway:
+        gateway = Gateway(pool, require_open=True, tokenizer=tokenizer)
         await gateway.start()
         # Measured (py-spy, tiny_arith_agent): an openai client made for each rollout spent 47% of
         # the worker's CPU making its own HTTP client (an SSL context each). One shared client,
@@ -129,7 +129,7 @@ class AgentRunner:
                   rid: str, key: str, seed: int | None) -> dict:
         """One rollout, run once (a held-out answer): a failure is an empty answer with reward 0."""
         try:
-            return await self.attempt(await self._gateway(pool), row, params, key, seed)
+            return await self.attempt(await self._gateway(pool, tokenizer), row, params, key, seed)
         except AgentFailed as e:
             log.warning("%s", e)
             return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
@@ -138,7 +138,7 @@ class AgentRunner:
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
                         n: int, key: str, seed: int) -> list[dict]:
         """A group's n rollouts, rollout i seeded seed + i; AgentFailed when one fails every run."""
-        gateway = await self._gateway(pool)
+        gateway = await self._gateway(pool, tokenizer)
         got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{i}", seed + i) for i in range(n)],
                                    return_exceptions=True)
         for g in got:
@@ -186,7 +186,7 @@ class AgentRunner:
             raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy")
         scalars = {"reward": reward, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
                    "drift_rate": recorder.drift_rate, "trajectories": float(len(recorder.trajectories)),
-                   "seconds": time.monotonic() - t0}
+                   "resumes": float(recorder.resumes), "seconds": time.monotonic() - t0}
         return {"prompt_ids": trajectory.prompt_ids, "output_ids": trajectory.output_ids,
                 "behav_logprobs": trajectory.logprobs, "versions": trajectory.versions,
                 "loss_mask": trajectory.loss_mask, "finish": Finish.STOP,

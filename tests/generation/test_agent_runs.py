@@ -65,7 +65,7 @@ def test_an_agent_s_calls_become_one_sample_with_what_it_added_masked_and_its_re
     assert len(got["behav_logprobs"]) == len(got["versions"]) == len(got["output_ids"])
     assert got["scalars"] == pytest.approx({"agent/reward": 0.75, "agent/calls": 2, "agent/drifts": 0,
                                             "agent/drift_rate": 0, "agent/trajectories": 1, "agent/failed_runs": 0,
-                                            "agent/seconds": got["scalars"]["agent/seconds"]})
+                                            "agent/resumes": 0, "agent/seconds": got["scalars"]["agent/seconds"]})
     assert got["drift"] is None
 
 
