@@ -9,7 +9,7 @@ call's exact tokens (openai_api.py's extension fields): the gateway hands them t
 Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
 the answer unchanged. A choice a weight update cut (`finish_reason: abort`, an interruptible run)
 is carried on to its end first (resume.py), so the agent gets and the record keeps one whole
-answer. `stream: true` is refused for now: a recorded answer is a whole one.
+answer. A call with `stream: true` is asked for whole too and streamed back as it ends (sse.py).
 
 A key opened with `open(key, Sampling(...))` (the agent runner's rollouts) has the run's sampling
 applied to each call: the policy's model name and temperature/top_p (the trainer computes the
@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from areal_flow.agents import resume
+from areal_flow.agents import resume, sse
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client import GenerationError
 from areal_flow.generation.router import ServerPool, ServerPoolError
@@ -136,8 +136,13 @@ class Gateway:
                 return _error(400, f"the request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the request body must be a JSON object")
-            if body.get("stream"):
-                return _error(400, "the gateway records whole answers: send stream=false", "stream")
+            stream = body.get("stream") is True
+            if stream:  # asked for whole (recorded whole), streamed back as it ends (sse.py)
+                options = body.get("stream_options") or {}
+                if not isinstance(options, dict):
+                    return _error(400, "stream_options must be an object", "stream_options")
+                body, include_usage = sse.streamed(body), bool(options.get("include_usage"))
+                raw = msgspec.json.encode(body)
             if self.require_open and key not in self.sampling:
                 return _error(404, f"no rollout {key!r} is open on this gateway (it ended, or never began)")
             if (sampling := self.sampling.get(key)) is not None:
@@ -161,6 +166,9 @@ class Gateway:
             for choice in answer.choices:
                 recorder.record(answer.prompt_token_ids, choice.token_ids, choice.output_token_logprobs,
                                 choice.output_token_versions)
+            if stream:
+                return Response(b"".join(sse.chunks(msgspec.json.decode(data), path.endswith("chat/completions"),
+                                                    include_usage)), media_type="text/event-stream")
             return Response(data, media_type="application/json")
 
         return forward

@@ -51,9 +51,9 @@ def run_agents(model: str, servers, edits: dict[str, bool]):
                 client = next(iter(clients.values()))
                 with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
                     await client.chat.completions.create(model=model, messages=[], max_tokens=2)
-                with pytest.raises(openai.BadRequestError, match="send stream=false"):
+                with pytest.raises(openai.BadRequestError, match="stream_options must be an object"):
                     await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                                         max_tokens=2, stream=True)
+                                                         max_tokens=2, stream=True, stream_options=3)
                 return {key: gateway.take(key) for key in edits}
             finally:
                 await gateway.stop()
@@ -91,3 +91,36 @@ def test_an_agent_that_edits_its_history_drifts_and_nothing_edited_is_trained(tw
     assert "!" in tokenizer.decode(second.prompt_ids) and second.loss_mask == [1] * len(second.output_ids)
     (example,) = editor.examples  # ... as its prompt, never trained; the example shows where
     assert tokenizer.decode(example.sent).startswith("!")
+
+
+def test_a_streamed_call_gets_the_answer_s_chunks_and_is_recorded_like_a_whole_one(two_servers):
+    model, tokenizer, servers = two_servers
+
+    async def main():
+        async with ServerPool([servers[0].url]) as pool:
+            gateway = Gateway(pool)
+            await gateway.start()
+            try:
+                client = openai.AsyncOpenAI(base_url=gateway.base_url("s"), api_key="unused", max_retries=0)
+                kw = dict(model=model, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=TOOLS,
+                          max_tokens=12, temperature=1.0, seed=3)
+                whole = await client.chat.completions.create(**kw)
+                chunks = [c async for c in await client.chat.completions.create(
+                    **kw, stream=True, stream_options={"include_usage": True})]
+                text = [c async for c in await client.completions.create(
+                    model=model, prompt="def f(", max_tokens=6, temperature=0, stream=True)]
+                return whole, chunks, text, gateway.take("s")
+            finally:
+                await gateway.stop()
+
+    whole, chunks, text, record = asyncio.run(main())
+    (w,) = whole.choices
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (w.message.content or "") and chunks[0].choices[0].delta.role == "assistant"
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == w.finish_reason and last.token_ids == w.token_ids  # the extension fields too
+    assert chunks[-1].usage.completion_tokens == len(w.token_ids) and not chunks[-1].choices
+    (t,) = [c.choices[0] for c in text]
+    assert t.finish_reason == "length" and len(t.token_ids) == 6 and t.text == tokenizer.decode(t.token_ids, skip_special_tokens=True)
+    assert record.calls == 3 and record.drifts == 0  # streamed calls recorded as whole ones
+    assert [tr.output_ids for tr in record.trajectories] == [w.token_ids, last.token_ids, t.token_ids]
