@@ -73,14 +73,17 @@ class TrainInputs:
 
 
 def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, prox_source: str | None = "data",
-                 kl_coef: float = 0.0, all_reduce: library.AllReduce | None = None) -> TrainInputs:
+                 kl_coef: float = 0.0, all_reduce: library.AllReduce | None = None, roles: int = 1) -> TrainInputs:
     """The train node's inputs from `samples` sorted by (group, index) (whole groups).
 
     Advantages come from the configured pipeline (library.advantages: shaping, normalisation, KL
     as a reward, the estimator); with `mask_truncated`, answers cut at the length limit get a zero
     loss mask, and where the node reads `loss_mask` (multi-turn answers) the observation tokens get
     0 too: every statistic of the pipeline is over the policy's tokens alone. prox_logprobs are
-    passed on only when `prox_source` is 'data' (the prox node's output is this step's π_prox)."""
+    passed on only when `prox_source` is 'data' (the prox node's output is this step's π_prox).
+    With an agent's `roles` (graph.<generate>.agent_roles), a group is that many blocks of samples,
+    one a role (rollout/agent.py: run_group), each normalised apart: a role's samples are compared
+    with its own, never with another role's."""
     seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
     truncated = [s.finish != Finish.STOP for s in samples]
     masks = [np.full(len(out), not (algo.mask_truncated and cut)) for (_, out), cut in zip(seqs, truncated)]
@@ -90,7 +93,8 @@ def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, pr
     scores = torch.tensor([s.scalars[key("rewards")] for s in samples], dtype=torch.float32)
     kl = kl_rewards(token_data, algo, kl_coef)
     # Even without samples: a rank's batch statistics join the other ranks' all-reduce.
-    token_data["advantages"], returns = library.advantages(scores, masks, truncated, algo, kl=kl, kl_coef=kl_coef,
+    blocks = dataclasses.replace(algo, group_size=algo.group_size // roles) if roles > 1 else algo
+    token_data["advantages"], returns = library.advantages(scores, masks, truncated, blocks, kl=kl, kl_coef=kl_coef,
                                                            values=token_data.get("values"), all_reduce=all_reduce)
     if "values" in token_data:
         token_data["returns"] = returns  # the critic's targets

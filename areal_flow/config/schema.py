@@ -94,6 +94,11 @@ class NodeConfig:
                                "OpenAI gateway (docs/agents.md); null = none")
     agent_wall_seconds: float = doc(120.0, "generate nodes with agent: wall time of one rollout; past it the agent is "
                                     "cut off and the rollout failed", gt=0)
+    agent_roles: List[str] = doc(help="generate nodes with agent: the policy's roles in one rollout (e.g. [solver, "
+                                 "checker]); the agent is run(clients: {role: client}, row) -> {role: reward}, each "
+                                 "role's last trajectory a sample of its own, its advantages normalised among its "
+                                 "role's samples of the group (group_size / roles rollouts a group); empty = one role, "
+                                 "run(client, row) -> reward", factory=list)
     agent_retries: int = doc(1, "generate nodes with agent: a failed rollout (the agent raised, timed out, made no "
                              "call or returned no reward) runs again this many times, then its group is dropped "
                              "(the ledger names the failure)", ge=0)
@@ -132,9 +137,11 @@ class ModelConfig:
     bootstrap_lr: float = doc(3e-3, "learning rate of the supervised bootstrap", gt=0)
     bootstrap_batch_size: int = doc(64, "problems per bootstrap step", ge=1)
     bootstrap_task: Optional[str] = doc(None, "what the tiny model is bootstrapped on: null for dataset.name's own task, "
-                                        "'tiny_arith_tool' (arithmetic, the Python tool used some of the time) or "
+                                        "'tiny_arith_tool' (arithmetic, the Python tool used some of the time), "
+                                        "'tiny_arith_check' (arithmetic, half of it checking claimed sums) or "
                                         "'tiny_code_feedback' (code, some first attempts repaired after a failed test)",
-                                        choices=("tiny_arith", "tiny_arith_tool", "tiny_code", "tiny_code_feedback"))
+                                        choices=("tiny_arith", "tiny_arith_tool", "tiny_arith_check", "tiny_code",
+                                                 "tiny_code_feedback"))
 
 
 @dataclass

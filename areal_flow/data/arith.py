@@ -91,6 +91,32 @@ def arith_reward(completion: str, answer: str) -> float:
     return 1.0 if extract_answer(completion) == expected else 0.0
 
 
+def check_prompt_text(a: int, b: int, claim: int) -> str:
+    """A checker's prompt: is `claim` the sum? e.g. `"check 12+345=357\n"` (the two-agent example)."""
+    _check_operands(a, b)
+    return f"check {a}+{b}={claim}\n"
+
+
+def check_completion_text(a: int, b: int, claim: int) -> str:
+    """The checker's reference: the sum worked out as the solver works it, then the verdict, e.g.
+    `"2+5+0=7;1+4+0=5;0+3+0=3;#### 357\nyes"`."""
+    return completion_text(a, b) + ("\nyes" if claim == a + b else "\nno")
+
+
+def check_reward(completion: str, right: bool) -> float:
+    """1.0 when the checker's verdict (its last line, yes or no) says what is so, else 0.0."""
+    verdict = completion.strip().rpartition("\n")[2].strip()
+    return 1.0 if verdict == ("yes" if right else "no") else 0.0
+
+
+def operands(prompt: str) -> tuple[int, int]:
+    """(a, b) of a prompt `"a+b="` (ValueError for anything else)."""
+    a, sep, b = prompt.strip().rstrip("=").partition("+")
+    if not sep or not a.isdigit() or not b.isdigit():
+        raise ValueError(f"not an arithmetic prompt a+b=: {prompt!r}")
+    return int(a), int(b)
+
+
 def heldout_problems(n_eval: int = 200, seed: int = 0) -> list[tuple[int, int]]:
     """`n_eval` distinct problems (by prompt) from a fixed seed: the held-out set.
 

@@ -57,6 +57,7 @@ class Node:
     agent: str | None = None  # the policy's generate node: 'module:function' run through the OpenAI gateway
     agent_wall_seconds: float = 120.0  # with agent: a rollout's wall time
     agent_retries: int = 1  # with agent: runs of a failed rollout before its group is dropped
+    agent_roles: tuple[str, ...] = ()  # with agent: the policy's roles in a rollout, a sample each
 
     @property
     def takes_turns(self) -> bool:
@@ -338,6 +339,7 @@ def build_graph(
             agent=_field(c, "agent"),
             agent_wall_seconds=float(_field(c, "agent_wall_seconds", 120.0)),
             agent_retries=int(_field(c, "agent_retries", 1)),
+            agent_roles=tuple(str(r) for r in _field(c, "agent_roles", ()) or ()),
         )
         problems += _judge_setting_problems(nodes[name], _field(c, "parallel"))
         if nodes[name].env is not None and (ntype != "generate" or role != "actor"):

@@ -76,6 +76,32 @@ def arith_tool_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str,
             yield prompt, scratchpad
 
 
+CHECK_SHARE = 0.5  # of the two-agent bootstrap's pairs that are a checker's, half of them wrong claims
+
+
+def wrong_claim(total: int, rng: random.Random) -> int:
+    """The sum with one digit changed: the slip a solver makes (a carry lost, a digit misread)."""
+    digits = list(str(total))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
+def arith_check_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
+    """tiny_arith's problems for a solver and a checker of one policy (the two-agent example):
+    CHECK_SHARE of them become a checker's (`check a+b=c`, the sum worked out, then yes or no),
+    their claims right or wrong by halves; the others stay the solver's (arith_pairs' stream)."""
+    rng = random.Random(f"bootstrap-check-{seed}")
+    for prompt, scratchpad in arith_pairs(seed, heldout):
+        if rng.random() >= CHECK_SHARE:
+            yield prompt, scratchpad
+            continue
+        a, b = arith.operands(prompt)
+        claim = a + b if rng.random() < 0.5 else wrong_claim(a + b, rng)
+        yield arith.check_prompt_text(a, b, claim), arith.check_completion_text(a, b, claim)
+
+
 def code_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
     """Fresh tiny_code problems as (prompt, reference function), no held-out identity among them."""
     for problem in tiny_code.training_problems(seed, heldout, stream="bootstrap"):
@@ -149,6 +175,7 @@ TASKS: dict[str, BootstrapTask] = {
     "tiny_arith": BootstrapTask("tiny_arith", CHARS, False, arith.DATA_VERSION, arith_pairs),
     "tiny_arith_tool": BootstrapTask("tiny_arith_tool", CODE_CHARS, False, arith.DATA_VERSION, arith_tool_pairs,
                                      words=TOOL_WORDS),
+    "tiny_arith_check": BootstrapTask("tiny_arith_check", CODE_CHARS, False, arith.DATA_VERSION, arith_check_pairs),
     "tiny_code": BootstrapTask("tiny_code", CODE_CHARS, True, tiny_code.DATA_VERSION, code_pairs),
     "tiny_code_feedback": BootstrapTask("tiny_code_feedback", CODE_CHARS, True, tiny_code.DATA_VERSION,
                                         code_feedback_pairs),

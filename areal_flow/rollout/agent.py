@@ -9,6 +9,12 @@ first prompt is the sample's prompt, what the agent added between calls (tool re
 observation tokens (loss mask 0). Other trajectories a rollout made (a drift's split, a second
 conversation) are counted (`agent/trajectories`), not trained.
 
+With roles (`agent_roles: [solver, checker]`), the agent is `run(clients: {role: client}, row) ->
+{role: reward}`: each role's calls go through a key (and a client) of its own, and each role's last
+trajectory is a sample of its own, rewarded with its role's reward; a group of n samples is
+n / roles rollouts, its samples role by role, so that the trainer normalises each role's block of
+the group apart (algorithms/inputs.py: train_inputs).
+
 A rollout fails when the agent raises, outlasts its wall time, makes no call or returns no number:
 it runs again, `agent_retries` times, then its group is dropped with the failure named
 (`AgentFailed`; the ledger records the drop). Nothing an agent does ends the worker. An agent must
@@ -35,6 +41,10 @@ from areal_flow.rollout.turns import Turns
 from areal_flow.transport.messages import Finish
 
 log = logging.getLogger("areal_flow.rollout")
+
+ROLE_SEEDS = 10**6
+"""Role i's calls draw seeds from turn_seed(seed, ROLE_SEEDS * i): roles never share a random stream."""
+
 
 class AgentFailed(Exception):
     """A rollout whose every run failed; the message names the agent and the last failure."""
@@ -87,6 +97,7 @@ class AgentRunner:
     model: str  # the policy's model name on the servers (forced on every call)
     wall_seconds: float
     retries: int
+    roles: tuple[str, ...] = ()  # graph.<node>.agent_roles; empty: one role, run(client, row) -> reward
     gateway: Gateway | None = None
     http: Any = None  # the one HTTP client every rollout's openai client shares (in-process to the gateway)
     starting: asyncio.Future | None = None
@@ -97,7 +108,7 @@ class AgentRunner:
         if node.agent is None:
             return None
         return cls(load_agent(node.agent, f"graph.{node.name}.agent"), node.agent, model_path,
-                   node.agent_wall_seconds, node.agent_retries)
+                   node.agent_wall_seconds, node.agent_retries, tuple(node.agent_roles))
 
     async def _gateway(self, pool: ServerPool, tokenizer: Any) -> Gateway:
         """The worker's gateway, started by the first rollout (in the loop that serves it); the
@@ -127,9 +138,10 @@ class AgentRunner:
 
     async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
                   rid: str, key: str, seed: int | None) -> dict:
-        """One rollout, run once (a held-out answer): a failure is an empty answer with reward 0."""
+        """One rollout, run once (a held-out answer: the first role's sample, every role's reward in
+        its scalars): a failure is an empty answer with reward 0."""
         try:
-            return await self.attempt(await self._gateway(pool, tokenizer), row, params, key, seed)
+            return (await self.attempt(await self._gateway(pool, tokenizer), row, params, key, seed))[0]
         except AgentFailed as e:
             log.warning("%s", e)
             return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
@@ -137,16 +149,19 @@ class AgentRunner:
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
                         n: int, key: str, seed: int) -> list[dict]:
-        """A group's n rollouts, rollout i seeded seed + i; AgentFailed when one fails every run."""
+        """A group's n samples: n / roles rollouts, rollout j seeded seed + j, each giving a sample of
+        every role; AgentFailed when one fails every run. The samples come role by role (the first
+        role's of every rollout, then the next role's), so that each role's samples are one block of
+        the group, whose advantages the trainer normalises apart (training/worker.py)."""
         gateway = await self._gateway(pool, tokenizer)
-        got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{i}", seed + i) for i in range(n)],
-                                   return_exceptions=True)
+        got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{j}", seed + j)
+                                     for j in range(n // len(self.roles or (None,)))], return_exceptions=True)
         for g in got:
             if isinstance(g, BaseException):
                 raise g
-        return got
+        return [samples[r] for r in range(len(got[0])) for samples in got]
 
-    async def rollout(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int) -> dict:
+    async def rollout(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int) -> list[dict]:
         failures: list[str] = []
         for attempt in range(self.retries + 1):
             try:
@@ -156,39 +171,65 @@ class AgentRunner:
                 failures.append(str(e))
                 log.warning("rollout %s, run %d of %d: %s", key, attempt + 1, self.retries + 1, e)
                 continue
-            got["scalars"]["agent/failed_runs"] = float(attempt)
+            for sample in got:
+                sample["scalars"]["agent/failed_runs"] = float(attempt)
             return got
         raise AgentFailed(f"rollout {key} failed {len(failures)} run(s) (graph.generate.agent_retries="
                           f"{self.retries}): {failures[-1]}")
 
-    async def attempt(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int | None) -> dict:
-        """One run of the agent: its last call's trajectory, its reward and the `agent/` scalars."""
+    def _sampling(self, params: dict, seed: int | None) -> Sampling:
+        return Sampling(forced={"model": self.model, "temperature": params["temperature"],
+                                "top_p": params.get("top_p", 1.0)},
+                        defaults={"max_tokens": params["max_new_tokens"]}, seeds=lambda call: turn_seed(seed, call))
+
+    def _rewards(self, value: Any) -> dict[str | None, float]:
+        """Each role's reward from what the agent returned (one role: None's)."""
+        if not self.roles:
+            return {None: reward_of(value)}
+        if not isinstance(value, dict) or set(value) != set(self.roles):
+            raise ValueError(f"returned {value!r}, not a reward for each role of graph.generate.agent_roles "
+                             f"({', '.join(self.roles)})")
+        return {role: reward_of(value[role]) for role in self.roles}
+
+    async def attempt(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int | None) -> list[dict]:
+        """One run of the agent: per role, its last call's trajectory, its reward and the `agent/`
+        scalars. Each role has a key (and a client) of its own: its calls are recorded apart, and
+        draw seeds of their own."""
         openai = import_openai()
-        sampling = Sampling(forced={"model": self.model, "temperature": params["temperature"],
-                                    "top_p": params.get("top_p", 1.0)},
-                            defaults={"max_tokens": params["max_new_tokens"]},
-                            seeds=lambda call: turn_seed(seed, call))
-        client = openai.AsyncOpenAI(base_url=gateway.open(key, sampling), api_key="areal_flow", max_retries=0,
-                                    timeout=self.wall_seconds, http_client=self.http)
+        roles = self.roles or (None,)
+        keys = {role: key if role is None else f"{key}.{role}" for role in roles}
+        clients = {role: openai.AsyncOpenAI(
+            base_url=gateway.open(keys[role], self._sampling(params, turn_seed(seed, ROLE_SEEDS * i))),
+            api_key="areal_flow", max_retries=0, timeout=self.wall_seconds, http_client=self.http)
+            for i, role in enumerate(roles)}
         t0 = time.monotonic()
         try:
-            value = await asyncio.wait_for(self.fn(client, dict(row)), self.wall_seconds)
-            reward = reward_of(value)
+            value = await asyncio.wait_for(self.fn(clients if self.roles else clients[None], dict(row)),
+                                           self.wall_seconds)
+            rewards = self._rewards(value)
         except asyncio.TimeoutError:
             raise AgentFailed(f"agent {self.name} did not return within {self.wall_seconds:g} s "
                               "(graph.generate.agent_wall_seconds)") from None
         except Exception as e:  # noqa: BLE001 - whatever the user's agent raises fails this rollout only
             raise AgentFailed(f"agent {self.name}: {type(e).__name__}: {e}") from e
         finally:
-            recorder = gateway.take(key)  # the client is not closed: its HTTP client is shared
+            records = {role: gateway.take(k) for role, k in keys.items()}  # the clients' HTTP client is shared
+        seconds = time.monotonic() - t0
+        each = {f"agent/reward/{role}": r for role, r in rewards.items() if role is not None}
+        return [self._sample(records[role], role, value, {"reward": rewards[role], "seconds": seconds}, each)
+                for role in roles]
+
+    def _sample(self, recorder: Any, role: str | None, value: Any, figures: dict, each: dict) -> dict:
+        """A role's sample: the trajectory of its last call, and its scalars."""
         trajectory = recorder.last
         if trajectory is None:
-            raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy")
-        scalars = {"reward": reward, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
+            raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy"
+                              + ("" if role is None else f" as role {role}"))
+        scalars = {**figures, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
                    "drift_rate": recorder.drift_rate, "trajectories": float(len(recorder.trajectories)),
-                   "resumes": float(recorder.resumes), "seconds": time.monotonic() - t0}
+                   "resumes": float(recorder.resumes)}
         return {"prompt_ids": trajectory.prompt_ids, "output_ids": trajectory.output_ids,
                 "behav_logprobs": trajectory.logprobs, "versions": trajectory.versions,
                 "loss_mask": trajectory.loss_mask, "finish": Finish.STOP,
                 "drift": dataclasses.asdict(recorder.examples[0]) if recorder.examples else None,
-                "scalars": {f"agent/{name}": value for name, value in scalars.items()}}
+                "scalars": {**{f"agent/{name}": v for name, v in scalars.items()}, **each}}

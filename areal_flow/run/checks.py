@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 
 from rich.console import Console
 
@@ -287,12 +288,16 @@ def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -
     console.print(f"generate node {node.name}: environment {node.env}, up to {node.max_turns} turns", highlight=False)
 
 
-def check_agent(graph: Graph, console: Console) -> None:
-    """An agent's rollouts: the function imports and is async, the openai client is installed, and
-    a reward node with `fn: agent` has an agent to give it its reward. ConfigError naming the key."""
+def check_agent(graph: Graph, group_size: int, console: Console) -> None:
+    """An agent's rollouts: the function imports and is async, the openai client is installed, its
+    roles split a group, and a reward node with `fn: agent` has an agent to give it its reward.
+    ConfigError naming the key."""
     node = graph.generate
     takers = [n.name for n in graph.rewards if n.fn == AGENT_FN]
     if node.agent is None:
+        if node.agent_roles:
+            raise ConfigError([f"graph.{node.name}.agent_roles: the roles of an agent, but graph.{node.name}.agent "
+                               "names no agent"])
         if takers:
             raise ConfigError([f"graph.{name}.fn=agent: the reward the agent returns, but graph.{node.name}.agent "
                                "names no agent" for name in takers])
@@ -304,7 +309,21 @@ def check_agent(graph: Graph, console: Console) -> None:
         import_openai()
     except ValueError as e:
         raise ConfigError([str(e) if str(e).startswith("graph.") else f"graph.{node.name}.agent: {e}"]) from None
+    if problem := roles_problem(node.agent_roles, group_size):
+        raise ConfigError([f"graph.{node.name}.agent_roles={list(node.agent_roles)}: {problem}"])
     console.print(f"generate node {node.name}: agent {node.agent}, {node.agent_wall_seconds:g} s a rollout", highlight=False)
+
+
+def roles_problem(roles: list[str], group_size: int) -> str | None:
+    """What is wrong with an agent's roles for groups of `group_size` samples, or None."""
+    if len(set(roles)) != len(roles):
+        return "the roles must differ"
+    if bad := [r for r in roles if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", str(r))]:
+        return f"a role is 1-32 letters, digits, _ or -, got {bad[0]!r}"
+    if roles and group_size % len(roles):
+        return (f"algorithm.group_size={group_size} must be a multiple of the {len(roles)} roles (each rollout of a "
+                "group gives a sample of every role)")
+    return None
 
 
 def check_tokenizer(cfg: RunConfig, model_path: str) -> None:

@@ -72,7 +72,7 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
     check_env(cfg, graph, model_path, console)
-    check_agent(graph, console)
+    check_agent(graph, cfg.algorithm.group_size, console)
     check_prompt_room(cfg, model_path, prompt_key, ((train_path, cfg.dataset.train_split),
                                                     (eval_path, cfg.dataset.eval_split)), console)
     return Prepared(run_dir=os.path.abspath(cfg.output_dir), model_path=model_path, train_path=train_path,

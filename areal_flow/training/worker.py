@@ -83,6 +83,7 @@ class ModelWorker:
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
+        self.roles = len(self.graph.generate.agent_roles) or 1  # an agent's roles: blocks of a group, normalised apart
         self.engines = make_engines(cfg, spec, self.graph, rank)
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, complete, not yet trained
         self.policy_inputs: TrainInputs | None = None  # the policy's loss inputs of the step (for its dump)
@@ -205,7 +206,8 @@ class ModelWorker:
         node = self.graph.critic_apart
         with self.phases("inputs"):
             inputs = train_inputs(samples, partial(self.graph.input, node), self.cfg.algorithm, prox_source=None,
-                                  kl_coef=kl_coef, all_reduce=all_reduce_over(engine.data_parallel_group))
+                                  kl_coef=kl_coef, all_reduce=all_reduce_over(engine.data_parallel_group),
+                                  roles=self.roles)
             data = engine_data(inputs.without_aggregation())
         with self.phases("transport"):
             for replica, socket in enumerate(self.critic):
@@ -335,7 +337,7 @@ class ModelWorker:
         reduce = all_reduce_over(engine.data_parallel_group)
         with self.phases("inputs"):
             inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=source,
-                                  kl_coef=kl_coef, all_reduce=reduce)
+                                  kl_coef=kl_coef, all_reduce=reduce, roles=self.roles)
         loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
         has_ref = "ref_logprobs" in inputs.token_data
         kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and has_ref
@@ -375,7 +377,7 @@ class ModelWorker:
         algo = self.cfg.algorithm
         engine = self.engine(node)
         inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=None, kl_coef=kl_coef,
-                              all_reduce=all_reduce_over(engine.data_parallel_group))
+                              all_reduce=all_reduce_over(engine.data_parallel_group), roles=self.roles)
         return self.update(engine, samples, inputs.without_aggregation(), partial(library.critic_objective, algo=algo))
 
     def update(self, engine: Engine, samples: list[Sample], inputs: TrainInputs, loss_fn,

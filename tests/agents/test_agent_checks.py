@@ -24,9 +24,9 @@ def config(*overrides: str):
 
 
 def check(*overrides: str) -> str:
-    _, graph = config(*overrides)
+    cfg, graph = config(*overrides)
     out = io.StringIO()
-    check_agent(graph, Console(file=out, width=200))
+    check_agent(graph, cfg.algorithm.group_size, Console(file=out, width=200))
     return out.getvalue()
 
 
@@ -63,3 +63,19 @@ def test_an_environment_and_an_agent_together_are_refused():
 def test_an_agent_without_the_loss_mask_is_refused():
     with pytest.raises(GraphError, match=r"with an agent \(graph.generate.agent\) it must write loss_mask"):
         config("recipe=tiny_arith_agent", "graph.generate.outputs=[prompt_ids,output_ids,behav_logprobs,versions]")
+
+
+@pytest.mark.parametrize("roles, why", [
+    ("[a,a]", "the roles must differ"),
+    ("[a,'b/c']", "a role is 1-32 letters, digits, _ or -, got 'b/c'"),
+    ("[a,b,c]", r"algorithm.group_size=8 must be a multiple of the 3 roles"),
+])
+def test_roles_that_cannot_split_a_group_are_refused_naming_the_key(roles, why):
+    with pytest.raises(ConfigError, match=r"graph.generate.agent_roles=.*: " + why):
+        check("recipe=tiny_arith_agent", f"graph.generate.agent_roles={roles}", "algorithm.group_size=8")
+
+
+def test_roles_without_an_agent_are_refused():
+    with pytest.raises(ConfigError, match=r"graph.generate.agent_roles: the roles of an agent, but "
+                                          r"graph.generate.agent names no agent"):
+        check("recipe=tiny_arith", "+graph.generate.agent_roles=[a,b]")

@@ -56,6 +56,17 @@ def test_advantages_are_normalised_per_group_and_cover_every_answer_token():
     assert [len(o) for _, o in seqs] == [3, 5, 2, 4]
 
 
+def test_an_agent_s_roles_are_normalised_apart_within_their_group():
+    graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
+    # One group of 4: two rollouts' solver samples, then their checker samples (run_group's order).
+    samples = [sample(0, 0, 2, 1.0), sample(0, 1, 2, 0.0), sample(0, 2, 2, 5.0), sample(0, 3, 2, 5.0)]
+    apart = [a[0] for a in inputs_of(samples, graph, algo(group_size=4), roles=2).token_data["advantages"]]
+    assert apart[0] > 0 > apart[1] and apart[0] == pytest.approx(-apart[1])  # the solvers, among themselves
+    assert apart[2:] == [0.0, 0.0]  # the checkers agreed: no signal for them, whatever the solvers got
+    together = [a[0] for a in inputs_of(samples, graph, algo(group_size=4)).token_data["advantages"]]
+    assert together[2] > 0 and together[0] < 0  # one block would have the checkers beat every solver
+
+
 def test_prox_and_ref_logprobs_are_told_apart_by_the_meaning_their_writer_declares():
     graph = build_graph(NODES, ["prompt", "answer"], 2, ["arith"])
     data = inputs_of([sample(0, 0, 3, 1.0), sample(0, 1, 3, 0.0)], graph, algo()).token_data

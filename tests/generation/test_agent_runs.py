@@ -40,8 +40,8 @@ async def two_calls(client, row, edit: bool = False, **kw) -> float:
     return 0.75
 
 
-def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS, seed=7):
-    runner = AgentRunner(agent, "tests:agent", model_path, wall, retries)
+def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS, seed=7, roles=()):
+    runner = AgentRunner(agent, "tests:agent", model_path, wall, retries, roles)
 
     async def go():
         async with ServerPool([server.url]) as pool:
@@ -160,3 +160,31 @@ def test_per_turn_rewards_are_summed(served):
 
     (got,) = rollouts(model, server, per_turn)
     assert got["scalars"]["agent/reward"] == 1.75
+
+
+async def solver_and_checker(clients, row):
+    """Two roles of one policy: the checker reads the solver's answer."""
+    said = (await clients["solver"].completions.create(model="policy", prompt=row["prompt"])).choices[0].text
+    await clients["checker"].completions.create(model="policy", prompt=f"check {said}")
+    return {"solver": 1.0, "checker": 0.25}
+
+
+def test_two_roles_give_a_sample_each_a_rollout_the_group_role_by_role(served):
+    model, tokenizer, server = served
+    got = rollouts(model, server, solver_and_checker, n=4, roles=("solver", "checker"))
+    prompts = [tokenizer.decode(g["prompt_ids"]) for g in got]
+    assert prompts[:2] == ["Q: 2+3"] * 2 and all(p.startswith("check ") for p in prompts[2:])  # 2 rollouts x 2 roles
+    assert [g["scalars"]["agent/reward"] for g in got] == [1.0, 1.0, 0.25, 0.25]  # each its role's reward
+    assert all(g["scalars"]["agent/reward/solver"] == 1.0 and g["scalars"]["agent/reward/checker"] == 0.25
+               and g["scalars"]["agent/calls"] == 1 for g in got)
+    assert got[0]["output_ids"] != got[1]["output_ids"]  # rollouts seeded apart
+    solver_said = [tokenizer.decode(g["output_ids"]) for g in got[:2]]
+    assert prompts[2:] == [f"check {s}" for s in solver_said]  # the checker's sample is its own call's
+
+    async def one_role(clients, row):
+        await solver_and_checker(clients, row)
+        return {"solver": 1.0}
+
+    with pytest.raises(AgentFailed, match=r"returned \{'solver': 1.0\}, not a reward for each role of "
+                                          r"graph.generate.agent_roles \(solver, checker\)"):
+        rollouts(model, server, one_role, n=2, roles=("solver", "checker"), retries=0)
