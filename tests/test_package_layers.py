@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_flow"
 
@@ -154,3 +158,13 @@ def test_a_cycle_is_found_and_named_with_its_files():
     assert describe(["graph", "training", "graph"], edges) == "  graph -> training: dag.py\n  training -> graph: t.py"
     del edges["graph"]["training"]
     assert cycles(edges) == []
+
+
+@pytest.mark.slow  # a fresh interpreter: 1-2 s
+def test_the_rollout_worker_the_controller_and_the_reward_workers_start_without_torch():
+    # Each is a process of every run (several of them in a test's run): torch costs each ~3 s of
+    # start-up on 2 cores, which the end-to-end tests pay many times over.
+    code = ("import sys, areal_flow.rollout.worker, areal_flow.controller.main, areal_flow.rewards.worker; "
+            "print(sorted(m for m in ('torch', 'transformers', 'openai') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
