@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from areal_flow.config.validate import load_model_config
+from areal_flow.config.validate import model_context
 from areal_flow.data.dataset import DatasetError, load_rows
 from areal_flow.data.templates import apply_templates
 
@@ -91,7 +91,7 @@ def prompt_room(cfg, model_path: str) -> int | None:
     as for a directory with a tokenizer only, which tests give a controller)."""
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return None
-    positions = getattr(load_model_config(model_path), "max_position_embeddings", None)
+    positions = model_context(model_path)
     return None if positions is None else positions - cfg.algorithm.max_new_tokens
 
 

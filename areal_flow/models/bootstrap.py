@@ -101,6 +101,9 @@ def ensure_base_model(
         # it appears once training is about to start: a Ctrl-C inside these imports can be swallowed
         # by a library's bare `except:` around an optional import.
         import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (transformers imports it lazily)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the bootstrap has a progress bar of its own
 
         from areal_flow.models.supervised import train_and_save
 

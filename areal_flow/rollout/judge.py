@@ -78,11 +78,11 @@ class Judge:
 
 def make_judge(cfg, spec, node: Node) -> Judge:
     """Judge `node` of a run: a pool of its servers, its model's tokenizer and context length."""
-    from areal_flow.config.validate import load_model_config
+    from areal_flow.config.validate import model_context
     from areal_flow.generation.router import ServerPool
     from areal_flow.models.tokenizer import load_tokenizer
 
     path = spec.judge_models[node.name]
     pool = ServerPool(spec.judge_urls(node.name), spec.judge_names(node.name), cfg.rollout, api_key=spec.api_key)
-    return Judge(node, pool, load_tokenizer(path), load_model_config(path).max_position_embeddings,
+    return Judge(node, pool, load_tokenizer(path), model_context(path),
                  node.max_new_tokens or cfg.algorithm.max_new_tokens, cfg.rollout.request_retries)

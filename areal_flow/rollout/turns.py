@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from areal_flow.config.schema import RunConfig, SandboxConfig
-from areal_flow.config.validate import load_model_config
+from areal_flow.config.validate import model_context
 from areal_flow.envs.base import Environment, resolve_env
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
@@ -111,7 +111,7 @@ class Turns:
         """The generate node's turns, or None when it names no environment (one turn a sample)."""
         if node.env is None:
             return None
-        budget = node.max_trajectory_tokens or load_model_config(model_path).max_position_embeddings
+        budget = node.max_trajectory_tokens or model_context(model_path)
         return cls(resolve_env(node.env, f"graph.{node.name}.env"), dict(node.env_settings), cfg.sandbox,
                    node.max_turns, budget)
 

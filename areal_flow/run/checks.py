@@ -15,7 +15,7 @@ import re
 from rich.console import Console
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config
+from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config, model_context
 from areal_flow.data.dataset import DatasetError
 from areal_flow.data.templates import check_chat_template, template_fields
 from areal_flow.generation.limits import MAX_N
@@ -279,7 +279,7 @@ def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -
         if tokenizer.unk_token_id in ids or tokenizer.decode(ids) != stop:
             problems.append(f"{key}.env={node.env}: the tokenizer of {model_path} cannot write the stop string "
                             f"{stop!r} (it reads back as {tokenizer.decode(ids)!r}): no turn could end there")
-    context = load_model_config(model_path).max_position_embeddings
+    context = model_context(model_path)
     if node.max_trajectory_tokens is not None and node.max_trajectory_tokens > context:
         problems.append(f"{key}.max_trajectory_tokens={node.max_trajectory_tokens}: larger than the model's context "
                         f"({context} positions, {model_path})")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.config.validate import ConfigError, check_model_config, load_model_config
+from areal_flow.config.validate import ConfigError, check_model_config, model_context
 from areal_flow.data.dataset import DatasetError, load_rows
 from areal_flow.data.loading import dataset_paths, load_prompts, prompt_room, row_format
 from areal_flow.data.templates import check_chat_template
@@ -47,11 +47,8 @@ def prepare_model(cfg: RunConfig) -> str:
     """The base model's directory: model.path, or a tiny model bootstrapped into the cache once."""
     if cfg.model.path:
         return os.path.abspath(cfg.model.path)
-    from transformers.utils import logging as hf_logging
-
     from areal_flow.models.bootstrap import ensure_base_model
 
-    hf_logging.disable_progress_bar()  # the bootstrap has its own progress bar
     m = cfg.model
     return ensure_base_model(os.path.join(cfg.cache_dir, "models"), arch=dict(m.arch) or None,
                              steps=m.bootstrap_steps, lr=m.bootstrap_lr, batch_size=m.bootstrap_batch_size,
@@ -113,7 +110,7 @@ def prepare_judges(cfg: RunConfig, graph: Graph, model_path: str, train_path: st
 
         if missing := missing_tokenizer_files(path):
             raise ConfigError([f"node '{node.name}': {key}={path!r} has no tokenizer: missing {', '.join(missing)}"])
-        positions = load_model_config(path, key).max_position_embeddings
+        positions = model_context(path, key)
         tokenizer = load_tokenizer(path)
         try:
             if node.chat_template:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from areal_flow.config.validate import ConfigError, check_known_keys, check_model_config, unknown_keys
+from areal_flow.config.validate import ConfigError, check_known_keys, check_model_config, model_context, unknown_keys
 from areal_flow.launch import CONF_DIR
 from areal_flow.runtime.spec import typed
 
@@ -80,3 +80,19 @@ def test_launchers_are_a_config_group_as_a_hydra_user_types_them(tmp_path, launc
     assert typed(composed(tmp_path, f"launcher.type={launcher}")).launcher.type == launcher
     if launcher == "slurm":
         assert typed(composed(tmp_path, "launcher=slurm", "launcher.slurm_time=1:00:00")).launcher.slurm_time == "1:00:00"
+
+
+def test_the_context_length_is_read_from_config_json_without_transformers(tmp_path):
+    assert model_context(str(model_dir(tmp_path, '{"model_type": "qwen2", "max_position_embeddings": 512}'))) == 512
+    nested = tmp_path / "vl"
+    nested.mkdir()
+    (nested / "model").mkdir()
+    (nested / "model" / "config.json").write_text('{"model_type": "qwen2", "text_config": {"max_position_embeddings": 64}}')
+    assert model_context(str(nested / "model")) == 64  # a multimodal config keeps it under text_config
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text('{"model_type": "qwen2"}')
+    assert model_context(str(bare)) == 32768  # not said: transformers' default for the type, as before
+    (bare / "config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"graph.judge.model: .*config.json is not a JSON object"):
+        model_context(str(bare), "graph.judge.model")
