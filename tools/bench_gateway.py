@@ -95,7 +95,7 @@ async def through_gateway(runner: AgentRunner, pool: ServerPool, args: argparse.
     """Every conversation as an agent's rollout (AgentRunner: the worker's way)."""
     params = {"max_new_tokens": args.max_tokens, "temperature": 0.0}
     started = time.perf_counter()
-    await asyncio.gather(*[runner.rollout(await runner._gateway(pool), {"prompt": prompt(i), "calls": args.calls},
+    await asyncio.gather(*[runner.rollout(await runner._gateway(pool, None), {"prompt": prompt(i), "calls": args.calls},
                                           params, f"r{round_}-{i}", i) for i in range(args.agents)])
     return time.perf_counter() - started
 
