@@ -96,11 +96,12 @@ async def conversation(client, row: dict) -> float:
     return 0.0
 
 
-async def through_gateway(runner: AgentRunner, pool: ServerPool, args: argparse.Namespace, round_: int) -> float:
+async def through_gateway(runner: AgentRunner, pool: ServerPool, tokenizer, args: argparse.Namespace,
+                          round_: int) -> float:
     """Every conversation as an agent's rollout (AgentRunner: the worker's way)."""
     params = {"max_new_tokens": args.max_tokens, "temperature": 0.0}
     started = time.perf_counter()
-    await asyncio.gather(*[runner.rollout(await runner._gateway(pool, None), {"prompt": prompt(i), "calls": args.calls},
+    await asyncio.gather(*[runner.rollout(await runner._gateway(pool, tokenizer), {"prompt": prompt(i), "calls": args.calls},
                                           params, f"r{round_}-{i}", i) for i in range(args.agents)])
     return time.perf_counter() - started
 
@@ -124,7 +125,7 @@ async def bench(url: str, path: str, tokenizer, args: argparse.Namespace) -> lis
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     async with ServerPool([url]) as pool:
         try:
-            runs = (lambda r: direct(pool, tokenizer, args), lambda r: through_gateway(runner, pool, args, r),
+            runs = (lambda r: direct(pool, tokenizer, args), lambda r: through_gateway(runner, pool, tokenizer, args, r),
                     lambda r: straight(client, path, args))
             for run in runs:  # warm every path up
                 await run(-1)

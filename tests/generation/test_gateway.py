@@ -7,6 +7,7 @@ and a streamed one is refused by name."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 from generation_helpers import running_server, save_chat_model
@@ -124,3 +125,34 @@ def test_a_streamed_call_gets_the_answer_s_chunks_and_is_recorded_like_a_whole_o
     assert t.finish_reason == "length" and len(t.token_ids) == 6 and t.text == tokenizer.decode(t.token_ids, skip_special_tokens=True)
     assert record.calls == 3 and record.drifts == 0  # streamed calls recorded as whole ones
     assert [tr.output_ids for tr in record.trajectories] == [w.token_ids, last.token_ids, t.token_ids]
+
+
+def test_the_gateway_sends_a_completions_prompt_as_its_tokens(tmp_path):
+    # A server whose model directory has no tokenizer refuses text prompts: through a gateway that
+    # has the policy's tokenizer the same call goes through, as the tokens the server would have made.
+    tokenizer = save_chat_model(tmp_path / "with")
+    (tmp_path / "bare").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tmp_path / "with" / name, tmp_path / "bare" / name)
+    model = str(tmp_path / "bare")
+
+    async def main():
+        with running_server(model) as server:
+            async with ServerPool([server.url]) as pool:
+                gateways = [Gateway(pool, tokenizer=tokenizer), Gateway(pool)]
+                for gateway in gateways:
+                    await gateway.start()
+                try:
+                    tokens, text = (openai.AsyncOpenAI(base_url=g.base_url("k"), api_key="unused", max_retries=0)
+                                    for g in gateways)
+                    out = await tokens.completions.create(model=model, prompt="def f(", max_tokens=3, temperature=0)
+                    with pytest.raises(openai.BadRequestError, match="a text prompt needs the model's tokenizer"):
+                        await text.completions.create(model=model, prompt="def f(", max_tokens=3)
+                    return out, gateways[0].take("k")
+                finally:
+                    for gateway in gateways:
+                        await gateway.stop()
+
+    out, record = asyncio.run(main())
+    assert out.prompt_token_ids == tokenizer.encode("def f(", add_special_tokens=False)
+    assert record.trajectories[0].prompt_ids == out.prompt_token_ids and len(out.choices[0].token_ids) == 3
