@@ -136,23 +136,23 @@ class Gateway:
                 return _error(400, f"the request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the request body must be a JSON object")
+            sent = body
             stream = body.get("stream") is True
             if stream:  # asked for whole (recorded whole), streamed back as it ends (sse.py)
                 options = body.get("stream_options") or {}
                 if not isinstance(options, dict):
                     return _error(400, "stream_options must be an object", "stream_options")
                 body, include_usage = sse.streamed(body), bool(options.get("include_usage"))
-                raw = msgspec.json.encode(body)
             if self.require_open and key not in self.sampling:
                 return _error(404, f"no rollout {key!r} is open on this gateway (it ended, or never began)")
             if (sampling := self.sampling.get(key)) is not None:
                 body = sampling.apply(body)
-                raw = msgspec.json.encode(body)
             if path == "/v1/completions" and self.tokenizer is not None and isinstance(body.get("prompt"), str):
                 # The prompt's tokens, as the server would make them (openai_api._prompt), made here:
                 # tokenizing a long conversation's text costs the server's interpreter, which decodes
                 # for every agent, ~0.4 ms a call (bench_gateway.py); the worker has room.
                 body = {**body, "prompt": self.tokenizer.encode(body["prompt"], add_special_tokens=False)}
+            if body is not sent:  # encoded once, whatever changed it
                 raw = msgspec.json.encode(body)
             try:
                 data = await self.pool.post(path, lambda _: raw, key=key, abortable=False)
@@ -203,8 +203,7 @@ class Gateway:
         if isinstance(whole.get("usage"), dict):
             completion = sum(len(c["token_ids"]) for c in whole["choices"])
             whole["usage"].update(completion_tokens=completion, total_tokens=len(prompt) + completion)
-        data = msgspec.json.encode(whole)
-        return data, msgspec.json.decode(data, type=Answer)
+        return msgspec.json.encode(whole), msgspec.convert(whole, type=Answer)
 
     async def _models(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.pool.servers[0].client.get("/v1/models"))

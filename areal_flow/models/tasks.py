@@ -70,8 +70,7 @@ def arith_tool_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str,
     rng = random.Random(f"bootstrap-tool-{seed}")
     for prompt, scratchpad in arith_pairs(seed, heldout):
         if rng.random() < TOOL_SHARE:
-            a, b = (int(x) for x in prompt.rstrip("=").split("+"))
-            yield prompt, tool_completion(a, b)
+            yield prompt, tool_completion(*arith.operands(prompt))
         else:
             yield prompt, scratchpad
 

@@ -155,7 +155,7 @@ class AgentRunner:
         the group, whose advantages the trainer normalises apart (training/worker.py)."""
         gateway = await self._gateway(pool, tokenizer)
         got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{j}", seed + j)
-                                     for j in range(n // len(self.roles or (None,)))], return_exceptions=True)
+                                     for j in range(n // len(self.role_names))], return_exceptions=True)
         for g in got:
             if isinstance(g, BaseException):
                 raise g
@@ -177,6 +177,11 @@ class AgentRunner:
         raise AgentFailed(f"rollout {key} failed {len(failures)} run(s) (graph.generate.agent_retries="
                           f"{self.retries}): {failures[-1]}")
 
+    @property
+    def role_names(self) -> tuple[str | None, ...]:
+        """The roles a rollout gives a sample of (one role: None)."""
+        return self.roles or (None,)
+
     def _sampling(self, params: dict, seed: int | None) -> Sampling:
         return Sampling(forced={"model": self.model, "temperature": params["temperature"],
                                 "top_p": params.get("top_p", 1.0)},
@@ -196,7 +201,7 @@ class AgentRunner:
         scalars. Each role has a key (and a client) of its own: its calls are recorded apart, and
         draw seeds of their own."""
         openai = import_openai()
-        roles = self.roles or (None,)
+        roles = self.role_names
         keys = {role: key if role is None else f"{key}.{role}" for role in roles}
         clients = {role: openai.AsyncOpenAI(
             base_url=gateway.open(keys[role], self._sampling(params, turn_seed(seed, ROLE_SEEDS * i))),
