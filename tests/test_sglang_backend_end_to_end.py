@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import check_accounting, launch, leftover_processes, steps_of
+from run_helpers import TRAIN_EVERY_GROUP, check_accounting, launch, launch_recipe, leftover_processes, steps_of
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +86,20 @@ def test_a_missing_sglang_package_fails_at_start_with_the_install_command(tmp_pa
     assert r.returncode == 2
     assert "the sglang package is not installed" in r.stdout and "pip install -e '.[sglang]'" in r.stdout
     assert not (tmp_path / "cache").exists()  # found before the data and the model are prepared
+
+
+def test_an_agent_recipe_trains_through_the_gateway_on_sglang_servers_with_their_tokenizer(tmp_path, run_cache,
+                                                                                           monkeypatch):
+    pytest.importorskip("openai")
+    record = tmp_path / "sglang_argv.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("SGLANG_STANDIN_RECORD", str(record))
+    run_dir = tmp_path / "agent"
+    r = launch_recipe(run_dir, run_cache, "tiny_arith_agent", "generation.backend=sglang", "eval_at_start=false",
+                      "total_steps=2", TRAIN_EVERY_GROUP, "model.bootstrap_steps=5", "rollout.interrupt=true")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (server,) = [json.loads(line) for line in record.read_text().splitlines()]
+    assert "--skip-tokenizer-init" not in server["argv"]  # chat templates are SGLang's to render
+    check_accounting(run_dir, eta=2)
+    for m in steps_of(run_dir):  # the calls' tokens came back from SGLang's fields, linked without drift
+        assert m["agent/drift_rate"] == 0 and m["agent/calls"] >= 1 and m["agent/failed_runs"] == 0

@@ -10,6 +10,8 @@ Recorder (trajectories.py), which links the calls into trajectories and counts d
 the answer unchanged. A choice a weight update cut (`finish_reason: abort`, an interruptible run)
 is carried on to its end first (resume.py), so the agent gets and the record keeps one whole
 answer. A call with `stream: true` is asked for whole too and streamed back as it ends (sse.py).
+In front of SGLang (`backend="sglang"`), each call asks for the exact tokens SGLang returns only
+when asked, and its answer is put in the embedded server's shape first (sglang_wire.py).
 
 A key opened with `open(key, Sampling(...))` (the agent runner's rollouts) has the run's sampling
 applied to each call: the policy's model name and temperature/top_p (the trainer computes the
@@ -34,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from areal_flow.agents import resume, sse
+from areal_flow.agents import resume, sglang_wire, sse
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client import GenerationError
 from areal_flow.generation.router import ServerPool, ServerPoolError
@@ -78,11 +80,12 @@ class Gateway:
     for the agents of one rollout worker; `recorders[key]` holds each key's trajectories."""
 
     def __init__(self, pool: ServerPool, host: str = "127.0.0.1", require_open: bool = False,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, backend: str = "embedded") -> None:
         # require_open: a call on a key not opened (or taken already: a call the rollout's wall time
         # cut off, answered late) is refused, and nothing is recorded for it. tokenizer: the policy's,
         # to derive a resumed answer's text (None: a cut answer comes back cut).
         self.pool, self.host, self.require_open, self.tokenizer = pool, host, require_open, tokenizer
+        self.sglang = backend == "sglang"  # the servers are SGLang's (generation.backend)
         self.recorders: dict[str, Recorder] = {}
         self.sampling: dict[str, Sampling] = {}
         # Starlette, FastAPI's core: the gateway checks no request models, and FastAPI's layers cost
@@ -152,22 +155,26 @@ class Gateway:
                 # tokenizing a long conversation's text costs the server's interpreter, which decodes
                 # for every agent, ~0.4 ms a call (bench_gateway.py); the worker has room.
                 body = {**body, "prompt": self.tokenizer.encode(body["prompt"], add_special_tokens=False)}
+            asked = body.get("logprobs")
+            if self.sglang:
+                body = sglang_wire.ask(body)
             if body is not sent:  # encoded once, whatever changed it
                 raw = msgspec.json.encode(body)
             try:
-                data = await self.pool.post(path, lambda _: raw, key=key, abortable=False)
+                data = await self._post(path, raw, key, asked)
             except GenerationError as exc:  # the server refused the request: its answer, as it gave it
                 return JSONResponse(exc.body if isinstance(exc.body, dict) else {"error": {"message": str(exc.body)}},
                                     exc.status)
-            except ServerPoolError as exc:
+            except (ServerPoolError, sglang_wire.SGLangAnswerError) as exc:
                 return _error(502, str(exc))
             if self.require_open and key not in self.sampling:  # the rollout ended while the call ran
                 return _error(404, f"rollout {key!r} ended while this call ran: its answer is not recorded")
             answer = msgspec.json.decode(data, type=Answer)
             if self.tokenizer is not None and any(c.finish_reason == "abort" for c in answer.choices):
                 try:
-                    data, answer = await self._resumed(key, path, body, data)
-                except (GenerationError, ServerPoolError) as exc:
+                    # The agent's own logprobs: a rederived choice carries OpenAI's only if it asked.
+                    data, answer = await self._resumed(key, path, {**body, "logprobs": asked}, data)
+                except (GenerationError, ServerPoolError, sglang_wire.SGLangAnswerError) as exc:
                     return _error(502, f"an answer cut by a weight update could not be carried on: {exc}")
             recorder = self.recorders.setdefault(key, Recorder())
             for choice in answer.choices:
@@ -180,6 +187,13 @@ class Gateway:
 
         return forward
 
+    async def _post(self, path: str, raw: bytes, key: str, asked_logprobs: Any) -> bytes:
+        """The servers' answer to the call `raw` on `key`'s server, in the embedded server's shape."""
+        data = await self.pool.post(path, lambda _: raw, key=key, abortable=False)
+        if self.sglang:
+            data = msgspec.json.encode(sglang_wire.normalised(msgspec.json.decode(data), asked_logprobs))
+        return data
+
     async def _resumed(self, key: str, path: str, body: dict, data: bytes) -> tuple[bytes, Answer]:
         """The answer `data` to `body` with each cut choice carried on to its end (resume.py)."""
         whole = msgspec.json.decode(data)
@@ -189,8 +203,9 @@ class Gateway:
             while resume.cut(choice) and resume.budget_left(body, choice) != 0 and resumes < resume.MAX_RESUMES:
                 if self.require_open and key not in self.sampling:
                     break  # the rollout ended: nothing will read the rest
-                rest = msgspec.json.encode(resume.continuation(body, prompt, index, choice))
-                more = await self.pool.post("/v1/completions", lambda _: rest, key=key, abortable=False)
+                rest = resume.continuation(body, prompt, index, choice)
+                rest = msgspec.json.encode(sglang_wire.ask(rest) if self.sglang else rest)
+                more = await self._post("/v1/completions", rest, key, None)
                 resume.stitch(choice, msgspec.json.decode(more)["choices"][0])
                 resumes += 1
             if resume.cut(choice) and resume.budget_left(body, choice) == 0:

@@ -26,7 +26,7 @@ RUN_FLAGS = {
     "--device": "cluster.device_type",
     # Token ids in, token ids out: areal_flow tokenizes itself and sends no stop strings, so SGLang
     # loads no tokenizer and its answers carry no text.
-    "--skip-tokenizer-init": "areal_flow (token ids in and out)",
+    "--skip-tokenizer-init": "areal_flow (token ids in and out; kept off for an agent's chat calls: graph.<node>.agent)",
     "--weight-version": "resume (a resumed run's servers start at its checkpoint's version)",
 }
 """Flags every SGLang server gets -> what decides them."""
@@ -71,15 +71,18 @@ OWNERS = {**RUN_FLAGS, **SECURED_FLAGS,
 
 
 def sglang_command(gen: GenerationConfig, model_path: str, port: int | str, seed: int, device_type: str, *,
-                   host: str | None = None, api_key: str | None = None, version: int = 0) -> list[str]:
+                   host: str | None = None, api_key: str | None = None, version: int = 0,
+                   tokenizer: bool = False) -> list[str]:
     """The argv of one SGLang server; the launcher gives it `gen.tp_size` devices. `host`: the
     address to bind when not `generation.host` (a secured run's host address); `api_key`: the
     run's API key. SGLang reads it from its command line only, so local users can see it in the
     process list (docs/security.md). `version`: the weights' version label, when not 0 (a resumed
-    run's checkpoint; SGLang's own first label, "default", counts as 0)."""
+    run's checkpoint; SGLang's own first label, "default", counts as 0). `tokenizer`: the server
+    loads the model's tokenizer (an agent's OpenAI calls need its chat template); otherwise token
+    ids go in and out and SGLang starts without one."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host or gen.host,
             "--port", str(port), "--tp-size", str(gen.tp_size), "--random-seed", str(seed),
-            "--device", DEVICES[device_type], "--skip-tokenizer-init"]
+            "--device", DEVICES[device_type], *([] if tokenizer else ["--skip-tokenizer-init"])]
     if api_key is not None:
         argv += ["--api-key", api_key]
     if version:

@@ -65,7 +65,7 @@ def load_agent(path: str, where: str) -> Callable:
 def runner_of(node: Any, cfg: Any, model_path: str) -> "Turns | AgentRunner | None":
     """How the policy's generate node runs a sample: an environment's turns (rollout/turns.py), an
     agent's calls, or None (one turn a sample)."""
-    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path)
+    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path, cfg.generation.backend)
 
 
 def import_openai() -> Any:
@@ -98,17 +98,18 @@ class AgentRunner:
     wall_seconds: float
     retries: int
     roles: tuple[str, ...] = ()  # graph.<node>.agent_roles; empty: one role, run(client, row) -> reward
+    backend: str = "embedded"  # generation.backend: the servers the gateway is in front of
     gateway: Gateway | None = None
     http: Any = None  # the one HTTP client every rollout's openai client shares (in-process to the gateway)
     starting: asyncio.Future | None = None
 
     @classmethod
-    def of(cls, node: Any, model_path: str) -> "AgentRunner | None":
+    def of(cls, node: Any, model_path: str, backend: str = "embedded") -> "AgentRunner | None":
         """The generate node's agent runner, or None when it names no agent."""
         if node.agent is None:
             return None
         return cls(load_agent(node.agent, f"graph.{node.name}.agent"), node.agent, model_path,
-                   node.agent_wall_seconds, node.agent_retries, tuple(node.agent_roles))
+                   node.agent_wall_seconds, node.agent_retries, tuple(node.agent_roles), backend)
 
     async def _gateway(self, pool: ServerPool, tokenizer: Any) -> Gateway:
         """The worker's gateway, started by the first rollout (in the loop that serves it); the
@@ -118,7 +119,7 @@ class AgentRunner:
         return await asyncio.shield(self.starting)
 
     async def _start(self, pool: ServerPool, tokenizer: Any) -> Gateway:
-        gateway = Gateway(pool, require_open=True, tokenizer=tokenizer)
+        gateway = Gateway(pool, require_open=True, tokenizer=tokenizer, backend=self.backend)
         await gateway.start()
         # Measured (py-spy, tiny_arith_agent): an openai client made for each rollout spent 47% of
         # the worker's CPU making its own HTTP client (an SSL context each). One shared client,

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import itertools
 
-from areal_flow.generation.router import ServerPool, version_number
+from areal_flow.generation.router import ServerPool, token_versions
 from areal_flow.transport.messages import Finish
 
 
@@ -69,19 +69,6 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
 
 def _seeded(seed: int | None) -> dict:
     return {} if seed is None else {"sampling_seed": seed}
-
-
-def token_versions(meta: dict, n: int) -> list[int]:
-    """The weight version of each of an answer's n tokens: areal_flow's `output_token_versions`;
-    else SGLang's `weight_versions` spans (0.5.23: a retracted answer spans several); else its
-    `weight_version`, for every token (older SGLang). A label that is no number counts as 0
-    (SGLang's initial label is "default"; areal_flow's runs label versions by number)."""
-    if (versions := meta.get("output_token_versions")) is not None:
-        return list(versions)
-    out = [version_number(meta.get("weight_version"))] * n
-    for span in meta.get("weight_versions") or ():
-        out[span["start"]:span["end"]] = [version_number(span["version"])] * (span["end"] - span["start"])
-    return out
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:

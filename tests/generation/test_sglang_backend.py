@@ -22,6 +22,10 @@ def test_default_command_maps_the_run_and_leaves_sglang_its_own_defaults():
                     "--tp-size", "1", "--random-seed", "7", "--device", "cpu", "--skip-tokenizer-init"]
 
 
+def test_servers_that_answer_an_agent_s_chat_calls_load_the_tokenizer():
+    assert "--skip-tokenizer-init" not in sglang_command(sglang(), "/m", 1, 0, "cpu", tokenizer=True)
+
+
 def test_every_mapped_key_becomes_its_sglang_flag_and_extra_args_come_last_verbatim():
     gen = sglang(host="0.0.0.0", tp_size=2, max_batch_size=256, max_total_tokens=65536, mem_fraction_static=0.85,
                  context_length=4096,

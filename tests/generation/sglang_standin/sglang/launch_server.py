@@ -8,12 +8,15 @@ JSON-lines file $SGLANG_STANDIN_RECORD, and serves areal_flow's embedded engine,
 SGLang does where the two differ: no `meta_info.output_token_versions` (an areal_flow extension),
 the initial weight version labelled "default", no `busy_seconds`, `load_seconds` or compute counts
 in /server_info, and with --skip-tokenizer-init no tokenizer (answers carry no text). --api-key
-guards the routes as SGLang's.
+guards the routes as SGLang's. Its OpenAI endpoints answer as SGLang 0.5.13's: no token fields
+unless asked (`return_prompt_token_ids`: the choice's `prompt_token_ids`; `return_meta_info` with
+logprobs on: the choice's `meta_info`, `/generate`'s fields).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -78,6 +81,37 @@ def fix_server_info(answer: dict) -> None:
         answer.pop(key, None)
 
 
+EXTENSIONS = ("token_ids", "output_token_logprobs", "output_token_versions", "weight_version", "matched_stop")
+
+
+def openai_as_sglang(route: embedded.Route) -> embedded.Route:
+    """An OpenAI route answering as SGLang's: its token fields only when asked, where SGLang puts them."""
+    async def wrapped(server, call):
+        body = json.loads(call.body)
+        meta, prompt_ids = body.pop("return_meta_info", False), body.pop("return_prompt_token_ids", False)
+        logprobs = body.get("logprobs") not in (None, False) and ("messages" in body or body["logprobs"] > 0)
+        answer = await route(server, dataclasses.replace(call, body=json.dumps(body).encode()))
+        if not isinstance(answer, tuple) or answer[0] != 200:
+            return answer
+        status, payload = answer
+        ids = payload.pop("prompt_token_ids")
+        for choice in payload["choices"]:
+            fields = {key: choice.pop(key) for key in EXTENSIONS}
+            if prompt_ids:
+                choice["prompt_token_ids"] = ids
+            if meta:
+                reason = choice["finish_reason"]
+                choice["meta_info"] = {
+                    "weight_version": fields["weight_version"], "completion_tokens": len(fields["token_ids"]),
+                    "finish_reason": {"type": "stop" if reason == "tool_calls" else reason,
+                                      **({"matched": fields["matched_stop"]} if fields["matched_stop"] is not None else {})}}
+                if logprobs:
+                    choice["meta_info"]["output_token_logprobs"] = [
+                        [lp, t, None] for lp, t in zip(fields["output_token_logprobs"], fields["token_ids"])]
+        return status, payload
+    return wrapped
+
+
 def main(argv: list[str]) -> None:
     args = parse(argv)
     check_cpu_binding(args)
@@ -91,6 +125,9 @@ def main(argv: list[str]) -> None:
                       ("/get_server_info", fix_server_info)):
         methods, route = embedded.ROUTES[path]
         embedded.ROUTES[path] = (methods, rewrite(route, fix))
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        methods, route = embedded.ROUTES[path]
+        embedded.ROUTES[path] = (methods, openai_as_sglang(route))
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
