@@ -14,7 +14,10 @@
   `down_timeout` for one to come back, then fails naming each server and its last error
   (the timeouts, retries and intervals are `rollout.*` settings: config/schema.py, RolloutConfig);
 - **weight updates**: the primitives weights/update.py pauses, delivers and continues with
-  (`servers_up`, `call_each`), and a server that comes back gets the last version first (`loaded`).
+  (`servers_up`, `call_each`), and a server that comes back gets the last version first (`loaded`);
+- **elastic**: a server may join a running pool (`add`: it takes requests once /health answers and
+  it serves current weights, as one that comes back) and leave it (`leave`: no new request goes
+  to it; it is forgotten once the requests it has in flight are answered, or `forget` at once).
 
 AReaL's client picks servers round-robin, remembers a server per request id and retries on the same
 server; slime's router picks the server with the fewest open requests. This pool does both, and
@@ -63,6 +66,12 @@ class Server:
     """Requests this pool has sent to the server and not yet had answered."""
     up: bool = True
     last_error: str = ""
+    leaving: bool = False
+    """No new request goes to it (`leave`): it is dropped once its requests in flight are answered."""
+
+    @property
+    def usable(self) -> bool:
+        return self.up and not self.leaving
 
     def describe(self) -> str:
         return f"{self.name} ({self.client.base_url}): {self.last_error or 'no error seen'}"
@@ -82,9 +91,9 @@ class ServerPool:
         config = config or RolloutConfig()
         if problems := check_ranges(config, "rollout."):
             raise ValueError("; ".join(problems))
-        self.servers = [Server(name, GenerationClient(url, max_connections=max_connections,
-                                                      timeout=config.request_timeout, api_key=api_key))
-                        for name, url in zip(names, urls)]
+        self._client = lambda url: GenerationClient(url, max_connections=max_connections,
+                                                    timeout=config.request_timeout, api_key=api_key)
+        self.servers = [Server(name, self._client(url)) for name, url in zip(names, urls)]
         self.retries = config.request_retries
         self.retry_backoff = config.retry_backoff
         self.health_interval = config.health_interval
@@ -119,6 +128,50 @@ class ServerPool:
     def down(self) -> list[str]:
         """Names of the servers marked down."""
         return [s.name for s in self.servers if not s.up]
+
+    # ---- elastic membership -----------------------------------------------------------------------
+
+    def add(self, name: str, url: str) -> None:
+        """Server `name` at `url` joins the pool: it takes requests once /health answers and it serves
+        current weights (as a server that comes back: `_back` loads them on it where this pool loads
+        weights, and waits for them otherwise)."""
+        if any(s.name == name for s in self.servers):
+            raise ValueError(f"generation server {name} is in the pool already")
+        self.servers.append(Server(name, self._client(url), up=False, last_error="joining: not yet healthy and current"))
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
+
+    def leave(self, name: str) -> None:
+        """Server `name` leaves the pool: no new request goes to it (nor a key bound to it: the key
+        moves to another server); it is dropped once its requests in flight are answered (a request
+        it aborts comes back to its caller, which sends the rest elsewhere)."""
+        server = self._named(name)
+        server.leaving = True
+        for key in [k for k, s in self._affinity.items() if s is server]:
+            del self._affinity[key]
+        self._drop_if_idle(server)
+
+    def forget(self, name: str) -> None:
+        """Drop server `name` now (its process is gone): a request still on it fails over as on any
+        server that cannot be reached."""
+        server = self._named(name)
+        self.leave(name)
+        if server in self.servers:
+            self._drop(server)
+
+    def _named(self, name: str) -> Server:
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise ValueError(f"no generation server {name} in the pool ({', '.join(s.name for s in self.servers)})")
+
+    def _drop_if_idle(self, server: Server) -> None:
+        if server.leaving and server.in_flight == 0 and server in self.servers:
+            self._drop(server)
+
+    def _drop(self, server: Server) -> None:
+        self.servers.remove(server)
+        self._in_background(server.client.close())
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -169,6 +222,7 @@ class ServerPool:
                     self._in_background(self._abort(server, try_rid))
             finally:
                 server.in_flight -= 1
+                self._drop_if_idle(server)
             self._mark_down(server, error)
             tries.append(f"{server.name}: {_describe(error)}")
             if attempt < self.retries:
@@ -180,11 +234,11 @@ class ServerPool:
         one to come back when none is). Nothing awaits once a server is chosen, so the requests of
         a group started together all see the server the first of them bound its key to."""
         await self._wait_until_some_up(f"request {rid}")
-        if key is not None and (server := self._affinity.get(key)) is not None and server.up:
+        if key is not None and (server := self._affinity.get(key)) is not None and server.usable:
             self._affinity.move_to_end(key)
             return server
         n = len(self.servers)
-        i = min((i for i, s in enumerate(self.servers) if s.up),
+        i = min((i for i, s in enumerate(self.servers) if s.usable),
                 key=lambda i: (self.servers[i].in_flight, (i - self._turn) % n))
         server, self._turn = self.servers[i], (i + 1) % n
         if key is not None:
@@ -197,7 +251,7 @@ class ServerPool:
     async def _wait_until_some_up(self, what: str) -> None:
         deadline = time.monotonic() + self.down_timeout
         # A loop: a server that came back may fail again before this waiter runs.
-        while not any(s.up for s in self.servers):
+        while not any(s.usable for s in self.servers):
             try:
                 await asyncio.wait_for(self._some_up.wait(), max(deadline - time.monotonic(), 0))
             except asyncio.TimeoutError:
@@ -224,14 +278,14 @@ class ServerPool:
         if server.up:
             log.warning("generation server %s is down: %s", server.name, server.last_error)
             server.up = False
-        if not any(s.up for s in self.servers):
+        if not any(s.usable for s in self.servers):
             self._some_up.clear()
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
         """Check the servers marked down every health_interval until every one is back."""
-        while down := [s for s in self.servers if not s.up]:
+        while down := [s for s in self.servers if not s.up and not s.leaving]:
             await asyncio.sleep(self.health_interval)
             answers = await asyncio.gather(*[self._back(s) for s in down])
             for server, back in zip(down, answers):
@@ -286,7 +340,7 @@ class ServerPool:
         """The servers that are up, once some are (ServerPoolError naming each when none comes back
         within down_timeout). `what`: the operation waiting, for that message."""
         await self._wait_until_some_up(what)
-        return [s for s in self.servers if s.up]
+        return [s for s in self.servers if s.usable]
 
     async def call_each(self, step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
                         ) -> tuple[list[Server], list[str]]:
@@ -330,7 +384,7 @@ class ServerPool:
         await self._on_all("take its memory back", lambda c: c.resume_memory_occupation())
 
     async def _on_all(self, step: str, call: Callable[[GenerationClient], Awaitable[Any]]) -> None:
-        servers = [s for s in self.servers if s.up]
+        servers = [s for s in self.servers if s.usable]
         results = await asyncio.gather(*[call(s.client) for s in servers], return_exceptions=True)
         failed = [f"{s.name}: {_describe(r)}" for s, r in zip(servers, results) if isinstance(r, BaseException)]
         if failed:

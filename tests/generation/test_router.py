@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from generation_helpers import ModelDirs, async_wait_until, before_every_forward, greedy_reference, load_reference
+from generation_helpers import ModelDirs, async_wait_until, greedy_reference, load_reference
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.controller.publisher import WeightPublisher
@@ -25,7 +25,7 @@ from areal_flow.weights.files import FileChannel
 from areal_flow.weights.update import WeightUpdateError, update_servers
 
 DISK = FileChannel("disk", "/unused")  # the controller's end: each server loads the directory it is given
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.server import GenerationServer
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.transport.messages import Finish
 
@@ -36,24 +36,6 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 def fast(**settings) -> RolloutConfig:
     """Short backoff and health interval, for tests that take servers down."""
     return RolloutConfig(retry_backoff=0.05, health_interval=0.1, **settings)
-
-
-@pytest.fixture
-def start(model_dirs: ModelDirs):
-    """start(model_dir, delay=s, port=p): a real server, stopped at the end of the test."""
-    started = []
-
-    def start(path: str | None = None, *, delay: float = 0.0, port: int = 0) -> GenerationServer:
-        server, thread = serve(path or model_dirs.a, port=port, max_batch_size=16)
-        if delay:
-            before_every_forward(server.engine, lambda *_: time.sleep(delay))
-        started.append((server, thread))
-        return server
-
-    yield start
-    for server, thread in started:
-        server.stop()
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
