@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -73,6 +74,17 @@ def _launch(base: list[str], run_dir: Path, cache: Path, overrides: tuple[str, .
     cmd = [sys.executable, "-m", "areal_flow.launch", *base, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=run_dir.parent,
                           env=None if env is None else {**os.environ, **env})
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until a run started with Popen (`proc`, its output piped) has trained `step` steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        if (run_dir / "metrics.jsonl").exists() and any(m["step"] >= step for m in steps_of(run_dir)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
 
 
 def jsonl(path: Path) -> list[dict]:

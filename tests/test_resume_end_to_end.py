@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, steps_of
+from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, steps_of, wait_for_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from chaos import run_processes  # noqa: E402  (each process itself, not its scoring pool)
@@ -28,16 +27,6 @@ def start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
            *QUIET, *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent)
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        if (run_dir / "metrics.jsonl").exists() and any(m["step"] >= step for m in steps_of(run_dir)):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"step {step} not reached")
 
 
 def test_a_stopped_run_saves_a_checkpoint_and_resumes_from_it(tmp_path, run_cache):

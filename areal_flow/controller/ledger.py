@@ -80,4 +80,5 @@ def audit(path: str, max_staleness: int) -> dict:
     return {"admitted": len(admitted), "trained": kinds.count("train"), "filtered": kinds.count("filter"),
             "dropped": kinds.count("drop"), "pending": len(set(admitted) - set(outcomes)), "steps": len(steps),
             "resumes": sum(e["event"] == "resume" for e in events), "stale_tokens": stale_tokens,
+            "scales": sum(e["event"] == "scale" for e in events),
             "problems": problems}

@@ -41,6 +41,7 @@ from areal_flow.data.dataset import load_rows
 from areal_flow.data.loading import load_prompts, prompt_room, row_format
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
+from areal_flow.generation.membership import follow, servers_of
 from areal_flow.generation.router import ServerPool
 from areal_flow.weights import UpdateFlags, make_channel
 from areal_flow.weights.files import record_loaded
@@ -156,8 +157,8 @@ class Controller:
             if self.judge_fields else []
         left_out = set(skipped)
         self.raw_rows = [row for row, where in zip(raw_rows, places) if where not in left_out]
-        self.publisher = WeightPublisher(spec.gen_urls, spec.gen_names,
-                                         make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
+        names, urls = servers_of(spec.run_dir, spec.gen_names, spec.gen_urls)  # a scaled run's (membership.py)
+        self.publisher = WeightPublisher(urls, names, make_channel(cfg, spec), interrupt=cfg.rollout.interrupt,
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
                                          trainers=self.send_weights)
         # The judges' servers: watched and counted here, never sent weights (their models are frozen).
@@ -724,6 +725,10 @@ class Controller:
         first = state.step == 0 and not state.resumes
         acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start and first else None
         inbox = asyncio.create_task(self.inbox())
+        # The servers a scale adds or removes (`python -m areal_flow.scale`), recorded in the ledger.
+        following = asyncio.create_task(follow(
+            self.publisher.pool, self.spec.run_dir, "controller",
+            lambda epoch, changes: self.ledger.write("scale", epoch=epoch, **changes), joining=True))
         self.clock.start(already=state.train_elapsed)
         await self.grant()
         steps = await self.until_stalled(self.train())
@@ -736,6 +741,7 @@ class Controller:
         acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end and not stopped else None
         checkpoint = None if stopped else await self.export()
         inbox.cancel()
+        following.cancel()
         reason = why_it_ended(self.cfg, steps, wall_time=self.wall_time_reached)
         log.info("the run ended: %s", reason["message"])
         write_summary(self, run_summary(self, steps, stopped=stopped, accuracy=(acc_start, acc_end),

@@ -17,7 +17,7 @@
   (`servers_up`, `call_each`), and a server that comes back gets the last version first (`loaded`);
 - **elastic**: a server may join a running pool (`add`: it takes requests once /health answers and
   it serves current weights, as one that comes back) and leave it (`leave`: no new request goes
-  to it; it is forgotten once the requests it has in flight are answered, or `forget` at once).
+  to it, but weight updates still do while it finishes what it runs; `forget`: it is gone).
 
 AReaL's client picks servers round-robin, remembers a server per request id and retries on the same
 server; slime's router picks the server with the fewest open requests. This pool does both, and
@@ -67,7 +67,9 @@ class Server:
     up: bool = True
     last_error: str = ""
     leaving: bool = False
-    """No new request goes to it (`leave`): it is dropped once its requests in flight are answered."""
+    """No new request goes to it (`leave`); weight updates still do, until it is forgotten."""
+    joined: bool = True
+    """Whether it has served in this pool (False: added by a scale, not yet taken)."""
 
     @property
     def usable(self) -> bool:
@@ -107,6 +109,12 @@ class ServerPool:
         # The last version loaded, and how a server that missed it loads it (None: no copy to load).
         self._weights: tuple[Callable[[GenerationClient], Awaitable[Any]] | None, int] | None = None
         self._newest = -1  # the newest weight version an answer came from or `newest` was told (a pool that loads none)
+        # Held by a weight update (weights/update.py) and by a server's return: one that comes back
+        # while an update runs would be marked up after the update chose its servers, and miss it.
+        self.updating = asyncio.Lock()
+        self.on_up: Callable[[str], None] = lambda name: None
+        """Called with a server's name when it is taken (back) into the pool (the controller tells the
+        rollout workers that a new server is current: generation/membership.py)."""
 
     async def __aenter__(self) -> ServerPool:
         return self
@@ -137,27 +145,27 @@ class ServerPool:
         weights, and waits for them otherwise)."""
         if any(s.name == name for s in self.servers):
             raise ValueError(f"generation server {name} is in the pool already")
-        self.servers.append(Server(name, self._client(url), up=False, last_error="joining: not yet healthy and current"))
+        self.servers.append(Server(name, self._client(url), up=False, joined=False,
+                                   last_error="joining: not yet healthy and current"))
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
 
     def leave(self, name: str) -> None:
         """Server `name` leaves the pool: no new request goes to it (nor a key bound to it: the key
-        moves to another server); it is dropped once its requests in flight are answered (a request
-        it aborts comes back to its caller, which sends the rest elsewhere)."""
+        moves to another server). What it runs goes on, on the current weights (updates still reach
+        it), until it aborts them: each comes back to its caller, which sends the rest elsewhere."""
         server = self._named(name)
         server.leaving = True
         for key in [k for k, s in self._affinity.items() if s is server]:
             del self._affinity[key]
-        self._drop_if_idle(server)
 
     def forget(self, name: str) -> None:
-        """Drop server `name` now (its process is gone): a request still on it fails over as on any
+        """Drop server `name` (its process is gone): a request still on it fails over as on any
         server that cannot be reached."""
         server = self._named(name)
         self.leave(name)
-        if server in self.servers:
-            self._drop(server)
+        self.servers.remove(server)
+        self._in_background(server.client.close())
 
     def _named(self, name: str) -> Server:
         for server in self.servers:
@@ -165,13 +173,6 @@ class ServerPool:
                 return server
         raise ValueError(f"no generation server {name} in the pool ({', '.join(s.name for s in self.servers)})")
 
-    def _drop_if_idle(self, server: Server) -> None:
-        if server.leaving and server.in_flight == 0 and server in self.servers:
-            self._drop(server)
-
-    def _drop(self, server: Server) -> None:
-        self.servers.remove(server)
-        self._in_background(server.client.close())
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -222,7 +223,6 @@ class ServerPool:
                     self._in_background(self._abort(server, try_rid))
             finally:
                 server.in_flight -= 1
-                self._drop_if_idle(server)
             self._mark_down(server, error)
             tries.append(f"{server.name}: {_describe(error)}")
             if attempt < self.retries:
@@ -287,12 +287,15 @@ class ServerPool:
         """Check the servers marked down every health_interval until every one is back."""
         while down := [s for s in self.servers if not s.up and not s.leaving]:
             await asyncio.sleep(self.health_interval)
-            answers = await asyncio.gather(*[self._back(s) for s in down])
-            for server, back in zip(down, answers):
-                if back and not server.up:
-                    log.warning("generation server %s is back", server.name)
-                    server.up = True
-                    self._some_up.set()
+            async with self.updating:
+                answers = await asyncio.gather(*[self._back(s) for s in down])
+                for server, back in zip(down, answers):
+                    if back and not server.up:
+                        log.warning("generation server %s %s", server.name, "is back" if server.joined else "has joined")
+                        server.joined = True
+                        server.up = True
+                        self._some_up.set()
+                        self.on_up(server.name)
 
     async def _back(self, server: Server) -> bool:
         """Whether a server marked down can serve again: /health answers, and it serves the last
@@ -340,7 +343,7 @@ class ServerPool:
         """The servers that are up, once some are (ServerPoolError naming each when none comes back
         within down_timeout). `what`: the operation waiting, for that message."""
         await self._wait_until_some_up(what)
-        return [s for s in self.servers if s.usable]
+        return [s for s in self.servers if s.up]  # a leaving server too: it may still be decoding
 
     async def call_each(self, step: str, targets: list[Server], call: Callable[[GenerationClient], Awaitable[Any]]
                         ) -> tuple[list[Server], list[str]]:
@@ -384,7 +387,7 @@ class ServerPool:
         await self._on_all("take its memory back", lambda c: c.resume_memory_occupation())
 
     async def _on_all(self, step: str, call: Callable[[GenerationClient], Awaitable[Any]]) -> None:
-        servers = [s for s in self.servers if s.usable]
+        servers = [s for s in self.servers if s.up]
         results = await asyncio.gather(*[call(s.client) for s in servers], return_exceptions=True)
         failed = [f"{s.name}: {_describe(r)}" for s, r in zip(servers, results) if isinstance(r, BaseException)]
         if failed:

@@ -116,6 +116,11 @@ class Watching:
     def log_path(self, name: str) -> str:
         raise NotImplementedError
 
+    scales = False
+    """Whether it can start and retire processes while the run goes on (launchers/elastic.py)."""
+    provisional: set[str] = frozenset()
+    """Processes whose exit is not the run's failure: servers a scale is starting (launchers/elastic.py)."""
+
     on_restart: Callable[[str, int], None] = staticmethod(lambda name, code: None)
     """Called with a process's name and exit code when it was restarted (the launcher prints it)."""
 
@@ -126,7 +131,7 @@ class Watching:
     def check(self, finished: str) -> bool:
         """True once `finished` exited 0; restarts a process that may be; raises ChildFailed if any
         other process has exited."""
-        exited = self.exited()
+        exited = {name: code for name, code in self.exited().items() if name not in self.provisional}
         if exited.get(finished) == 0:
             return True
         for name, code in list(exited.items()):
@@ -155,11 +160,22 @@ class Watching:
         """Send `sig` to process `name` (the controller's SIGUSR1: checkpoint, then stop)."""
         raise NotImplementedError
 
+    def running_procs(self) -> list[Proc]:
+        """The processes the launcher runs now (a scale places new ones on the devices they leave free)."""
+        raise NotImplementedError
+
+    def retire(self, name: str) -> None:
+        """Stop process `name` for good (a scale removed it): its exit is no failure, nor restarted."""
+        raise NotImplementedError
+
 
 class LocalLauncher(Watching):
+    scales = True
+
     def __init__(self, run_dir: str, *, device_type: str = "cpu", pin_cpus: bool = True, stop_timeout: float = 10.0):
         self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
         self.children: dict[str, Child] = {}
+        self.provisional = set()
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         self.processes = ProcessTable(run_dir)  # processes.json, for `python -m areal_flow.status`
 
@@ -212,17 +228,31 @@ class LocalLauncher(Watching):
         if self.children[name].popen.poll() is None:
             self.children[name].popen.send_signal(sig)
 
+    def running_procs(self) -> list[Proc]:
+        return [c.proc for c in self.children.values()]  # one that died holds its devices until restarted
+
+    def retire(self, name: str) -> None:
+        child = self.children.pop(name)
+        self.provisional.discard(name)
+        _stop([child.popen], self.stop_timeout)
+        self.processes.left(name, child.popen.returncode)
+
     def stop_all(self) -> None:
         """SIGTERM everyone still alive, then SIGKILL whoever ignores it for stop_timeout seconds."""
-        alive = [c.popen for c in self.children.values() if c.popen.poll() is None]
-        for p in alive:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.time() + self.stop_timeout
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop([c.popen for c in self.children.values()], self.stop_timeout)
         self.processes.exited({name: c.popen.returncode for name, c in self.children.items()
                                if c.popen.returncode is not None})
+
+
+def _stop(popens: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM each that is alive, then SIGKILL whoever ignores it for `timeout` seconds."""
+    alive = [p for p in popens if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.time() + timeout
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

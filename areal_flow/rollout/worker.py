@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
+from areal_flow.generation.membership import follow, servers_of
 from areal_flow.generation.router import ServerPool
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
@@ -48,7 +49,10 @@ class RolloutWorker:
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
         self.tokenizer = load_tokenizer(spec.model_path)
-        self.pool = ServerPool(spec.gen_urls, config=cfg.rollout, api_key=spec.api_key)
+        # The servers serving now (a scaled run's, generation/membership.py), followed as they change.
+        names, urls = servers_of(spec.run_dir, spec.gen_names, spec.gen_urls)
+        self.pool = ServerPool(urls, names, config=cfg.rollout, api_key=spec.api_key)
+        self.run_dir = spec.run_dir
         # Every worker holds an equal share of the concurrency the controller may grant.
         self.slots = max(1, cfg.rollout.max_concurrent // spec.n_rollout)
         ctx = zmq.asyncio.Context()
@@ -81,6 +85,8 @@ class RolloutWorker:
                 main_task.cancel()
 
         await send(self.controller, AdmitRequest(self.name, self.slots))
+        following = asyncio.create_task(follow(self.pool, self.run_dir, self.name))
+        following.add_done_callback(done)
         try:
             while True:  # until the launcher stops this process
                 msg = await recv(self.controller, f"{self.name} controller")
@@ -107,6 +113,7 @@ class RolloutWorker:
                 raise self.error from None
             raise
         finally:
+            following.cancel()
             for t in list(self.tasks):
                 t.cancel()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-LOCK_FILE = "launcher.lock"
+from areal_flow.launchers.elastic import LOCK_FILE  # the scale command tests it too
 
 _held: dict[str, int] = {}  # the run directories this launcher holds -> the lock file's descriptor
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import uuid
+from collections.abc import Callable
 
 from omegaconf import DictConfig
 from rich.console import Console
@@ -19,6 +20,7 @@ from areal_flow.checkpoint import compat, store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
+from areal_flow.launchers.elastic import Scaler
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
 from areal_flow.launchers.progress import RunProgress
 from areal_flow.run.checks import SHARED_MEMORY
@@ -42,11 +44,17 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
                          stop_timeout=lc.stop_timeout)
 
 
-def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> None:
-    # A resumed run's servers start with its checkpoint's actor, at its version.
-    first = (spec.model_path, 0)
+def first_weights(spec: RunSpec) -> tuple[str, int]:
+    """(path, version) of the weights the policy's servers start from: a resumed run's checkpoint's actor."""
     if spec.resume:
-        first = (os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"])
+        return os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"]
+    return spec.model_path, 0
+
+
+def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> Callable:
+    """Start every process; returns `command(proc, weights, port)`, which makes a process's argv and
+    environment (a scale starts servers with it)."""
+    first = first_weights(spec)
     # Processes the local launcher restarts alone when they die (the run goes on): the workers, the
     # inference processes (the trainer ranks ask a restarted one again: training/worker.py), the
     # judges' servers (frozen: they start from their model), and the policy's servers when the
@@ -58,7 +66,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     trained = {p.graph_node for p in placement.of_role("inference")
                if getattr(cfg.graph.get(p.graph_node), "role", None) == "critic"}
 
-    def command(proc: Proc, weights: tuple[str, int] = first) -> tuple[list[str], dict[str, str]]:
+    def command(proc: Proc, weights: tuple[str, int] = first, port: int | None = None) -> tuple[list[str], dict[str, str]]:
         if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
             return judge_command(cfg, proc, spec.judge_models[proc.graph_node],
                                  spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
@@ -66,7 +74,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         if proc.role != "gen_server":
             return python_role(proc.role, proc, spec.run_dir), {}
         path, version = weights
-        return server_command(cfg, proc, path, spec.gen_ports[proc.rank], api_key=spec.api_key,
+        return server_command(cfg, proc, path, port or spec.gen_ports[proc.rank], api_key=spec.api_key,
                               host=server_host(cfg, spec.host_of(proc.name)), version=version)
 
     for proc in placement.procs:
@@ -76,6 +84,20 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
         elif proc.role in ("rollout", "reward", "inference", "judge_server") and proc.graph_node not in trained:
             again = functools.partial(command, proc)
         launcher.start(proc, *command(proc), again=again, restarts=cfg.recover.worker_restarts)
+    return command
+
+
+def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, command: Callable) -> Scaler:
+    """The launcher's side of `python -m areal_flow.scale` for this launch (launchers/elastic.py)."""
+    first = first_weights(spec)
+    # A new server starts from the run's first weights, which stay (a version's files may be pruned
+    # while it starts: trainer rank 0 keeps two), and gets the newest when it joins (ServerPool._back).
+    return Scaler(launcher, spec.run_dir, command=lambda proc, port: command(proc, first, port),
+                  n_devices=cfg.cluster.n_devices,
+                  per_server=cfg.generation.tp_size,
+                  followers=[p.name for p in placement.procs if p.role in ("controller", "rollout")],
+                  weight_mode=cfg.rollout.weight_update_mode, restarts=cfg.recover.worker_restarts,
+                  api_key=spec.api_key, start_timeout=cfg.launcher.start_timeout)
 
 
 def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared: Prepared, console: Console,
@@ -101,9 +123,17 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
     # Made before any process starts: it shows the rows they add to metrics.jsonl, not a resumed run's earlier ones.
     progress = RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console)
     try:
-        start_processes(launcher, placement, spec, cfg)
+        # servers.json lists the placement's servers before any process reads it (an earlier launch's scale is gone).
+        Scaler.reset(spec.run_dir, dict(zip(spec.gen_names, spec.gen_urls)))
+        command = start_processes(launcher, placement, spec, cfg)
+        scaler = make_scaler(launcher, placement, spec, cfg, command)
+
+        def tick() -> None:
+            progress.tick()
+            scaler.tick()
+
         with progress:
-            launcher.wait("controller", on_tick=progress.tick)
+            launcher.wait("controller", on_tick=tick)
     except ChildFailed as e:
         # The reason on one line (the process and the exception that ended it), then its traceback.
         console.print(f"[bold red]run failed:[/] {escape(e.reason)}", highlight=False)

@@ -1,7 +1,8 @@
 """`processes.json`: the local launcher's record of the run's processes, for `areal_flow.status`.
 
 {name: {role, pid, host, restarts, state, exit_code, started, ended}}, with state `running`,
-`exited` or `restarted` (running again after it died; `restarts` counts how often). Rewritten
+`exited`, `restarted` (running again after it died; `restarts` counts how often) or `removed` (a
+scale took it out: `python -m areal_flow.scale`; `started` and `ended` are when it joined and left). Rewritten
 whole (a temporary file, then a rename) whenever a process starts, exits or is restarted, so a
 reader never sees half of it.
 """
@@ -60,6 +61,12 @@ class ProcessTable:
         for name, code in new.items():
             self.table[name].update(state="exited", exit_code=code, ended=now)
         self._write()
+
+    def left(self, name: str, code: int | None) -> None:
+        """`name` was removed from the run (a scale): state `removed`, its end now."""
+        if name in self.table:
+            self.table[name].update(state="removed", exit_code=code, ended=time.time())
+            self._write()
 
     def _write(self) -> None:
         try:

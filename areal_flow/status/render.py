@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 from rich.console import Group, RenderableType
 from rich.progress_bar import ProgressBar
@@ -249,10 +250,16 @@ def by_staleness(snap: Snapshot) -> Table | None:
     return t
 
 
+def clock(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "?"
+
+
 def process_state(p: ProcessStatus) -> Text:
     again = f", restarted {p.restarts}×" if p.restarts else ""
     if p.state == "exited":
         return Text(f"exited ({p.exit_code}){again}", style="green" if p.exit_code == 0 else "red")
+    if p.state == "removed":  # a scale took it out (python -m areal_flow.scale)
+        return Text(f"removed: joined {clock(p.started)}, left {clock(p.ended)}", style="dim")
     if p.alive is True:
         return Text(f"running (pid alive){again}", style="green")
     if p.alive is False:

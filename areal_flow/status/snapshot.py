@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from areal_flow.generation.membership import read_membership
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes
@@ -88,10 +89,11 @@ class ProcessStatus:
     role: str
     pid: int | None = None
     host: str | None = None
-    state: str | None = None  # processes.json's: running | exited | restarted; None: not recorded
+    state: str | None = None  # processes.json's: running | exited | restarted | removed; None: not recorded
     restarts: int = 0
     exit_code: int | None = None
-    ended: float | None = None  # when it exited (processes.json)
+    ended: float | None = None  # when it exited, or left the run (processes.json)
+    started: float | None = None  # when it (last) started: a scaled server's join (processes.json)
     alive: bool | None = None  # its pid on this host; None: not probed (not local, no pid, run over)
     log_age: float | None = None  # seconds since its log's last write
     url: str | None = None  # a generation server's
@@ -302,10 +304,13 @@ def read_spec(path: str) -> RunSpec | None:
 
 
 def server_urls(spec: RunSpec | None) -> dict[str, str]:
-    """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls)."""
+    """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls, and
+    the servers a scale added: servers.json)."""
     if spec is None:
         return {}
+    membership = read_membership(spec.run_dir)
     urls = dict(zip(spec.gen_names, spec.gen_urls))
+    urls |= {name: m.url for name, m in membership.servers.items()} if membership else {}
     for node in spec.judge_ports:
         urls |= dict(zip(spec.judge_names(node), spec.judge_urls(node)))
     return urls
@@ -415,7 +420,8 @@ class RunReader:
             if isinstance(e, dict):
                 found[name] = ProcessStatus(name, e.get("role") or role_of(name), pid=e.get("pid"), host=e.get("host"),
                                             state=e.get("state"), restarts=e.get("restarts") or 0,
-                                            exit_code=e.get("exit_code"), ended=e.get("ended"))
+                                            exit_code=e.get("exit_code"), ended=e.get("ended"),
+                                            started=e.get("started"))
         for name, e in (placed or {}).items() if isinstance(placed, dict) else ():
             if isinstance(e, dict):
                 found[name] = ProcessStatus(name, role_of(name), pid=e.get("pid"), host=e.get("address"))
@@ -448,7 +454,7 @@ class RunReader:
         local = [p for p in procs if p.state is not None and p.pid is not None and p.host == here]
         if local and self.probe:
             for p in local:
-                p.alive = False if p.state == "exited" else pid_alive(p.pid)
+                p.alive = False if p.state in ("exited", "removed") else pid_alive(p.pid)
             snap.live = any(p.alive for p in local)
             if not snap.live:
                 snap.state = "ended"

@@ -69,9 +69,18 @@ def last_loaded(run_dir: str, first: tuple[str, int]) -> tuple[str, int]:
     try:
         with open(os.path.join(run_dir, LOADED)) as f:
             loaded = json.load(f)
-        return loaded["path"], loaded["version"]
     except FileNotFoundError:
         return first
+    path, version = loaded["path"], loaded["version"]
+    if not os.path.isdir(path):
+        # Trainer rank 0 prunes all but the last two versions it wrote, and may write two while the
+        # servers load one: the recorded version is gone, a newer one is there (written whole).
+        root = os.path.dirname(path)
+        newer = sorted(int(n[1:]) for n in os.listdir(root) if n.startswith("v") and n[1:].isdigit()
+                       and int(n[1:]) > version) if os.path.isdir(root) else []
+        if newer:
+            return os.path.join(root, f"v{newer[0]}"), newer[0]
+    return path, version
 
 
 def prune(root: str, keep: int, every: int = 0) -> None:

@@ -40,8 +40,17 @@ async def update_servers(pool: ServerPool, channel: WeightChannel, location: str
     `pool` that is up; returns the names of the servers left out because they are down (raises
     ServerPoolError when every one is). `trainers` has the trainer ranks send it, for channels
     whose trainers send."""
-    trainers = trainers or _no_trainers
-    servers = await pool.servers_up(f"the update to weight version {version}")
+    while True:
+        # Waited for without the lock: a server comes back (the pool's watcher) under it.
+        await pool.servers_up(f"the update to weight version {version}")
+        async with pool.updating:  # a server coming back meanwhile waits: it gets this version after
+            if servers := [s for s in pool.servers if s.up]:
+                return await _update(pool, servers, channel, location, version, interrupt, pause_mode,
+                                     trainers or _no_trainers)
+
+
+async def _update(pool: ServerPool, servers: list, channel: WeightChannel, location: str, version: int,
+                  interrupt: bool, pause_mode: str, trainers: SendByTrainers) -> list[str]:
     if channel.sent_by_trainers and not interrupt:
         raise ValueError(f"{channel.describe()} delivers in several parts and needs interrupting updates")
     if channel.every_server and len(servers) < len(pool.servers):

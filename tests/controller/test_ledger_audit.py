@@ -20,7 +20,7 @@ CLEAN = [("admit", {"group": 0, "version": 0}), ("admit", {"group": 1, "version"
 def test_a_clean_ledger_passes_with_every_group_accounted(tmp_path):
     result = audit(ledger(tmp_path, *CLEAN), max_staleness=0)
     assert result == {"admitted": 4, "trained": 1, "filtered": 1, "dropped": 0, "pending": 2, "steps": 1,
-                      "resumes": 0, "stale_tokens": 0, "problems": []}
+                      "resumes": 0, "stale_tokens": 0, "scales": 0, "problems": []}
 
 
 def test_a_group_trained_twice_or_after_a_filter_is_found(tmp_path):

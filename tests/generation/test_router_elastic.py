@@ -1,6 +1,7 @@
 """ServerPool's elastic membership on real servers: a server that joins takes requests only once it
-is healthy and serves current weights; a server that leaves gets no new request, its aborted
-samples finish elsewhere with their tokens so far, each once, and it is dropped when idle."""
+is healthy and serves current weights; a server that leaves gets no new request but every weight
+update until it is forgotten, and its aborted samples finish elsewhere with their tokens so far,
+each once."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_a_rollout_pool_takes_a_joining_server_only_at_the_newest_version(start,
     assert down == ["gen_server1"] and error == "it serves weight version 0, older than version 2 of the others"
 
 
-def test_a_leaving_server_s_aborted_samples_finish_elsewhere_each_once_and_it_is_dropped(start):
+def test_a_leaving_server_s_aborted_samples_finish_elsewhere_each_once_and_it_gets_updates_until_forgotten(
+        start, model_dirs: ModelDirs):
     stay, leave = start(delay=0.01), start(delay=0.01)
     params = {"max_new_tokens": 30, "temperature": 1.0, "ignore_eos": True}
 
@@ -85,18 +87,23 @@ def test_a_leaving_server_s_aborted_samples_finish_elsewhere_each_once_and_it_is
             pool.leave("gen_server1")
             on_leaving = pool.servers[1].in_flight
             before = finished(leave)
+            # What it still decodes is decoded on the current weights: an update reaches it.
+            await update_servers(pool, DISK, model_dirs.a, 1)
+            updated = leave.engine.version
             # What the launcher does to a server it removes: its running requests come back aborted.
             async with GenerationClient(leave.url) as direct:
                 await direct.abort_request(abort_all=True)
             outs = await run
-            return outs, on_leaving, before, [s.name for s in pool.servers]
+            pool.forget("gen_server1")
+            return outs, on_leaving, before, updated, [s.name for s in pool.servers]
 
-    outs, on_leaving, before, names = asyncio.run(scenario())
+    outs, on_leaving, before, updated, names = asyncio.run(scenario())
     assert on_leaving > 0  # it had samples running when it left
     assert len(outs) == 8 and all(len(o["output_ids"]) == 30 and o["finish"] == Finish.LENGTH for o in outs)
     assert finished(leave) - before <= on_leaving  # nothing new went to it: only the aborted came back
-    assert names == ["gen_server0"]  # dropped once idle
-    # The tokens made on the leaving server were kept across the move: none was decoded twice.
+    assert updated == 1 and names == ["gen_server0"]
+    # The tokens made on the leaving server were kept across the move: none was decoded twice (an
+    # update's pause aborts and resubmits too, with the tokens so far).
     assert stay.engine.stats()["generated_tokens"] + leave.engine.stats()["generated_tokens"] == 8 * 30
 
 

@@ -116,6 +116,7 @@ def build(run_dir, port: int, now: float, *, steps=STEPS) -> None:
         "rollout0": proc("rollout", dead_pid(), "exited", code=0, ended=now - 5),
         "reward0": proc("reward", me, "restarted", restarts=1),
         "trainer0": proc("trainer", dead_pid()),  # its pid is gone: the view says so
+        "gen_server1": proc("gen_server", dead_pid(), "removed", code=0, ended=now - 20),  # a scale took it out
     })
     for i, name in enumerate(("controller", "gen_server0", "rollout0", "reward0", "trainer0")):
         log = run_dir / "logs" / f"{name}.log"
@@ -160,7 +161,9 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
                            "train/stale/stalest_grad_share_max": 0.625}
 
     procs = {p.name: p for p in snap.processes}
-    assert [p.name for p in snap.processes] == ["controller", "gen_server0", "rollout0", "reward0", "trainer0"]
+    assert [p.name for p in snap.processes] == ["controller", "gen_server0", "gen_server1", "rollout0", "reward0",
+                                                "trainer0"]
+    assert (procs["gen_server1"].state, procs["gen_server1"].alive) == ("removed", False)
     assert procs["controller"].alive is True and procs["controller"].pid == os.getpid()
     assert procs["trainer0"].alive is False and procs["trainer0"].state == "running"  # recorded running, gone
     assert (procs["rollout0"].alive, procs["rollout0"].state, procs["rollout0"].exit_code) == (False, "exited", 0)
@@ -176,6 +179,9 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
                   "train/ess_fraction", "0.9", "gone (pid not alive)", "exited (0)",
                   "running (pid alive), restarted 1×", "10.0 s ago", "50.0 s ago", "last 3 steps"):
         assert shown in text, f"{shown!r} not in:\n{text}"
+    removed = next(line for line in text.splitlines() if line.strip("│ ").startswith("gen_server1"))
+    left = time.strftime("%H:%M:%S", time.localtime(now - 20))
+    assert f"removed: joined {time.strftime('%H:%M:%S', time.localtime(now - 60))}, left {left}" in removed
     gen_line = next(line for line in text.splitlines() if line.strip("│ ").startswith("gen_server0"))
     assert " ok " in gen_line and gen_line.rstrip(" │").endswith("3")
     lines = text.splitlines()

@@ -87,3 +87,18 @@ class Evil:
 def test_a_serialized_bucket_that_is_not_tensor_handles_is_refused_naming_why(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         deserialize(text)
+
+
+def test_a_restarted_server_starts_from_the_last_loaded_version_or_the_next_one_kept_when_it_was_pruned(tmp_path):
+    from areal_flow.weights.files import last_loaded, prune, record_loaded
+
+    root = tmp_path / "weights"
+    first = ("/start", 0)
+    assert last_loaded(str(tmp_path), first) == first  # nothing loaded yet
+    for v in (4, 5):
+        (root / f"v{v}").mkdir(parents=True)
+    record_loaded(str(tmp_path), str(root / "v4"), 4)
+    assert last_loaded(str(tmp_path), first) == (str(root / "v4"), 4)
+    (root / "v6").mkdir()  # trainer rank 0 wrote version 6 while the servers loaded version 5: v4 pruned
+    prune(str(root), keep=6)
+    assert last_loaded(str(tmp_path), first) == (str(root / "v5"), 5)

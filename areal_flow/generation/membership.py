@@ -1,0 +1,161 @@
+"""The policy's generation servers of a live run, as they change (`python -m areal_flow.scale`):
+`servers.json` in the run directory, written by the launcher, followed by every process that
+sends the servers requests or weights (the rollout workers and the controller).
+
+    {"epoch": 3, "servers": {"gen_server0": {"url": "http://127.0.0.1:41000", "leaving": false}, ...}}
+
+The launcher writes it whole (a temporary file, then a rename) at the run's start and at each step
+of a scale. A new server is listed `joining` once its /health answers: the controller's pool alone
+takes it, loads the current weights on it (holding weight updates meanwhile, so it misses none)
+and marks it `scale/ready/<server>`; then the launcher lists it as serving and the rollout workers'
+pools take it too. (Were a rollout worker to take it first, it could route requests to it while an
+update it missed runs elsewhere.) A server that is removed is first marked `leaving` (no new
+request goes to it), then dropped. A follower (`follow`) reads the file when it changes, applies
+it to its ServerPool (`apply`), and acknowledges the epoch in `scale/acks/<process>`, which the
+launcher waits for at each step (before it aborts a leaving server's requests, for one).
+A process that starts later (a restarted worker) reads the servers from here, not from the spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+
+import msgspec
+
+from areal_flow.generation.router import ServerPool
+
+log = logging.getLogger("areal_flow.membership")
+
+SERVERS = "servers.json"
+ACKS = os.path.join("scale", "acks")
+READY = os.path.join("scale", "ready")
+FOLLOW_INTERVAL = 0.5
+"""Seconds between a follower's looks at servers.json."""
+
+
+class Member(msgspec.Struct):
+    url: str
+    leaving: bool = False  # being removed: no new request goes to it
+    joining: bool = False  # new: only the controller's pool takes it, until it serves the current weights
+
+
+class Membership(msgspec.Struct):
+    epoch: int
+    servers: dict[str, Member]  # process name -> the server
+
+    def serving(self) -> list[str]:
+        """The servers that take requests (not leaving), in the order they joined."""
+        return [name for name, m in self.servers.items() if not m.leaving]
+
+
+def write_membership(run_dir: str, membership: Membership) -> None:
+    _write_atomic(os.path.join(run_dir, SERVERS), msgspec.json.encode(membership))
+
+
+def read_membership(run_dir: str) -> Membership | None:
+    """The run's servers.json; None when it has none (a run started before it existed)."""
+    try:
+        with open(os.path.join(run_dir, SERVERS), "rb") as f:
+            return msgspec.json.decode(f.read(), type=Membership)
+    except FileNotFoundError:
+        return None
+
+
+def servers_of(run_dir: str, names: list[str], urls: list[str]) -> tuple[list[str], list[str]]:
+    """(names, urls) of the servers a starting process should use: those serving in servers.json,
+    else the spec's (`names`, `urls`)."""
+    membership = read_membership(run_dir)
+    if membership is None or not membership.serving():
+        return names, urls
+    serving = membership.serving()
+    return serving, [membership.servers[n].url for n in serving]
+
+
+def apply(pool: ServerPool, membership: Membership, joining: bool = False) -> None:
+    """Make `pool` follow `membership`: a new server joins (one still `joining` only with `joining`:
+    the controller's pool), a leaving one leaves, a gone one is forgotten."""
+    now = {s.name: s for s in pool.servers}
+    for name, member in membership.servers.items():
+        if name not in now and not member.leaving and (joining or not member.joining):
+            pool.add(name, member.url)
+        elif name in now and member.leaving and not now[name].leaving:
+            pool.leave(name)
+    for name in now:
+        if name not in membership.servers:
+            pool.forget(name)
+
+
+def changes(before: Membership | None, after: Membership) -> dict[str, list[str]]:
+    """What changed from `before` (None: a follower's first look: nothing) to `after`: names added,
+    leaving and removed."""
+    if before is None:
+        return {"added": [], "joined": [], "leaving": [], "removed": []}
+    old = before.servers
+    return {"added": [n for n, m in after.servers.items() if n not in old and not m.leaving],
+            "joined": [n for n, m in after.servers.items() if n in old and old[n].joining and not m.joining],
+            "leaving": [n for n, m in after.servers.items() if m.leaving and n in old and not old[n].leaving],
+            "removed": [n for n in old if n not in after.servers]}
+
+
+def acknowledge(run_dir: str, process: str, epoch: int) -> None:
+    os.makedirs(os.path.join(run_dir, ACKS), exist_ok=True)
+    _write_atomic(os.path.join(run_dir, ACKS, process), str(epoch).encode())
+
+
+def acknowledged(run_dir: str, process: str) -> int:
+    """The last epoch `process` applied (-1: none yet)."""
+    try:
+        with open(os.path.join(run_dir, ACKS, process)) as f:
+            return int(f.read().strip() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def mark_ready(run_dir: str, server: str) -> None:
+    """The controller's pool has taken `server`: it serves the current weights, and gets every update."""
+    os.makedirs(os.path.join(run_dir, READY), exist_ok=True)
+    _write_atomic(os.path.join(run_dir, READY, server), b"")
+
+
+def is_ready(run_dir: str, server: str) -> bool:
+    return os.path.exists(os.path.join(run_dir, READY, server))
+
+
+async def follow(pool: ServerPool, run_dir: str, process: str,
+                 on_change: Callable[[int, dict[str, list[str]]], None] = lambda epoch, changes: None,
+                 interval: float = FOLLOW_INTERVAL, joining: bool = False) -> None:
+    """Apply servers.json to `pool` whenever it changes, acknowledging each epoch as `process`;
+    `on_change(epoch, changes)` after each change (the controller's ledger). With `joining` (the
+    controller's pool, which loads the weights), new servers are taken while still joining, and
+    each is marked ready once the pool takes it. Runs until cancelled."""
+    if joining:
+        pool.on_up = lambda name: mark_ready(run_dir, name)
+    seen, stamp, previous = -1, None, None
+    path = os.path.join(run_dir, SERVERS)
+    while True:
+        try:
+            now = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            now = None
+        if now is not None and now != stamp:
+            stamp = now
+            membership = read_membership(run_dir)
+            if membership is not None and membership.epoch != seen:
+                apply(pool, membership, joining)
+                changed, previous, seen = changes(previous, membership), membership, membership.epoch
+                acknowledge(run_dir, process, seen)
+                if any(changed.values()):
+                    log.warning("%s: generation servers at epoch %d: %s", process, seen,
+                                "; ".join(f"{k} {', '.join(v)}" for k, v in changed.items() if v))
+                    on_change(seen, changed)
+        await asyncio.sleep(interval)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

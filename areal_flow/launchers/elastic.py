@@ -1,0 +1,338 @@
+"""Adding and removing the policy's generation servers while a run goes on: the launcher's side of
+`python -m areal_flow.scale RUN_DIR generate=+2` (docs/reliability.md, "Elastic").
+
+The command writes its request to `scale/request.json` (made exclusively: one scale at a time) and
+waits for its line in `scale/results.jsonl`. The launcher looks for a request at every tick of its
+watch loop (`Scaler.tick`) and carries it out step by step without blocking the loop: each
+operation is a generator that yields while it waits, so a process that dies meanwhile is noticed
+(and restarted) as at any other time.
+
+- **Up** (`generate=+k`): k servers on free devices (`generation.tp_size` each), started from the
+  run's first weights (a newer version's files may be pruned while a server starts), each listed
+  in servers.json as `joining` once its /health answers; the controller's pool takes it, loading
+  the current version on it, and marks it ready; then it is listed as serving and every rollout
+  worker's pool takes it (generation/membership.py says why in two steps). A server
+  that does not start is reported, stopped and left out; the run goes on.
+- **Down** (`generate=-k`): the newest k servers are marked `leaving` (no new request goes to them;
+  weight updates still do), once every follower has acknowledged that, their running requests are
+  aborted (each comes back to its caller with its tokens so far and goes on elsewhere), then they
+  are dropped from the list (no more updates) and, once that is acknowledged, their processes stop.
+
+Every change is recorded: servers.json's epoch, the controller's ledger (`scale` events), the
+process table (`areal_flow.status`), and the result line (what changed and how long it took).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from areal_flow.generation.client import auth_headers
+from areal_flow.generation.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
+                                              read_membership, write_membership)
+from areal_flow.graph.placement import Proc
+
+LOCK_FILE = "launcher.lock"
+"""The run directory's lock, held by its launcher for its whole life (run/lock.py)."""
+REQUEST = os.path.join("scale", "request.json")
+RESULTS = os.path.join("scale", "results.jsonl")
+ROLES = ("generate",)
+"""What a scale command may change (generate: the policy's generation servers)."""
+FILE_MODES = ("disk", "shm")
+"""rollout.weight_update_mode values whose servers can join later: each loads the weights from files."""
+ACK_TIMEOUT = 30.0
+"""Seconds the launcher waits for every follower to apply a change before it goes on."""
+DRAIN_SECONDS = 1.0
+"""Seconds a leaving server's aborted requests get to come back to their callers before it stops."""
+
+
+class ScaleRefused(ValueError):
+    """A scale command that cannot be carried out; the run is unchanged."""
+
+
+@dataclass
+class Request:
+    id: str
+    role: str
+    change: str  # "+k", "-k" or "k"
+    asked: float  # time.time() of the command
+
+    @property
+    def text(self) -> str:
+        return f"{self.role}={self.change}"
+
+
+def parse_change(role: str, change: str) -> tuple[str, int]:
+    """("add" | "set", k) of a size change `+k`, `-k` or `k`; ScaleRefused naming the argument."""
+    if role not in ROLES:
+        raise ScaleRefused(f"{role}={change}: there is no role {role!r} to scale (roles: {', '.join(ROLES)})")
+    text = change.strip()
+    try:
+        k = int(text)
+    except ValueError:
+        raise ScaleRefused(f"{role}={change}: a size is N, +N or -N (a whole number)") from None
+    return ("add", k) if text[:1] in "+-" else ("set", k)
+
+
+def target_size(role: str, change: str, now: int) -> int:
+    """The size `change` asks for, with `now` servers serving; ScaleRefused below 1 or when nothing changes."""
+    how, k = parse_change(role, change)
+    target = now + k if how == "add" else k
+    if target < 1:
+        raise ScaleRefused(f"{role}={change}: it would leave {target} generation server(s) of {now}; "
+                           "a run needs at least 1")
+    if target == now:
+        raise ScaleRefused(f"{role}={change}: the run has {now} generation server(s) already")
+    return target
+
+
+def running(run_dir: str) -> bool:
+    """Whether a live launcher holds the run directory (its lock, LOCK_FILE: run/lock.py)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def submit(run_dir: str, role: str, change: str) -> Request:
+    """Write the request for the launcher; ScaleRefused when another is in progress."""
+    request = Request(uuid.uuid4().hex[:12], role, change, time.time())
+    os.makedirs(os.path.join(run_dir, "scale"), exist_ok=True)
+    try:
+        fd = os.open(os.path.join(run_dir, REQUEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pending = read_request(run_dir)
+        since = time.strftime("%H:%M:%S", time.localtime(pending.asked)) if pending else "?"
+        raise ScaleRefused(f"another scale command is in progress ({pending.text if pending else 'unreadable'}, "
+                           f"since {since}): wait for it to finish") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(request.__dict__, f)
+    return request
+
+
+def read_request(run_dir: str) -> Request | None:
+    try:
+        with open(os.path.join(run_dir, REQUEST)) as f:
+            return Request(**json.load(f))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def results(run_dir: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, RESULTS)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+Command = Callable[[Proc, int], tuple[list[str], dict[str, str]]]
+"""How to start generation server `proc` on `port`: its argv and environment."""
+
+
+class Scaler:
+    """Carries out scale requests for a launcher (LocalLauncher or RayLauncher) from its watch loop."""
+
+    def __init__(self, launcher: Any, run_dir: str, *, command: Command, n_devices: int, per_server: int, followers: list[str], weight_mode: str, restarts: int,
+                 api_key: str | None = None, start_timeout: float = 300.0) -> None:
+        # command: starts a server; followers: the processes that apply servers.json (the controller,
+        # the rollout workers).
+        self.launcher, self.run_dir, self.command = launcher, run_dir, command
+        self.n_devices, self.per_server, self.followers = n_devices, per_server, followers
+        self.weight_mode, self.restarts, self.api_key, self.start_timeout = weight_mode, restarts, api_key, start_timeout
+        self.op: Generator[None, None, dict] | None = None
+        self.request: Request | None = None
+        membership = read_membership(run_dir)
+        self.next_index = 1 + max((int(n.removeprefix("gen_server")) for n in membership.servers), default=-1) \
+            if membership else 0
+
+    @staticmethod
+    def reset(run_dir: str, servers: dict[str, str]) -> None:
+        """A launch's start: servers.json lists the placement's servers; acknowledgements and a request
+        left by an earlier launch are gone."""
+        for folder in (os.path.join(run_dir, ACKS), os.path.join(run_dir, READY)):
+            if os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    os.remove(os.path.join(folder, name))
+        if os.path.exists(os.path.join(run_dir, REQUEST)):
+            os.remove(os.path.join(run_dir, REQUEST))
+        write_membership(run_dir, Membership(0, {name: Member(url) for name, url in servers.items()}))
+
+    def tick(self) -> None:
+        """Advance the scale in progress, or start the next request."""
+        if self.op is None:
+            if (request := read_request(self.run_dir)) is None:
+                return
+            self.request, self.op = request, self._run(request)
+        try:
+            next(self.op)
+        except StopIteration as done:
+            self._finish(done.value)
+
+    # ---- one request -----------------------------------------------------------------------------
+
+    def _run(self, request: Request) -> Generator[None, None, dict]:
+        t0 = time.monotonic()
+        try:
+            if not self.launcher.scales:
+                raise ScaleRefused(f"{request.text}: launcher.type={type(self.launcher).__name__} cannot start and "
+                                   "stop processes while the run goes on; the local launcher can")
+            if self.weight_mode not in FILE_MODES:
+                raise ScaleRefused(f"{request.text}: rollout.weight_update_mode={self.weight_mode} sends weights over "
+                                   "a group fixed at the run's start; servers can join and leave with disk or shm")
+            membership = self._membership()
+            now = len(membership.serving())
+            target = target_size(request.role, request.change, now)
+            if target > now:
+                out = yield from self._up(target - now)
+            else:
+                out = yield from self._down(now - target)
+        except ScaleRefused as e:
+            return {"ok": False, "refused": True, "message": str(e)}
+        return {"ok": not out.get("failed"), "seconds": round(time.monotonic() - t0, 3), **out}
+
+    def _finish(self, result: dict) -> None:
+        request, self.op, self.request = self.request, None, None
+        line = {"id": request.id, "command": request.text, "time": time.time(), **result}
+        with open(os.path.join(self.run_dir, RESULTS), "a") as f:
+            f.write(json.dumps(line) + "\n")
+        os.remove(os.path.join(self.run_dir, REQUEST))
+
+    def _membership(self) -> Membership:
+        membership = read_membership(self.run_dir)
+        if membership is None:
+            raise ScaleRefused("this run has no servers.json: it was started by an older areal_flow")
+        return membership
+
+    def _publish(self, membership: Membership) -> Generator[None, None, None]:
+        """Write the next epoch and wait (up to ACK_TIMEOUT) until every follower applied it."""
+        membership.epoch += 1
+        write_membership(self.run_dir, membership)
+        deadline = time.monotonic() + ACK_TIMEOUT
+        while any(acknowledged(self.run_dir, f) < membership.epoch for f in self.followers):
+            if time.monotonic() > deadline:
+                return  # a follower restarting reads servers.json when it starts
+            yield
+
+    def free_devices(self) -> list[int]:
+        used = {d for proc in self.launcher.running_procs() for d in proc.devices}
+        return [d for d in range(self.n_devices) if d not in used]
+
+    def _up(self, count: int) -> Generator[None, None, dict]:
+        free, need = self.free_devices(), count * self.per_server
+        if len(free) < need:
+            raise ScaleRefused(f"generate=+{count} needs {need} free device(s) ({self.per_server} a server: "
+                               f"generation.tp_size); free: {', '.join(map(str, free)) or 'none'} of "
+                               f"{self.n_devices} (cluster.n_devices)")
+        t0, started = time.monotonic(), {}
+        for i in range(count):
+            index, self.next_index = self.next_index, self.next_index + 1
+            proc = Proc(f"gen_server{index}", "gen_server", tuple(free[i * self.per_server:(i + 1) * self.per_server]),
+                        index)
+            ((host, port),) = self.launcher.reserve([proc.name])
+            argv, env = self.command(proc, port)
+            self.launcher.provisional.add(proc.name)  # a death while it starts is this scale's failure, not the run's
+            self.launcher.start(proc, argv, env, again=lambda proc=proc, port=port: self.command(proc, port),
+                                restarts=self.restarts)
+            started[proc.name] = f"http://{host}:{port}"
+        ready, failed = {}, {}
+        deadline = time.monotonic() + self.start_timeout
+        while pending := [n for n in started if n not in ready and n not in failed]:
+            exited = self.launcher.exited()
+            for name in pending:
+                if name in exited:
+                    failed[name] = f"it exited with code {exited[name]} while starting; its log: " \
+                                   f"{self.launcher.log_path(name)}"
+                elif self._get(started[name], "/health") is not None:
+                    ready[name] = time.monotonic() - t0
+                elif time.monotonic() > deadline:
+                    failed[name] = f"its /health did not answer within {self.start_timeout:g} s " \
+                                   "(launcher.start_timeout); its log: " + self.launcher.log_path(name)
+            if [n for n in started if n not in ready and n not in failed]:
+                yield
+        for name in failed:
+            self.launcher.retire(name)
+        for name in started:
+            self.launcher.provisional.discard(name)
+        if not ready:
+            return {"added": [], "failed": failed}
+        membership = self._membership()
+        membership.servers.update({name: Member(started[name], joining=True) for name in ready})
+        yield from self._publish(membership)  # the controller's pool takes them, at the current weights
+        deadline = time.monotonic() + self.start_timeout
+        while not all(is_ready(self.run_dir, name) for name in ready) and time.monotonic() < deadline:
+            yield
+        current = [name for name in ready if is_ready(self.run_dir, name)]
+        for name in ready:
+            if name not in current:
+                failed[name] = f"it did not get the current weights within {self.start_timeout:g} s " \
+                               "(launcher.start_timeout); its log: " + self.launcher.log_path(name)
+                self.launcher.retire(name)
+                del membership.servers[name]
+        for name in current:
+            membership.servers[name].joining = False
+        yield from self._publish(membership)  # every rollout worker's pool takes them
+        serving = time.monotonic() - t0
+        return {"added": current, "failed": failed, "healthy_seconds": _rounded(ready),
+                "serving_seconds": {name: round(serving, 3) for name in current}}
+
+    def _down(self, count: int) -> Generator[None, None, dict]:
+        membership = self._membership()
+        leaving = membership.serving()[-count:]  # the newest first
+        for name in leaving:
+            membership.servers[name].leaving = True
+        yield from self._publish(membership)  # no follower sends them a new request from here
+        for name in leaving:
+            # Their running requests come back aborted, with their tokens so far: their callers go on
+            # elsewhere (rollout/requests.py; the agents' gateway carries them on).
+            self._post(membership.servers[name].url, "/abort_request", {"abort_all": True})
+        drained = time.monotonic() + DRAIN_SECONDS
+        while time.monotonic() < drained:
+            yield
+        for name in leaving:
+            del membership.servers[name]
+        yield from self._publish(membership)  # forgotten: no update is sent to them from here
+        for name in leaving:
+            self.launcher.retire(name)
+        return {"removed": leaving}
+
+    # ---- HTTP, blocking but short: the watch loop's tick -------------------------------------------
+
+    def _get(self, url: str, path: str) -> dict | None:
+        return self._call(urllib.request.Request(url + path, headers=auth_headers(self.api_key)))
+
+    def _post(self, url: str, path: str, body: dict) -> dict | None:
+        return self._call(urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                                 headers={"Content-Type": "application/json",
+                                                          **auth_headers(self.api_key)}))
+
+    @staticmethod
+    def _call(request: urllib.request.Request) -> dict | None:
+        try:
+            with urllib.request.urlopen(request, timeout=0.5) as answer:
+                data = answer.read()
+        except (OSError, ValueError):  # refused, not up yet, an HTTP error
+            return None
+        try:
+            answer = json.loads(data)
+        except ValueError:  # an answer that is no JSON (SGLang's /health is empty)
+            return {}
+        return answer if isinstance(answer, dict) else {}
+
+
+def _rounded(seconds: dict[str, float]) -> dict[str, float]:
+    return {name: round(s, 3) for name, s in seconds.items()}
