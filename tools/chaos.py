@@ -7,6 +7,12 @@ ledger audit (`areal_flow/controller/ledger.py: audit`) must show every admitted
 trained exactly once, or filtered, dropped or pending, and no trained group staler than η.
 
     python tools/chaos.py [--kills 50] [--steps 200] [--seed 0] [-- extra overrides]
+    python tools/chaos.py --scale 20 [--steps 2000]   # elastic: random scale commands instead of kills
+
+With `--scale N`, N random `python -m areal_flow.scale RUN_DIR generate=±1` commands (between 1 and 3
+servers, on 4 devices: the trainer holds one) on one live run, then the same audit, the seconds from
+each scale-up until the new server serves and from each scale-down until it is gone, the samples
+thrown away per removal, and the run's trained samples/s with 1 server and then with 2.
 
 Prints the audit, the restarts (of a process alone, or of the whole run from its checkpoint), the seconds from each kill to the next step trained, and the work lost
 per kill (prompt groups generated and then thrown away, in samples); writes them as JSON with --out.
@@ -115,9 +121,87 @@ def chaos(run_dir: str, *, kills: int, steps: int, seed: int, every: tuple[float
             "checkpoint_seconds": [m["seconds"] for m in metrics if m["event"] == "checkpoint"]}
 
 
+SCALE_RUN = ["cluster.n_devices=4", "launcher.pin_cpus=false"]
+"""Devices for up to 3 generation servers beside the trainer (unpinned: this machine may have fewer cores)."""
+
+
+def samples_per_second(run_dir: str, since: float, until: float) -> float:
+    """Trained samples/s over the step rows logged between two times."""
+    metrics = jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    start = next(m for m in metrics if m["event"] == "start")
+    rows = [m for m in metrics if m["event"] == "step" and since <= m["time"] <= until]
+    if len(rows) < 2:
+        return float("nan")
+    return (len(rows) - 1) * start["batch_size"] * start["group_size"] / (rows[-1]["time"] - rows[0]["time"])
+
+
+def scale(run_dir: str, change: str) -> dict:
+    """One `python -m areal_flow.scale` command, as a user runs it: its outcome line."""
+    out = subprocess.run([sys.executable, "-m", "areal_flow.scale", run_dir, change], capture_output=True, text=True)
+    lines = [r for r in jsonl(os.path.join(run_dir, "scale", "results.jsonl")) if r["command"] == change]
+    return {"exit": out.returncode, "said": out.stdout.strip(), **(lines[-1] if lines and out.returncode != 2 else {})}
+
+
+def scale_chaos(run_dir: str, *, scales: int, steps: int, seed: int, overrides: list[str], timeout: float,
+                window: float, console: Console) -> dict:
+    """Random scale commands on one live run; its figures (the audit included)."""
+    from areal_flow.controller.ledger import audit
+
+    rng = random.Random(seed)
+    eta = next((int(o.split("=")[1]) for o in overrides if o.startswith("rollout.max_staleness=")), 2)
+    cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, *SCALE_RUN, f"total_steps={steps}",
+           f"rollout.max_staleness={eta}", f"hydra.run.dir={run_dir}", *overrides]
+    os.makedirs(run_dir, exist_ok=True)
+    log = open(os.path.join(run_dir, "launcher.out"), "w")
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(run_dir))
+    done: list[dict] = []
+    throughput: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while launcher.poll() is None and not jsonl(os.path.join(run_dir, "metrics.jsonl")):
+            time.sleep(0.5)
+        # Throughput follows capacity: the same run with one server, then two.
+        t0 = time.time()
+        time.sleep(window)
+        throughput["1 server"] = samples_per_second(run_dir, t0, time.time())
+        done.append({"change": "generate=+1", **scale(run_dir, "generate=+1")})
+        t0 = time.time()
+        time.sleep(window)
+        throughput["2 servers"] = samples_per_second(run_dir, t0, time.time())
+        servers = 2
+        while launcher.poll() is None and len(done) < scales and time.monotonic() < deadline:
+            change = "generate=+1" if servers == 1 or (servers < 3 and rng.random() < 0.5) else "generate=-1"
+            outcome = scale(run_dir, change)
+            done.append({"change": change, **outcome})
+            servers += (1 if change.endswith("+1") else -1) if outcome["exit"] == 0 else 0
+            console.print(f"{change} ({len(done)}/{scales}): {outcome['said'].splitlines()[-1] if outcome['said'] else '?'}",
+                          highlight=False)
+            time.sleep(rng.uniform(0.5, 3.0))
+        launcher.send_signal(signal.SIGINT)  # a checkpoint, then the summary
+        launcher.wait(timeout=max(60.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        log.close()
+    result = audit(os.path.join(run_dir, "ledger.jsonl"), eta)
+    metrics = jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    ups = [d for d in done if d["change"].endswith("+1") and d["exit"] == 0]
+    downs = [d for d in done if d["change"].endswith("-1") and d["exit"] == 0]
+    return {"scales": len(done), "ok": sum(d["exit"] == 0 for d in done), "launcher_exit": launcher.returncode,
+            "steps": result["steps"], "audit": result, "eta": eta,
+            "staleness_max": max((m["staleness_max"] for m in metrics if m["event"] == "step"), default=0),
+            "up_to_serving_seconds": sorted(s for d in ups for s in d.get("serving_seconds", {}).values()),
+            "down_seconds": sorted(d["seconds"] for d in downs),
+            "lost_samples_per_removal": result["dropped"] * 4 / max(1, len(downs)),
+            "throughput": throughput, "commands": done}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--scale", type=int, default=0, help="N random scale commands instead of kills (elastic)")
+    ap.add_argument("--window", type=float, default=20.0, help="--scale: seconds each throughput is measured over")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every", type=float, nargs=2, default=(5.0, 20.0), help="seconds between kills: uniform in [a, b]")
@@ -128,6 +212,8 @@ def main() -> None:
     args = ap.parse_args()
     console = Console()
     run_dir = os.path.abspath(args.run_dir or tempfile.mkdtemp(prefix="chaos-"))
+    if args.scale:
+        sys.exit(report_scale(run_dir, args, console))
     figures = chaos(run_dir, kills=args.kills, steps=args.steps, seed=args.seed, every=tuple(args.every),
                     overrides=args.overrides, timeout=args.timeout, console=console)
     audit = figures["audit"]
@@ -154,6 +240,35 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(figures, f, indent=1)
     sys.exit(0 if not audit["problems"] and figures["launcher_exit"] == 0 else 1)
+
+
+def report_scale(run_dir: str, args: argparse.Namespace, console: Console) -> int:
+    figures = scale_chaos(run_dir, scales=args.scale, steps=args.steps, seed=args.seed, overrides=args.overrides,
+                          timeout=args.timeout, window=args.window, console=console)
+    audit = figures["audit"]
+    table = Table(title=f"elastic chaos: {figures['scales']} scale commands, run {run_dir}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rates = figures["throughput"]
+    for what, value in [("launcher exit code (130: stopped after the commands)", figures["launcher_exit"]),
+                        ("scale commands carried out", f"{figures['ok']} of {figures['scales']}"),
+                        ("steps trained", figures["steps"]), ("groups admitted", audit["admitted"]),
+                        ("trained", audit["trained"]), ("dropped", audit["dropped"]), ("pending at the end", audit["pending"]),
+                        ("scale events in the ledger", audit["scales"]), ("audit problems", len(audit["problems"])),
+                        (f"realised staleness, max (η = {figures['eta']})", figures["staleness_max"]),
+                        ("scale-up to serving, median s", _median(figures["up_to_serving_seconds"])),
+                        ("scale-down to gone, median s", _median(figures["down_seconds"])),
+                        ("samples thrown away per removal", f"{figures['lost_samples_per_removal']:.1f}"),
+                        ("trained samples/s, 1 server", f"{rates.get('1 server', float('nan')):.1f}"),
+                        ("trained samples/s, 2 servers", f"{rates.get('2 servers', float('nan')):.1f}")]:
+        table.add_row(what, str(value))
+    console.print(table)
+    for p in audit["problems"][:20]:
+        console.print(f"[red]audit:[/] {p}", highlight=False)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0 if not audit["problems"] and figures["launcher_exit"] in (0, 130) else 1
 
 
 def _median(values: list[float]) -> str:
