@@ -287,9 +287,14 @@ class ServerPool:
         """Check the servers marked down every health_interval until every one is back."""
         while down := [s for s in self.servers if not s.up and not s.leaving]:
             await asyncio.sleep(self.health_interval)
+            # /health without the lock (a stalled server's check takes CONTROL_TIMEOUT, and updates
+            # go on meanwhile); the weights check, and a reload, under it.
+            healthy = [s for s, ok in zip(down, await asyncio.gather(*[self._healthy(s) for s in down])) if ok]
+            if not healthy:
+                continue
             async with self.updating:
-                answers = await asyncio.gather(*[self._back(s) for s in down])
-                for server, back in zip(down, answers):
+                answers = await asyncio.gather(*[self._back(s) for s in healthy])
+                for server, back in zip(healthy, answers):
                     if back and not server.up:
                         log.warning("generation server %s %s", server.name, "is back" if server.joined else "has joined")
                         server.joined = True
@@ -298,11 +303,9 @@ class ServerPool:
                         self.on_up(server.name)
 
     async def _back(self, server: Server) -> bool:
-        """Whether a server marked down can serve again: /health answers, and it serves the last
+        """Whether a server marked down whose /health answers can serve again: it serves the last
         weights this pool loaded, which it loads first if it missed them while down (a stalled or
         restarted server would otherwise decode on older weights until the next update)."""
-        if not await self._healthy(server):
-            return False
         if self._weights is None:
             # A pool that loads no weights (a rollout worker's) takes a server back only once it
             # serves the newest version answers came from: a restarted server starts from older
