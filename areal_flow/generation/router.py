@@ -147,8 +147,7 @@ class ServerPool:
             raise ValueError(f"generation server {name} is in the pool already")
         self.servers.append(Server(name, self._client(url), up=False, joined=False,
                                    last_error="joining: not yet healthy and current"))
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.create_task(self._watch())
+        self._watch_down()
 
     def leave(self, name: str) -> None:
         """Server `name` leaves the pool: no new request goes to it (nor a key bound to it: the key
@@ -172,7 +171,6 @@ class ServerPool:
             if server.name == name:
                 return server
         raise ValueError(f"no generation server {name} in the pool ({', '.join(s.name for s in self.servers)})")
-
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -280,6 +278,10 @@ class ServerPool:
             server.up = False
         if not any(s.usable for s in self.servers):
             self._some_up.clear()
+        self._watch_down()
+
+    def _watch_down(self) -> None:
+        """Start the watcher of the servers that are down, unless it runs."""
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
 

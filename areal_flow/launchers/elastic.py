@@ -24,9 +24,11 @@ process table (`areal_flow.status`), and the result line (what changed and how l
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import shutil
 import time
 import urllib.request
 import uuid
@@ -34,7 +36,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from areal_flow.generation.client import auth_headers
+from areal_flow.generation.client import auth_headers, wait_healthy
 from areal_flow.generation.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
                                               read_membership, write_membership)
 from areal_flow.graph.placement import Proc
@@ -147,8 +149,9 @@ Command = Callable[[Proc, int], tuple[list[str], dict[str, str]]]
 class Scaler:
     """Carries out scale requests for a launcher (LocalLauncher or RayLauncher) from its watch loop."""
 
-    def __init__(self, launcher: Any, run_dir: str, *, command: Command, n_devices: int, per_server: int, followers: list[str], weight_mode: str, restarts: int,
-                 api_key: str | None = None, start_timeout: float = 300.0) -> None:
+    def __init__(self, launcher: Any, run_dir: str, *, command: Command, n_devices: int, per_server: int,
+                 followers: list[str], weight_mode: str, restarts: int, api_key: str | None = None,
+                 start_timeout: float = 300.0) -> None:
         # command: starts a server; followers: the processes that apply servers.json (the controller,
         # the rollout workers).
         self.launcher, self.run_dir, self.command = launcher, run_dir, command
@@ -164,11 +167,9 @@ class Scaler:
     def reset(run_dir: str, servers: dict[str, str]) -> None:
         """A launch's start: servers.json lists the placement's servers; acknowledgements and a request
         left by an earlier launch are gone."""
-        for folder in (os.path.join(run_dir, ACKS), os.path.join(run_dir, READY)):
-            if os.path.isdir(folder):
-                for name in os.listdir(folder):
-                    os.remove(os.path.join(folder, name))
-        if os.path.exists(os.path.join(run_dir, REQUEST)):
+        for folder in (ACKS, READY):
+            shutil.rmtree(os.path.join(run_dir, folder), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, REQUEST))
         write_membership(run_dir, Membership(0, {name: Member(url) for name, url in servers.items()}))
 
@@ -251,19 +252,20 @@ class Scaler:
             started[proc.name] = f"http://{host}:{port}"
         ready, failed = {}, {}
         deadline = time.monotonic() + self.start_timeout
-        while pending := [n for n in started if n not in ready and n not in failed]:
+        while True:
             exited = self.launcher.exited()
-            for name in pending:
+            for name in [n for n in started if n not in ready and n not in failed]:
                 if name in exited:
                     failed[name] = f"it exited with code {exited[name]} while starting; its log: " \
                                    f"{self.launcher.log_path(name)}"
-                elif self._get(started[name], "/health") is not None:
+                elif self._healthy(started[name]):
                     ready[name] = time.monotonic() - t0
                 elif time.monotonic() > deadline:
                     failed[name] = f"its /health did not answer within {self.start_timeout:g} s " \
                                    "(launcher.start_timeout); its log: " + self.launcher.log_path(name)
-            if [n for n in started if n not in ready and n not in failed]:
-                yield
+            if len(ready) + len(failed) == len(started):
+                break
+            yield
         for name in failed:
             self.launcher.retire(name)
         for name in started:
@@ -299,7 +301,7 @@ class Scaler:
         for name in leaving:
             # Their running requests come back aborted, with their tokens so far: their callers go on
             # elsewhere (rollout/requests.py; the agents' gateway carries them on).
-            self._post(membership.servers[name].url, "/abort_request", {"abort_all": True})
+            self._abort_all(membership.servers[name].url)
         drained = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < drained:
             yield
@@ -312,26 +314,20 @@ class Scaler:
 
     # ---- HTTP, blocking but short: the watch loop's tick -------------------------------------------
 
-    def _get(self, url: str, path: str) -> dict | None:
-        return self._call(urllib.request.Request(url + path, headers=auth_headers(self.api_key)))
-
-    def _post(self, url: str, path: str, body: dict) -> dict | None:
-        return self._call(urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                                 headers={"Content-Type": "application/json",
-                                                          **auth_headers(self.api_key)}))
-
-    @staticmethod
-    def _call(request: urllib.request.Request) -> dict | None:
+    def _healthy(self, url: str) -> bool:
         try:
-            with urllib.request.urlopen(request, timeout=0.5) as answer:
-                data = answer.read()
-        except (OSError, ValueError):  # refused, not up yet, an HTTP error
-            return None
-        try:
-            answer = json.loads(data)
-        except ValueError:  # an answer that is no JSON (SGLang's /health is empty)
-            return {}
-        return answer if isinstance(answer, dict) else {}
+            wait_healthy(url, timeout=0.2, api_key=self.api_key)
+        except TimeoutError:
+            return False
+        return True
+
+    def _abort_all(self, url: str) -> None:
+        """Abort every request the server runs (best effort: one that is gone has none)."""
+        request = urllib.request.Request(url + "/abort_request", data=json.dumps({"abort_all": True}).encode(),
+                                         method="POST",
+                                         headers={"Content-Type": "application/json", **auth_headers(self.api_key)})
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(request, timeout=5).close()
 
 
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:
