@@ -1,11 +1,11 @@
 """`python -m areal_flow.scale RUN_DIR generate=+2` (or `generate=-1`, `generate=4`): add or remove
-the policy's generation servers of a live run, losing and repeating nothing (docs/reliability.md,
-"Elastic"). The run's launcher carries it out (launchers/elastic.py); this command checks what it
+the policy's generation servers of a live run, losing and repeating nothing; `judge=+1` a judge's;
+`trainers=N`: go on with N trainer ranks (docs/reliability.md, "Elastic"). The run's launcher carries it out (launchers/elastic.py); this command checks what it
 can, hands the request over, and waits for the outcome.
 
 Exit 0: done; 1: done in part (a new server failed to start, reported and left out); 2: refused,
 the run unchanged (a run that is not running, a role that does not exist, a size below 1 or beyond
-the free devices, another scale in progress).
+the free devices, another scale in progress, a trainer that cannot change its size).
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import time
 
 from rich.console import Console
 
-from areal_flow.generation.membership import read_membership
-from areal_flow.launchers.elastic import ScaleRefused, results, running, submit, target_size
+from areal_flow.generation.membership import read_membership, servers_file
+from areal_flow.launchers.elastic import ScaleRefused, judge_of, parse_change, results, running, submit, target_size
+from areal_flow.runtime.spec import read_run
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal_flow.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (hydra.run.dir)")
-    p.add_argument("change", metavar="ROLE=SIZE", help="generate=+N, generate=-N or generate=N")
+    p.add_argument("change", metavar="ROLE=SIZE", help="generate=+N, -N or N; trainers=N; judge=+N, -N or N "
+                   "(judge:<node>=... with several judges)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the launcher (default 900)")
     return p.parse_args(argv)
 
@@ -39,10 +41,16 @@ def request(run_dir: str, change: str) -> str:
     role, sep, size = change.partition("=")
     if not sep:
         raise ScaleRefused(f"{change!r}: write ROLE=SIZE, e.g. generate=+2")
-    membership = read_membership(run_dir)
-    if membership is None:
-        raise ScaleRefused(f"the run in {run_dir} has no servers.json: it was started by an older areal_flow")
-    target_size(role, size, len(membership.serving()))  # the launcher checks again, against the devices
+    parse_change(role, size)
+    spec = read_run(run_dir)[1]
+    judge = judge_of(role, list(spec.judge_ports))
+    if role == "trainers":
+        now = spec.n_trainers
+    elif (membership := read_membership(run_dir, judge)) is None:
+        raise ScaleRefused(f"the run in {run_dir} has no {servers_file(judge)}: it was started by an older areal_flow")
+    else:
+        now = len(membership.serving())
+    target_size(role, size, now)  # the launcher checks again, against the devices
     return submit(run_dir, role, size).id
 
 
@@ -73,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"weights after {out['serving_seconds'].get(name, float('nan')):.1f} s")
     for name, why in out.get("failed", {}).items():
         console.print(f"[bold red]{name} failed to start[/]: {why}; it was removed, the run goes on")
+    if trainers := out.get("trainers"):
+        console.print(f"trainer ranks {trainers['from']} -> {trainers['to']}: checkpoint of step {out['step']} "
+                      f"({out['checkpoint']}), the new ranks training from it after {out['resize_seconds']:.1f} s; "
+                      "generation went on meanwhile")
     if out.get("removed"):
         console.print(f"removed {', '.join(out['removed'])}: drained (its running requests went on elsewhere) "
                       "and stopped")

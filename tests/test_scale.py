@@ -10,15 +10,20 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from run_helpers import RECIPE_ETA, SMALL, check_accounting, jsonl, steps_of, wait_for_step
 
+from areal_flow.config.schema import ElasticConfig
 from areal_flow.controller.ledger import audit
 from areal_flow.generation.membership import read_membership
+from areal_flow.launchers.autoscale import decide
 from areal_flow.launchers.elastic import ScaleRefused, parse_change, submit, target_size
+from areal_flow.runtime.spec import read_run
 
 ELASTIC = ("cluster.n_devices=4", "launcher.pin_cpus=false", "eval_at_start=false", "eval_at_end=false",
            "total_steps=1000")
@@ -29,6 +34,43 @@ def scale(run_dir: Path, change: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
+def until(condition, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """Whether `condition()` holds within `timeout` seconds, while the run `proc` goes on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+class LiveRun:
+    """A run of SMALL's sizes on ELASTIC's 4 devices, live inside `with`: `stop()` ends it with SIGTERM
+    (a checkpoint at the end of its step) and returns its output; leaving the block kills it."""
+
+    def __init__(self, tmp_path: Path, run_cache: Path, *overrides: str):
+        self.run_dir = tmp_path / "run"
+        self.run_dir.mkdir()
+        self.proc = subprocess.Popen([sys.executable, "-m", "areal_flow.launch", *overrides, *SMALL,
+                                      f"cache_dir={run_cache}", f"hydra.run.dir={self.run_dir}", *ELASTIC],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+    def __enter__(self) -> LiveRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+
+    def stop(self) -> str:
+        """Stop the run: it ends as stopped (130), nothing restarted, nothing failed; its output."""
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 130, out[-3000:]
+        assert "restarted, the run goes on" not in out and "run failed" not in out
+        return out
+
+
 def generated_tokens(url: str) -> int:
     with urllib.request.urlopen(url + "/server_info", timeout=5) as answer:
         info = json.load(answer)
@@ -37,12 +79,8 @@ def generated_tokens(url: str) -> int:
 
 @pytest.mark.slow
 def test_a_server_added_to_a_live_run_serves_and_one_removed_drains_with_the_ledger_clean(tmp_path, run_cache):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={run_cache}",
-                             f"hydra.run.dir={run_dir}", *ELASTIC],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
+    with LiveRun(tmp_path, run_cache) as run:
+        run_dir, proc = run.run_dir, run.proc
         wait_for_step(run_dir, 1, proc)
         up = scale(run_dir, "generate=+1")
         assert up.returncode == 0, up.stdout + up.stderr
@@ -57,20 +95,13 @@ def test_a_server_added_to_a_live_run_serves_and_one_removed_drains_with_the_led
         assert below.returncode == 2 and "would leave 0 generation server(s) of 2" in below.stdout
         role = scale(run_dir, "critic=+1")
         assert role.returncode == 2 and "there is no role 'critic' to scale" in role.stdout
-        steps = len(steps_of(run_dir))
-        wait_for_step(run_dir, steps + 2, proc)
-        assert generated_tokens(url) > 0  # the new server took requests
+        assert until(lambda: generated_tokens(url) > 0, proc)  # the new server took requests
         down = scale(run_dir, "generate=-1")
         assert down.returncode == 0, down.stdout + down.stderr
         assert "removed gen_server1" in down.stdout
         assert read_membership(str(run_dir)).serving() == ["gen_server0"]
         wait_for_step(run_dir, len(steps_of(run_dir)) + 2, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out[-3000:]
-    assert "restarted, the run goes on" not in out and "run failed" not in out
+        run.stop()
     processes = json.loads((run_dir / "processes.json").read_text())
     assert processes["gen_server1"]["state"] == "removed" and processes["gen_server1"]["ended"]
     check_accounting(run_dir, eta=RECIPE_ETA)  # no group lost, none trained twice, staleness within η
@@ -81,6 +112,64 @@ def test_a_server_added_to_a_live_run_serves_and_one_removed_drains_with_the_led
         == ["added", "joined", "leaving", "removed"]
     after = scale(run_dir, "generate=+1")
     assert after.returncode == 2 and "is not running" in after.stdout
+
+
+@pytest.mark.slow
+def test_the_trainer_resized_on_a_live_run_trains_on_from_its_checkpoint_with_the_ledger_clean(tmp_path, run_cache):
+    with LiveRun(tmp_path, run_cache) as run:
+        run_dir, proc = run.run_dir, run.proc
+        wait_for_step(run_dir, 1, proc)
+        up = scale(run_dir, "trainers=2")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "trainer ranks 1 -> 2: checkpoint of step" in up.stdout
+        assert read_run(str(run_dir))[1].n_trainers == 2
+        beyond = scale(run_dir, "trainers=5")
+        assert beyond.returncode == 2 and "needs 5 device(s) (one a rank); the trainer holds 1, 2" in beyond.stdout
+        below = scale(run_dir, "trainers=-2")
+        assert below.returncode == 2 and "would leave 0 trainer rank(s) of 2" in below.stdout
+        wait_for_step(run_dir, len(steps_of(run_dir)) + 2, proc)
+        assert jsonl(run_dir / "trained-rank1.jsonl")  # the new rank trained its share
+        down = scale(run_dir, "trainers=1")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "trainer ranks 2 -> 1" in down.stdout
+        trained = len(jsonl(run_dir / "trained-rank1.jsonl"))
+        wait_for_step(run_dir, len(steps_of(run_dir)) + 2, proc)
+        assert len(jsonl(run_dir / "trained-rank1.jsonl")) == trained  # rank 1 is gone
+        run.stop()
+    check_accounting(run_dir, eta=RECIPE_ETA)  # no group lost, none trained twice, staleness within η
+    resizes = [e["trainers"] for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "scale"]
+    assert resizes == [{"from": 1, "to": 2}, {"from": 2, "to": 1}]
+    processes = json.loads((run_dir / "processes.json").read_text())
+    assert processes["trainer1"]["state"] == "removed" and processes["trainer0"]["restarts"] == 0
+
+
+@pytest.mark.slow
+def test_a_judge_server_added_to_a_live_run_answers_and_one_removed_drains(tmp_path, run_cache):
+    with LiveRun(tmp_path, run_cache, "recipe=tiny_arith_judge") as run:
+        run_dir, proc = run.run_dir, run.proc
+        wait_for_step(run_dir, 1, proc)
+        up = scale(run_dir, "judge=+1")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "added judge_server1: healthy after" in up.stdout
+        membership = read_membership(str(run_dir), "judge")
+        assert membership.serving() == ["judge_server0", "judge_server1"]
+        assert read_membership(str(run_dir)).serving() == ["gen_server0"]  # the policy's servers unchanged
+        named = scale(run_dir, "judge:critic=+1")
+        assert named.returncode == 2 and "this run has no judge 'critic' (its judges: judge)" in named.stdout
+        below = scale(run_dir, "judge=-2")
+        assert below.returncode == 2 and "would leave 0 judge server(s) of 2" in below.stdout
+        # The rollout workers' judge pools take it at their next health check (rollout.health_interval).
+        assert until(lambda: generated_tokens(membership.servers["judge_server1"].url) > 0, proc)
+        down = scale(run_dir, "judge:judge=-1")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "removed judge_server1" in down.stdout
+        wait_for_step(run_dir, len(steps_of(run_dir)) + 2, proc)
+        run.stop()
+    check_accounting(run_dir, eta=RECIPE_ETA)
+    scales = [e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "scale"]
+    assert [(e["judge"], next(k for k in ("added", "leaving", "removed") if e[k])) for e in scales] \
+        == [("judge", "added"), ("judge", "leaving"), ("judge", "removed")]
+    assert json.loads((run_dir / "processes.json").read_text())["judge_server1"]["state"] == "removed"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -111,3 +200,72 @@ def test_one_scale_at_a_time_and_a_run_that_is_not_running_is_refused(tmp_path, 
     assert "is not running (no launcher holds it)" in capsys.readouterr().out
     assert main([str(tmp_path / "nothing"), "generate=+1"]) == 2
     assert "is not a run directory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, n, message", [
+    (["recipe=tiny_arith_megatron"], 2, "graph.actor_prox.engine=megatron keeps its optimizer state per rank"),
+    (["recipe=tiny_arith_ref"], 2, "node(s) ref run on a mesh of their own"),
+    (["graph.generate.mesh=1"], 2, "generation and training share devices (colocated)"),
+    (["algorithm.n_minibatches=2"], 2, "algorithm.n_minibatches=2 exceeds the 1 prompt group(s) a rank gets"),
+    (["algorithm.n_minibatches=2"], 1, None),
+    ([], 3, None),
+])
+def test_a_trainer_that_cannot_change_its_size_is_named(overrides, n, message):
+    from hydra import compose, initialize_config_dir
+
+    from areal_flow.launch import CONF_DIR
+    from areal_flow.run.start import resize_problem
+    from areal_flow.runtime.spec import typed
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = typed(compose("config", overrides=["output_dir=/tmp/unused", "algorithm.batch_size=2", *overrides]))
+    problem = resize_problem(cfg, n)
+    assert problem is None if message is None else message in problem, problem
+
+
+def rows(trainer_idle: list[float], generator_idle: list[float | None]) -> list[dict]:
+    return [{"step": i + 1, "trainer_idle": w, "generator_idle": g} for i, (w, g) in enumerate(zip(trainer_idle, generator_idle))]
+
+
+AUTO = ElasticConfig(auto=True, window_steps=3, add_above_trainer_idle=0.3, remove_above_generator_idle=0.5)
+
+
+def test_the_autoscaler_adds_a_server_while_the_trainer_waits_and_devices_are_free():
+    waiting = rows([0.6, 0.5, 0.7], [0.0, 0.1, 0.0])
+    decision = decide(waiting, AUTO, servers=1, free=2, per_server=1)
+    assert decision.change == "+1" and "waited on samples more than 30% of each of the last 3 steps" in decision.why
+    assert decision.figures == {"steps": [1, 2, 3], "trainer_idle": [0.6, 0.5, 0.7], "generator_idle": [0.0, 0.1, 0.0],
+                                "servers": 1, "free_devices": 2}
+    assert decide(waiting, AUTO, servers=1, free=0, per_server=1) is None  # no device free
+    assert decide(waiting, AUTO, servers=1, free=1, per_server=2) is None  # a server needs 2 (tp_size)
+    assert decide(waiting, replace(AUTO, max_servers=1), servers=1, free=2, per_server=1) is None
+    assert decide(rows([0.6, 0.2, 0.7], [0.0] * 3), AUTO, servers=1, free=2, per_server=1) is None  # not every step
+    assert decide(waiting[1:], AUTO, servers=1, free=2, per_server=1) is None  # fewer steps than the window
+
+
+def test_the_autoscaler_removes_a_server_while_generation_outruns_the_staleness_bound():
+    ahead = rows([0.1, 0.0, 0.2], [0.8, 0.7, 0.9])
+    decision = decide(ahead, AUTO, servers=2, free=0, per_server=1)
+    assert decision.change == "-1" and "idled more than 50% of each of the last 3 steps" in decision.why
+    assert decide(ahead, AUTO, servers=1, free=0, per_server=1) is None  # the last server stays
+    assert decide(rows([0.1, 0.0, 0.2], [0.8, None, 0.9]), AUTO, servers=2, free=0, per_server=1) is None  # SGLang: unknown
+
+
+@pytest.mark.slow
+def test_the_autoscaler_adds_a_server_to_a_live_run_and_logs_why(tmp_path, run_cache):
+    with LiveRun(tmp_path, run_cache, "elastic.auto=true", "elastic.window_steps=2",
+                 "elastic.add_above_trainer_idle=0", "elastic.max_servers=2") as run:
+        run_dir, proc = run.run_dir, run.proc
+        deadline = time.monotonic() + 240
+        while not (run_dir / "scale" / "results.jsonl").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        wait_for_step(run_dir, len(steps_of(run_dir)) + 4, proc)  # 2 windows at 2 servers: no more decisions
+        out = run.stop()
+    decisions = jsonl(run_dir / "scale" / "decisions.jsonl")
+    assert [d["change"] for d in decisions] == ["+1"]  # then max_servers holds it at 2
+    assert len(decisions[0]["figures"]["trainer_idle"]) == 2 and decisions[0]["figures"]["servers"] == 1
+    assert "autoscaler: generate=+1: the trainer waited on samples" in out
+    (done,) = jsonl(run_dir / "scale" / "results.jsonl")
+    assert done["command"] == "generate=+1" and done["added"] == ["gen_server1"] and done["ok"]
+    check_accounting(run_dir, eta=RECIPE_ETA)

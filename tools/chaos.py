@@ -10,9 +10,11 @@ trained exactly once, or filtered, dropped or pending, and no trained group stal
     python tools/chaos.py --scale 20 [--steps 2000]   # elastic: random scale commands instead of kills
 
 With `--scale N`, N random `python -m areal_flow.scale RUN_DIR generate=±1` commands (between 1 and 3
-servers, on 4 devices: the trainer holds one) on one live run, then the same audit, the seconds from
-each scale-up until the new server serves and from each scale-down until it is gone, the samples
-thrown away per removal, and the run's trained samples/s with 1 server and then with 2.
+servers, on 4 devices: the trainer holds one, two while it has two ranks) and 2 trainer resizes
+(`trainers=2` a third of the way, `trainers=1` two thirds) on one live run, then the same audit, the
+seconds from each scale-up until the new server serves, from each scale-down until it is gone and
+of each resize, the samples thrown away per removal, and the run's trained samples/s with 1 server
+and then with 2.
 
 Prints the audit, the restarts (of a process alone, or of the whole run from its checkpoint), the seconds from each kill to the next step trained, and the work lost
 per kill (prompt groups generated and then thrown away, in samples); writes them as JSON with --out.
@@ -155,6 +157,7 @@ def scale_chaos(run_dir: str, *, scales: int, steps: int, seed: int, overrides: 
     log = open(os.path.join(run_dir, "launcher.out"), "w")
     launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(run_dir))
     done: list[dict] = []
+    resized: list[dict] = []  # the trainer resizes among them
     throughput: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -168,13 +171,25 @@ def scale_chaos(run_dir: str, *, scales: int, steps: int, seed: int, overrides: 
         t0 = time.time()
         time.sleep(window)
         throughput["2 servers"] = samples_per_second(run_dir, t0, time.time())
-        servers = 2
-        while launcher.poll() is None and len(done) < scales and time.monotonic() < deadline:
-            change = "generate=+1" if servers == 1 or (servers < 3 and rng.random() < 0.5) else "generate=-1"
+        servers, trainers = 2, 1
+        resizes = [(scales // 3, 2), (2 * scales // 3, 1)]  # (after that many server commands, trainers=N)
+        while launcher.poll() is None and len(done) < scales + len(resized) and time.monotonic() < deadline:
+            due = resizes and resizes[0][0] <= len(done) - len(resized)
+            if due and servers + resizes[0][1] <= 4:  # a device for each rank (4 in all)
+                change = f"trainers={resizes.pop(0)[1]}"
+            elif due:
+                change = "generate=-1"  # frees a device for the trainer's second rank
+            else:
+                most = 4 - trainers
+                change = "generate=+1" if servers == 1 or (servers < most and rng.random() < 0.5) else "generate=-1"
             outcome = scale(run_dir, change)
             done.append({"change": change, **outcome})
-            servers += (1 if change.endswith("+1") else -1) if outcome["exit"] == 0 else 0
-            console.print(f"{change} ({len(done)}/{scales}): {outcome['said'].splitlines()[-1] if outcome['said'] else '?'}",
+            if change.startswith("trainers"):
+                resized.append(done[-1])
+                trainers = int(change.split("=")[1]) if outcome["exit"] == 0 else trainers
+            else:
+                servers += (1 if change.endswith("+1") else -1) if outcome["exit"] == 0 else 0
+            console.print(f"{change} ({len(done)}/{scales + 2}): {outcome['said'].splitlines()[-1] if outcome['said'] else '?'}",
                           highlight=False)
             time.sleep(rng.uniform(0.5, 3.0))
         launcher.send_signal(signal.SIGINT)  # a checkpoint, then the summary
@@ -189,6 +204,7 @@ def scale_chaos(run_dir: str, *, scales: int, steps: int, seed: int, overrides: 
     ups = [d for d in done if d["change"].endswith("+1") and d["exit"] == 0]
     downs = [d for d in done if d["change"].endswith("-1") and d["exit"] == 0]
     return {"scales": len(done), "ok": sum(d["exit"] == 0 for d in done), "launcher_exit": launcher.returncode,
+            "resizes": [(d["change"], d.get("resize_seconds")) for d in resized if d["exit"] == 0],
             "steps": result["steps"], "audit": result, "eta": eta,
             "staleness_max": max((m["staleness_max"] for m in metrics if m["event"] == "step"), default=0),
             "up_to_serving_seconds": sorted(s for d in ups for s in d.get("serving_seconds", {}).values()),
@@ -259,6 +275,7 @@ def report_scale(run_dir: str, args: argparse.Namespace, console: Console) -> in
                         ("scale-up to serving, median s", _median(figures["up_to_serving_seconds"])),
                         ("scale-down to gone, median s", _median(figures["down_seconds"])),
                         ("samples thrown away per removal", f"{figures['lost_samples_per_removal']:.1f}"),
+                        ("trainer resizes, s each", ", ".join(f"{c}: {s:.1f}" for c, s in figures["resizes"]) or "-"),
                         ("trained samples/s, 1 server", f"{rates.get('1 server', float('nan')):.1f}"),
                         ("trained samples/s, 2 servers", f"{rates.get('2 servers', float('nan')):.1f}")]:
         table.add_row(what, str(value))

@@ -491,6 +491,23 @@ class RecoverConfig:
                                          "died with the request and been restarted", gt=0)
 
 
+@dataclass
+class ElasticConfig:
+    """The autoscaler of the policy's generation servers (docs/reliability.md, "Elastic"); `python -m
+    areal_flow.scale` changes a live run by hand."""
+
+    auto: bool = doc(False, "add and remove the policy's generation servers from the run's own figures while it "
+                     "runs (local launcher); every decision is logged with them in RUN_DIR/scale/decisions.jsonl")
+    window_steps: int = doc(5, "decide from the last this many steps' metrics, and wait this many steps after a change "
+                            "before deciding again", ge=1)
+    add_above_trainer_idle: float = doc(0.3, "add a server when the trainer waited on samples (trainer_idle) more than "
+                                        "this share of each of the window's steps and a device is free", ge=0, le=1)
+    remove_above_generator_idle: float = doc(0.5, "remove one when the servers idled (generator_idle: the staleness "
+                                             "bound held generation back) more than this share of each of the "
+                                             "window's steps while the trainer did not wait", ge=0, le=1)
+    max_servers: int = doc(0, "never more generation servers than this; 0 = as many as the free devices allow", ge=0)
+
+
 METRICS_BACKENDS = ("jsonl", "tensorboard", "wandb")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -584,6 +601,7 @@ class RunConfig:
     dump: DumpConfig = doc(help="sample dumps", factory=DumpConfig)
     checkpoint: CheckpointConfig = doc(help="resumable checkpoints", factory=CheckpointConfig)
     recover: RecoverConfig = doc(help="restarts after a fault", factory=RecoverConfig)
+    elastic: ElasticConfig = doc(help="the generation servers' autoscaler", factory=ElasticConfig)
     resume: Optional[str] = doc(None, "'auto': continue this run (output_dir) from its latest complete checkpoint, or "
                                 "start it when it has none; a checkpoint's path: continue that checkpoint's run, in "
                                 "its directory; null = a new run")

@@ -53,8 +53,9 @@ from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import AGENT_FN, RewardService
 from areal_flow.rollout.agent import runner_of
+from areal_flow.runtime import resize
 from areal_flow.runtime.disk import writing
-from areal_flow.runtime.spec import RunSpec
+from areal_flow.runtime.spec import RunSpec, read_run
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
     DROP,
@@ -73,6 +74,7 @@ from areal_flow.transport.messages import (
     Saved,
     SaveCheckpoint,
     StepDone,
+    Trainers,
     WeightsPublished,
 )
 
@@ -90,6 +92,10 @@ def token_versions(meta: GroupMeta) -> dict[str, int]:
 
 class StalledRun(RuntimeError):
     """No train step completed within `step_timeout`; the message says what the run waited for."""
+
+
+class _Resize(Exception):
+    """The launcher asks for another number of trainer ranks: resize before the next step."""
 
 
 class _Stop(Exception):
@@ -162,8 +168,9 @@ class Controller:
                                          pause_mode=cfg.rollout.pause_mode, config=cfg.rollout, api_key=spec.api_key,
                                          trainers=self.send_weights)
         # The judges' servers: watched and counted here, never sent weights (their models are frozen).
-        self.judge_pools = {n.name: ServerPool(spec.judge_urls(n.name), spec.judge_names(n.name), cfg.rollout,
-                                               api_key=spec.api_key) for n in graph.judges}
+        self.judge_pools = {n.name: ServerPool(*reversed(servers_of(spec.run_dir, spec.judge_names(n.name),
+                                                                    spec.judge_urls(n.name), judge=n.name)),
+                                               cfg.rollout, api_key=spec.api_key) for n in graph.judges}
         self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics, run_name=cfg.recipe, config=asdict(cfg))
         self.ledger = Ledger(spec.path("ledger.jsonl"))
         self.eval_rewards: RewardService | None = None  # the held-out evaluation's reward workers
@@ -185,6 +192,9 @@ class Controller:
         self.waiting_for = "start-up"  # what the step loop waits for now, for a stalled run's error
         self.last_progress = 0.0  # monotonic time the last step finished
         self.saved: tuple[int, float] = (self.state.step, self.state.train_elapsed)  # the last checkpoint: step, clock
+        self.saved_path = spec.resume  # ... and its folder
+        self.resize_asked: dict | None = None  # a trainer resize the launcher asks for (runtime/resize.py)
+        self.held_routes: list[tuple[bytes, GroupMeta]] | None = None  # scored groups that arrive while it runs
         # Where the next step's window starts: monotonic time, the servers' counts
         # (Publisher.server_counts), controller CPU seconds.
         self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
@@ -230,6 +240,8 @@ class Controller:
                     self.traffic.report(proc, n)
                 await self.route(ident, msg)
             elif isinstance(msg, (Hello, StepDone, WeightsPublished, Saved)):
+                if isinstance(msg, Hello):  # a new rank of a trainer resize
+                    self.ranks[msg.rank] = ident
                 self.replies.put_nowait(msg)
             elif isinstance(msg, Ready):
                 self.replicas.add(msg.worker)
@@ -292,6 +304,9 @@ class Controller:
 
     async def route(self, ident: bytes, meta: GroupMeta) -> None:
         """Tell the reward worker which trainer rank takes a scored group, or to drop it."""
+        if self.held_routes is not None:  # the trainer ranks are being resized: routed once they are
+            self.held_routes.append((ident, meta))
+            return
         if meta.group_id not in self.staleness.running:
             log.error("controller: group %d is not running (a duplicate?), dropped", meta.group_id)
             await send_to(self.socket, ident, Route(meta.group_id, -1))
@@ -350,11 +365,18 @@ class Controller:
                 if cfg.max_wall_seconds and self.clock.elapsed() > cfg.max_wall_seconds:
                     self.wall_time_reached = True
                     break
+                if self.resize_asked is not None:  # between steps, no weights in flight, as a checkpoint
+                    if done is not None:
+                        await self.close_step(done)
+                        done = None
+                    await self.resize_trainers(step)
                 waited_from = time.time()  # wall clock, as the groups' stage times
                 try:
                     batch = await self.next_batch(step, done.update if done else None)
                 except _Stop:
                     break
+                except _Resize:
+                    continue
                 t0 = time.monotonic()
                 stats, weights = await self.run_step(step, batch)
                 self.steps_trained += 1
@@ -467,6 +489,8 @@ class Controller:
         while (ids := self.staleness.pick_batch(step)) is None:
             if self.stop_requested:
                 raise _Stop
+            if self.resize_asked is not None:
+                raise _Resize
             if self.filter_streak.stalled:
                 raise StalledRun(self.filter_stalled())
             if update is not None and update.done():
@@ -520,6 +544,51 @@ class Controller:
                 log.error("controller: unexpected %s from a trainer rank while waiting for %s, dropped",
                           type(msg).__name__, what)
         return [got[r] for r in sorted(got)]
+
+    async def watch_resize(self) -> None:
+        """Look for a trainer resize the launcher asks for (`scale RUN_DIR trainers=N`)."""
+        while True:
+            if self.resize_asked is None and (ask := resize.asked(self.spec.run_dir)) is not None \
+                    and resize.answered(self.spec.run_dir, resize.DONE, ask["id"]) is None:
+                self.resize_asked = ask
+                self.changed.set()  # next_batch stops waiting
+            await asyncio.sleep(0.5)
+
+    async def resize_trainers(self, step: int) -> None:
+        """Go on with the number of trainer ranks the launcher asks for (runtime/resize.py): hold the
+        scored groups that arrive, save the run's checkpoint (each old rank's models and groups),
+        let the launcher start the new ranks from it, then route to them. Generation goes on
+        meanwhile; no version is published, so the staleness rule holds admissions as it would."""
+        ask, t0, run_dir = self.resize_asked, time.monotonic(), self.spec.run_dir
+        n, before = ask["n"], len(self.ranks)
+        self.held_routes = []
+        log.warning("controller: resizing the trainer ranks from %d to %d after step %d", before, n, step)
+        path = self.saved_path if self.saved[0] == step and self.saved_path else await self.save_checkpoint(step)
+        self.ranks = {}  # each new rank's Hello fills it (inbox)
+        resize.answer(run_dir, resize.SAVED, ask["id"], checkpoint=path, step=step, n_before=before)
+        self.waiting_for = f"{n} new trainer rank(s) to start from the checkpoint {path} (a trainer resize)"
+        deadline = t0 + self.cfg.launcher.start_timeout + self.cfg.step_timeout
+        while len(self.ranks) < n:
+            try:
+                msg = await asyncio.wait_for(self.replies.get(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"trainer resize to {n} rank(s): trainer ranks {sorted(set(range(n)) - set(self.ranks))} "
+                                   "did not report in time (launcher.start_timeout + step_timeout)") from None
+            if not isinstance(msg, Hello):
+                log.error("controller: unexpected %s during a trainer resize, dropped", type(msg).__name__)
+        _, self.spec = read_run(run_dir)  # the new ranks' inboxes, written by the launcher
+        for_ranks(self.state, n)  # the groups old rank k held, each new rank k mod n loaded
+        for worker in sorted(self.reward_workers):  # before any Route that names a new rank
+            await send_to(self.socket, worker.encode(), Trainers(n))
+        seconds = time.monotonic() - t0
+        self.ledger.write("scale", trainers={"from": before, "to": n}, step=step, checkpoint=path,
+                          seconds=round(seconds, 3))
+        self.metrics.log("resize", step=step, trainers_before=before, trainers=n, checkpoint=path, seconds=seconds)
+        resize.answer(run_dir, resize.DONE, ask["id"], n=n, seconds=round(seconds, 3))
+        held, self.held_routes, self.resize_asked = self.held_routes, None, None
+        for ident, meta in held:
+            await self.route(ident, meta)
+        self.last_progress = time.monotonic()
 
     def log_step(self, done: _Trained, seconds: float, update_seconds: float, servers: dict[str, float],
                  controller_cpu: float) -> None:
@@ -698,7 +767,7 @@ class Controller:
             shutil.copy(self.spec.path("config.yaml"), os.path.join(tmp, "config.yaml"))
             path = store.commit(tmp, step, version=state.staleness.version, n_trainers=len(self.ranks))
         removed = store.prune(self.spec.run_dir, self.cfg.checkpoint.keep_last)
-        self.saved = (step, self.clock.elapsed())
+        self.saved, self.saved_path = (step, self.clock.elapsed()), path
         seconds = time.monotonic() - t0
         size = sum(store.read_manifest(path)["files"].values())
         self.metrics.log("checkpoint", step=step, path=path, seconds=seconds, bytes=size, removed=removed)
@@ -726,9 +795,14 @@ class Controller:
         acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start and first else None
         inbox = asyncio.create_task(self.inbox())
         # The servers a scale adds or removes (`python -m areal_flow.scale`), recorded in the ledger.
-        following = asyncio.create_task(follow(
+        following = [asyncio.create_task(follow(
             self.publisher.pool, self.spec.run_dir, "controller",
-            lambda epoch, changes: self.ledger.write("scale", epoch=epoch, **changes), joining=True))
+            lambda epoch, changes: self.ledger.write("scale", epoch=epoch, **changes), joining=True))]
+        following += [asyncio.create_task(follow(
+            pool, self.spec.run_dir, "controller",
+            lambda epoch, changes, judge=judge: self.ledger.write("scale", judge=judge, epoch=epoch, **changes),
+            judge=judge)) for judge, pool in self.judge_pools.items()]
+        resizes = asyncio.create_task(self.watch_resize())
         self.clock.start(already=state.train_elapsed)
         await self.grant()
         steps = await self.until_stalled(self.train())
@@ -741,7 +815,8 @@ class Controller:
         acc_end = await self.evaluate("end", steps) if self.cfg.eval_at_end and not stopped else None
         checkpoint = None if stopped else await self.export()
         inbox.cancel()
-        following.cancel()
+        for task in [*following, resizes]:
+            task.cancel()
         reason = why_it_ended(self.cfg, steps, wall_time=self.wall_time_reached)
         log.info("the run ended: %s", reason["message"])
         write_summary(self, run_summary(self, steps, stopped=stopped, accuracy=(acc_start, acc_end),

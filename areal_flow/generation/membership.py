@@ -14,6 +14,11 @@ request goes to it), then dropped. A follower (`follow`) reads the file when it 
 it to its ServerPool (`apply`), and acknowledges the epoch in `scale/acks/<process>`, which the
 launcher waits for at each step (before it aborts a leaving server's requests, for one).
 A process that starts later (a restarted worker) reads the servers from here, not from the spec.
+
+Each judge's servers (`scale RUN_DIR judge=+1`) have a file of their own, `servers-<judge>.json`,
+followed the same way by the same processes (the rollout workers ask the judges; the controller
+watches their health). A judge's model never changes: a new judge server is listed serving as soon
+as its /health answers.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from collections.abc import Callable
 import msgspec
 
 from areal_flow.generation.router import ServerPool
+from areal_flow.runtime.disk import write_atomic
 
 log = logging.getLogger("areal_flow.membership")
 
 SERVERS = "servers.json"
+"""The policy's servers; a judge's are in `servers_file(judge)`."""
 ACKS = os.path.join("scale", "acks")
 READY = os.path.join("scale", "ready")
 FOLLOW_INTERVAL = 0.5
@@ -51,23 +58,29 @@ class Membership(msgspec.Struct):
         return [name for name, m in self.servers.items() if not m.leaving]
 
 
-def write_membership(run_dir: str, membership: Membership) -> None:
-    _write_atomic(os.path.join(run_dir, SERVERS), msgspec.json.encode(membership))
+def servers_file(judge: str = "") -> str:
+    """The file listing the policy's servers, or judge `judge`'s."""
+    return f"servers-{judge}.json" if judge else SERVERS
 
 
-def read_membership(run_dir: str) -> Membership | None:
-    """The run's servers.json; None when it has none (a run started before it existed)."""
+def write_membership(run_dir: str, membership: Membership, judge: str = "") -> None:
+    write_atomic(os.path.join(run_dir, servers_file(judge)), msgspec.json.encode(membership))
+
+
+def read_membership(run_dir: str, judge: str = "") -> Membership | None:
+    """The run's servers.json (or judge `judge`'s file); None when it has none (a run started
+    before it existed)."""
     try:
-        with open(os.path.join(run_dir, SERVERS), "rb") as f:
+        with open(os.path.join(run_dir, servers_file(judge)), "rb") as f:
             return msgspec.json.decode(f.read(), type=Membership)
     except FileNotFoundError:
         return None
 
 
-def servers_of(run_dir: str, names: list[str], urls: list[str]) -> tuple[list[str], list[str]]:
-    """(names, urls) of the servers a starting process should use: those serving in servers.json,
-    else the spec's (`names`, `urls`)."""
-    membership = read_membership(run_dir)
+def servers_of(run_dir: str, names: list[str], urls: list[str], judge: str = "") -> tuple[list[str], list[str]]:
+    """(names, urls) of the servers a starting process should use: those serving in servers.json
+    (or judge `judge`'s file), else the spec's (`names`, `urls`)."""
+    membership = read_membership(run_dir, judge)
     if membership is None or not membership.serving():
         return names, urls
     serving = membership.serving()
@@ -100,15 +113,19 @@ def changes(before: Membership | None, after: Membership) -> dict[str, list[str]
             "removed": [n for n in old if n not in after.servers]}
 
 
-def acknowledge(run_dir: str, process: str, epoch: int) -> None:
+def _ack_file(run_dir: str, process: str, judge: str) -> str:
+    return os.path.join(run_dir, ACKS, f"{process}@{judge}" if judge else process)
+
+
+def acknowledge(run_dir: str, process: str, epoch: int, judge: str = "") -> None:
     os.makedirs(os.path.join(run_dir, ACKS), exist_ok=True)
-    _write_atomic(os.path.join(run_dir, ACKS, process), str(epoch).encode())
+    write_atomic(_ack_file(run_dir, process, judge), str(epoch).encode())
 
 
-def acknowledged(run_dir: str, process: str) -> int:
-    """The last epoch `process` applied (-1: none yet)."""
+def acknowledged(run_dir: str, process: str, judge: str = "") -> int:
+    """The last epoch `process` applied of the policy's servers (or judge `judge`'s); -1: none yet."""
     try:
-        with open(os.path.join(run_dir, ACKS, process)) as f:
+        with open(_ack_file(run_dir, process, judge)) as f:
             return int(f.read().strip() or -1)
     except (FileNotFoundError, ValueError):
         return -1
@@ -117,7 +134,7 @@ def acknowledged(run_dir: str, process: str) -> int:
 def mark_ready(run_dir: str, server: str) -> None:
     """The controller's pool has taken `server`: it serves the current weights, and gets every update."""
     os.makedirs(os.path.join(run_dir, READY), exist_ok=True)
-    _write_atomic(os.path.join(run_dir, READY, server), b"")
+    write_atomic(os.path.join(run_dir, READY, server), b"")
 
 
 def is_ready(run_dir: str, server: str) -> bool:
@@ -126,15 +143,15 @@ def is_ready(run_dir: str, server: str) -> bool:
 
 async def follow(pool: ServerPool, run_dir: str, process: str,
                  on_change: Callable[[int, dict[str, list[str]]], None] = lambda epoch, changes: None,
-                 interval: float = FOLLOW_INTERVAL, joining: bool = False) -> None:
-    """Apply servers.json to `pool` whenever it changes, acknowledging each epoch as `process`;
+                 interval: float = FOLLOW_INTERVAL, joining: bool = False, judge: str = "") -> None:
+    """Apply servers.json (or judge `judge`'s file) to `pool` whenever it changes, acknowledging each epoch as `process`;
     `on_change(epoch, changes)` after each change (the controller's ledger). With `joining` (the
     controller's pool, which loads the weights), new servers are taken while still joining, and
     each is marked ready once the pool takes it. Runs until cancelled."""
     if joining:
         pool.on_up = lambda name: mark_ready(run_dir, name)
     seen, stamp, previous = -1, None, None
-    path = os.path.join(run_dir, SERVERS)
+    path = os.path.join(run_dir, servers_file(judge))
     while True:
         try:
             now = os.stat(path).st_mtime_ns
@@ -142,20 +159,14 @@ async def follow(pool: ServerPool, run_dir: str, process: str,
             now = None
         if now is not None and now != stamp:
             stamp = now
-            membership = read_membership(run_dir)
+            membership = read_membership(run_dir, judge)
             if membership is not None and membership.epoch != seen:
                 apply(pool, membership, joining)
                 changed, previous, seen = changes(previous, membership), membership, membership.epoch
-                acknowledge(run_dir, process, seen)
+                acknowledge(run_dir, process, seen, judge)
                 if any(changed.values()):
-                    log.warning("%s: generation servers at epoch %d: %s", process, seen,
+                    log.warning("%s: %s servers at epoch %d: %s", process, f"judge {judge}'s" if judge else "generation", seen,
                                 "; ".join(f"{k} {', '.join(v)}" for k, v in changed.items() if v))
                     on_change(seen, changed)
         await asyncio.sleep(interval)
 
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

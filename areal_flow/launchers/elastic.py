@@ -32,21 +32,27 @@ import shutil
 import time
 import urllib.request
 import uuid
+
+import msgspec
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 from areal_flow.generation.client import auth_headers, wait_healthy
 from areal_flow.generation.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
-                                              read_membership, write_membership)
+                                              read_membership, servers_file, write_membership)
 from areal_flow.graph.placement import Proc
+from areal_flow.launchers.autoscale import AutoScaler
+from areal_flow.runtime import resize
+from areal_flow.runtime.spec import read_run, write_spec
 
 LOCK_FILE = "launcher.lock"
 """The run directory's lock, held by its launcher for its whole life (run/lock.py)."""
 REQUEST = os.path.join("scale", "request.json")
 RESULTS = os.path.join("scale", "results.jsonl")
-ROLES = ("generate",)
-"""What a scale command may change (generate: the policy's generation servers)."""
+ROLES = {"generate": "generation server(s)", "trainers": "trainer rank(s)", "judge": "judge server(s)"}
+"""What a scale command may change: the policy's generation servers, the trainer's data-parallel
+ranks, a judge's servers (`judge`, or `judge:<node>` in a run with several judges)."""
 FILE_MODES = ("disk", "shm")
 """rollout.weight_update_mode values whose servers can join later: each loads the weights from files."""
 ACK_TIMEOUT = 30.0
@@ -73,7 +79,7 @@ class Request:
 
 def parse_change(role: str, change: str) -> tuple[str, int]:
     """("add" | "set", k) of a size change `+k`, `-k` or `k`; ScaleRefused naming the argument."""
-    if role not in ROLES:
+    if role.partition(":")[0] not in ROLES:
         raise ScaleRefused(f"{role}={change}: there is no role {role!r} to scale (roles: {', '.join(ROLES)})")
     text = change.strip()
     try:
@@ -84,15 +90,53 @@ def parse_change(role: str, change: str) -> tuple[str, int]:
 
 
 def target_size(role: str, change: str, now: int) -> int:
-    """The size `change` asks for, with `now` servers serving; ScaleRefused below 1 or when nothing changes."""
+    """The size `change` asks for, with `now` of `role` running; ScaleRefused below 1 or when nothing changes."""
     how, k = parse_change(role, change)
     target = now + k if how == "add" else k
     if target < 1:
-        raise ScaleRefused(f"{role}={change}: it would leave {target} generation server(s) of {now}; "
-                           "a run needs at least 1")
+        raise ScaleRefused(f"{role}={change}: it would leave {target} {_noun(role)} of {now}; a run needs at least 1")
     if target == now:
-        raise ScaleRefused(f"{role}={change}: the run has {now} generation server(s) already")
+        raise ScaleRefused(f"{role}={change}: the run has {now} {_noun(role)} already")
     return target
+
+
+def _noun(role: str) -> str:
+    return ROLES[role.partition(":")[0]]
+
+
+def judge_of(role: str, judges: list[str]) -> str:
+    """The judge node a role names (`judge`: the run's one judge; `judge:<node>`), "" for another
+    role; ScaleRefused when it names no judge of the run."""
+    kind, _, node = role.partition(":")
+    if kind != "judge":
+        return ""
+    if not judges:
+        raise ScaleRefused(f"{role}: this run has no judge (a graph node of type judge)")
+    if not node and len(judges) > 1:
+        raise ScaleRefused(f"{role}: this run has judges {', '.join(judges)}: name one, e.g. judge:{judges[0]}=+1")
+    if node and node not in judges:
+        raise ScaleRefused(f"{role}: this run has no judge {node!r} (its judges: {', '.join(judges)})")
+    return node or judges[0]
+
+
+@dataclass(frozen=True)
+class Servers:
+    """The servers a scale adds or removes: the policy's (`judge` "") or a judge's."""
+
+    judge: str = ""
+    per_server: int = 1  # devices a server
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.judge}_server" if self.judge else "gen_server"
+
+    @property
+    def role(self) -> str:
+        return "judge_server" if self.judge else "gen_server"
+
+    @property
+    def what(self) -> str:
+        return f"judge {self.judge}'s servers" if self.judge else "generation servers"
 
 
 def running(run_dir: str) -> bool:
@@ -143,7 +187,7 @@ def results(run_dir: str) -> list[dict]:
 
 
 Command = Callable[[Proc, int], tuple[list[str], dict[str, str]]]
-"""How to start generation server `proc` on `port`: its argv and environment."""
+"""How to start process `proc` (a generation server on `port`, a trainer rank): its argv and environment."""
 
 
 class Scaler:
@@ -151,38 +195,53 @@ class Scaler:
 
     def __init__(self, launcher: Any, run_dir: str, *, command: Command, n_devices: int, per_server: int,
                  followers: list[str], weight_mode: str, restarts: int, api_key: str | None = None,
-                 start_timeout: float = 300.0) -> None:
-        # command: starts a server; followers: the processes that apply servers.json (the controller,
-        # the rollout workers).
+                 start_timeout: float = 300.0, trainer_problem: Callable[[int], str | None] = lambda n: None,
+                 judges: list[str] | None = None, auto: AutoScaler | None = None,
+                 say: Callable[[str], None] = lambda text: None) -> None:
+        # command: starts a server or a trainer rank; followers: the processes that apply servers.json
+        # (the controller, the rollout workers); trainer_problem: what stops the run's trainer from
+        # training on n ranks, if anything (run/start.py); judges: the run's judge nodes; auto: the
+        # autoscaler (elastic.auto), whose decisions `say` tells the user.
         self.launcher, self.run_dir, self.command = launcher, run_dir, command
+        self.trainer_problem, self.judges, self.auto, self.say = trainer_problem, judges or [], auto, say
         self.n_devices, self.per_server, self.followers = n_devices, per_server, followers
         self.weight_mode, self.restarts, self.api_key, self.start_timeout = weight_mode, restarts, api_key, start_timeout
         self.op: Generator[None, None, dict] | None = None
         self.request: Request | None = None
-        membership = read_membership(run_dir)
-        self.next_index = 1 + max((int(n.removeprefix("gen_server")) for n in membership.servers), default=-1) \
-            if membership else 0
+        self.next_index: dict[str, int] = {}  # a server name's prefix -> the next new server's index
 
     @staticmethod
-    def reset(run_dir: str, servers: dict[str, str]) -> None:
-        """A launch's start: servers.json lists the placement's servers; acknowledgements and a request
-        left by an earlier launch are gone."""
+    def reset(run_dir: str, servers: dict[str, str], judges: dict[str, dict[str, str]] | None = None) -> None:
+        """A launch's start: servers.json lists the placement's servers (and each judge's file its
+        judge's); acknowledgements and a request left by an earlier launch are gone."""
         for folder in (ACKS, READY):
             shutil.rmtree(os.path.join(run_dir, folder), ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, REQUEST))
-        write_membership(run_dir, Membership(0, {name: Member(url) for name, url in servers.items()}))
+        resize.clear(run_dir)
+        for judge, listed in {"": servers, **(judges or {})}.items():
+            write_membership(run_dir, Membership(0, {name: Member(url) for name, url in listed.items()}), judge)
 
     def tick(self) -> None:
         """Advance the scale in progress, or start the next request."""
         if self.op is None:
             if (request := read_request(self.run_dir)) is None:
+                self._autoscale()
                 return
             self.request, self.op = request, self._run(request)
         try:
             next(self.op)
         except StopIteration as done:
             self._finish(done.value)
+
+    def _autoscale(self) -> None:
+        """Ask for what the autoscaler decides, as the scale command would."""
+        if self.auto is None or (membership := read_membership(self.run_dir)) is None:
+            return
+        if (decision := self.auto.poll(len(membership.serving()), len(self.free_devices()))) is not None:
+            self.say(f"autoscaler: generate={decision.change}: {decision.why}")
+            with contextlib.suppress(ScaleRefused):  # a command given meanwhile goes first
+                submit(self.run_dir, "generate", decision.change)
 
     # ---- one request -----------------------------------------------------------------------------
 
@@ -194,14 +253,19 @@ class Scaler:
                                    "stop processes while the run goes on; the local launcher can")
             if self.weight_mode not in FILE_MODES:
                 raise ScaleRefused(f"{request.text}: rollout.weight_update_mode={self.weight_mode} sends weights over "
-                                   "a group fixed at the run's start; servers can join and leave with disk or shm")
-            membership = self._membership()
-            now = len(membership.serving())
+                                   "a group fixed at the run's start; servers and trainer ranks can join and leave "
+                                   "with disk or shm")
+            if request.role == "trainers":
+                out = yield from self._resize(request)
+                return {"ok": True, "seconds": round(time.monotonic() - t0, 3), **out}
+            judge = judge_of(request.role, self.judges)
+            kind = Servers(judge, 1 if judge else self.per_server)  # a judge's server: one device
+            now = len(self._membership(kind).serving())
             target = target_size(request.role, request.change, now)
             if target > now:
-                out = yield from self._up(target - now)
+                out = yield from self._up(target - now, kind)
             else:
-                out = yield from self._down(now - target)
+                out = yield from self._down(now - target, kind)
         except ScaleRefused as e:
             return {"ok": False, "refused": True, "message": str(e)}
         return {"ok": not out.get("failed"), "seconds": round(time.monotonic() - t0, 3), **out}
@@ -213,18 +277,18 @@ class Scaler:
             f.write(json.dumps(line) + "\n")
         os.remove(os.path.join(self.run_dir, REQUEST))
 
-    def _membership(self) -> Membership:
-        membership = read_membership(self.run_dir)
+    def _membership(self, kind: Servers) -> Membership:
+        membership = read_membership(self.run_dir, kind.judge)
         if membership is None:
-            raise ScaleRefused("this run has no servers.json: it was started by an older areal_flow")
+            raise ScaleRefused(f"this run has no {servers_file(kind.judge)}: it was started by an older areal_flow")
         return membership
 
-    def _publish(self, membership: Membership) -> Generator[None, None, None]:
+    def _publish(self, membership: Membership, kind: Servers) -> Generator[None, None, None]:
         """Write the next epoch and wait (up to ACK_TIMEOUT) until every follower applied it."""
         membership.epoch += 1
-        write_membership(self.run_dir, membership)
+        write_membership(self.run_dir, membership, kind.judge)
         deadline = time.monotonic() + ACK_TIMEOUT
-        while any(acknowledged(self.run_dir, f) < membership.epoch for f in self.followers):
+        while any(acknowledged(self.run_dir, f, kind.judge) < membership.epoch for f in self.followers):
             if time.monotonic() > deadline:
                 return  # a follower restarting reads servers.json when it starts
             yield
@@ -233,17 +297,21 @@ class Scaler:
         used = {d for proc in self.launcher.running_procs() for d in proc.devices}
         return [d for d in range(self.n_devices) if d not in used]
 
-    def _up(self, count: int) -> Generator[None, None, dict]:
-        free, need = self.free_devices(), count * self.per_server
+    def _up(self, count: int, kind: Servers) -> Generator[None, None, dict]:
+        free, need = self.free_devices(), count * kind.per_server
         if len(free) < need:
-            raise ScaleRefused(f"generate=+{count} needs {need} free device(s) ({self.per_server} a server: "
-                               f"generation.tp_size); free: {', '.join(map(str, free)) or 'none'} of "
-                               f"{self.n_devices} (cluster.n_devices)")
+            raise ScaleRefused(f"{self.request.role}=+{count} needs {need} free device(s) ({kind.per_server} a server"
+                               f"{'' if kind.judge else ': generation.tp_size'}); free: "
+                               f"{', '.join(map(str, free)) or 'none'} of {self.n_devices} (cluster.n_devices)")
+        if kind.prefix not in self.next_index:
+            self.next_index[kind.prefix] = 1 + max(
+                (int(n.removeprefix(kind.prefix)) for n in self._membership(kind).servers), default=-1)
         t0, started = time.monotonic(), {}
         for i in range(count):
-            index, self.next_index = self.next_index, self.next_index + 1
-            proc = Proc(f"gen_server{index}", "gen_server", tuple(free[i * self.per_server:(i + 1) * self.per_server]),
-                        index)
+            index = self.next_index[kind.prefix]
+            self.next_index[kind.prefix] += 1
+            proc = Proc(f"{kind.prefix}{index}", kind.role, tuple(free[i * kind.per_server:(i + 1) * kind.per_server]),
+                        index, graph_node=kind.judge)
             ((host, port),) = self.launcher.reserve([proc.name])
             argv, env = self.command(proc, port)
             self.launcher.provisional.add(proc.name)  # a death while it starts is this scale's failure, not the run's
@@ -272,32 +340,35 @@ class Scaler:
             self.launcher.provisional.discard(name)
         if not ready:
             return {"added": [], "failed": failed}
-        membership = self._membership()
-        membership.servers.update({name: Member(started[name], joining=True) for name in ready})
-        yield from self._publish(membership)  # the controller's pool takes them, at the current weights
+        membership = self._membership(kind)
+        # A judge's model never changes: healthy is current. The policy's new servers join first.
+        membership.servers.update({name: Member(started[name], joining=not kind.judge) for name in ready})
+        yield from self._publish(membership, kind)  # the controller's pool takes them, at the current weights
         deadline = time.monotonic() + self.start_timeout
-        while not all(is_ready(self.run_dir, name) for name in ready) and time.monotonic() < deadline:
+        while not kind.judge and not all(is_ready(self.run_dir, name) for name in ready) \
+                and time.monotonic() < deadline:
             yield
-        current = [name for name in ready if is_ready(self.run_dir, name)]
+        current = [name for name in ready if kind.judge or is_ready(self.run_dir, name)]
         for name in ready:
             if name not in current:
                 failed[name] = f"it did not get the current weights within {self.start_timeout:g} s " \
                                "(launcher.start_timeout); its log: " + self.launcher.log_path(name)
                 self.launcher.retire(name)
                 del membership.servers[name]
-        for name in current:
-            membership.servers[name].joining = False
-        yield from self._publish(membership)  # every rollout worker's pool takes them
+        if not kind.judge:
+            for name in current:
+                membership.servers[name].joining = False
+            yield from self._publish(membership, kind)  # every rollout worker's pool takes them
         serving = time.monotonic() - t0
         return {"added": current, "failed": failed, "healthy_seconds": _rounded(ready),
                 "serving_seconds": {name: round(serving, 3) for name in current}}
 
-    def _down(self, count: int) -> Generator[None, None, dict]:
-        membership = self._membership()
+    def _down(self, count: int, kind: Servers) -> Generator[None, None, dict]:
+        membership = self._membership(kind)
         leaving = membership.serving()[-count:]  # the newest first
         for name in leaving:
             membership.servers[name].leaving = True
-        yield from self._publish(membership)  # no follower sends them a new request from here
+        yield from self._publish(membership, kind)  # no follower sends them a new request from here
         for name in leaving:
             # Their running requests come back aborted, with their tokens so far: their callers go on
             # elsewhere (rollout/requests.py; the agents' gateway carries them on).
@@ -307,10 +378,42 @@ class Scaler:
             yield
         for name in leaving:
             del membership.servers[name]
-        yield from self._publish(membership)  # forgotten: no update is sent to them from here
+        yield from self._publish(membership, kind)  # forgotten: no update is sent to them from here
         for name in leaving:
             self.launcher.retire(name)
         return {"removed": leaving}
+
+    def _resize(self, request: Request) -> Generator[None, None, dict]:
+        """The trainer's ranks, stopped after a checkpoint at the end of a step and started again at
+        the size asked, from it (runtime/resize.py has the hand-offs with the controller)."""
+        trainers = sorted((p for p in self.launcher.running_procs() if p.role == "trainer"), key=lambda p: p.rank)
+        now = len(trainers)
+        n = target_size(request.role, request.change, now)
+        if problem := self.trainer_problem(n):
+            raise ScaleRefused(f"{request.text}: {problem}")
+        held, free = [d for p in trainers for d in p.devices], self.free_devices()
+        if len(held) + len(free) < n:
+            raise ScaleRefused(f"{request.text} needs {n} device(s) (one a rank); the trainer holds "
+                               f"{', '.join(map(str, held))} and free are {', '.join(map(str, free)) or 'none'} of "
+                               f"{self.n_devices} (cluster.n_devices)")
+        resize.ask(self.run_dir, request.id, n)
+        while (saved := resize.answered(self.run_dir, resize.SAVED, request.id)) is None:
+            yield  # the controller ends its step and saves the checkpoint
+        for proc in trainers:
+            self.launcher.retire(proc.name)
+        names = [f"trainer{r}" for r in range(n)]
+        *inboxes, dist = [port for _, port in self.launcher.reserve([*names, "dist"])]
+        _, spec = read_run(self.run_dir)
+        write_spec(self.run_dir, msgspec.structs.replace(spec, trainer_ports=inboxes, dist_port=dist, n_trainers=n,
+                                                         resume=saved["checkpoint"]))
+        for rank, device in enumerate([*held, *free][:n]):
+            proc = Proc(names[rank], "trainer", (device,), rank)
+            self.launcher.start(proc, *self.command(proc, 0))
+        while (done := resize.answered(self.run_dir, resize.DONE, request.id)) is None:
+            yield  # the new ranks load the checkpoint and report to the controller
+        resize.clear(self.run_dir)
+        return {"trainers": {"from": now, "to": n}, "checkpoint": saved["checkpoint"], "step": saved["step"],
+                "resize_seconds": done["seconds"]}
 
     # ---- HTTP, blocking but short: the watch loop's tick -------------------------------------------
 

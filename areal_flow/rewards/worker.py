@@ -23,7 +23,7 @@ from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import AGENT_FN, RewardService
-from areal_flow.runtime.spec import RunSpec
+from areal_flow.runtime.spec import RunSpec, read_run
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
     DROP,
@@ -35,6 +35,7 @@ from areal_flow.transport.messages import (
     SampleMeta,
     ScoredGroup,
     Stage,
+    Trainers,
 )
 
 log = logging.getLogger("areal_flow.reward")
@@ -99,8 +100,8 @@ class RewardWorker:
                                  security=spec.security)
         self.controller = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
                                       security=spec.security)
-        self.ranks = [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
-                      for r, p in enumerate(spec.trainer_ports)]
+        self.ctx, self.run_dir = ctx, spec.run_dir
+        self.ranks = self.connect_ranks(spec)
         # Each node on a mesh of its own -> its replicas' inboxes.
         self.replicas = {node: [make_socket(ctx, zmq.PUSH, connect=spec.endpoint(infer_name(node, i), p),
                                             security=spec.security) for i, p in enumerate(ports)]
@@ -137,9 +138,29 @@ class RewardWorker:
         times = {**msg.times, "scored": time.time()}
         await send(self.controller, GroupMeta(scored.group_id, self.name, meta, traffic, times, msg.problem))
 
+    def connect_ranks(self, spec: RunSpec) -> list[zmq.asyncio.Socket]:
+        """A PUSH socket to each trainer rank's inbox."""
+        return [make_socket(self.ctx, zmq.PUSH, connect=spec.endpoint(f"trainer{r}", p), security=spec.security)
+                for r, p in enumerate(spec.trainer_ports)]
+
+    def resized(self, n_trainers: int) -> None:
+        """The trainer ranks were resized: send to the new ones (spec.json lists them). Every group
+        routed to an old rank reached it before its checkpoint, so nothing waits on the old sockets."""
+        _, spec = read_run(self.run_dir)
+        if spec.n_trainers != n_trainers:
+            raise RuntimeError(f"{self.name}: the controller resized the trainers to {n_trainers} ranks, but "
+                               f"{self.run_dir}/spec.json lists {spec.n_trainers}")
+        for sock in self.ranks:
+            sock.close(linger=0)
+        self.ranks = self.connect_ranks(spec)
+        log.info("%s: sending scored groups to %d trainer rank(s) from here", self.name, n_trainers)
+
     async def forward(self) -> None:
         while True:
             msg = await recv(self.controller, f"{self.name} controller")
+            if isinstance(msg, Trainers):
+                self.resized(msg.n_trainers)
+                continue
             if not isinstance(msg, Route) or msg.group_id not in self.held:
                 log.error("%s: %s from the controller matches no scored group here, dropped", self.name, msg)
                 continue

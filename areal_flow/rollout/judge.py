@@ -83,6 +83,10 @@ def make_judge(cfg, spec, node: Node) -> Judge:
     from areal_flow.models.tokenizer import load_tokenizer
 
     path = spec.judge_models[node.name]
-    pool = ServerPool(spec.judge_urls(node.name), spec.judge_names(node.name), cfg.rollout, api_key=spec.api_key)
+    from areal_flow.generation.membership import servers_of
+
+    # The judge's servers serving now (a scaled run's: generation/membership.py), followed by the worker.
+    names, urls = servers_of(spec.run_dir, spec.judge_names(node.name), spec.judge_urls(node.name), judge=node.name)
+    pool = ServerPool(urls, names, cfg.rollout, api_key=spec.api_key)
     return Judge(node, pool, load_tokenizer(path), model_context(path),
                  node.max_new_tokens or cfg.algorithm.max_new_tokens, cfg.rollout.request_retries)

@@ -85,8 +85,11 @@ class RolloutWorker:
                 main_task.cancel()
 
         await send(self.controller, AdmitRequest(self.name, self.slots))
-        following = asyncio.create_task(follow(self.pool, self.run_dir, self.name))
-        following.add_done_callback(done)
+        following = [asyncio.create_task(follow(self.pool, self.run_dir, self.name)),
+                     *(asyncio.create_task(follow(judge.pool, self.run_dir, self.name, judge=judge.node.name))
+                       for judge, _ in self.judges)]
+        for task in following:
+            task.add_done_callback(done)
         try:
             while True:  # until the launcher stops this process
                 msg = await recv(self.controller, f"{self.name} controller")
@@ -113,8 +116,7 @@ class RolloutWorker:
                 raise self.error from None
             raise
         finally:
-            following.cancel()
-            for t in list(self.tasks):
+            for t in [*following, *self.tasks]:
                 t.cancel()
 
     def arrays(self, values: dict) -> dict[str, Array]:

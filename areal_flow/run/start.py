@@ -18,8 +18,10 @@ from rich.markup import escape
 
 from areal_flow.checkpoint import compat, store
 from areal_flow.config.schema import RunConfig
+from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
+from areal_flow.launchers.autoscale import AutoScaler
 from areal_flow.launchers.elastic import Scaler
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
 from areal_flow.launchers.progress import RunProgress
@@ -69,7 +71,7 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     def command(proc: Proc, weights: tuple[str, int] = first, port: int | None = None) -> tuple[list[str], dict[str, str]]:
         if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
             return judge_command(cfg, proc, spec.judge_models[proc.graph_node],
-                                 spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
+                                 port or spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
                                  host=server_host(cfg, spec.host_of(proc.name)))
         if proc.role != "gen_server":
             return python_role(proc.role, proc, spec.run_dir), {}
@@ -87,7 +89,8 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     return command
 
 
-def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, command: Callable) -> Scaler:
+def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, command: Callable,
+                say: Callable[[str], None]) -> Scaler:
     """The launcher's side of `python -m areal_flow.scale` for this launch (launchers/elastic.py)."""
     first = first_weights(spec)
     # A new server starts from the run's first weights, which stay (a version's files may be pruned
@@ -97,7 +100,31 @@ def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, c
                   per_server=cfg.generation.tp_size,
                   followers=[p.name for p in placement.procs if p.role in ("controller", "rollout")],
                   weight_mode=cfg.rollout.weight_update_mode, restarts=cfg.recover.worker_restarts,
-                  api_key=spec.api_key, start_timeout=cfg.launcher.start_timeout)
+                  api_key=spec.api_key, start_timeout=cfg.launcher.start_timeout,
+                  trainer_problem=functools.partial(resize_problem, cfg), judges=list(spec.judge_ports),
+                  auto=AutoScaler(spec.run_dir, cfg.elastic, cfg.generation.tp_size) if cfg.elastic.auto else None,
+                  say=say)
+
+
+def resize_problem(cfg: RunConfig, n: int) -> str | None:
+    """What stops the run's trainer from going on with n ranks from a checkpoint, if anything."""
+    graph = graph_from_config(cfg)
+    if megatron := [node.name for node in graph.trainer_nodes if node.engine == "megatron"]:
+        return (f"graph.{megatron[0]}.engine=megatron keeps its optimizer state per rank and resumes only on the layout "
+                "that saved it; a trainer resize needs the torch engine, whose checkpoint reshards")
+    layout = graph.train.layout
+    if layout is not None and (layout.tp > 1 or layout.pp > 1):
+        return f"graph.{graph.train.name}.parallel has tp={layout.tp}, pp={layout.pp}: only a data-parallel trainer resizes"
+    if graph.colocated:
+        return "generation and training share devices (colocated): their turns are fixed at the run's start"
+    if graph.own_mesh_nodes:
+        return (f"node(s) {', '.join(n.name for n in graph.own_mesh_nodes)} run on a mesh of their own, whose processes "
+                "send to the trainer ranks of the run's start")
+    most = -(-cfg.algorithm.batch_size // n)
+    if cfg.algorithm.n_minibatches > most:
+        return (f"algorithm.n_minibatches={cfg.algorithm.n_minibatches} exceeds the {most} prompt group(s) a rank gets "
+                f"from algorithm.batch_size={cfg.algorithm.batch_size} over {n} ranks")
+    return None
 
 
 def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared: Prepared, console: Console,
@@ -124,9 +151,11 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
     progress = RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console)
     try:
         # servers.json lists the placement's servers before any process reads it (an earlier launch's scale is gone).
-        Scaler.reset(spec.run_dir, dict(zip(spec.gen_names, spec.gen_urls)))
+        Scaler.reset(spec.run_dir, dict(zip(spec.gen_names, spec.gen_urls)),
+                     {node: dict(zip(spec.judge_names(node), spec.judge_urls(node))) for node in spec.judge_ports})
         command = start_processes(launcher, placement, spec, cfg)
-        scaler = make_scaler(launcher, placement, spec, cfg, command)
+        scaler = make_scaler(launcher, placement, spec, cfg, command,
+                             lambda text: console.print(text, highlight=False, markup=False))
 
         def tick() -> None:
             progress.tick()

@@ -1,5 +1,6 @@
 """A disk that fills during a write, said in one line with the path: safetensors, torch and json
-each report it their own way (safetensors as a Rust IoError with no path), deep in a traceback."""
+each report it their own way (safetensors as a Rust IoError with no path), deep in a traceback.
+And a small file written whole (`write_atomic`), for files other processes poll."""
 
 from __future__ import annotations
 
@@ -59,3 +60,11 @@ def writing(what: str, path: str) -> Iterator[None]:
         if not isinstance(e, (KeyboardInterrupt, SystemExit)) and (is_disk_full(e) or out_of_space(path)):
             raise DiskFull(f"no space left on device writing {what} at {path}") from None
         raise
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` whole: a reader sees the old file or the new one, never a part."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

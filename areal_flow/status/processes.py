@@ -43,8 +43,11 @@ class ProcessTable:
         self.host = socket.gethostname()
 
     def started(self, name: str, role: str, pid: int) -> None:
-        """`name` runs as `pid`; a name seen before was restarted."""
+        """`name` runs as `pid`; a name seen before was restarted (unless a scale removed it: a new
+        process of that name, as a resized trainer's ranks)."""
         before = self.table.get(name)
+        if before is not None and before["state"] == "removed":
+            before = None
         restarts = before["restarts"] + 1 if before else 0
         self.table[name] = {"role": role, "pid": pid, "host": self.host, "restarts": restarts,
                             "state": "restarted" if before else "running", "exit_code": None,

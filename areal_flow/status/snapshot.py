@@ -305,14 +305,15 @@ def read_spec(path: str) -> RunSpec | None:
 
 def server_urls(spec: RunSpec | None) -> dict[str, str]:
     """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls, and
-    the servers a scale added: servers.json)."""
+    the servers a scale added: servers.json, servers-<judge>.json)."""
     if spec is None:
         return {}
-    membership = read_membership(spec.run_dir)
     urls = dict(zip(spec.gen_names, spec.gen_urls))
-    urls |= {name: m.url for name, m in membership.servers.items()} if membership else {}
     for node in spec.judge_ports:
         urls |= dict(zip(spec.judge_names(node), spec.judge_urls(node)))
+    for judge in ["", *spec.judge_ports]:
+        if (membership := read_membership(spec.run_dir, judge)) is not None:
+            urls |= {name: m.url for name, m in membership.servers.items()}
     return urls
 
 

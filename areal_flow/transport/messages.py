@@ -342,8 +342,16 @@ class Hello(msgspec.Struct, tag=True):
     rank: int
 
 
+class Trainers(msgspec.Struct, tag=True):
+    """The controller to a reward worker: the trainer ranks were resized to `n_trainers` (`scale
+    RUN_DIR trainers=N`); read their inboxes from spec.json again before the next Route, which
+    names a rank of the new size."""
+
+    n_trainers: int
+
+
 Message = (AdmitRequest | Admitted | Released | Resend | Joined | GeneratedGroup | ScoredGroup | GroupMeta | Route
-           | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello | InferRequest
+           | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello | Trainers | InferRequest
            | Inferred | Ready | CriticBatch | CriticTrained | CriticSaved)
 
 _encoder = msgspec.msgpack.Encoder()
