@@ -44,6 +44,7 @@ from areal_flow.generation.membership import (ACKS, READY, Member, Membership, a
 from areal_flow.graph.placement import Proc
 from areal_flow.launchers.autoscale import AutoScaler
 from areal_flow.runtime import resize
+from areal_flow.runtime.security import is_loopback
 from areal_flow.runtime.spec import read_run, write_spec
 
 LOCK_FILE = "launcher.lock"
@@ -186,8 +187,8 @@ def results(run_dir: str) -> list[dict]:
         return []
 
 
-Command = Callable[[Proc, int], tuple[list[str], dict[str, str]]]
-"""How to start process `proc` (a generation server on `port`, a trainer rank): its argv and environment."""
+Command = Callable[[Proc, int, str], tuple[list[str], dict[str, str]]]
+"""How to start process `proc` (a generation server on `port` of `host`, a trainer rank): its argv and environment."""
 
 
 class Scaler:
@@ -197,13 +198,14 @@ class Scaler:
                  followers: list[str], weight_mode: str, restarts: int, api_key: str | None = None,
                  start_timeout: float = 300.0, trainer_problem: Callable[[int], str | None] = lambda n: None,
                  judges: list[str] | None = None, auto: AutoScaler | None = None,
-                 say: Callable[[str], None] = lambda text: None) -> None:
+                 say: Callable[[str], None] = lambda text: None, devices_named: str = "cluster.n_devices") -> None:
         # command: starts a server or a trainer rank; followers: the processes that apply servers.json
         # (the controller, the rollout workers); trainer_problem: what stops the run's trainer from
         # training on n ranks, if anything (run/start.py); judges: the run's judge nodes; auto: the
         # autoscaler (elastic.auto), whose decisions `say` tells the user.
         self.launcher, self.run_dir, self.command = launcher, run_dir, command
         self.trainer_problem, self.judges, self.auto, self.say = trainer_problem, judges or [], auto, say
+        self.devices_named = devices_named  # what n_devices counts, for a refusal: the config's keys
         self.n_devices, self.per_server, self.followers = n_devices, per_server, followers
         self.weight_mode, self.restarts, self.api_key, self.start_timeout = weight_mode, restarts, api_key, start_timeout
         self.op: Generator[None, None, dict] | None = None
@@ -302,22 +304,24 @@ class Scaler:
         if len(free) < need:
             raise ScaleRefused(f"{self.request.role}=+{count} needs {need} free device(s) ({kind.per_server} a server"
                                f"{'' if kind.judge else ': generation.tp_size'}); free: "
-                               f"{', '.join(map(str, free)) or 'none'} of {self.n_devices} (cluster.n_devices)")
+                               f"{', '.join(map(str, free)) or 'none'} of {self.n_devices} ({self.devices_named})")
         if kind.prefix not in self.next_index:
             self.next_index[kind.prefix] = 1 + max(
                 (int(n.removeprefix(kind.prefix)) for n in self._membership(kind).servers), default=-1)
         t0, started = time.monotonic(), {}
+        procs = []
         for i in range(count):
             index = self.next_index[kind.prefix]
             self.next_index[kind.prefix] += 1
-            proc = Proc(f"{kind.prefix}{index}", kind.role, tuple(free[i * kind.per_server:(i + 1) * kind.per_server]),
-                        index, graph_node=kind.judge)
-            ((host, port),) = self.launcher.reserve([proc.name])
-            argv, env = self.command(proc, port)
+            procs.append(Proc(f"{kind.prefix}{index}", kind.role,
+                              tuple(free[i * kind.per_server:(i + 1) * kind.per_server]), index, graph_node=kind.judge))
+        self._place(procs)
+        for proc, (host, port) in zip(procs, self.launcher.reserve([p.name for p in procs])):
+            argv, env = self.command(proc, port, host)
             self.launcher.provisional.add(proc.name)  # a death while it starts is this scale's failure, not the run's
-            self.launcher.start(proc, argv, env, again=lambda proc=proc, port=port: self.command(proc, port),
-                                restarts=self.restarts)
-            started[proc.name] = f"http://{host}:{port}"
+            self.launcher.start(proc, argv, env, again=lambda proc=proc, port=port, host=host: self.command(
+                proc, port, host), restarts=self.restarts)
+            started[proc.name] = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         ready, failed = {}, {}
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -395,25 +399,43 @@ class Scaler:
         if len(held) + len(free) < n:
             raise ScaleRefused(f"{request.text} needs {n} device(s) (one a rank); the trainer holds "
                                f"{', '.join(map(str, held))} and free are {', '.join(map(str, free)) or 'none'} of "
-                               f"{self.n_devices} (cluster.n_devices)")
+                               f"{self.n_devices} ({self.devices_named})")
+        # Rank r of the new size: the device old rank r held, then free ones.
+        ranks = [Proc(f"trainer{r}", "trainer", (device,), r) for r, device in enumerate([*held, *free][:n])]
+        self._place(ranks[now:])  # room for the added ranks before anything stops
         resize.ask(self.run_dir, request.id, n)
         while (saved := resize.answered(self.run_dir, resize.SAVED, request.id)) is None:
             yield  # the controller ends its step and saves the checkpoint
         for proc in trainers:
             self.launcher.retire(proc.name)
-        names = [f"trainer{r}" for r in range(n)]
-        *inboxes, dist = [port for _, port in self.launcher.reserve([*names, "dist"])]
+        self._place(ranks[:now])  # on the devices the old ranks left
+        # Each rank's inbox on its node, and the rendezvous on rank 0's (as at a launch: run/ports.py).
+        reserved = self.launcher.reserve([*(p.name for p in ranks), "trainer0"])
         _, spec = read_run(self.run_dir)
-        write_spec(self.run_dir, msgspec.structs.replace(spec, trainer_ports=inboxes, dist_port=dist, n_trainers=n,
-                                                         resume=saved["checkpoint"]))
-        for rank, device in enumerate([*held, *free][:n]):
-            proc = Proc(names[rank], "trainer", (device,), rank)
-            self.launcher.start(proc, *self.command(proc, 0))
+        hosts = {**{k: v for k, v in spec.hosts.items() if not k.startswith("trainer")},
+                 **{p.name: host for p, (host, _) in zip(ranks, reserved) if not is_loopback(host)}}
+        write_spec(self.run_dir, msgspec.structs.replace(
+            spec, trainer_ports=[port for _, port in reserved[:n]], dist_port=reserved[n][1], n_trainers=n,
+            hosts=hosts, resume=saved["checkpoint"]))
+        for proc, (host, _) in zip(ranks, reserved):
+            self.launcher.start(proc, *self.command(proc, 0, host))
         while (done := resize.answered(self.run_dir, resize.DONE, request.id)) is None:
             yield  # the new ranks load the checkpoint and report to the controller
         resize.clear(self.run_dir)
         return {"trainers": {"from": now, "to": n}, "checkpoint": saved["checkpoint"], "step": saved["step"],
                 "resize_seconds": done["seconds"]}
+
+    def _place(self, procs: list[Proc]) -> None:
+        """Room for each of `procs` (launcher.place); ScaleRefused, with none of them kept, when one has none."""
+        placed = []
+        try:
+            for proc in procs:
+                self.launcher.place(proc)
+                placed.append(proc)
+        except RuntimeError as e:
+            for proc in placed:
+                self.launcher.retire(proc.name)
+            raise ScaleRefused(f"{self.request.text}: {e}") from None
 
     # ---- HTTP, blocking but short: the watch loop's tick -------------------------------------------
 

@@ -164,6 +164,11 @@ class Watching:
         """The processes the launcher runs now (a scale places new ones on the devices they leave free)."""
         raise NotImplementedError
 
+    def place(self, proc: Proc) -> None:
+        """Make room for `proc`, which a scale is about to start, before it starts (on this host the
+        devices are the placement's: nothing to do; Ray reserves its resources); RuntimeError naming
+        what is missing."""
+
     def retire(self, name: str) -> None:
         """Stop process `name` for good (a scale removed it): its exit is no failure, nor restarted."""
         raise NotImplementedError
@@ -232,8 +237,9 @@ class LocalLauncher(Watching):
         return [c.proc for c in self.children.values()]  # one that died holds its devices until restarted
 
     def retire(self, name: str) -> None:
-        child = self.children.pop(name)
         self.provisional.discard(name)
+        if (child := self.children.pop(name, None)) is None:
+            return  # placed, never started
         _stop([child.popen], self.stop_timeout)
         self.processes.left(name, child.popen.returncode)
 

@@ -15,6 +15,11 @@ may be restarted alone (a generation server, a rollout or reward worker, an infe
 actor, on its node, with its resources; any other process that exits, or an actor whose node is
 lost, stops the run with the process's name; stopping the run stops every process and releases
 the placement groups.
+
+A scale (`python -m areal_flow.scale`, launchers/elastic.py) places each process it adds (`place`):
+on the bundle a retired process left with the same devices (a resized trainer's ranks), else in a
+placement group of its own, wherever the cluster has room; a process retired from a group of its
+own releases it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import os
 import signal
 import subprocess
+import uuid
 from collections import Counter
 
 import ray
@@ -89,8 +95,14 @@ def _sharers(placement: Placement) -> dict[int, int]:
     return dict(Counter(d for p in placement.procs for d in p.devices))
 
 
+PLACE_TIMEOUT = 10.0
+"""Seconds a scale waits for the cluster to place a process it adds, before it is refused."""
+
+
 class RayLauncher(Watching):
     """The local launcher's interface (`reserve`, `start`, `check`, `wait`, `stop_all`) on Ray."""
+
+    scales = True
 
     def __init__(self, run_dir: str, placement: Placement, *, address: str, device_type: str,
                  start_timeout: float, stop_timeout: float):
@@ -104,6 +116,13 @@ class RayLauncher(Watching):
         self.log_paths: dict[str, str] = {}
         self.started: dict[str, dict] = {}
         self.again: dict[str, tuple[Proc, Restart, int]] = {}  # how to restart a process, and how often yet
+        self.procs = {p.name: p for p in placement.procs}  # what runs (running_procs)
+        self.provisional = set()
+        # A device-owning process's bundle, by its devices, and who holds it now (None: free for a
+        # process a scale adds on those devices); the groups of processes a scale added, by name.
+        self.bundles: dict[tuple[int, ...], tuple[PlacementGroup, int]] = {}
+        self.holder: dict[tuple[int, ...], str | None] = {}
+        self.own_groups: dict[str, PlacementGroup] = {}
         try:
             for node in nodes:
                 procs = [p for p in placement.procs if p.devices and p.node == node]
@@ -115,6 +134,7 @@ class RayLauncher(Watching):
                 procs = [p for p in placement.procs if p.devices and p.node == node]
                 for index, proc in enumerate(procs):
                     self.actors[proc.name] = self._actor(proc, group, index, device_type)
+                    self.bundles[proc.devices], self.holder[proc.devices] = (group, index), proc.name
             first = self.groups[nodes[0]] if nodes else None
             for proc in placement.procs:
                 if not proc.devices:  # light: no resources, next to the first node's processes
@@ -125,8 +145,8 @@ class RayLauncher(Watching):
             self.stop_all()
             raise
 
-    def _actor(self, proc: Proc, group: PlacementGroup, index: int, device_type: str):
-        resources = _bundle(proc, device_type, self.sharers)
+    def _actor(self, proc: Proc, group: PlacementGroup, index: int, device_type: str, sharers: dict | None = None):
+        resources = _bundle(proc, device_type, self.sharers if sharers is None else sharers)
         return ProcessActor.options(
             num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
@@ -201,6 +221,47 @@ class RayLauncher(Watching):
     def signal(self, name: str, sig: int) -> None:
         ray.get(self.actors[name].signal.remote(sig), timeout=30)
 
+    def running_procs(self) -> list[Proc]:
+        return list(self.procs.values())
+
+    def place(self, proc: Proc) -> None:
+        """An actor for `proc`, which a scale adds: on the free bundle of its devices, else in a
+        placement group of its own (RuntimeError when the cluster has no room within PLACE_TIMEOUT)."""
+        if self.holder.get(proc.devices, "taken") is None:
+            group, index = self.bundles[proc.devices]
+            self.actors[proc.name] = self._actor(proc, group, index, self.device_type)
+            self.holder[proc.devices] = proc.name
+        else:
+            bundle = _bundle(proc, self.device_type)
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"areal_flow-{proc.name}-{uuid.uuid4().hex[:6]}")
+            try:
+                ray.get(group.ready(), timeout=PLACE_TIMEOUT)
+            except GetTimeoutError:
+                remove_placement_group(group)
+                raise RuntimeError(f"the Ray cluster has no room for {proc.name} ({bundle}) within {PLACE_TIMEOUT:g} s; "
+                                   f"free: {ray.available_resources()}") from None
+            self.own_groups[proc.name] = group
+            self.actors[proc.name] = self._actor(proc, group, 0, self.device_type, sharers={})
+        self.procs[proc.name] = proc
+
+    def retire(self, name: str) -> None:
+        """Stop process `name` for good (a scale removed it): its actor goes, and its resources with
+        a group of its own, or its bundle waits for a process on the same devices."""
+        self.provisional.discard(name)
+        actor = self.actors.pop(name)
+        try:
+            ray.get(actor.stop.remote(self.stop_timeout), timeout=self.stop_timeout + 30)
+        except (RayActorError, GetTimeoutError):
+            pass  # a lost actor took its process with it
+        ray.kill(actor)
+        proc = self.procs.pop(name)
+        self.log_paths.pop(name, None)
+        self.again.pop(name, None)
+        if (group := self.own_groups.pop(name, None)) is not None:
+            remove_placement_group(group)
+        elif self.holder.get(proc.devices) == name:
+            self.holder[proc.devices] = None
+
     def stop_all(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after stop_timeout), kill the actors, release the groups."""
         stops = [a.stop.remote(self.stop_timeout) for a in self.actors.values()]
@@ -210,7 +271,7 @@ class RayLauncher(Watching):
             pass
         for actor in self.actors.values():
             ray.kill(actor)
-        for group in self.groups.values():
+        for group in [*self.groups.values(), *self.own_groups.values()]:
             remove_placement_group(group)
-        self.actors, self.groups = {}, {}
+        self.actors, self.groups, self.own_groups = {}, {}, {}
         ray.shutdown()

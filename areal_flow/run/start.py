@@ -68,16 +68,17 @@ def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfi
     trained = {p.graph_node for p in placement.of_role("inference")
                if getattr(cfg.graph.get(p.graph_node), "role", None) == "critic"}
 
-    def command(proc: Proc, weights: tuple[str, int] = first, port: int | None = None) -> tuple[list[str], dict[str, str]]:
+    def command(proc: Proc, weights: tuple[str, int] = first, port: int | None = None,
+                host: str | None = None) -> tuple[list[str], dict[str, str]]:
         if proc.role == "judge_server":  # a judge's model is its start files, resumed or not
             return judge_command(cfg, proc, spec.judge_models[proc.graph_node],
                                  port or spec.judge_ports[proc.graph_node][proc.rank], api_key=spec.api_key,
-                                 host=server_host(cfg, spec.host_of(proc.name)))
+                                 host=server_host(cfg, host or spec.host_of(proc.name)))
         if proc.role != "gen_server":
             return python_role(proc.role, proc, spec.run_dir), {}
         path, version = weights
         return server_command(cfg, proc, path, port or spec.gen_ports[proc.rank], api_key=spec.api_key,
-                              host=server_host(cfg, spec.host_of(proc.name)), version=version)
+                              host=server_host(cfg, host or spec.host_of(proc.name)), version=version)
 
     for proc in placement.procs:
         again = None
@@ -95,8 +96,9 @@ def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, c
     first = first_weights(spec)
     # A new server starts from the run's first weights, which stay (a version's files may be pruned
     # while it starts: trainer rank 0 keeps two), and gets the newest when it joins (ServerPool._back).
-    return Scaler(launcher, spec.run_dir, command=lambda proc, port: command(proc, first, port),
-                  n_devices=cfg.cluster.n_devices,
+    return Scaler(launcher, spec.run_dir, command=lambda proc, port, host: command(proc, first, port, host),
+                  n_devices=cfg.cluster.n_devices * cfg.cluster.n_nodes,
+                  devices_named="cluster.n_devices" + (" × cluster.n_nodes" if cfg.cluster.n_nodes > 1 else ""),
                   per_server=cfg.generation.tp_size,
                   followers=[p.name for p in placement.procs if p.role in ("controller", "rollout")],
                   weight_mode=cfg.rollout.weight_update_mode, restarts=cfg.recover.worker_restarts,
