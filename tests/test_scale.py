@@ -199,7 +199,12 @@ def test_one_scale_at_a_time_and_a_run_that_is_not_running_is_refused(tmp_path, 
 
 
 @pytest.mark.parametrize("overrides, n, message", [
-    (["recipe=tiny_arith_megatron"], 2, "graph.actor_prox.engine=megatron keeps its optimizer state per rank"),
+    (["recipe=tiny_arith_megatron", "training.distributed_optimizer=true"], 2,
+     "graph.actor_prox.engine=megatron with training.distributed_optimizer=true keeps each rank's shard"),
+    (["recipe=tiny_arith_megatron"], 2, None),
+    (["recipe=tiny_arith_megatron", "graph.actor_prox.mesh=1-2", "graph.actor_train.mesh=1-2",
+      "graph.actor_prox.parallel=t2", "graph.actor_train.parallel=t2", "cluster.n_devices=3"], 1,
+     "graph.actor_train.parallel has tp=2, pp=1: only a data-parallel trainer resizes"),
     (["recipe=tiny_arith_ref"], 2, "node(s) ref run on a mesh of their own"),
     (["graph.generate.mesh=1"], 2, "generation and training share devices (colocated)"),
     (["algorithm.n_minibatches=2"], 2, "algorithm.n_minibatches=2 exceeds the 1 prompt group(s) a rank gets"),

@@ -5,7 +5,7 @@ metrics go) but not what it computes: a changed key of the model, the graph's ma
 the training data or the seed would make the resumed run a different run, so it is refused by name.
 A changed parallel layout is not refused here: the torch engine reshards its full-state checkpoint
 onto any layout, and the megatron engine refuses another layout when it loads (its optimizer state
-is per rank). A node moved from the trainer mesh onto a mesh of its own is: the scored groups the
+is per rank), but for another data-parallel size without tp, pp or the distributed optimizer. A node moved from the trainer mesh onto a mesh of its own is: the scored groups the
 checkpoint holds were waiting for a trainer rank to compute its key, and no inference process ever
 gets them.
 """

@@ -111,12 +111,14 @@ def make_scaler(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig, c
 def resize_problem(cfg: RunConfig, n: int) -> str | None:
     """What stops the run's trainer from going on with n ranks from a checkpoint, if anything."""
     graph = graph_from_config(cfg)
-    if megatron := [node.name for node in graph.trainer_nodes if node.engine == "megatron"]:
-        return (f"graph.{megatron[0]}.engine=megatron keeps its optimizer state per rank and resumes only on the layout "
-                "that saved it; a trainer resize needs the torch engine, whose checkpoint reshards")
     layout = graph.train.layout
     if layout is not None and (layout.tp > 1 or layout.pp > 1):
         return f"graph.{graph.train.name}.parallel has tp={layout.tp}, pp={layout.pp}: only a data-parallel trainer resizes"
+    megatron = [node.name for node in graph.trainer_nodes if node.engine == "megatron"]
+    if megatron and cfg.training.distributed_optimizer:
+        return (f"graph.{megatron[0]}.engine=megatron with training.distributed_optimizer=true keeps each rank's shard "
+                "of the optimizer state, which resumes only on the layout that saved it; without it (or with the torch "
+                "engine) the checkpoint reshards")
     if graph.colocated:
         return "generation and training share devices (colocated): their turns are fixed at the run's start"
     if graph.own_mesh_nodes:

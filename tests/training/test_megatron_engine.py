@@ -194,6 +194,53 @@ def test_every_layout_computes_and_trains_like_the_torch_engine(name, tmp_path):
         assert_all_close(result["ckpt_logprobs"], reference_logprobs(saved, seqs[lo:hi]), atol=1e-5)
 
 
+def _save_alone(rank, model_dir, out_dir):
+    """One rank trains a step, saves a resumable checkpoint, then trains the next step on the whole batch."""
+    from areal_flow.training.engine import OptimSpec
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, optim=OptimSpec(lr=1e-2), micro_batch_tokens=MBT)
+    steps = list(_steps())
+    engine.train_step(*steps[0], ppo_loss_fn)
+    engine.version = 3
+    engine.save_resumable(os.path.join(out_dir, "resumable"))
+    engine.train_step(*steps[1], ppo_loss_fn)
+    torch.save(full_weights(engine), os.path.join(out_dir, "alone.pt"))
+
+
+def _resume_on_two(rank, out_dir):
+    """Two data-parallel ranks load it (each rank 0's whole optimizer state) and train that next step, each its half."""
+    from areal_flow.training.engine import OptimSpec
+    from areal_flow.training.megatron.engine import MegatronEngine
+
+    ckpt = os.path.join(out_dir, "resumable")
+    engine = MegatronEngine(ckpt, optim=OptimSpec(lr=1e-2), micro_batch_tokens=MBT)
+    engine.load_resumable(ckpt)
+    assert engine.version == 3 and engine.layout.dp == 2
+    seqs, data = list(_steps())[1]
+    lo, hi = _shards(2, len(seqs))[engine.dp_rank]
+    engine.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
+    torch.save(full_weights(engine), os.path.join(out_dir, f"two{rank}.pt"))
+    # The same weights with a fresh optimizer take another step: the state is what made it the same.
+    fresh = MegatronEngine(ckpt, optim=OptimSpec(lr=1e-2), micro_batch_tokens=MBT)
+    fresh.train_step(seqs[lo:hi], {k: v[lo:hi] for k, v in data.items()}, ppo_loss_fn)
+    torch.save(full_weights(fresh), os.path.join(out_dir, f"fresh{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_a_resumable_checkpoint_of_one_rank_resumes_on_two_data_parallel_ranks(tmp_path):
+    # A trainer resize (`scale RUN_DIR trainers=2`) with the megatron engine: tp = pp = 1, the
+    # optimizer not distributed, so every rank's state is whole and the new ranks each take rank 0's.
+    model_dir = save_tiny_qwen2(tmp_path / "model")
+    run_ranks(_save_alone, 1, model_dir, str(tmp_path), timeout=240)
+    run_ranks(_resume_on_two, 2, str(tmp_path), timeout=240)
+    alone = torch.load(tmp_path / "alone.pt")
+    for r in range(2):  # the same step as one rank on the whole batch: Adam's moments came back
+        assert_same_weights(torch.load(tmp_path / f"two{r}.pt"), alone)
+        fresh = torch.load(tmp_path / f"fresh{r}.pt")
+        assert any((fresh[k] - alone[k]).abs().max() > 1e-4 for k in alone)
+
+
 # ---------------------------------------------------------------- conversion
 
 

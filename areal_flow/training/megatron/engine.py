@@ -65,7 +65,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from areal_flow.algorithms.packing import ffd_allocate
-from areal_flow.graph.layout import Layout, layout_problems
+from areal_flow.graph.layout import Layout, layout_problems, parse_layout
 from areal_flow.metrics.profile import Phases
 from areal_flow.runtime.disk import torch_save
 from areal_flow.training.engine import (
@@ -663,31 +663,47 @@ class MegatronEngine:
         """Load a checkpoint written by `save_resumable`: the weights from its Hugging Face files,
         and when this role trains, this rank's optimizer state, RNG and the schedule's step. The
         optimizer state is per rank, so it resumes only on the layout that saved it (else
-        CheckpointError naming both, and nothing is changed). Collective."""
+        CheckpointError naming both, and nothing is changed), or on another data-parallel size of
+        a layout without TP or PP and without the distributed optimizer, where every rank holds the
+        same whole state: each rank loads rank 0's (a trainer resize). Collective."""
         check_hf_checkpoint(path, self.expected)
         meta = rng = None
+        source = dist.get_rank()  # the saved rank whose optimizer state this rank loads
         if self._optimizer is not None:
             meta = read_resumable_meta(path, "megatron")
-            if meta.get("layout") != str(self.layout):
-                raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: saved by layout {meta.get('layout')}, "
-                                      f"this run is {self.layout}; the optimizer state resumes only on the same layout")
             self._check_optimizer_kind(os.path.join(path, RESUMABLE_META), meta.get("optimizer_kind"))
-            rng = read_rank_rng(path, dist.get_rank())
+            if meta.get("layout") != str(self.layout):
+                if not self._replicated(meta.get("layout")):
+                    raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: saved by layout {meta.get('layout')}, "
+                                          f"this run is {self.layout}; the optimizer state resumes only on the same "
+                                          "layout, or on another data-parallel size without tp, pp or the "
+                                          "distributed optimizer")
+                source = 0
+            rng = read_rank_rng(path, dist.get_rank() if dist.get_rank() < meta.get("world_size", 1) else source)
         with self._compat():
             module = self._model.module if isinstance(self._model, DistributedDataParallel) else self._model
             if meta is not None:
                 self._init_optimizer_state()
-                state = self._sharded_state()
+                state = {f"rank{source}": self._sharded_state()[f"rank{dist.get_rank()}"]}
                 check_sharded_state(path, state)
                 read_sharded_state(path, state, None, alone=False)
             self._load_weights(module, path)
             if meta is not None:
-                self._load_optimizer_state(state[f"rank{dist.get_rank()}"]["optimizer"])
+                self._load_optimizer_state(state[f"rank{source}"]["optimizer"])
                 torch.set_rng_state(rng["cpu"])
                 self._step = meta["step"]
                 self.version = meta["version"]
                 self._nan_in_a_row = meta["nan_in_a_row"]
                 self.extra_state = dict(meta.get("extra", {}))
+
+    def _replicated(self, saved_layout: str | None) -> bool:
+        """Whether a state saved by `saved_layout` is whole on each of its ranks and fits this layout
+        but for the data-parallel size: neither has TP or PP, and the optimizer is not distributed."""
+        try:
+            saved = parse_layout(saved_layout, "the checkpoint's layout")
+        except ValueError:
+            return False
+        return not self._distributed and saved.tp == saved.pp == self.layout.tp == self.layout.pp == 1
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by `save` (or any Hugging Face directory of this model's
