@@ -250,3 +250,34 @@ def test_the_autoscaler_removes_a_server_while_generation_outruns_the_staleness_
     assert decision.change == "-1" and "idled more than 50% of each of the last 3 steps" in decision.why
     assert decide(ahead, AUTO, servers=1, free=0, per_server=1) is None  # the last server stays
     assert decide(rows([0.1, 0.0, 0.2], [0.8, None, 0.9]), AUTO, servers=2, free=0, per_server=1) is None  # SGLang: unknown
+
+
+def test_a_server_that_fails_to_start_is_reported_and_left_out_and_the_run_goes_on(tmp_path):
+    from areal_flow.graph.placement import Proc
+    from areal_flow.launchers.elastic import Scaler, results
+    from areal_flow.launchers.local import LocalLauncher
+
+    run = str(tmp_path)
+    launcher = LocalLauncher(run, stop_timeout=2)
+    launcher.start(Proc("controller", "controller"), [sys.executable, "-c", "import time; time.sleep(60)"])
+    Scaler.reset(run, {"gen_server0": "http://127.0.0.1:9"})
+    broken = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(1)"]  # a server that cannot start
+    scaler = Scaler(launcher, run, command=lambda proc, port, host: (broken, {}), n_devices=2, per_server=1,
+                    followers=[], weight_mode="disk", restarts=0, start_timeout=30)
+    submit(run, "generate", "+1")
+    deadline = time.monotonic() + 30
+    try:
+        while not results(run):
+            scaler.tick()
+            assert not launcher.check("controller")  # its death is the scale's failure, not the run's
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        launcher.stop_all()
+    (out,) = results(run)
+    assert out["ok"] is False and out["added"] == [] and list(out["failed"]) == ["gen_server1"]
+    assert out["failed"]["gen_server1"].startswith("it exited with code 1 while starting; its log: ")
+    assert "no model here" in open(out["failed"]["gen_server1"].split("its log: ")[1]).read()
+    assert read_membership(run).serving() == ["gen_server0"] and "gen_server1" not in launcher.children
+    assert json.loads((tmp_path / "processes.json").read_text())["gen_server1"]["state"] == "removed"
+    assert not (tmp_path / "scale" / "request.json").exists()  # the next command may come
