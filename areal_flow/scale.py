@@ -19,7 +19,7 @@ from rich.console import Console
 
 from areal_flow.generation.membership import read_membership, servers_file
 from areal_flow.launchers.elastic import ScaleRefused, judge_of, parse_change, results, running, submit, target_size
-from areal_flow.runtime.spec import read_run
+from areal_flow.runtime.spec import read_spec
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def request(run_dir: str, change: str) -> str:
     if not sep:
         raise ScaleRefused(f"{change!r}: write ROLE=SIZE, e.g. generate=+2")
     parse_change(role, size)
-    spec = read_run(run_dir)[1]
+    spec = read_spec(run_dir)
     judge = judge_of(role, list(spec.judge_ports))
     if role == "trainers":
         now = spec.n_trainers

@@ -55,7 +55,7 @@ from areal_flow.rewards.service import AGENT_FN, RewardService
 from areal_flow.rollout.agent import runner_of
 from areal_flow.runtime import resize
 from areal_flow.runtime.disk import writing
-from areal_flow.runtime.spec import RunSpec, read_run
+from areal_flow.runtime.spec import RunSpec, read_spec
 from areal_flow.transport.channels import make_socket, recv_from, send_to, sent_bytes
 from areal_flow.transport.messages import (
     DROP,
@@ -576,7 +576,7 @@ class Controller:
                                    "did not report in time (launcher.start_timeout + step_timeout)") from None
             if not isinstance(msg, Hello):
                 log.error("controller: unexpected %s during a trainer resize, dropped", type(msg).__name__)
-        _, self.spec = read_run(run_dir)  # the new ranks' inboxes, written by the launcher
+        self.spec = read_spec(run_dir)  # the new ranks' inboxes, written by the launcher
         for_ranks(self.state, n)  # the groups old rank k held, each new rank k mod n loaded
         for worker in sorted(self.reward_workers):  # before any Route that names a new rank
             await send_to(self.socket, worker.encode(), Trainers(n))
@@ -795,13 +795,12 @@ class Controller:
         acc_start = await self.evaluate("start", 0) if self.cfg.eval_at_start and first else None
         inbox = asyncio.create_task(self.inbox())
         # The servers a scale adds or removes (`python -m areal_flow.scale`), recorded in the ledger.
+        # The policy's pool ("") takes a new server while it joins: it loads the current weights on it.
         following = [asyncio.create_task(follow(
-            self.publisher.pool, self.spec.run_dir, "controller",
-            lambda epoch, changes: self.ledger.write("scale", epoch=epoch, **changes), joining=True))]
-        following += [asyncio.create_task(follow(
             pool, self.spec.run_dir, "controller",
-            lambda epoch, changes, judge=judge: self.ledger.write("scale", judge=judge, epoch=epoch, **changes),
-            judge=judge)) for judge, pool in self.judge_pools.items()]
+            lambda epoch, changes, judge=judge: self.ledger.write("scale", **({"judge": judge} if judge else {}),
+                                                                  epoch=epoch, **changes),
+            joining=not judge, judge=judge)) for judge, pool in {"": self.publisher.pool, **self.judge_pools}.items()]
         resizes = asyncio.create_task(self.watch_resize())
         self.clock.start(already=state.train_elapsed)
         await self.grant()

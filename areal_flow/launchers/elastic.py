@@ -1,5 +1,6 @@
-"""Adding and removing the policy's generation servers while a run goes on: the launcher's side of
-`python -m areal_flow.scale RUN_DIR generate=+2` (docs/reliability.md, "Elastic").
+"""Adding and removing generation servers (the policy's, a judge's) and resizing the trainer while a
+run goes on: the launcher's side of `python -m areal_flow.scale RUN_DIR generate=+2`, `judge=+1`,
+`trainers=2` (docs/reliability.md, "Elastic"; the trainer's hand-offs: runtime/resize.py).
 
 The command writes its request to `scale/request.json` (made exclusively: one scale at a time) and
 waits for its line in `scale/results.jsonl`. The launcher looks for a request at every tick of its
@@ -32,11 +33,11 @@ import shutil
 import time
 import urllib.request
 import uuid
-
-import msgspec
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from areal_flow.generation.client import auth_headers, wait_healthy
 from areal_flow.generation.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
@@ -45,7 +46,7 @@ from areal_flow.graph.placement import Proc
 from areal_flow.launchers.autoscale import AutoScaler
 from areal_flow.runtime import resize
 from areal_flow.runtime.security import is_loopback
-from areal_flow.runtime.spec import read_run, write_spec
+from areal_flow.runtime.spec import read_spec, write_spec
 
 LOCK_FILE = "launcher.lock"
 """The run directory's lock, held by its launcher for its whole life (run/lock.py)."""
@@ -134,10 +135,6 @@ class Servers:
     @property
     def role(self) -> str:
         return "judge_server" if self.judge else "gen_server"
-
-    @property
-    def what(self) -> str:
-        return f"judge {self.judge}'s servers" if self.judge else "generation servers"
 
 
 def running(run_dir: str) -> bool:
@@ -252,7 +249,7 @@ class Scaler:
         try:
             if not self.launcher.scales:
                 raise ScaleRefused(f"{request.text}: launcher.type={type(self.launcher).__name__} cannot start and "
-                                   "stop processes while the run goes on; the local launcher can")
+                                   "stop processes while the run goes on; the local and Ray launchers can")
             if self.weight_mode not in FILE_MODES:
                 raise ScaleRefused(f"{request.text}: rollout.weight_update_mode={self.weight_mode} sends weights over "
                                    "a group fixed at the run's start; servers and trainer ranks can join and leave "
@@ -411,7 +408,7 @@ class Scaler:
         self._place(ranks[:now])  # on the devices the old ranks left
         # Each rank's inbox on its node, and the rendezvous on rank 0's (as at a launch: run/ports.py).
         reserved = self.launcher.reserve([*(p.name for p in ranks), "trainer0"])
-        _, spec = read_run(self.run_dir)
+        spec = read_spec(self.run_dir)
         hosts = {**{k: v for k, v in spec.hosts.items() if not k.startswith("trainer")},
                  **{p.name: host for p, (host, _) in zip(ranks, reserved) if not is_loopback(host)}}
         write_spec(self.run_dir, msgspec.structs.replace(

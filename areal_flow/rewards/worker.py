@@ -23,7 +23,7 @@ from areal_flow.graph.dag import Graph, Node, graph_from_config
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import AGENT_FN, RewardService
-from areal_flow.runtime.spec import RunSpec, read_run
+from areal_flow.runtime.spec import RunSpec, read_spec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
     DROP,
@@ -146,7 +146,7 @@ class RewardWorker:
     def resized(self, n_trainers: int) -> None:
         """The trainer ranks were resized: send to the new ones (spec.json lists them). Every group
         routed to an old rank reached it before its checkpoint, so nothing waits on the old sockets."""
-        _, spec = read_run(self.run_dir)
+        spec = read_spec(self.run_dir)
         if spec.n_trainers != n_trainers:
             raise RuntimeError(f"{self.name}: the controller resized the trainers to {n_trainers} ranks, but "
                                f"{self.run_dir}/spec.json lists {spec.n_trainers}")

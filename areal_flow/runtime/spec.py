@@ -127,7 +127,10 @@ def typed(cfg: DictConfig) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
+def read_spec(run_dir: str) -> RunSpec:
+    """The run's spec.json (rewritten by a trainer resize: its ranks' inboxes)."""
+    return msgspec.json.decode(Path(run_dir, "spec.json").read_bytes(), type=RunSpec)
+
+
 def read_run(run_dir: str) -> tuple[RunConfig, RunSpec]:
-    cfg = typed(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
-    spec = msgspec.json.decode(Path(run_dir, "spec.json").read_bytes(), type=RunSpec)
-    return cfg, spec
+    return typed(OmegaConf.load(os.path.join(run_dir, "config.yaml"))), read_spec(run_dir)
