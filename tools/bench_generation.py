@@ -154,6 +154,7 @@ class FixedRow:
     floor_ms: float  # (weight bytes + KV bytes at kv_positions) / bandwidth
     split: dict[str, float]  # the engine's decode step in host and device parts (step_timing.per_step_ms)
     graphs: dict[str, float]  # CUDA graph replays and captures in that run (empty: no graphs, off CUDA)
+    serial_ms: float  # the decode step without the overlap schedule (--disable-overlap-schedule), best run
 
     @property
     def speedup(self) -> float:
@@ -213,20 +214,24 @@ def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> N
                     progress.update(task, description=f"{shape}, batch {batch}: warm-up")
                     run_static(model, prompts, [warm] * batch, batch, pad_id=0)
                     run_fixed_engine(engine, prompts, args.new_tokens)  # every graph bucket of the run
-                    gen_runs, engine_runs = [], []
-                    # Alternated, best of --repeats each: the machine's other load hits both sides alike.
+                    gen_runs, engine_runs, serial_runs = [], [], []
+                    # Alternated, best of --repeats each: the machine's other load hits every side alike.
                     for r in range(args.repeats):
                         progress.update(task, description=f"{shape}, batch {batch}: generate and the engine")
                         gen_runs.append(run_static(model, prompts, [args.new_tokens] * batch, batch, pad_id=0))
                         engine_runs.append(run_fixed_engine(engine, prompts, args.new_tokens))
+                        engine.overlap = False  # read between steps: the engine is idle here
+                        serial_runs.append(run_fixed_engine(engine, prompts, args.new_tokens))
+                        engine.overlap = True
                         progress.advance(task)
                     engine_s, counts, split, graphs = min(engine_runs, key=lambda run: run[0])
+                    serial = min(serial_runs, key=lambda run: run[0])[1]
                     steps = int(counts["decode_steps"])
                     kv_positions = counts["decode_kv"] / steps
                     rows.append(FixedRow(shape, batch, min(gen_runs), engine_s, batch * args.new_tokens,
                                          1e3 * counts["decode_seconds"] / steps, steps, kv_positions,
                                          1e3 * (weight_bytes + kv_positions * kv_token_bytes) / bandwidth,
-                                         split, graphs))
+                                         split, graphs, 1e3 * serial["decode_seconds"] / serial["decode_steps"]))
                     console.print(f"{shape}, batch {batch}: generate " + " ".join(f"{s:.2f}" for s in gen_runs)
                                   + " s; engine " + " ".join(f"{run[0]:.2f}" for run in engine_runs) + " s")
             finally:
@@ -260,6 +265,9 @@ def fixed(args, console: Console, device: torch.device, dtype: torch.dtype) -> N
                       f"(target ≤ 3×; {r.steps} decode steps)")
     for r in rows:
         console.print(split_line(r))
+    for r in rows:
+        console.print(f"{r.shape}, batch {r.batch}: overlap schedule: decode step {r.step_ms:.3f} ms against "
+                      f"{r.serial_ms:.3f} without (--disable-overlap-schedule): {r.serial_ms / r.step_ms:.2f}× faster")
     if not any((r.shape, r.batch) == ("0.5b", 256) for r in rows):
         console.print("(the tokens/s target, engine ≥ 10× generate, is for batch 256 on the 0.5b shape: not run here)")
 

@@ -379,6 +379,9 @@ class GenerationConfig:
                                    "SGLang's choice", ge=1)
     disable_cuda_graph: bool = doc(False, "run decode steps eagerly instead of replaying CUDA graphs "
                                    "(--disable-cuda-graph); embedded: graphs only on cuda")
+    disable_overlap_schedule: bool = doc(False, "read each step's sampled tokens back before launching the next "
+                                         "forward (--disable-overlap-schedule); by default the host schedules the "
+                                         "next step while the device computes this one")
     disable_radix_cache: bool = doc(False, "keep no prefix cache (--disable-radix-cache): every request, a later "
                                     "turn's too, prefills its whole prompt; embedded: the cache is off anyway under "
                                     "deterministic decoding")

@@ -31,6 +31,14 @@ plus max_new_tokens, summed, stay within it (a reservation for the longest each 
 is ever evicted mid-answer); the others wait in order. Requests whose prompts are identical (the G
 answers of one prompt, which arrive together) are prefilled once and their KV cache is copied.
 
+Overlap schedule (`overlap`, the paged cache; SGLang's overlap scheduler): a step launches the
+sampling, then the next forward, fed with the sampled tokens where they lie on the device, and only
+then waits for the tokens on the host, to append them, answer the rows they end, and schedule the
+next step while the device computes the forward. On a GPU the host's share of a step (Python, the
+inputs, the launches) then hides behind the device's; on the CPU, where every op runs as it is
+called, the tokens and logprobs are the same either way. The price: a row whose last token was
+just sampled goes through one more forward, whose result is dropped.
+
 This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of it.
 """
 
@@ -71,6 +79,7 @@ from areal_flow.generation.sampling import (  # noqa: F401
     sample,
     sample_next_tokens,
     scaled_logprobs,
+    to_device,
     top_logprobs,
 )
 from areal_flow.generation.step_timing import StepTimer
@@ -200,7 +209,7 @@ class GenerationEngine:
         fast_decode: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
         mem_fraction: float | None = None, batch_invariant: bool = False, page_size: int = 16,
         chunked_prefill_size: int | None = None, cuda_graphs: bool = True, time_steps: bool = False,
-        prefix_cache: bool = True,
+        prefix_cache: bool = True, overlap: bool = True,
     ) -> None:
         """`tokenizer` (a transformers tokenizer) decodes outputs for stop strings; without one,
         requests with stop strings are refused. `max_total_tokens` bounds the KV cache (see the
@@ -225,7 +234,10 @@ class GenerationEngine:
         and the device's (generation/step_timing.py; `step_timing()` reads it): for benchmarks,
         off by default. `prefix_cache` (the paged cache, not batch-invariant: a request's answer
         would then depend on what ran before it): keep ended requests' full blocks for requests
-        that start with the same tokens (generation/paged.py; SGLang's radix cache)."""
+        that start with the same tokens (generation/paged.py; SGLang's radix cache). `overlap` (the
+        paged cache): launch each forward before reading back the tokens it feeds (the module
+        docstring's overlap schedule); False reads them back first (SGLang's
+        --disable-overlap-schedule)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_total_tokens is not None and max_total_tokens < 1:
@@ -281,6 +293,7 @@ class GenerationEngine:
         self.chunked_prefill_size = None if batch_invariant or chunked_prefill_size == -1 else chunked_prefill_size
         self.page_size = page_size if self._pool is not None else None  # None: the left-padded cache
         self.prefix_cache = self._pool is not None and self._pool.prefix_cache  # ended requests' blocks kept
+        self.overlap = self._pool is not None and overlap  # forwards launched before the tokens are read back
         if batch_invariant and not self.batch_invariant:
             logger.warning("batch-invariant decoding needs the engine's own decode step, which %s does not take: "
                            "a request's logprobs may depend on the batch", model_path)
@@ -821,7 +834,12 @@ class GenerationEngine:
     def _paged_step(self, batch: PagedBatch | None, admitted: list[Row], started: float) -> PagedBatch | None:
         """Sample a token for every ready row, then one forward: their new tokens and the next
         chunk of the rows being prefilled (generation/paged_batch.py). Counts the step's time as
-        decode and prefill, split by tokens."""
+        decode and prefill, split by tokens.
+
+        With `overlap`, the forward is launched before the sampled tokens are read back: it feeds
+        them from the device, and the host answers and schedules while the device computes (the
+        module docstring). Rows are then known to have finished one forward late: they go through
+        it, and are dropped after (their extra keys and values freed with their blocks)."""
         if self._timer is not None:
             self._timer.begin(started)
         if batch is None:
@@ -830,22 +848,30 @@ class GenerationEngine:
         self._pool.ensure()
         batch.add(admitted)
         batch.drop_finished()
-        sampled, kv = len(batch.ready), 0
+        sampled, kv, drawn = len(batch.ready), 0, None
         if sampled:
             if batch.sampling is None:
                 batch.sampling = RowSampling.of([row.request.params for row in batch.ready], self.device)
-            self._sample(batch.ready, batch.logits, batch.sampling)
+            drawn = self._launch_sample(batch.ready, batch.logits, batch.sampling)
             kv = sum(row.computed + 1 for row in batch.ready)  # what their forward reads, as if all went on
-            batch.drop_finished()
+            if not self.overlap:
+                self._take(drawn)
+                drawn = None
+                batch.drop_finished()
         decode_tokens, prefill_tokens = 0, 0
         if batch.rows:
             retracted = batch.make_room()
-            if retracted:
-                with self._cond:
-                    self._requeue(retracted)
             keep = {id(leader): self._prompt_positions(leader, batch.followers.get(id(leader), ()))
                     for leader in batch.pending}
-            decode_tokens, prefill_tokens, completed = batch.forward(keep)
+            # Overlapped: the ready rows are the sampled ones (less those retracted, the last), in order.
+            fed = None if drawn is None else drawn.tokens[: len(batch.ready)]
+            decode_tokens, prefill_tokens, completed = batch.forward(keep, fed)
+            if drawn is not None:  # the device computes the forward meanwhile
+                self._take(drawn)
+                drawn = None
+            if retracted:  # a retracted row whose last token ended it is answered, not queued
+                with self._cond:
+                    self._requeue([row for row in retracted if row.finish is None])
             for prefilled in completed:
                 rows = [prefilled.leader, *prefilled.followers]
                 logits = prefilled.prompt_logits
@@ -858,6 +884,8 @@ class GenerationEngine:
                     self._prompt_logprobs(rows, logits[None].expand(len(rows), -1, -1))
             for row in batch.ready:
                 row.logits_version = self._version  # the forward computed its next logits
+            if self.overlap:
+                batch.drop_finished()  # the rows the tokens just read back ended
         seconds = time.perf_counter() - started
         share = prefill_tokens / max(1, decode_tokens + prefill_tokens)
         if sampled:
@@ -895,8 +923,14 @@ class GenerationEngine:
     def _sample(self, rows: list[Row], logits: torch.Tensor, sampling: RowSampling) -> tuple[int, torch.Tensor]:
         """Sample a token for every live row of `rows` from `logits` [len(rows), V] and append it;
         set aside the rows that finish. Returns how many rows are still live, and the tokens."""
-        positions = None if sampling.seeded is None else torch.tensor(
-            [row.next_position for row in rows], dtype=torch.int64).to(logits.device)
+        drawn = self._launch_sample(rows, logits, sampling)
+        return self._take(drawn), drawn.tokens
+
+    def _launch_sample(self, rows: list[Row], logits: torch.Tensor, sampling: RowSampling) -> _Drawn:
+        """Launch the sampling of a token for every row of `rows` from `logits` [len(rows), V], and
+        the copy of the tokens and their logprobs to the host, without waiting for either."""
+        positions = None if sampling.seeded is None else to_device(
+            [row.next_position for row in rows], torch.int64, logits.device)
         timer = self._timer
         if timer is not None:
             timer.sample_launching()
@@ -904,9 +938,15 @@ class GenerationEngine:
         if timer is not None:
             timer.sample_launched()
         self._top_logprobs(rows, logits, sampling.temperature)
-        token_list, logprobs = _read_back(tokens, logprobs)  # the step's one wait for the device
-        if timer is not None:
-            timer.mark("readback")
+        return _Drawn.launch(rows, tokens, logprobs)
+
+    def _take(self, drawn: _Drawn) -> int:
+        """Wait for `drawn`'s tokens and append each to its row (the live ones); set aside the rows
+        that finish. Returns how many rows are still live."""
+        token_list, logprobs = drawn.read()  # the step's one wait for the device
+        if self._timer is not None:
+            self._timer.mark("readback")
+        rows = drawn.rows
         if np.isnan(logprobs).any():
             bad = rows[int(np.flatnonzero(np.isnan(logprobs))[0])].request.rid
             raise FloatingPointError(f"the model's logits for request {bad} hold NaN (broken weights?)")
@@ -923,7 +963,7 @@ class GenerationEngine:
                     self._report(row)
             else:
                 self._step_finished.append(row)
-        return alive, tokens
+        return alive
 
     def _top_logprobs(self, rows: list[Row], logits: torch.Tensor, temperature: torch.Tensor) -> None:
         """Append the most likely tokens of this step to the live rows that asked for them, from the
@@ -1000,15 +1040,38 @@ class GenerationEngine:
             row.future.set_exception(exc)
 
 
-def _read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], np.ndarray]:
-    """The sampled tokens [B] int64 as a list and their logprobs [B] as a numpy array, in one copy
-    from the device (one wait and one transfer, not one each): the float32 logprobs travel as
-    their bits, sign-extended into the int64 buffer, and come back bit for bit."""
-    rows = tokens.shape[0]
-    if logprobs.dtype != torch.float32:  # not what sample() makes; read them apart
-        return tokens.tolist(), logprobs.cpu().numpy()
-    both = torch.cat([tokens, logprobs.view(torch.int32).to(torch.int64)]).cpu().numpy()
-    return both[:rows].tolist(), both[rows:].astype(np.int32).view(np.float32)
+@dataclass
+class _Drawn:
+    """Sampled tokens on their way to the host: the rows they are for, the tokens [B] int64 on the
+    device, and one host buffer [2B] int64 that a copy launched with them fills (the float32
+    logprobs travel as their bits, sign-extended into int64, and come back bit for bit: one
+    transfer and one wait, not one each)."""
+
+    rows: list[Row]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy is done
+
+    @classmethod
+    def launch(cls, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor) -> _Drawn:
+        both = torch.cat([tokens, logprobs.float().view(torch.int32).to(torch.int64)])
+        if tokens.device.type != "cuda":
+            return cls(rows, tokens, both, None)
+        # Into pinned memory without waiting: the copy is queued before the next forward, so
+        # waiting for it later waits for the sampling alone.
+        host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(rows, tokens, host, copied)
+
+    def read(self) -> tuple[list[int], np.ndarray]:
+        """The tokens as a list and their logprobs as float32, once the copy is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        both = self.host.numpy()
+        rows = len(both) // 2
+        return both[:rows].tolist(), both[rows:].astype(np.int32).view(np.float32)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

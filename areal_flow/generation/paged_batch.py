@@ -24,7 +24,7 @@ from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import Chunk, DecodeStep, Forward
 from areal_flow.generation.kv_batch import Row
 from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.sampling import RowSampling
+from areal_flow.generation.sampling import RowSampling, to_device
 from areal_flow.generation.step_timing import StepTimer
 
 
@@ -119,7 +119,7 @@ class PagedBatch:
             self.ready = [self.ready[i] for i in keep]
             if self._table is not None:  # keep is ascending: the kept rows it holds stay first
                 self._table = self._table[[i for i in keep if i < len(self._table)]]
-            index = torch.tensor(keep, dtype=torch.int64).to(self.logits.device)
+            index = to_device(keep, torch.int64, self.logits.device)
             self.logits = self.logits[index] if keep else None
             self.sampling = self.sampling.select(index) if keep and self.sampling is not None else None
         pending = []
@@ -200,11 +200,13 @@ class PagedBatch:
             self._free(victim)
         return retracted
 
-    def forward(self, keep: dict[int, int]) -> tuple[int, int, list[Prefilled]]:
+    def forward(self, keep: dict[int, int], fed: torch.Tensor | None = None) -> tuple[int, int, list[Prefilled]]:
         """Feed the ready rows their newest token and the pending rows their next chunk (after
         `make_room`). `keep`: id(leader) -> how many of its sequence's last positions' logits to
-        return (prompt logprobs). Sets `logits`; returns the decode rows' and the prefill chunks'
-        token counts, and the rows whose prefill completed."""
+        return (prompt logprobs). `fed`: the ready rows' newest tokens [len(ready)] on the device,
+        sampled and not yet appended to them (the engine's overlap schedule); None: each row's last
+        output. Sets `logits`; returns the decode rows' and the prefill chunks' token counts, and
+        the rows whose prefill completed."""
         chunks, _ = self._plan()
         pool, size, device = self.pool, self.pool.block_size, self.pool.device
         ready, decode = self.ready, len(self.ready)
@@ -219,7 +221,8 @@ class PagedBatch:
         for row, n in chunks:
             row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
         lengths = np.fromiter((row.computed + 1 for row in ready), np.int64, decode)
-        feed = np.fromiter((row.output_ids[-1] for row in ready), np.int64, decode)
+        feed = (np.zeros(decode, np.int64) if fed is not None  # written on the device below
+                else np.fromiter((row.output_ids[-1] for row in ready), np.int64, decode))
         width = int(lengths.max()) if decode else 0
         table = self._decode_table(grown, pool.blocks_for(width))
         position = lengths - 1
@@ -233,7 +236,7 @@ class PagedBatch:
             context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
             write += context[first:]
             mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
-            chunk_list.append(Chunk(start, n, torch.tensor(context, dtype=torch.int64).to(device), mask))
+            chunk_list.append(Chunk(start, n, to_device(context, torch.int64, device), mask))
             # Logits of the positions a prompt's logprobs need; the last one's if it completes.
             total, last_kept = len(row.sequence), keep.get(id(row), 0)
             scored = [p for p in range(max(first, total - last_kept), first + n)]
@@ -254,6 +257,8 @@ class PagedBatch:
         np.concatenate(parts, out=host.numpy())
         (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = \
             host.to(device, non_blocking=True).split(sizes)
+        if fed is not None:
+            step_tokens[:decode].copy_(fed)
         step = Forward(
             tokens=step_tokens, positions=step_positions, write=step_write,
             decode=decode, decode_table=step_table.view(table.shape), decode_lengths=step_lengths,

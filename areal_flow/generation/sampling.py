@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,12 +67,12 @@ class RowSampling:
         sampled = [p for p in params if p.temperature >= GREEDY_TEMPERATURE]
         any_seeded = any(p.seed is not None for p in params)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor([_int64(p.seed or 0) for p in params], dtype=torch.int64, device=device),
-            seeded=(torch.tensor([p.seed is not None for p in params], dtype=torch.bool, device=device)
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.int64, device),
+            min_p=to_device([p.min_p for p in params], torch.float32, device),
+            seeds=to_device([_int64(p.seed or 0) for p in params], torch.int64, device),
+            seeded=(to_device([p.seed is not None for p in params], torch.bool, device)
                     if any_seeded else None),
             truncate=any(p.top_k >= 0 or p.top_p < 1 or p.min_p > 0 for p in sampled),
             sampled=bool(sampled),
@@ -81,7 +82,7 @@ class RowSampling:
         """The rows `index`, on the same device. `truncate`, `sampled` and `seeded`'s presence stay
         as they were (conservative: they only ever skip work that would change nothing)."""
         if not isinstance(index, torch.Tensor):
-            index = torch.tensor(index, dtype=torch.int64, device=self.temperature.device)
+            index = to_device(index, torch.int64, self.temperature.device)
         return RowSampling(
             temperature=self.temperature.index_select(0, index),
             top_p=self.top_p.index_select(0, index),
@@ -92,6 +93,17 @@ class RowSampling:
             truncate=self.truncate,
             sampled=self.sampled,
         )
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device: on CUDA from
+    pinned memory, queued on the stream (a plain copy would wait for every kernel queued before it,
+    and the overlap schedule queues a forward ahead of the host's work)."""
+    host = torch.tensor(values, dtype=dtype)
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sample(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor | None,

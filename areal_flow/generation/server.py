@@ -491,6 +491,7 @@ async def route_server_info(server: GenerationServer, call: Call) -> tuple[int, 
         "disable_radix_cache": not engine.prefix_cache,
         "chunked_prefill_size": engine.chunked_prefill_size,
         "disable_cuda_graph": engine.cuda_graphs is None,
+        "disable_overlap_schedule": not engine.overlap,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
@@ -836,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
                              "embedded engine's prefix cache is hash-chained blocks, generation/paged.py)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="cuda: run decode steps eagerly instead of replaying captured CUDA graphs")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="read each step's sampled tokens back before launching the next forward (SGLang's "
+                             "flag); by default the forward is launched first and the host's work overlaps it")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -875,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
         cuda_graphs=not args.disable_cuda_graph, prefix_cache=not args.disable_radix_cache,
+        overlap=not args.disable_overlap_schedule,
     )
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,

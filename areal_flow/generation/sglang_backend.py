@@ -43,14 +43,15 @@ VALUE_FLAGS = {
 }
 """generation.* keys passed as `FLAG VALUE` when not null."""
 
-SWITCHES = {"disable_radix_cache": "--disable-radix-cache", "disable_cuda_graph": "--disable-cuda-graph"}
+SWITCHES = {"disable_radix_cache": "--disable-radix-cache", "disable_cuda_graph": "--disable-cuda-graph",
+            "disable_overlap_schedule": "--disable-overlap-schedule"}
 """generation.* booleans passed as a bare flag when true."""
 
 ALIASES = {"--model": "--model-path", "--tensor-parallel-size": "--tp-size"}
 """SGLang's other spellings of mapped flags."""
 
 EMBEDDED_TOO = ("max_batch_size", "max_total_tokens", "mem_fraction_static", "dtype", "chunked_prefill_size",
-                "page_size", "disable_cuda_graph", "disable_radix_cache")
+                "page_size", "disable_cuda_graph", "disable_radix_cache", "disable_overlap_schedule")
 """generation.* keys both backends read."""
 
 SGLANG_ONLY = tuple(k for k in {**VALUE_FLAGS, **SWITCHES} if k not in EMBEDDED_TOO) + ("extra_args",)

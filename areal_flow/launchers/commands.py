@@ -61,6 +61,8 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
         argv += ["--disable-cuda-graph"]
     if gen.disable_radix_cache:
         argv += ["--disable-radix-cache"]
+    if gen.disable_overlap_schedule:
+        argv += ["--disable-overlap-schedule"]
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.
     return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})

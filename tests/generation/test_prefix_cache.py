@@ -98,16 +98,19 @@ def engine_of(model_dir: str, **engine_kw: object) -> Iterator[GenerationEngine]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.0)
 
 
-def test_a_second_turn_prefills_only_what_the_cache_lacks_and_answers_as_without_it(model_dirs):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_second_turn_prefills_only_what_the_cache_lacks_and_answers_as_without_it(model_dirs, overlap):
     """A first turn, then a second whose prompt is the first's prompt, answer and an observation."""
     second, stats = {}, {}
     for cache in (True, False):
-        with engine_of(model_dirs.a, prefix_cache=cache) as engine:
+        with engine_of(model_dirs.a, prefix_cache=cache, overlap=overlap) as engine:
             prompt = TOKENS + run(engine, TOKENS, GREEDY).output_ids + [5, 6, 7, 8, 9]
             second[cache] = run(engine, prompt, GREEDY)
             stats[cache] = engine.stats()
-    # The first turn's computed keys: its prompt and all its answer but the last token (never fed).
-    assert second[True].cached_tokens == (len(TOKENS) + 11) // 4 * 4 == stats[True]["cached_tokens"]
+    # The first turn's computed keys: its prompt and its answer, the last token too when overlapped
+    # (fed to a forward before it was known to end the answer), else all but it (never fed).
+    computed = len(TOKENS) + (12 if overlap else 11)
+    assert second[True].cached_tokens == computed // 4 * 4 == stats[True]["cached_tokens"]
     assert second[False].cached_tokens == 0 and stats[False]["cached_tokens"] == 0
     assert stats[True]["prefill_tokens"] == stats[False]["prefill_tokens"] - second[True].cached_tokens
     assert second[True].output_ids == second[False].output_ids

@@ -108,24 +108,26 @@ def test_embedded_backend_takes_tp_size_batch_and_memory_settings_and_dtype():
 
 
 def test_the_embedded_server_gets_the_paged_cache_settings(model_dirs):
-    """generation.chunked_prefill_size, page_size, disable_cuda_graph and disable_radix_cache reach
-    the embedded server's command line; the server reports them in /server_info."""
+    """generation.chunked_prefill_size, page_size, disable_cuda_graph, disable_radix_cache and
+    disable_overlap_schedule reach the embedded server's command line; the server reports them in
+    /server_info."""
     from generation_helpers import http_call, running_server
 
     from areal_flow.graph.placement import Proc
     from areal_flow.launchers.commands import server_command
 
     cfg = RunConfig(generation=GenerationConfig(chunked_prefill_size=64, page_size=8, disable_cuda_graph=True,
-                                                disable_radix_cache=True))
+                                                disable_radix_cache=True, disable_overlap_schedule=True))
     argv, _ = server_command(cfg, Proc("gen0", "gen_server", (0,)), model_dirs.a, 0)
     assert argv[argv.index("--chunked-prefill-size") + 1] == "64" and argv[argv.index("--page-size") + 1] == "8"
-    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv
-    assert "--disable-radix-cache" not in server_command(RunConfig(), Proc("gen0", "gen_server", (0,)), model_dirs.a, 0)[0]
+    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv and "--disable-overlap-schedule" in argv
+    default = server_command(RunConfig(), Proc("gen0", "gen_server", (0,)), model_dirs.a, 0)[0]
+    assert "--disable-radix-cache" not in default and "--disable-overlap-schedule" not in default
     with running_server(model_dirs.a, page_size=8, chunked_prefill_size=64, cuda_graphs=False,
-                        prefix_cache=False) as server:
+                        prefix_cache=False, overlap=False) as server:
         _, _, info = http_call(server.url, "GET", "/server_info")
     assert (info["page_size"], info["chunked_prefill_size"], info["disable_cuda_graph"],
-            info["disable_radix_cache"]) == (8, 64, True, True)
+            info["disable_radix_cache"], info["disable_overlap_schedule"]) == (8, 64, True, True, True)
 
 
 @pytest.mark.parametrize("field,value,message", [
