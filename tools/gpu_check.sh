@@ -4,20 +4,24 @@
 #
 #     bash tools/gpu_check.sh
 #
-# It prints the device, installs the wheelhouse offline, then runs these steps, each timed and
-# under its own timeout, going on after a failure:
+# It prints the device, installs the wheelhouse offline, then runs these steps, most wanted first,
+# each timed and under its own timeout, going on after a failure (all of them take more than one
+# 10-minute call: docs/gpu.md gives the split into two):
 #   install           python -m pip install --no-index --find-links .gpu_wheels -r tools/gpu_requirements.txt
-#   pytest_gpu        python -m pytest -m gpu (the tests marked gpu)
-#   gpu_smoke         python -m areal_flow.launch recipe=gpu_smoke total_steps=10 (when the recipe exists)
-#   bench_engine      python tools/bench_engine.py: HF unpacked, torch and megatron packed, 0.5B and 1.5B
 #   bench_generation  python tools/bench_generation.py --workload fixed --device cuda (0.5B and 1.5B: the
-#                     targets), then python tools/bench_generation.py --device cuda --repeats 1 (the long tail)
+#                     targets; the overlap schedule on and off)
+#   bench_engine      python tools/bench_engine.py: HF unpacked, torch and megatron packed, 0.5B and 1.5B
+#   gpu_smoke         python -m areal_flow.launch recipe=gpu_smoke total_steps=10 (colocated, CUDA IPC)
+#   gpu_smoke_code    python -m areal_flow.launch recipe=gpu_smoke_code total_steps=10 (the code graph)
+#   pytest_gpu        python -m pytest -m gpu (the tests marked gpu)
+#   bench_long        python tools/bench_long.py --device cuda --shape 1.5b (16k-token answers)
+#   bench_longtail    python tools/bench_generation.py --device cuda --repeats 1 (the long tail)
 # The project runs from the source tree (PYTHONPATH=the repository): nothing reinstalls torch or
-# transformers. Results go to $OUT, at most 5 files (the lent machine returns 8 files of 16 MiB at
+# transformers. Results go to $OUT, at most 6 files (the lent machine returns 8 files of 16 MiB at
 # most): gpu_check.log (all that every step printed), gpu_check.json (device, versions, each step's
 # command, rc, seconds, status and last 40 lines, pytest's counts), pytest_gpu.xml, pip_list.txt
-# (the image's packages before the install) and gpu_smoke_run.tar.gz (the run folder's files under
-# 4 MiB; the folder itself is removed). Exit status: 0 when no step failed, timed out or was skipped for want of time
+# (the image's packages before the install), gpu_smoke_run.tar.gz and gpu_smoke_code_run.tar.gz
+# (the run folders' files under 4 MiB; the folders themselves are removed). Exit status: 0 when no step failed, timed out or was skipped for want of time
 # (a step skipped as not applicable is listed with why), 1 otherwise, 2 when it could not start.
 #
 # Environment:
@@ -67,7 +71,8 @@ if [ -z "${OUT:-}" ]; then
 fi
 mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
-rm -rf "$OUT/gpu_check.json" "$OUT/pytest_gpu.xml" "$OUT/gpu_smoke_run" "$OUT/gpu_smoke_run.tar.gz"
+rm -rf "$OUT/gpu_check.json" "$OUT/pytest_gpu.xml" "$OUT/gpu_smoke_run" "$OUT/gpu_smoke_run.tar.gz" \
+  "$OUT/gpu_smoke_code_run" "$OUT/gpu_smoke_code_run.tar.gz"
 LOG=$OUT/gpu_check.log
 : > "$LOG"
 # Each step's own log, the step table and the device line: scratch, outside $OUT.
@@ -143,17 +148,13 @@ else
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
-# The smoke recipe's own test is the next step, run as a user runs it (its run folder comes back).
-run_step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider "--junitxml=$OUT/pytest_gpu.xml" \
-  --deselect tests/test_gpu_smoke.py::test_the_gpu_smoke_recipe_runs_ten_steps_on_a_gpu
+# Steps in the order of what matters most (issue 49's targets first); a step that would outrun the
+# budget is cut or skipped, and the next call picks up the rest with GPU_CHECK_STEPS (docs/gpu.md).
 
-run_step gpu_smoke 240 "$PY" -m areal_flow.launch recipe=gpu_smoke total_steps=10 "hydra.run.dir=$OUT/gpu_smoke_run"
-if [ -d "$OUT/gpu_smoke_run" ]; then  # one file back instead of a folder of them; weights stay behind
-  (cd "$OUT" && find gpu_smoke_run -type f -size -4096k -print0 | tar czf gpu_smoke_run.tar.gz --null -T -)
-  big=$(cd "$OUT" && find gpu_smoke_run -type f -size +4095k -printf '%P (%s bytes)  ')
-  say "gpu_smoke_run.tar.gz: the run folder's files${big:+, less these over 4 MiB: $big}"
-  rm -rf "$OUT/gpu_smoke_run"
-fi
+# The embedded engine against HF generate, bf16: fixed batches of 64 and 256 requests of 128 + 512
+# tokens at the 0.5B and 1.5B shapes (random weights, one run of each side), each with the decode
+# step's host/device split and the step with and without the overlap schedule.
+run_step bench_generation 240 "$PY" tools/bench_generation.py --workload fixed --device cuda
 
 # HF's unpacked step, the torch engine and megatron, packed, at the 0.5B and 1.5B shapes (random
 # weights), 2 repeats, then one profiled step of each (top ops, device busy share, syncs): 75 s on
@@ -161,15 +162,34 @@ fi
 run_step bench_engine 240 "$PY" tools/bench_engine.py --device cuda --shapes 0.5b 1.5b --tokens 32768 \
   --micro-batch-tokens 16384 --repeats 2 --profile
 
-# The embedded engine against HF generate, bf16, two runs in one step: first fixed batches of 64 and
-# 256 requests of 128 + 512 tokens at the 0.5B and 1.5B shapes (random weights, one run of each
-# side; the issue-33 targets), then the long tail (the tiny_arith model, one repeat: on an H200 on
-# 2026-11-26 its HF side alone outlasted 80 s at three). The second runs whatever the first did; the
-# step fails if either does.
-LABEL="$PY tools/bench_generation.py --workload fixed --device cuda; $PY tools/bench_generation.py --device cuda --repeats 1" \
-  run_step bench_generation 240 bash -c '"$0" tools/bench_generation.py --workload fixed --device cuda; fixed=$?
-"$0" tools/bench_generation.py --device cuda --repeats 1; longtail=$?
-exit $((fixed ? fixed : longtail))' "$PY"
+# smoke_run NAME RECIPE: 10 steps of a recipe, its run folder back as one file (weights left behind);
+# the run's summary table (weight updates' share of a step, the trainer's wait on rewards) is in the log.
+smoke_run() {
+  local name=$1 recipe=$2
+  run_step "$name" 240 "$PY" -m areal_flow.launch "recipe=$recipe" total_steps=10 "hydra.run.dir=$OUT/${name}_run"
+  if [ -d "$OUT/${name}_run" ]; then
+    (cd "$OUT" && find "${name}_run" -type f -size -4096k -print0 | tar czf "${name}_run.tar.gz" --null -T -)
+    local big
+    big=$(cd "$OUT" && find "${name}_run" -type f -size +4095k -printf '%P (%s bytes)  ')
+    say "${name}_run.tar.gz: the run folder's files${big:+, less these over 4 MiB: $big}"
+    rm -rf "${OUT:?}/${name}_run"
+  fi
+}
+# gpu_smoke: the bootstrap of the 0.5B-shaped model, then 10 colocated steps, weights by CUDA IPC.
+smoke_run gpu_smoke gpu_smoke
+# gpu_smoke_code: the code graph at the same shape, programs in the sandbox on 16 reward workers.
+smoke_run gpu_smoke_code gpu_smoke_code
+
+# The smoke recipe's own test is the step above, run as a user runs it (its run folder comes back).
+run_step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider "--junitxml=$OUT/pytest_gpu.xml" \
+  --deselect tests/test_gpu_smoke.py::test_the_gpu_smoke_recipe_runs_ten_steps_on_a_gpu
+
+# Long answers: 16 requests of 128 + 16,384 tokens at the 1.5B shape through the paged cache.
+run_step bench_long 240 "$PY" tools/bench_long.py --device cuda --shape 1.5b
+
+# The long tail (the tiny_arith model, one repeat: on an H200 on 2026-11-26 its HF side alone
+# outlasted 80 s at three); its target was met then.
+run_step bench_longtail 240 "$PY" tools/bench_generation.py --device cuda --repeats 1
 
 OUT=$OUT WORK=$WORK TSV=$TSV timeout 60 "$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
 import datetime

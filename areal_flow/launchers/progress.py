@@ -110,6 +110,10 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
         t.add_row("max realised staleness", str(max(s["staleness_max"] for s in steps)))
         if waits := [s["trainer_reward_wait"] for s in steps if "trainer_reward_wait" in s]:  # newer runs
             t.add_row("trainer waiting on rewards", pct(sum(waits) / len(waits)))
+        # The weights' hand-over: the trainer writing them (disk, shm) and the servers' update after the step.
+        if updates := [(s.get("train/publish_seconds", 0.0) + s["update_seconds"], s["step_seconds"])
+                       for s in steps if s.get("update_seconds") is not None and s.get("step_seconds")]:
+            t.add_row("weight updates (of a step)", pct(sum(u for u, _ in updates) / sum(d for _, d in updates)))
         for key in sorted({k for s in steps for k in s if k.startswith("reward_busy/")}):
             busy = [s[key] for s in steps if key in s]
             t.add_row(f"reward workers busy ({key.split('/', 1)[1]})", pct(sum(busy) / len(busy)))

@@ -102,6 +102,17 @@ def test_the_summary_table_gives_the_trainers_wait_on_rewards_and_each_reward_no
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table.getvalue().splitlines()
             if line.count("│") == 3}
     assert rows["trainer waiting on rewards"] == "4.0%" and rows["reward workers busy (code)"] == "40.0%"
+    assert "weight updates" not in rows  # no step said how long its update took
+
+
+def test_the_summary_table_gives_the_weight_updates_share_of_the_steps():
+    summary = {"steps": 2, "accuracy_start": 0.1, "accuracy_end": 0.5, "trained_samples": 8, "train_wall_seconds": 9.0,
+               "samples_per_second": 1.0, "trainer_busy_fraction": 0.9, "checkpoint": "ckpt"}
+    steps = [{"event": "step", "staleness_max": 1, "step_seconds": 6.0, "update_seconds": 0.2, "train/publish_seconds": 1.0},
+             {"event": "step", "staleness_max": 1, "step_seconds": 4.0, "update_seconds": 0.3}]
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, steps))
+    assert "│ weight updates (of a step) │ 15.0% │" in table.getvalue()  # (1.2 + 0.3) / 10
     # A run from before the figure existed shows no row rather than 0%.
     table = io.StringIO()
     Console(file=table, width=200).print(summary_table(summary, [{"event": "step", "staleness_max": 1}]))

@@ -47,3 +47,9 @@ def test_the_fixed_workload_prints_tokens_per_s_and_the_decode_step_against_the_
     steps, *parts, wall, _ = split.groups()
     assert 1 <= int(steps) <= int(line.group(5)) and float(parts[0]) > 0 and float(parts[1]) > 0
     assert sum(map(float, parts)) == pytest.approx(float(wall), abs=0.003)
+    # The overlap schedule against the same engine without it, in the same run.
+    overlap = re.search(r"^tiny, batch 2: overlap schedule: decode step ([\d.]+) ms against ([\d.]+) without "
+                        r"\(--disable-overlap-schedule\): ([\d.]+)× faster$", out, re.M)
+    assert overlap, out
+    assert overlap.group(1) == line.group(2) and float(overlap.group(2)) > 0
+    assert float(overlap.group(3)) == pytest.approx(float(overlap.group(2)) / float(overlap.group(1)), rel=0.02)

@@ -21,7 +21,8 @@ CHECK = ROOT / "tools" / "gpu_check.sh"
 IMAGE = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "huggingface-hub", "triton"}
 # Imported only when enabled (a launcher, a metrics writer, a data format, a backend, a benchmark or an agent).
 OPTIONAL = {"ray", "wandb", "tensorboard", "datasets", "pyarrow", "sglang", "trl", "accelerate", "openai"}
-STEPS = ["install", "pytest_gpu", "gpu_smoke", "bench_engine", "bench_generation"]
+STEPS = ["install", "bench_generation", "bench_engine", "gpu_smoke", "gpu_smoke_code", "pytest_gpu", "bench_long",
+         "bench_longtail"]
 
 
 def norm(name: str) -> str:
@@ -174,7 +175,7 @@ def test_on_a_cpu_machine_it_records_every_step_writes_the_json_and_fails(tmp_pa
     assert steps["install"]["status"] == "skipped" and steps["install"]["reason"] == "GPU_CHECK_SKIP_INSTALL=1"
     assert steps["pytest_gpu"]["status"] == "timeout" and steps["pytest_gpu"]["rc"] in (124, 137)
     assert "-m gpu" in steps["pytest_gpu"]["command"]
-    for needs_cuda in ("gpu_smoke", "bench_engine", "bench_generation"):
+    for needs_cuda in STEPS[1:5] + STEPS[6:]:
         assert steps[needs_cuda]["status"] in {"failed", "timeout"}
     assert set(result["pytest"]) >= {"passed", "failed", "skipped", "errors"}
     log = (out / "gpu_check.log").read_text()
