@@ -350,12 +350,12 @@ def _varlen_kernel() -> tuple[Callable, frozenset[str]] | None:
 def _varlen_kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
                         scale: float | None) -> torch.Tensor:
     fn, params = _varlen_kernel()
-    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kwargs = _causal_kwargs(params)
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:  # expand key/value heads as SDPA's enable_gqa does (query head h reads h // group)
-            group = q.shape[1] // k.shape[1]
+        elif not _varlen_native_gqa(str(q.device)):  # expand key/value heads as SDPA's enable_gqa does
+            group = q.shape[1] // k.shape[1]  # (query head h reads h // group)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if scale is not None:
         if "scale" in params:
@@ -365,6 +365,38 @@ def _varlen_kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packi
     cu = packing.cu_seqlens
     # Contiguous: megatron's q/k/v are views into its fused QKV projection.
     return fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, packing.max_len, packing.max_len, **kwargs)
+
+
+def _causal_kwargs(params: frozenset[str]) -> dict[str, Any]:
+    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+
+@functools.cache
+def _varlen_native_gqa(device: str) -> bool:
+    """Whether torch's varlen kernel, whose signature has no enable_gqa (torch 2.11), takes fewer
+    key/value heads than query heads as they are: the flash kernel reads query head h's keys from
+    KV head h // group itself, and expanding K and V first costs a copy of each in every layer,
+    forward and backward. Probed once per device: a bf16 grouped-query forward and backward with
+    the heads as they are against the same with them expanded (outputs and gradients); any error
+    or difference means expand."""
+    fn, params = _varlen_kernel()
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator(device=device).manual_seed(0)
+            base = [torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16) for h in (4, 2, 2)]
+            cu = torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device)
+            runs = []
+            for expand in (False, True):
+                q, k, v = (t.clone().requires_grad_() for t in base)
+                kk, vv = (k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)) if expand else (k, v)
+                out = fn(q, kk, vv, cu, cu, 32, 32, **_causal_kwargs(params))
+                (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+                runs.append([out.detach(), q.grad, k.grad, v.grad])
+        # Within bf16's rounding of the sums (2%); a head read from the wrong KV head differs by the values.
+        return all(a.shape == b.shape and bool((a.float() - b.float()).abs().max() <= 0.02 * max(1.0, b.abs().max()))
+                   for a, b in zip(*runs))
+    except Exception:  # noqa: BLE001 - the kernel refused the shapes: expand
+        return False
 
 
 @functools.cache

@@ -273,3 +273,39 @@ def test_flex_on_cuda_with_heads_narrower_than_compiled_flex_takes_matches_sdpa(
     got = A.flex_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "flex"))
     want = A.sdpa_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "sdpa"))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kernel_gqa", ["takes", "refuses", "misreads"])
+def test_varlen_without_enable_gqa_hands_the_kernel_kv_heads_as_they_are_where_it_takes_them(monkeypatch, kernel_gqa):
+    """torch 2.11's varlen kernel (the GPU image's) has no enable_gqa: K and V were expanded to the
+    query heads in every layer. A probe now asks the kernel once per device whether it takes fewer
+    KV heads as they are (the flash kernel does) and expands only where it refuses them or reads
+    them otherwise. The CUDA kernel cannot run here: a stand-in with its 2.11 signature, computing
+    per-document SDPA, that takes grouped heads, raises on them, or pairs query head h with KV head
+    h mod 2 instead of h // 2."""
+    heads_seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0)  # causal
+        heads_seen.append(k.shape[1])
+        if k.shape[1] != q.shape[1]:
+            if kernel_gqa == "refuses":
+                raise RuntimeError("number of heads in key/value must equal the query's")
+            if kernel_gqa == "misreads":
+                k, v = k.repeat(1, 2, 1), v.repeat(1, 2, 1)  # heads 0 1 0 1, not 0 0 1 1
+        return A.per_document_attention(q, k, v, A.Packing(cu_q, max_q, int(cu_q[-1])), scale)
+
+    monkeypatch.setattr(A, "_varlen_kernel", lambda: (kernel, frozenset({"scale", "window_size"})))
+    A._varlen_native_gqa.cache_clear()
+    try:
+        lengths = CASES["short_and_long"]
+        q, k, v = _qkv(sum(lengths))
+        packing = A.Packing(_cu(lengths), max(lengths), sum(lengths))
+        out = A._varlen_kernel_call(q, k, v, packing, 0.3)
+        native = kernel_gqa == "takes"
+        assert heads_seen[-1] == (2 if native else 4)  # the layer's own call, after the probe's
+        assert A._varlen_native_gqa("cpu") is native
+        expected = A.per_document_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), packing, 0.3)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    finally:
+        A._varlen_native_gqa.cache_clear()

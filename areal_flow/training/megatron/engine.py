@@ -314,10 +314,13 @@ class MegatronEngine:
             micro = self._micro_batches(seqs, None, None)
             results = self._run(micro, forward_only=True, loss_fn=None, n_valid=1.0)
             out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
-            if self._last:
-                for mb, res in zip(micro, results):
-                    for i, lp in zip(mb["index"], torch.split(res["logprobs"], mb["n_out"])):
-                        out[i] = lp.float().cpu().numpy()
+            if self._last and micro:
+                # One copy to the host for them all (one wait for the device, not one per sequence).
+                host = torch.cat([res["logprobs"].float() for res in results]).cpu().numpy()
+                index = [i for mb in micro for i in mb["index"]]
+                ends = np.cumsum([n for mb in micro for n in mb["n_out"]])
+                for i, lp in zip(index, np.split(host, ends[:-1])):
+                    out[i] = lp
             if self.layout.pp > 1:
                 box = [out]
                 dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self._pp_group)
