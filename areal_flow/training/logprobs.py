@@ -9,6 +9,11 @@ logsumexp and the entropy); backward recomputes each chunk's logits from `hidden
 (which the caller holds anyway) and accumulates the gradients of both. No step reads a value back
 to the host, so a GPU never waits inside the loop.
 
+On CUDA each chunk's math after the matmul (`_chunk_stats`, `_chunk_grad`) runs compiled
+(`torch.compile`, whole graphs): on a GPU the head is bound by its fp32 passes over the [c, V]
+chunk, not by the matmul, and the compiler fuses them into a few passes that read the logits in the
+compute dtype. The same functions run eagerly on the CPU, and on CUDA after a compilation failed.
+
 Memory bound: O(chunk_tokens × V) for the transient chunk buffers (in fp32: the logits, their
 exponentials, and in backward the logit gradient, about 3 × chunk_tokens × V × 4 bytes, plus one
 [chunk_tokens, V] copy in the compute dtype), O(T) saved for backward, and in backward one fp32
@@ -29,6 +34,10 @@ and ∂/∂logits = ∂/∂z / temperature.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -98,14 +107,96 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """fp32 z = (h @ w.T + b) / temperature of one chunk, the matmul in h's (the compute) dtype."""
+def _head(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's logits h @ w.T + b [c, V] in h's (the compute) dtype."""
     logits = h @ w.T
-    if b is not None:
-        logits = logits + b
+    return logits if b is None else logits + b
+
+
+def _chunk_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 z = logits / temperature of one chunk."""
     # A fresh tensor either way: scaled in place. At temperature 1 not at all: x / 1 is x, and the
     # division is a pass over the fp32 [c, V] chunk (on a GPU the head is bound by such passes).
     return _scaled(logits.float(), temperature)
+
+
+def _chunk_stats(logits: torch.Tensor, local: torch.Tensor, temperature: float, want_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(target logit [c], lse [c], entropy [c] or None), fp32, of one chunk's logits [c, V] (the
+    compute dtype) at temperature, the targets `local` [c] indexing its columns."""
+    z = _chunk_logits(logits, temperature)
+    target_logit = z.gather(1, local[:, None])[:, 0]
+    m = z.amax(dim=-1, keepdim=True)
+    y = z.sub_(m)  # z - max, in place: the chunk holds one fp32 [c, V] buffer plus exp(y)
+    ex = y.exp()
+    sum_ex = ex.sum(-1)
+    lse = m[:, 0] + sum_ex.log()
+    if not want_entropy:
+        return target_logit, lse, None
+    # H = log Σe^y - Σ e^y·y / Σe^y (shifted by the max: no cancellation); a batched row-wise dot
+    # product, which allocates no second [c, V] buffer.
+    dot = (ex[:, None, :] @ y[:, :, None])[:, 0, 0]
+    return target_logit, lse, sum_ex.log() - dot / sum_ex
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None, g_logp: torch.Tensor,
+                g_ent: torch.Tensor | None, local: torch.Tensor, onehot_grad: torch.Tensor,
+                temperature: float) -> torch.Tensor:
+    """d logits [c, V] in the logits' (the compute) dtype, of one chunk:
+    dz = g_logp·(onehot_t - p) - g_ent·p·(log p + H), d logits = dz / temperature."""
+    log_p = _chunk_logits(logits, temperature).sub_(lse[:, None])
+    # dz = -p·coef with the minus folded into the [c, 1] factors rather than a neg_() pass over
+    # [c, V]: IEEE rounding is symmetric in sign, so p·(-g) is -(p·g) exactly, and a·(-g_ent) -
+    # g_logp is -(a·g_ent + g_logp) exactly (up to the sign of an exact 0).
+    if g_ent is not None:
+        p = log_p.exp()
+        # -(g_logp + g_ent·(log p + H)), in place in the log p buffer
+        neg_coef = log_p.add_(ent[:, None]).mul_(-g_ent[:, None].float()).sub_(g_logp[:, None].float())
+        dz = p.mul_(neg_coef)
+    else:
+        dz = log_p.exp_().mul_(-g_logp[:, None].float())  # log p is not needed again: in place
+    dz.scatter_add_(1, local[:, None], onehot_grad[:, None])
+    return _scaled(dz, temperature).to(logits.dtype)
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable]:
+    return (torch.compile(_chunk_stats, dynamic=True, fullgraph=True),
+            torch.compile(_chunk_grad, dynamic=True, fullgraph=True))
+
+
+_EAGER = (_chunk_stats, _chunk_grad)
+_compile_failed = False
+
+
+def _kernels(device: torch.device) -> tuple[Callable, Callable]:
+    """The chunk's statistics and gradient: compiled on CUDA, where the fp32 passes over the [c, V]
+    chunk (cast, max, shift, exp, sums; in backward exp, scale, add, cast) bound the head's time and
+    the compiler fuses them into a few that read the logits in the compute dtype; eager elsewhere,
+    and everywhere after a compilation failed (warned once)."""
+    if device.type != "cuda" or _compile_failed or not COMPILE_ON_CUDA:
+        return _EAGER
+    stats, grad = _compiled()
+    return _guarded(stats, 0), _guarded(grad, 1)
+
+
+def _guarded(fn: Callable, which: int) -> Callable:
+    def call(*args):
+        global _compile_failed
+        if _compile_failed:
+            return _EAGER[which](*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the compiler failed: the same math eagerly
+            _compile_failed = True
+            warnings.warn(f"the compiled LM-head chunk failed ({type(e).__name__}: {e}); computing it eagerly",
+                          stacklevel=2)
+            return _EAGER[which](*args)
+    return call
+
+
+COMPILE_ON_CUDA = True
+"""Compile the head's chunk math on CUDA (`_kernels`); False keeps it eager (a comparison)."""
 
 
 def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -129,24 +220,17 @@ def _forward(hidden, weight, bias, targets, temperature, chunk, want_entropy, vo
     target_logit = torch.empty(n, **f32)
     ent = torch.empty(n, **f32) if want_entropy else None
     local, in_range = _local_targets(targets, vocab_start, n_local)
+    stats = _kernels(hidden.device)[0]
     with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen here, explicitly
         w = weight.to(cdtype)
         b = None if bias is None else bias.to(cdtype)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            z = _chunk_logits(hidden[s:e].to(cdtype), w, b, temperature)
-            target_logit[s:e] = z.gather(1, local[s:e, None])[:, 0]
-            m = z.amax(dim=-1, keepdim=True)
-            y = z.sub_(m)  # z - max, in place: the chunk holds one fp32 [c, V] buffer plus exp(y)
-            ex = y.exp()
-            sum_ex = ex.sum(-1)
-            lse[s:e] = m[:, 0] + sum_ex.log()
+            logits = _head(hidden[s:e].to(cdtype), w, b)
+            target_logit[s:e], lse[s:e], chunk_ent = stats(logits, local[s:e], temperature, ent is not None)
             if ent is not None:
-                # H = log Σe^y - Σ e^y·y / Σe^y (shifted by the max: no cancellation); a batched
-                # row-wise dot product, which allocates no second [c, V] buffer.
-                dot = (ex[:, None, :] @ y[:, :, None])[:, 0, 0]
-                ent[s:e] = sum_ex.log() - dot / sum_ex
-            del z, y, ex
+                ent[s:e] = chunk_ent
+            del logits
     if group is not None and dist.get_world_size(group) > 1:
         target_logit = torch.where(in_range, target_logit, torch.zeros_like(target_logit))
         lse, target_logit, ent = _combine_ranks(lse, target_logit, ent, group)
@@ -204,26 +288,15 @@ def _backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperatur
     d_hidden = torch.empty_like(hidden) if needs[0] else None
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None
     d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if bias is not None and needs[2] else None
+    grad = _kernels(hidden.device)[1]
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(cdtype)
         b = None if bias is None else bias.to(cdtype)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e].to(cdtype)
-            log_p = _chunk_logits(h, w, b, temperature).sub_(lse[s:e, None])
-            # dz = -p·coef with the minus folded into the [c, 1] factors rather than a neg_() pass
-            # over [c, V]: IEEE rounding is symmetric in sign, so p·(-g) is -(p·g) exactly, and
-            # a·(-g_ent) - g_logp is -(a·g_ent + g_logp) exactly (up to the sign of an exact 0).
-            if g_ent is not None:
-                p = log_p.exp()
-                # -(g_logp + g_ent·(log p + H)), in place in the log p buffer
-                neg_coef = log_p.add_(ent[s:e, None]).mul_(-g_ent[s:e, None].float()).sub_(g_logp[s:e, None].float())
-                dz = p.mul_(neg_coef)
-            else:
-                dz = log_p.exp_().mul_(-g_logp[s:e, None].float())  # log p is not needed again: in place
-            del log_p
-            dz.scatter_add_(1, local[s:e, None], onehot_grad[s:e, None])
-            d_logits = _scaled(dz, temperature).to(cdtype)
+            d_logits = grad(_head(h, w, b), lse[s:e], None if ent is None else ent[s:e], g_logp[s:e],
+                            None if g_ent is None else g_ent[s:e], local[s:e], onehot_grad[s:e], temperature)
             if d_hidden is not None:
                 d_hidden[s:e] = (d_logits @ w).to(hidden.dtype)
             if d_weight is not None:
@@ -233,6 +306,6 @@ def _backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, temperatur
                     d_weight += d_logits.T @ h
             if d_bias is not None:
                 d_bias += d_logits.sum(0)
-            del dz, d_logits
+            del d_logits
     return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None else d_bias.to(bias.dtype))

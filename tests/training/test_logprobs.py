@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
+from areal_flow.training import logprobs as L
 from areal_flow.training.logprobs import chunked_logprobs, full_logprobs, vocab_parallel_logprobs
 from areal_flow.training.torch_engine import TorchEngine
 
@@ -324,7 +325,75 @@ def test_vocab_parallel_and_megatron_tp2_with_small_chunks_equal_one_rank_and_th
         assert_same_weights(result["weights"], full_weights(whole))
 
 
+# ---------------------------------------------------------------- the compiled chunk
+
+
+def _chunk_case(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(48, 500, generator=g)).to(dtype)
+    lse = torch.logsumexp(logits.float() / 0.7, dim=-1)
+    ent = torch.rand(48, generator=g)
+    return (logits, torch.randint(0, 500, (48,), generator=g), lse, ent, torch.randn(48, generator=g),
+            torch.randn(48, generator=g))
+
+
+@pytest.mark.slow  # two compilations: about 10 s
+def test_the_chunk_math_compiles_whole_and_agrees_with_the_eager_math():
+    """On CUDA the head's per-chunk statistics and gradient run compiled (their fp32 passes fused);
+    here the same functions compile whole (fullgraph: no graph break, no Python fallback) with
+    inductor's CPU backend and agree with the eager ones, in bf16 at temperature 0.7 with entropy."""
+    logits, local, lse, ent, g_lp, g_ent = _chunk_case(torch.bfloat16)
+    stats, grad = L._compiled()
+    for want, got in zip(L._chunk_stats(logits.clone(), local, 0.7, True), stats(logits.clone(), local, 0.7, True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    args = (lse, ent, g_lp, g_ent, local, g_lp.clone(), 0.7)
+    want, got = L._chunk_grad(logits.clone(), *args), grad(logits.clone(), *args)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.02)  # one bf16 step at most
+
+
+def test_a_compiled_chunk_that_fails_falls_back_to_the_eager_math_warning_once(monkeypatch):
+    logits, local, lse, ent, g_lp, g_ent = _chunk_case(torch.float32)
+    monkeypatch.setattr(L, "_compile_failed", False)
+
+    def broken(*args):
+        raise RuntimeError("inductor could not lower it")
+
+    with pytest.warns(UserWarning, match="the compiled LM-head chunk failed .*inductor could not lower it.*eagerly"):
+        got = L._guarded(broken, 0)(logits.clone(), local, 0.7, True)
+    assert L._compile_failed is True and L._kernels(torch.device("cuda")) == L._EAGER
+    for a, b in zip(got, L._chunk_stats(logits.clone(), local, 0.7, True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert L._kernels(torch.device("cpu")) == L._EAGER
+
+
 # ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_chunk_is_taken_and_agrees_with_the_eager_one():
+    """bf16 autocast, forward and backward with entropy at temperature 0.7: the compiled chunk math
+    (the path on CUDA) against `COMPILE_ON_CUDA = False`; no compilation failed."""
+    n, hidden_size, vocab = 4096, 512, 32000
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = [torch.randn(n, hidden_size, device="cuda", generator=g),
+              0.05 * torch.randn(vocab, hidden_size, device="cuda", generator=g)]
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    results = {}
+    for compiled in (True, False):
+        L.COMPILE_ON_CUDA = compiled
+        try:
+            hidden, weight = (t.clone().requires_grad_() for t in inputs)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                lp, ent = chunked_logprobs(hidden, weight, targets, chunk_tokens=1024, entropy=True, temperature=0.7)
+            (lp.sum() + 0.5 * ent.sum()).backward()
+            results[compiled] = [lp.detach(), ent.detach(), hidden.grad, weight.grad]
+        finally:
+            L.COMPILE_ON_CUDA = True
+    assert not L._compile_failed
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+
 
 
 @pytest.mark.gpu
