@@ -47,7 +47,9 @@ def test_a_killed_inference_process_is_restarted_alone_and_the_run_goes_on(tmp_p
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start(run_dir, run_cache, "recipe=tiny_arith_ref", "launcher.pin_cpus=false", "total_steps=5",
+    # Steps enough after the kill that the run still needs ref logprobs then: with 5 it once ended
+    # on groups whose ref logprobs were computed ahead, before the launcher saw the death.
+    proc = start(run_dir, run_cache, "recipe=tiny_arith_ref", "launcher.pin_cpus=false", "total_steps=10",
                  "recover.infer_rerequest_seconds=2")
     try:
         wait_for_step(run_dir, 2, proc)
@@ -59,6 +61,6 @@ def test_a_killed_inference_process_is_restarted_alone_and_the_run_goes_on(tmp_p
     assert "process 'ref_infer0' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
     assert "recover:" not in out  # the run itself was never restarted
     summary = check_accounting(run_dir, eta=RECIPE_ETA)
-    assert summary["steps"] == 5 and summary["resumes"] == 0
+    assert summary["steps"] == 10 and summary["resumes"] == 0
     # Every step trained with the ref model's logprobs joined (the KL term ran on every step).
     assert all("train/kl_sum" in m for m in steps_of(run_dir))

@@ -61,6 +61,8 @@ class RowSampling:
     """Some sampled row uses top-k, top-p < 1 or min-p > 0 (decided on the host, once): False skips the sort."""
     sampled: bool = True
     """Some row samples (T >= 1e-6): False (all greedy) skips the softmax and the draw."""
+    raced: bool = True
+    """Some sampled row is unseeded (it draws from the generator): False skips the exponential race."""
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str | None = None) -> RowSampling:
@@ -76,11 +78,12 @@ class RowSampling:
                     if any_seeded else None),
             truncate=any(p.top_k >= 0 or p.top_p < 1 or p.min_p > 0 for p in sampled),
             sampled=bool(sampled),
+            raced=any(p.seed is None for p in sampled),
         )
 
     def select(self, index: torch.Tensor | list[int]) -> RowSampling:
-        """The rows `index`, on the same device. `truncate`, `sampled` and `seeded`'s presence stay
-        as they were (conservative: they only ever skip work that would change nothing)."""
+        """The rows `index`, on the same device. `truncate`, `sampled`, `raced` and `seeded`'s
+        presence stay as they were (conservative: they only ever skip work that would change nothing)."""
         if not isinstance(index, torch.Tensor):
             index = to_device(index, torch.int64, self.temperature.device)
         return RowSampling(
@@ -92,6 +95,7 @@ class RowSampling:
             seeded=None if self.seeded is None else self.seeded.index_select(0, index),
             truncate=self.truncate,
             sampled=self.sampled,
+            raced=self.raced,
         )
 
 
@@ -128,8 +132,9 @@ def sample(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor | No
     if rows.sampled:
         kept = _truncate(logprobs, rows.top_p, rows.top_k, rows.min_p) if rows.truncate else logprobs
         probs = kept.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-        drawn = (probs / noise).argmax(dim=-1)  # 0 / noise = 0 never beats a positive p / noise
+        drawn = tokens
+        if rows.raced:  # 0 / noise = 0 never beats a positive p / noise
+            drawn = (probs / _exponential(probs, generator)).argmax(dim=-1)
         if rows.seeded is not None:
             assert positions is not None, "seeded rows draw from (seed, position): pass positions"
             # the seeded rows: the inverse of their CDF at their own uniform number
@@ -141,6 +146,17 @@ def sample(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor | No
             drawn = torch.where(rows.seeded, own, drawn)
         tokens = torch.where(greedy, tokens, drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _exponential(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`, none below the smallest normal float (p / E stays finite):
+    torch's `exponential_` (one kernel on a GPU), except on the CPU, where -log(1 - U) of uniform
+    draws is the same distribution 4-6× faster (8.6 ms against 1.4 for 256 × 1,024 on one thread)."""
+    if like.device.type == "cpu":
+        noise = torch.empty_like(like).uniform_(generator=generator).neg_().log1p_().neg_()
+    else:
+        noise = torch.empty_like(like).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(like.dtype).tiny)
 
 
 def sample_next_tokens(
@@ -168,14 +184,16 @@ def sample_next_tokens(
     any_seeded = seeds is not None and any(seed is not None for seed in seeds)
     row_seeds = [0 if seed is None else _int64(seed) for seed in seeds] if any_seeded else [0] * len(logits)
     on = temperature >= GREEDY_TEMPERATURE
-    sampled, truncate = (bool(x) for x in torch.stack([
-        on.any(), (on & ((top_k >= 0) | (top_p < 1) | (min_p > 0))).any()]).tolist())
+    unseeded = torch.tensor([seed is None for seed in seeds] if any_seeded else [True] * len(logits),
+                            device=temperature.device)
+    sampled, truncate, raced = (bool(x) for x in torch.stack([
+        on.any(), (on & ((top_k >= 0) | (top_p < 1) | (min_p > 0))).any(), (on & unseeded).any()]).tolist())
     rows = RowSampling(
         temperature=temperature.to(device), top_p=top_p.to(device), top_k=top_k.to(device), min_p=min_p.to(device),
         seeds=torch.tensor(row_seeds, dtype=torch.int64, device=device),
         seeded=(torch.tensor([seed is not None for seed in seeds], dtype=torch.bool, device=device)
                 if any_seeded else None),
-        truncate=truncate, sampled=sampled)
+        truncate=truncate, sampled=sampled, raced=raced)
     at = torch.zeros(len(logits), dtype=torch.int64, device=device) if positions is None else \
         torch.tensor(list(positions), dtype=torch.int64, device=device)
     tokens, logprobs = sample(logits, rows, at, generator)

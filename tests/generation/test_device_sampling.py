@@ -186,6 +186,25 @@ def test_generator_rows_follow_the_generator():
     assert first.tolist() == again.tolist() and first.tolist() != other.tolist()
 
 
+def test_a_batch_of_seeded_rows_runs_no_race_and_draws_what_it_draws_beside_unseeded_rows():
+    """Every sampled row seeded (as a run's rollouts are): the exponential race, whose draws they
+    would overwrite, is skipped, the generator is left as it was, and each row's token is the one
+    it draws in a batch that races for unseeded rows beside it."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(4))
+    seeded = [SamplingParams(seed=s, temperature=t) for s, t in ((3, 1.0), (4, 0.7), (5, 1.0), (6, 1.3))]
+    mixed = seeded + [SamplingParams(), SamplingParams(temperature=0.0)]
+    at = torch.arange(6, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    rows = RowSampling.of(seeded + [SamplingParams(seed=9, temperature=0.0)] * 2, "cpu")
+    assert rows.raced is False and RowSampling.of(mixed, "cpu").raced is True
+    with OpNames() as seen:
+        alone, alone_lp = sample(logits, rows, at, generator)
+    assert not {"uniform_", "exponential_"} & seen.names and torch.equal(generator.get_state(), state)
+    beside, beside_lp = sample(logits, RowSampling.of(mixed, "cpu"), at, torch.Generator().manual_seed(1))
+    assert alone[:4].tolist() == beside[:4].tolist() and torch.equal(alone_lp[:4], beside_lp[:4])
+
+
 class OpNames(TorchDispatchMode):
     """The names of the aten ops run while entered."""
 
@@ -208,7 +227,7 @@ def test_sample_makes_no_host_sync():
     at, generator = torch.tensor(positions), torch.Generator().manual_seed(0)
     with OpNames() as seen:
         sample(logits, rows, at, generator)
-    assert {"exponential_", "searchsorted", "sort"} <= seen.names  # every branch ran
+    assert {"uniform_", "log1p_", "searchsorted", "sort"} <= seen.names  # every branch ran (the CPU's Exp(1) draws)
     assert not seen.names & HOST_SYNC_OPS, seen.names & HOST_SYNC_OPS
     with OpNames() as check:  # the mode does see a host read
         torch.ones(2).sum().item()

@@ -130,5 +130,6 @@ def test_n_samples_each_prompt_in_sglang_order_with_fresh_rids(server_a, ref_a):
     single = generate_ok(server_a, {"input_ids": PROMPTS[1], "sampling_params": {"n": 1, "max_new_tokens": 1}})
     assert isinstance(single, dict)
     answers = generate_ok(server_a, {"input_ids": PROMPTS[:2],
-                                  "sampling_params": [{"n": 2, "max_new_tokens": 1}, {"n": 2, "max_new_tokens": 3}]})
-    assert [len(a["output_ids"]) for a in answers] == [1, 1, 3, 3]
+                                  "sampling_params": [{"n": 2, "max_new_tokens": 1, "ignore_eos": True},
+                                                      {"n": 2, "max_new_tokens": 3, "ignore_eos": True}]})
+    assert [len(a["output_ids"]) for a in answers] == [1, 1, 3, 3]  # (an eos drawn would end one early)
