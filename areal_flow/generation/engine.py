@@ -71,7 +71,7 @@ from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import DecodeStep
 from areal_flow.generation.kv_batch import Batch, GrowingLayer, Row
 from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_batch import PagedBatch, can_follow
+from areal_flow.generation.paged_batch import PagedBatch, Prefilled, can_follow
 from areal_flow.generation.sampling import (  # noqa: F401
     GREEDY_TEMPERATURE,
     RowSampling,
@@ -872,20 +872,13 @@ class GenerationEngine:
             if retracted:  # a retracted row whose last token ended it is answered, not queued
                 with self._cond:
                     self._requeue([row for row in retracted if row.finish is None])
-            for prefilled in completed:
-                rows = [prefilled.leader, *prefilled.followers]
-                logits = prefilled.prompt_logits
-                if logits is None and any(row.request.logprob_start_len is not None and not row.output_ids
-                                          for row in rows):
-                    # Asked from the prompt's end: no position kept, and none reported, but a
-                    # prefill-only request (max_new_tokens 0) is answered there, not sampled.
-                    logits = batch.logits[:0]
-                if logits is not None:
-                    self._prompt_logprobs(rows, logits[None].expand(len(rows), -1, -1))
+            self._prefilled(batch, completed)
             for row in batch.ready:
                 row.logits_version = self._version  # the forward computed its next logits
             if self.overlap:
                 batch.drop_finished()  # the rows the tokens just read back ended
+        if drawn is not None:  # (every sampled row is in the forward: never left here)
+            self._take(drawn)
         seconds = time.perf_counter() - started
         share = prefill_tokens / max(1, decode_tokens + prefill_tokens)
         if sampled:
@@ -897,6 +890,19 @@ class GenerationEngine:
         if self._timer is not None:
             self._timer.end(decode_only=bool(sampled) and not prefill_tokens)
         return batch if batch.rows else None
+
+    def _prefilled(self, batch: PagedBatch, completed: list[Prefilled]) -> None:
+        """The prompt logprobs of the rows whose prefill the forward completed, for those that asked."""
+        for prefilled in completed:
+            rows = [prefilled.leader, *prefilled.followers]
+            logits = prefilled.prompt_logits
+            if logits is None and any(row.request.logprob_start_len is not None and not row.output_ids
+                                      for row in rows):
+                # Asked from the prompt's end: no position kept, and none reported, but a
+                # prefill-only request (max_new_tokens 0) is answered there, not sampled.
+                logits = batch.logits[:0]
+            if logits is not None:
+                self._prompt_logprobs(rows, logits[None].expand(len(rows), -1, -1))
 
     @staticmethod
     def _prompt_positions(leader: Row, followers: Sequence[Row]) -> int:
