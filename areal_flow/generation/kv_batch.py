@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from areal_flow.generation.sampling import RowSampling
 
 if TYPE_CHECKING:
-    from areal_flow.generation.engine import GenerationRequest
+    from areal_flow.generation.requests import GenerationRequest
 
 class GrowingLayer(DynamicLayer):
     """One layer's KV cache in a buffer with room to spare at the end.
