@@ -20,6 +20,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 
+class ClientClosed(aiohttp.ClientConnectionError):
+    """The client was closed (its server left the run: `ServerPool.forget`). A call begun before
+    that, an update's or a retry's, meets it as a server that cannot be reached."""
+
+
 class GenerationError(RuntimeError):
     """The server answered with an error status; `status` and the decoded `body` say what."""
 
@@ -207,7 +212,7 @@ class GenerationClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._closed:
-            raise RuntimeError("GenerationClient is closed")
+            raise ClientClosed(f"the client of {self.base_url} is closed")
         if self._session is None:
             # Made on first use: aiohttp makes a session only inside a running event loop (which it
             # then belongs to), and a client may be constructed before any loop runs.

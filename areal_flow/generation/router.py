@@ -39,7 +39,7 @@ import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.config.validate import check_ranges
-from areal_flow.generation.client import GenerationClient, GenerationError, one_prompt
+from areal_flow.generation.client import ClientClosed, GenerationClient, GenerationError, one_prompt
 
 log = logging.getLogger("areal_flow.generation.router")
 
@@ -217,7 +217,8 @@ class ServerPool:
                 error: BaseException = exc
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 error = exc
-                if abortable and not isinstance(exc, aiohttp.ClientConnectorError):  # it may have reached the server
+                # It may have reached the server, unless it never left (no connection, or no client).
+                if abortable and not isinstance(exc, (aiohttp.ClientConnectorError, ClientClosed)):
                     self._in_background(self._abort(server, try_rid))
             finally:
                 server.in_flight -= 1

@@ -120,3 +120,26 @@ def test_forgetting_a_server_drops_it_at_once_and_a_name_not_in_the_pool_is_refu
 
     answers, names = asyncio.run(scenario())
     assert names == ["gen_server0"] and len(answers) == 4 and finished(b) == 0
+
+
+def test_a_call_begun_on_servers_one_of_which_is_then_forgotten_leaves_it_out_rather_than_failing(start):
+    """An update takes its servers, pauses them, and continues them later; a server removed from
+    the run meanwhile (its client closed by `forget`) counts as one that cannot be reached: the
+    others are continued, the update goes on. So do a request's background abort on it and a
+    request tried on it. (Its closed client used to raise a RuntimeError that escaped the pool.)"""
+    a, b = start(), start()
+
+    async def scenario():
+        async with ServerPool([a.url, b.url], config=fast()) as pool:
+            servers = list(pool.servers)
+            paused, refused = await pool.call_each("pause", servers, lambda c: c.pause_generation("abort"))
+            pool.forget("gen_server1")
+            await asyncio.sleep(0.05)  # the client's close, in the background
+            continued, refused_again = await pool.call_each("continue", servers, lambda c: c.continue_generation())
+            answer = await pool.generate(PROMPT, GREEDY)
+            await pool._abort(servers[1], "some-rid")  # logged, not raised
+            return [s.name for s in paused], [s.name for s in continued], refused + refused_again, answer
+
+    paused, continued, refused, answer = asyncio.run(scenario())
+    assert paused == ["gen_server0", "gen_server1"] and continued == ["gen_server0"] and refused == []
+    assert len(answer["output_ids"]) == 12 and not a.engine.paused and b.engine.paused
