@@ -153,11 +153,11 @@ def test_on_the_gpu_machine_it_refuses_to_run_without_out(tmp_path):
 
 @pytest.mark.slow
 def test_on_a_cpu_machine_it_records_every_step_writes_the_json_and_fails(tmp_path):
-    """Each step capped at 3 s: pytest's collection alone takes longer, so that step times out; the
+    """Each step capped at 2 s: pytest's collection alone takes longer, so that step times out; the
     engine benchmark needs CUDA; nothing is installed. The check still ends, writes its results and
     exits 1."""
     out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_STEP_TIMEOUT="3",
+    env = dict(os.environ, OUT=str(out), GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_STEP_TIMEOUT="2",
                PYTHON=sys.executable)
     start = time.monotonic()
     done = subprocess.run(["bash", str(CHECK)], env=env, capture_output=True, text=True, timeout=120)
