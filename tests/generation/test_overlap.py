@@ -50,7 +50,7 @@ def answers(engine: GenerationEngine, late: bool, retractions: dict[str, int] | 
     return out
 
 
-@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("late", [False, pytest.param(True, marks=pytest.mark.slow)])  # 2-3 s each
 @pytest.mark.parametrize("max_total_tokens", [None, 96])
 def test_overlapped_steps_answer_bit_for_bit_as_without_overlap(model_dirs: ModelDirs, late, max_total_tokens):
     got, retractions = {}, {True: {}, False: {}}
@@ -77,6 +77,7 @@ def test_overlapped_steps_answer_bit_for_bit_as_without_overlap(model_dirs: Mode
         assert sum(retractions[True].values()) > 0 and sum(retractions[False].values()) > 0
 
 
+@pytest.mark.slow  # 3.4 s
 def test_default_decoding_overlapped_keeps_the_greedy_tokens(model_dirs: ModelDirs):
     """Without batch invariance a row's logits may move in the last bits with the batch (rows that
     ended go through one more forward when overlapped): the greedy tokens stay, the logprobs near."""
