@@ -56,7 +56,7 @@ def run(args, console: Console) -> dict:
                                   max_total_tokens=args.max_total_tokens,
                                   mem_fraction=args.mem_fraction if device.type == "cuda" else None)
     try:
-        vocab = engine.vocab_size
+        vocab, token_bytes = engine.vocab_size, kv_bytes_per_token(engine.model.config, dtype)
         generator = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(vocab, (args.requests, args.prompt_tokens), generator=generator).tolist()
         if device.type == "cuda":
@@ -86,8 +86,7 @@ def run(args, console: Console) -> dict:
         "seconds": seconds, "tokens": made, "tokens_per_s": made / seconds,
         "step_ms": 1e3 * (after["decode_seconds"] - before["decode_seconds"]) / max(steps, 1),
         "kv_budget": engine.max_total_tokens, "kv_needed": args.requests * context,
-        "kv_gib": (engine.max_total_tokens or args.requests * context) * kv_bytes_per_token(
-            transformers.AutoConfig.for_model("qwen2", **SHAPES[args.shape]), dtype) / 2**30,
+        "kv_gib": (engine.max_total_tokens or args.requests * context) * token_bytes / 2**30,
         "peak_gib": peak_memory_gib(device), "preemptions": sum(r.retractions for r in results),
         "preempted": sum(r.retractions > 0 for r in results),
         "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],

@@ -85,9 +85,9 @@ from areal_flow.generation.sampling import (  # noqa: F401
     sample,
     sample_next_tokens,
     scaled_logprobs,
-    to_device,
     top_logprobs,
 )
+from areal_flow.runtime.devices import to_device
 from areal_flow.generation.step_timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -876,7 +876,7 @@ class GenerationEngine:
         """Launch the sampling of a token for every row of `rows` from `logits` [len(rows), V], and
         the copy of the tokens and their logprobs to the host, without waiting for either."""
         positions = None if sampling.seeded is None else to_device(
-            [row.next_position for row in rows], torch.int64, logits.device)
+            [row.next_position for row in rows], logits.device, torch.int64)
         timer = self._timer
         if timer is not None:
             timer.sample_launching()

@@ -24,7 +24,8 @@ from areal_flow.generation.cuda_graphs import GraphRunner
 from areal_flow.generation.decode import Chunk, DecodeStep, Forward
 from areal_flow.generation.kv_batch import Row
 from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.sampling import RowSampling, to_device
+from areal_flow.generation.sampling import RowSampling
+from areal_flow.runtime.devices import to_device
 from areal_flow.generation.step_timing import StepTimer
 
 
@@ -119,7 +120,7 @@ class PagedBatch:
             self.ready = [self.ready[i] for i in keep]
             if self._table is not None:  # keep is ascending: the kept rows it holds stay first
                 self._table = self._table[[i for i in keep if i < len(self._table)]]
-            index = to_device(keep, torch.int64, self.logits.device)
+            index = to_device(keep, self.logits.device, torch.int64)
             self.logits = self.logits[index] if keep else None
             self.sampling = self.sampling.select(index) if keep and self.sampling is not None else None
         pending = []
@@ -236,7 +237,7 @@ class PagedBatch:
             context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
             write += context[first:]
             mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
-            chunk_list.append(Chunk(start, n, to_device(context, torch.int64, device), mask))
+            chunk_list.append(Chunk(start, n, to_device(context, device, torch.int64), mask))
             # Logits of the positions a prompt's logprobs need; the last one's if it completes.
             total, last_kept = len(row.sequence), keep.get(id(row), 0)
             scored = [p for p in range(max(first, total - last_kept), first + n)]

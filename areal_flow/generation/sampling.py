@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+
+from areal_flow.runtime.devices import to_device
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this decode greedily (SGLang's threshold)."""
@@ -69,12 +70,12 @@ class RowSampling:
         sampled = [p for p in params if p.temperature >= GREEDY_TEMPERATURE]
         any_seeded = any(p.seed is not None for p in params)
         return cls(
-            temperature=to_device([p.temperature for p in params], torch.float32, device),
-            top_p=to_device([p.top_p for p in params], torch.float32, device),
-            top_k=to_device([p.top_k for p in params], torch.int64, device),
-            min_p=to_device([p.min_p for p in params], torch.float32, device),
-            seeds=to_device([_int64(p.seed or 0) for p in params], torch.int64, device),
-            seeded=(to_device([p.seed is not None for p in params], torch.bool, device)
+            temperature=to_device([p.temperature for p in params], device, torch.float32),
+            top_p=to_device([p.top_p for p in params], device, torch.float32),
+            top_k=to_device([p.top_k for p in params], device, torch.int64),
+            min_p=to_device([p.min_p for p in params], device, torch.float32),
+            seeds=to_device([_int64(p.seed or 0) for p in params], device, torch.int64),
+            seeded=(to_device([p.seed is not None for p in params], device, torch.bool)
                     if any_seeded else None),
             truncate=any(p.top_k >= 0 or p.top_p < 1 or p.min_p > 0 for p in sampled),
             sampled=bool(sampled),
@@ -85,7 +86,7 @@ class RowSampling:
         """The rows `index`, on the same device. `truncate`, `sampled`, `raced` and `seeded`'s
         presence stay as they were (conservative: they only ever skip work that would change nothing)."""
         if not isinstance(index, torch.Tensor):
-            index = to_device(index, torch.int64, self.temperature.device)
+            index = to_device(index, self.temperature.device, torch.int64)
         return RowSampling(
             temperature=self.temperature.index_select(0, index),
             top_p=self.top_p.index_select(0, index),
@@ -97,17 +98,6 @@ class RowSampling:
             sampled=self.sampled,
             raced=self.raced,
         )
-
-
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the device: on CUDA from
-    pinned memory, queued on the stream (a plain copy would wait for every kernel queued before it,
-    and the overlap schedule queues a forward ahead of the host's work)."""
-    host = torch.tensor(values, dtype=dtype)
-    device = torch.device("cpu" if device is None else device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sample(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor | None,

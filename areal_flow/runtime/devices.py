@@ -15,6 +15,7 @@ logprobs the loss sees are float32 (the engines cast before log_softmax).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -68,3 +69,20 @@ def cuda_problems(n_devices: int, found: int) -> list[str]:
         return [f"cluster.n_devices={n_devices} GPUs asked for, but torch sees {found} on this machine: lower "
                 f"cluster.n_devices to at most {found} (and the meshes with it)"]
     return []
+
+
+def to_device(data: Any, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (an array, a list or a CPU tensor; `dtype`, when given, its dtype) as a tensor on
+    `device` (None: the CPU), without making the host wait.
+
+    On CUDA a plain `.to("cuda")` from pageable memory is a copy followed by a synchronisation of
+    the stream (torch's `memcpy_and_sync`): the host waits for every kernel queued before it, and
+    the GPU then idles while the host prepares the next launches (a trainer's next micro-batch, a
+    generation engine's next step queued behind its forward). Staged through pinned memory, the
+    copy is queued on the stream like a kernel (`non_blocking`); torch's caching host allocator
+    keeps the pinned buffer until the copy has run. Elsewhere (CPU) it is the plain conversion."""
+    tensor = torch.as_tensor(data, dtype=dtype)
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

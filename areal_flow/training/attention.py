@@ -382,14 +382,13 @@ def _varlen_native_gqa(device: str) -> bool:
     fn, params = _varlen_kernel()
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            gen = torch.Generator(device=device).manual_seed(0)
-            base = [torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16) for h in (4, 2, 2)]
-            cu = torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device)
+            base = _probe_qkv(device)
+            cu, longest = torch.tensor(PROBE_CU, dtype=torch.int32, device=device), int(max(np.diff(PROBE_CU)))
             runs = []
             for expand in (False, True):
                 q, k, v = (t.clone().requires_grad_() for t in base)
                 kk, vv = (k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)) if expand else (k, v)
-                out = fn(q, kk, vv, cu, cu, 32, 32, **_causal_kwargs(params))
+                out = fn(q, kk, vv, cu, cu, longest, longest, **_causal_kwargs(params))
                 (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
                 runs.append([out.detach(), q.grad, k.grad, v.grad])
         # Within bf16's rounding of the sums (2%); a head read from the wrong KV head differs by the values.
@@ -413,12 +412,20 @@ def _varlen_probe(device: str) -> bool:
         return False
 
 
+PROBE_CU = [0, 7, 8, 40]
+"""The probes' documents: one of 7 tokens, one of 1, one of 32."""
+
+
+def _probe_qkv(device: str) -> list[torch.Tensor]:
+    """The probes' bf16 q [40, 4, 64] and grouped k, v [40, 2, 64], the same on every call."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(PROBE_CU[-1], h, 64, device=device, generator=gen, dtype=torch.bfloat16) for h in (4, 2, 2)]
+
+
 def _varlen_agrees(device: str) -> bool:
     """One bf16 grouped-query forward and backward of the kernel against the per-document reference."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(40, h, 64, device=device, generator=gen, dtype=torch.bfloat16, requires_grad=True)
-               for h in (4, 2, 2))
-    packing = Packing(torch.tensor([0, 7, 8, 40], dtype=torch.int32, device=device), 32, 40)
+    q, k, v = (t.requires_grad_() for t in _probe_qkv(device))
+    packing = Packing(torch.tensor(PROBE_CU, dtype=torch.int32, device=device), int(max(np.diff(PROBE_CU))), PROBE_CU[-1])
     out = _varlen_kernel_call(q, k, v, packing, None)
     out.float().sum().backward()
     with torch.no_grad():

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from areal_flow.algorithms.packing import ffd_allocate
+from areal_flow.runtime.devices import to_device  # noqa: F401  (imported from here too)
 
 Seq = tuple[np.ndarray, np.ndarray]
 """(prompt_ids, output_ids), 1-D integer arrays."""
@@ -385,23 +386,6 @@ def kept_sequences(seqs: Sequence[Seq], token_data: dict[str, list[np.ndarray]],
     skipped = sum(int(masks[i].sum()) for i, s in enumerate(skip) if s)
     return ([seqs[i] for i in keep], {k: [v[i] for i in keep] for k, v in token_data.items()},
             [masks[i] for i in keep], skipped)
-
-
-def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host data (an array or a CPU tensor) as a tensor on `device`, without making the host wait.
-
-    On CUDA a plain `.to("cuda")` from pageable memory is a copy followed by a synchronisation of
-    the stream (torch's `memcpy_and_sync`): the host waits for every kernel queued before it, and
-    the GPU then idles while the host prepares the next launches. A micro-batch's inputs are
-    copied after the previous micro-batch's backward is queued, and the loss's inputs after the
-    forward is, so each copy drained the queue. Staged through pinned memory, the copy is queued on
-    the stream like a kernel (`non_blocking`); torch's caching host allocator keeps the pinned
-    buffer until the copy has run. Elsewhere (CPU) it is the plain conversion."""
-    tensor = torch.as_tensor(array)
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def micro_batch_data(group: list[int], token_data: dict[str, list[np.ndarray]], masks: list[np.ndarray],
