@@ -73,7 +73,9 @@ def test_a_dead_server_rollout_or_reward_worker_is_restarted_alone_and_the_run_g
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     victims = ("gen_server0", "rollout0", "reward0")
-    proc = start(run_dir, run_cache, "total_steps=12")
+    # Steps enough after the last kill for the restarted workers to say hello before the run ends:
+    # with 12 it once ended on groups already scored, before the controller heard from them.
+    proc = start(run_dir, run_cache, "total_steps=16")
     try:
         for victim, step in zip(victims, (2, 5, 8)):
             wait_for_step(run_dir, step, proc)
@@ -86,7 +88,7 @@ def test_a_dead_server_rollout_or_reward_worker_is_restarted_alone_and_the_run_g
         assert f"process '{victim}' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
     assert "recover:" not in out  # the run itself was never restarted
     summary = check_accounting(run_dir, eta=2)
-    assert summary["steps"] == 12 and summary["resumes"] == 0
+    assert summary["steps"] == 16 and summary["resumes"] == 0
     controller = (run_dir / "logs" / "controller.log").read_text()
     assert "rollout0 restarted; its" in controller and "reward0 restarted; the rollout workers send" in controller
     assert "generation server gen_server0 is back" in controller
