@@ -230,3 +230,76 @@ def staleness_metrics(stats: dict[str, float]) -> dict[str, float | None]:
         if key in stats:
             out[key] = stats[key]
     return out
+
+
+# ---- the behaviour/trainer mismatch by staleness --------------------------------------------------
+
+MISMATCH = "mismatch/{}/{}"
+"""The loss stats' key of one staleness bucket's mismatch sum (a STALENESS_BUCKETS name, a what)."""
+MISMATCH_EDGES = tuple(m * 10.0 ** e for e in range(-6, 1) for m in (1.0, 3.0)) + (10.0,)
+"""The edges of the |Δ log p| histogram that gives the p99: two per decade from 1e-6 to 10 (bin 0
+holds |Δ| <= 1e-6, the last everything above 10)."""
+_MISMATCH_SUMS = ("tokens", "abs_sum", "abs_max", "k3_sum", "past")
+
+
+def mismatch_sums(staleness: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor, past: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
+    """Per staleness bucket, the sums of Δ_t = log π_start(t) − log π_behav(t) over the valid tokens
+    (π_start: the trainer's own policy at the step's start): tokens, Σ|Δ|, max |Δ|, Σ k3 with
+    k3 = e^Δ − 1 − Δ (Schulman's estimator of KL(π_behav ‖ π_start) from tokens π_behav sampled),
+    the tokens `past` the correction's bounds, and the count per bin of MISMATCH_EDGES. Every key of
+    every bucket, 0 when empty, so that micro-batches and ranks add the same keys."""
+    d = delta.detach().reshape(-1).double()
+    hits = _masked_onehot(staleness_bucket(staleness.reshape(-1).long()), mask, len(STALENESS_BUCKETS))
+    onehot = hits.to(d.dtype)
+    a = d.abs().unsqueeze(-1)
+    k3 = (d.expm1() - d).unsqueeze(-1)  # expm1: exact near Δ = 0, where e^Δ − 1 − Δ is ~Δ²/2
+    bins = (a > d.new_tensor(MISMATCH_EDGES)).sum(-1)  # bin j: e_{j-1} < |Δ| <= e_j
+    per_bin = onehot.T @ _masked_onehot(bins, mask, len(MISMATCH_EDGES) + 1).to(d.dtype)  # [buckets, bins]
+    sums = {"tokens": onehot.sum(0), "abs_sum": (onehot * a).sum(0),
+            "abs_max": a.expand_as(hits).masked_fill(~hits, 0.0).amax(0) if len(d) else onehot.sum(0),
+            "k3_sum": (onehot * k3).sum(0), "past": (onehot * past.reshape(-1, 1).to(d.dtype)).sum(0)}
+    out = {MISMATCH.format(b, what): v[i] for what, v in sums.items() for i, b in enumerate(STALENESS_BUCKETS)}
+    for i, b in enumerate(STALENESS_BUCKETS):
+        out.update({MISMATCH.format(b, f"bin{j:02d}"): per_bin[i, j] for j in range(per_bin.shape[1])})
+    return out
+
+
+def _quantile(counts: Sequence[float], q: float) -> float | None:
+    """The upper edge of the MISMATCH_EDGES bin where the cumulative count first reaches q of the
+    total (the last bin, open above, gives its lower edge): an upper bound on the q-quantile."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    running = 0.0
+    for j, c in enumerate(counts):
+        running += c
+        if running >= q * total - 1e-9:
+            return MISMATCH_EDGES[j] if j < len(MISMATCH_EDGES) else MISMATCH_EDGES[-1]
+    return MISMATCH_EDGES[-1]
+
+
+def mismatch_metrics(stats: dict[str, float]) -> dict[str, float | None]:
+    """From a step's stats: mismatch/<what> over every token and mismatch/<bucket>/<what> per bucket
+    with tokens: tokens, abs_mean, abs_p99 (the upper edge of its histogram bin), abs_max, k3 (the
+    mean k3: KL(π_behav ‖ π_start)) and past_fraction (the share past the correction's bounds).
+    {} without mismatch sums."""
+    if MISMATCH.format(STALENESS_BUCKETS[0], "tokens") not in stats:
+        return {}
+    n_bins = len(MISMATCH_EDGES) + 1
+
+    def finished(get) -> dict[str, float | None]:
+        n = get("tokens")
+        return {"tokens": n, "abs_mean": get("abs_sum") / n, "abs_p99": _quantile([get(f"bin{j:02d}") for j in range(n_bins)], 0.99),
+                "abs_max": get("abs_max"), "k3": get("k3_sum") / n, "past_fraction": get("past") / n}
+
+    out: dict[str, float | None] = {}
+    present = [b for b in STALENESS_BUCKETS if stats.get(MISMATCH.format(b, "tokens"), 0.0) > 0]
+    for b in present:
+        out.update({f"mismatch/{b}/{k}": v for k, v in finished(lambda what, b=b: stats[MISMATCH.format(b, what)]).items()})
+    if present:
+        def total(what: str) -> float:
+            values = [stats[MISMATCH.format(b, what)] for b in present]
+            return max(values) if what == "abs_max" else sum(values)
+        out.update({f"mismatch/{k}": v for k, v in finished(total).items()})
+    return out

@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from areal_flow.algorithms import corrections
 from areal_flow.algorithms.advantages import gae, normalize, token_rewards
 from areal_flow.algorithms.critic import value_loss
+from areal_flow.algorithms.diagnostics import mismatch_sums
 from areal_flow.algorithms.kl import kl_estimate
 from areal_flow.algorithms.ppo import aggregation_weight, decoupled_ppo_loss
 from areal_flow.algorithms.prox import loglinear_prox
@@ -56,14 +58,21 @@ def cispo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor,
 
 
 def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[torch.Tensor, Stats]:
+    p = correction_params(algo)
     return decoupled_ppo_loss(
         logprobs, prox, batch["behav_logprobs"], batch["advantages"], mask, kind=kind,
         eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, c_clip=algo.c_clip,
         importance_level=algo.importance_level, seq_ids=batch.get("seq_ids"),
-        behav_weight_cap=algo.behav_weight_cap, behav_weight_floor=algo.behav_weight_floor,
-        behav_weight_action=algo.behav_weight_action, token_weights=batch.get("token_weights"),
+        correction=algo.correction, behav_weight_cap=p.high, behav_weight_floor=p.low, correction_tau=p.tau,
+        correction_level=algo.correction_level, token_weights=batch.get("token_weights"),
         n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
-        behav_weight_m2=algo.behav_weight_m2, clip_behav=algo.clip_behav)
+        clip_behav=algo.clip_behav)
+
+
+def correction_params(algo) -> corrections.Params:
+    """The configured correction's bounds: the keys that are set, its source's values for the rest."""
+    return corrections.resolve(algo.correction, low=algo.behav_weight_floor, high=algo.behav_weight_cap,
+                               tau=algo.correction_tau)
 
 
 # ---- built-in advantage estimators:
@@ -175,14 +184,24 @@ def zero_gradient(advantages: Sequence[np.ndarray], algo, *, kl_in_loss: bool) -
 
 
 def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, denominator: float, *,
-              algo, prox_source: str | None, prox_version: int, kl_coef: float) -> tuple[torch.Tensor, Stats]:
+              algo, prox_source: str | None, prox_version: int, kl_coef: float,
+              at_start: bool = False) -> tuple[torch.Tensor, Stats]:
     """The loss the train node minimises on one micro-batch: the policy loss, plus kl_coef·KL to the
-    reference when KL is a loss term (kl_in=loss). `prox_source` None is naive PPO against π_behav."""
+    reference when KL is a loss term (kl_in=loss). `prox_source` None is naive PPO against π_behav.
+    `at_start`: no optimizer step of this train step has run yet (its first minibatch), so that
+    `logprobs` are the trainer's own at the step's start; with them, or with an exact π_prox, the
+    stats carry the behaviour/trainer mismatch (`mismatch`)."""
     prox = prox_logprobs(logprobs, batch, prox_source, prox_version)
     if "versions" in batch:  # each token's versions behind this step's start, for the diagnostics
         batch = {**batch, "staleness": prox_version - batch["versions"]}
     policy_loss = resolve("policy_loss", algo.policy_loss, "algorithm.policy_loss")
     loss, stats = policy_loss(logprobs, prox, batch, mask, denominator, algo)
+    # π_prox from the prox node or the step's first forward is the trainer's policy at the step's
+    # start; the shortcut 'behav' and the log-linear π_prox are not, and then only the first
+    # minibatch's own logprobs are.
+    start = prox if prox_source in ("data", "current") else logprobs.detach() if at_start else None
+    if start is not None:
+        stats.update(mismatch(start, batch, mask, algo))
     if algo.kl_in == "loss" and kl_coef and "ref_logprobs" in batch:
         kl = kl_estimate(logprobs, batch["ref_logprobs"], mask, algo.kl_estimator, algo.kl_clamp)
         weights = batch.get("token_weights")
@@ -191,6 +210,20 @@ def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torc
         loss = loss + kl_coef * kl_loss
         stats["kl_sum"] = torch.where(mask, kl, torch.zeros_like(kl)).sum().detach()
     return loss, stats
+
+
+def mismatch(start: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, algo) -> Stats:
+    """The sums of diagnostics.mismatch_sums for one micro-batch: Δ = log π_start − log π_behav
+    per valid token, by staleness (0 without versions), and the tokens the configured correction
+    would mask or truncate at the step's start."""
+    start = start.detach()
+    delta = torch.where(mask, start - batch["behav_logprobs"].to(start.dtype), torch.zeros_like(start))
+    _, past = corrections.apply(algo.correction, delta, mask, correction_params(algo), level=algo.correction_level,
+                                seq_ids=batch.get("seq_ids"))
+    staleness = batch.get("staleness")
+    if staleness is None:
+        staleness = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    return mismatch_sums(staleness, mask, delta, past)
 
 
 def critic_objective(values: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, denominator: float, *,

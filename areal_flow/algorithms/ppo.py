@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from areal_flow.algorithms import corrections
 from areal_flow.algorithms.diagnostics import (
     BEHAV_WEIGHT_BIN,
     behav_weight_bins,
@@ -22,7 +23,6 @@ Stats = dict[str, torch.Tensor]
 
 LOSS_KINDS = ("ppo", "cispo")
 IMPORTANCE_LEVELS = ("token", "sequence")
-WEIGHT_ACTIONS = ("mask", "clamp")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -89,7 +89,8 @@ class _Anchored(NamedTuple):
     anchor: torch.Tensor  # log π_prox, or log π_behav without prox: the ratio's denominator
     adv: torch.Tensor
     token_weights: torch.Tensor  # the aggregation weight; 1 on valid tokens by default
-    weight: torch.Tensor  # the behaviour weight π_prox/π_behav before its bounds; 1 without prox
+    weight: torch.Tensor  # the behaviour weight π_prox/π_behav before its correction; 1 without prox
+    log_weight: torch.Tensor  # log π_prox - log π_behav; 0 without prox
     zero: torch.Tensor
 
 
@@ -106,14 +107,15 @@ def decoupled_ppo_loss(
     kind: str = "ppo",
     importance_level: str = "token",
     seq_ids: torch.Tensor | None = None,
+    correction: str = "areal",
     behav_weight_cap: float | None = None,
     behav_weight_floor: float | None = None,
-    behav_weight_action: str = "mask",
+    correction_tau: float | None = None,
+    correction_level: str = "token",
     token_weights: torch.Tensor | None = None,
     n_valid_tokens: float | None = None,
     entropy: torch.Tensor | None = None,
     staleness: torch.Tensor | None = None,
-    behav_weight_m2: float | None = None,
     clip_behav: bool = False,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
@@ -130,33 +132,45 @@ def decoupled_ppo_loss(
         pg_t   = max(-A_t * r_t, -A_t * c(r_t))                                kind="ppo"
         pg_t   = min(pg_t, c_clip * |A_t|)                                     with c_clip (dual clip)
         pg_t   = -sg(c(r_t)) * A_t * logp_t                                    kind="cispo"
-        w_t    = exp(prox_t - behav_t)                                         (stop-gradient; 1 without prox)
+        w_t    = K(exp(prox_t - behav_t))                                      (stop-gradient; 1 without prox)
         loss   = sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens
 
+    K is the off-policy correction `correction` (corrections.py: areal, tis, mis, icepop, m2po,
+    mismatch_mask, vtrace) with its bounds as given here (`behav_weight_cap` C or β,
+    `behav_weight_floor` α, `correction_tau` τ; None: no such bound) at `correction_level` (token,
+    or sequence for tis and mis). With the defaults it is AReaL's decoupled objective, eq. 5 of arXiv
+    2505.24298, with the weight uncapped (v0.3.0's default); the library passes the cap 5.
+
+    `clip_behav` (kind="ppo", token level, with prox) adds naive PPO's clip of the whole ratio
+    π_θ/π_behav = r_t·w_t as a third pessimistic term (`behav_clip_term`):
+
+        pg_t   = max(pg_t, -A_t * clip(r_t·w_t, 1 - eps_clip, 1 + eps_clip_high) / w_t)
+
+    so that a token the policy has moved past the clip since it was sampled, in its advantage's
+    direction, gets no gradient, however many versions that took. It is not AReaL's objective: a
+    first minibatch at π_θ = π_prox loses the gradient of every stale token past 1 ± ε. It is
+    refused with kind="cispo" (no clipped branch) and at sequence level (GSPO's ratio is not r·w).
+
     The parts, each a function below: `importance_ratio` (GSPO's sequence ratio and `seq_ids`),
-    `ppo_term` (clipping, dual clip), `cispo_term` (MiniMax-M1), `behaviour_weight` (w_t, always
-    applied when prox is given, and `behav_weight_cap` / `behav_weight_floor` /
-    `behav_weight_action`), `aggregate` (`token_weights`, `n_valid_tokens`: see `aggregation_weight`)
-    and `loss_stats`.
+    `ppo_term` (clipping, dual clip), `cispo_term` (MiniMax-M1), corrections.apply (w_t, always
+    applied when prox is given), `aggregate` (`token_weights`, `n_valid_tokens`: see
+    `aggregation_weight`) and `loss_stats`.
 
     Masked positions contribute nothing, to the loss or the gradient, even if their inputs are inf/NaN.
 
     Returns (loss, stats). Stats are detached 0-d sums (or a max), so that callers add them over
     micro-batches and ranks: n_tokens, clipped_tokens (PPO: the clipped branch was taken, no gradient;
     CISPO: the weight c(r_t) differs from r_t, the gradient stays), dual_clipped_tokens, capped_tokens
-    (w_t outside [floor, cap], masked or clamped), ratio_sum (of r_t), behav_weight_sum and
-    behav_weight_max (of w_t before the cap and floor); with `entropy` (the policy's per-token entropy,
+    (the tokens whose w_t the correction masked or truncated), ratio_sum (of r_t), behav_weight_sum and
+    behav_weight_max (of w_t before the correction); with `entropy` (the policy's per-token entropy,
     as the engines pass it in batch["entropy"]), entropy_sum over the valid tokens (divide by n_tokens
     for the mean). Entropy is only reported: it adds no term to the loss. With `staleness` (each
     token's versions behind π_prox, an int tensor of the same shape), the per-staleness sums of
     diagnostics.staleness_bucket_sums: the weights, capped tokens and gradient weight by age.
-    `behav_weight_m2` (M2PO's τ, `m2_keep`) masks, besides the bounds, the tokens of largest
-    |log w_t| until the second moment of the others' log w is at most τ; they count as capped.
-    `clip_behav` (PPO, with prox) also clips the whole ratio π_θ/π_behav = r_t·w_t as naive PPO
-    does (`behav_clip_term`): a token the policy has moved past the clip since it was sampled, in
-    its advantage's direction, gets no gradient, however many versions that took.
     """
-    _check_options(kind, importance_level, behav_weight_action, c_clip, seq_ids, behav_weight_cap, behav_weight_floor)
+    params = corrections.Params(low=behav_weight_floor, high=behav_weight_cap, tau=correction_tau,
+                                levels=corrections.DEFAULTS[correction].levels if correction in corrections.DEFAULTS else ())
+    _check_options(kind, importance_level, c_clip, seq_ids, correction, params, correction_level, clip_behav)
     _check_shapes(logprobs, behav_logprobs=behav_logprobs, advantages=advantages, mask=mask,
                   prox_logprobs=prox_logprobs, seq_ids=seq_ids, token_weights=token_weights, entropy=entropy)
     mask = mask.bool()
@@ -174,15 +188,11 @@ def decoupled_ppo_loss(
     if prox_logprobs is None:
         applied_weight, capped = x.weight, torch.zeros_like(mask)
     else:
-        applied_weight, capped = behaviour_weight(x.weight, mask, behav_weight_cap, behav_weight_floor,
-                                                  behav_weight_action)
-        if behav_weight_m2 is not None:
-            dropped = mask & ~m2_keep(torch.log(x.weight), mask, behav_weight_m2)
-            applied_weight = torch.where(dropped, x.zero, applied_weight)
-            capped = capped | dropped
+        applied_weight, capped = corrections.apply(correction, x.log_weight, mask, params, level=correction_level,
+                                                   seq_ids=seq_ids)
     loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
-    stats = loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy,
-                       edges=behav_weight_edges(behav_weight_cap, behav_weight_floor))
+    floor, cap = corrections.weight_bounds(correction, params)
+    stats = loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy, edges=behav_weight_edges(cap, floor))
     if staleness is not None:
         _check_shapes(logprobs, staleness=staleness)
         # |∂pg_t/∂logp_t|: the (clipped, for CISPO) ratio times |A| where the token keeps a gradient.
@@ -193,20 +203,31 @@ def decoupled_ppo_loss(
     return loss, stats
 
 
-def _check_options(kind: str, importance_level: str, behav_weight_action: str, c_clip: float | None,
-                   seq_ids: torch.Tensor | None, cap: float | None, floor: float | None) -> None:
+def _check_options(kind: str, importance_level: str, c_clip: float | None, seq_ids: torch.Tensor | None,
+                   correction: str, params: corrections.Params, level: str, clip_behav: bool) -> None:
     _check_choice("kind", kind, LOSS_KINDS)
     _check_choice("importance_level", importance_level, IMPORTANCE_LEVELS)
-    _check_choice("behav_weight_action", behav_weight_action, WEIGHT_ACTIONS)
+    _check_choice("correction", correction, corrections.CORRECTIONS)
     if c_clip is not None:
         if kind == "cispo":
             raise ValueError("c_clip (dual clip) is not defined for kind='cispo'; leave it None")
         if c_clip <= 1:
             raise ValueError(f"c_clip must be > 1, got {c_clip}")
-    if importance_level == "sequence" and seq_ids is None:
-        raise ValueError("importance_level='sequence' needs seq_ids")
-    if floor is not None and cap is not None and floor > cap:
-        raise ValueError(f"behav_weight_floor ({floor}) > behav_weight_cap ({cap})")
+    if (importance_level == "sequence" or level == "sequence") and seq_ids is None:
+        raise ValueError("a sequence-level ratio or correction needs seq_ids")
+    if level not in params.levels:
+        raise ValueError(f"correction {correction!r} is defined at level {' or '.join(params.levels)}, not {level!r}")
+    if params.low is not None and params.high is not None and params.low > params.high:
+        raise ValueError(f"behav_weight_floor ({params.low}) > behav_weight_cap ({params.high})")
+    needs = {"tis": ("high",), "mis": ("high",), "vtrace": ("high",), "icepop": ("low", "high"),
+             "m2po": ("tau",), "mismatch_mask": ("tau",)}.get(correction, ())
+    for bound in needs:
+        if getattr(params, bound) is None:
+            raise ValueError(f"correction {correction!r} needs {corrections.KEYS[bound]}")
+    if clip_behav and kind == "cispo":
+        raise ValueError("clip_behav clips PPO's ratio; kind='cispo' has no clipped branch")
+    if clip_behav and importance_level == "sequence":
+        raise ValueError("clip_behav is defined for the token-level ratio; GSPO's sequence ratio is not r·w")
 
 
 def _check_shapes(logprobs: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -228,9 +249,10 @@ def _anchored(logprobs: torch.Tensor, prox_logprobs: torch.Tensor | None, behav_
     else:
         tok_w = torch.where(mask, token_weights.detach().to(logp.dtype), zero)
     if prox_logprobs is None:
-        return _Anchored(logp, behav, adv, tok_w, torch.ones_like(logp), zero)
+        return _Anchored(logp, behav, adv, tok_w, torch.ones_like(logp), zero, zero)
     anchor = torch.where(mask, prox_logprobs.detach().to(logp.dtype), zero)
-    return _Anchored(logp, anchor, adv, tok_w, torch.exp(anchor - behav), zero)
+    log_weight = anchor - behav
+    return _Anchored(logp, anchor, adv, tok_w, torch.exp(log_weight), log_weight, zero)
 
 
 def importance_ratio(logp: torch.Tensor, anchor: torch.Tensor, mask: torch.Tensor, importance_level: str,
@@ -298,50 +320,6 @@ def cispo_term(logp: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, clipp
     """
     took_clip = mask & (clipped_ratio != ratio)
     return -clipped_ratio.detach() * adv * logp, took_clip
-
-
-def behaviour_weight(weight: torch.Tensor, mask: torch.Tensor, cap: float | None, floor: float | None,
-                     action: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the applied w_t, whether w_t is outside [floor, cap]) per token, from w_t = π_prox/π_behav.
-
-    The behaviour weight corrects for the tokens having been sampled by π_behav, not π_prox. It is
-    ALWAYS applied when prox is given; AReaL HEAD silently drops it unless rejection sampling is on,
-    which makes the decoupled objective biased. `action="mask"` sets w_t = 0 outside [floor, cap]
-    while the token keeps its place in the denominator (dropping it never inflates the others);
-    "clamp" sets w_t = clamp(w_t, floor or 0, cap) and the token keeps its gradient. Without prox
-    (plain PPO against π_behav) w_t = 1 and neither applies: the caller does not call this.
-    """
-    outside = torch.zeros_like(mask)
-    if cap is not None:
-        outside = outside | (weight > cap)
-    if floor is not None:
-        outside = outside | (weight < floor)
-    capped = mask & outside
-    if action == "mask":
-        return torch.where(capped, torch.zeros_like(weight), weight), capped
-    return torch.clamp(weight, min=0.0 if floor is None else floor, max=cap), capped
-
-
-def m2_keep(log_weight: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
-    """M2PO's token mask (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161): the
-    valid tokens to keep so that the second moment of their log weights, mean((log w)²), is at most
-    `tau`, found by dropping the tokens of largest (log w)² first; the fewest such drops. Invalid
-    tokens are not counted, and are returned False. On the device without a host synchronisation.
-    Applied per micro-batch here (the paper: per batch)."""
-    if tau < 0:
-        raise ValueError(f"behav_weight_m2 (M2PO's tau) must be >= 0, got {tau}")
-    sq = torch.where(mask, log_weight.detach().float() ** 2, torch.zeros_like(log_weight, dtype=torch.float32))
-    flat = sq.reshape(-1)
-    if flat.numel() == 0:
-        return mask.clone()
-    s = torch.sort(flat, descending=True).values  # the invalid tokens' 0s sort last
-    n = mask.sum().to(torch.float32)
-    j = torch.arange(flat.numel() + 1, device=flat.device, dtype=torch.float32)  # tokens dropped
-    kept_sum = flat.sum() - torch.cat([s.new_zeros(1), torch.cumsum(s, 0)])
-    fits = kept_sum <= tau * (n - j).clamp(min=0) + 1e-12
-    first = torch.argmax(fits.to(torch.int8))  # the fewest drops that fit (j = n always fits)
-    threshold = torch.cat([s, s.new_full((1,), -1.0)])[first]  # the largest (log w)² kept
-    return mask & (sq <= threshold)
 
 
 def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tensor, mask: torch.Tensor,

@@ -229,18 +229,23 @@ class AlgorithmConfig:
                         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"))
     loss_agg_norm_length: Optional[int] = doc(None, "seq-mean-token-sum-norm's constant length; null = max_new_tokens",
                                               ge=1)
-    behav_weight_cap: Optional[float] = doc(5.0, "upper bound on the behaviour weight π_prox/π_behav of the decoupled "
-                                            "objective (which is always applied); null = none", ge=1)
-    behav_weight_floor: Optional[float] = doc(None, "lower bound on the behaviour weight; null = none", ge=0)
-    behav_weight_action: str = doc("mask", "a weight outside [floor, cap]: mask (the token gets no loss but stays in "
-                                   "the denominator, AReaL) | clamp (the weight is clamped, the token keeps its "
-                                   "gradient)", choices=("mask", "clamp"))
-    behav_weight_m2: Optional[float] = doc(None, "M2PO's τ (arXiv 2510.01161): per micro-batch, mask the tokens of "
-                                           "largest |log w| until mean((log w)²) of the rest is at most τ (the paper: "
-                                           "0.04); null = off", ge=0)
-    clip_behav: bool = doc(True, "decoupled PPO also clips the whole ratio π_θ/π_behav as naive PPO does: a stale "
-                           "token the policy already moved past the clip since it was sampled gets no gradient "
-                           "(false = AReaL's decoupled objective)")
+    correction: str = doc("areal", "the off-policy correction of the behaviour weight w = π_prox/π_behav "
+                          "(docs/algorithms.md): areal (AReaL: w masked outside [floor, cap]) | tis (truncated IS) | "
+                          "mis (masked IS) | icepop (two-sided mask) | m2po (second-moment mask) | mismatch_mask "
+                          "(|log w| > τ masked) | vtrace (min(ρ̄, w))",
+                          choices=("areal", "tis", "mis", "icepop", "m2po", "mismatch_mask", "vtrace"))
+    correction_level: str = doc("token", "tis and mis: the weight per token, or per answer as the product of its "
+                                "tokens' weights", choices=("token", "sequence"))
+    behav_weight_cap: Optional[float] = doc(None, "the correction's upper bound on w (areal and icepop: masked above; "
+                                            "tis: C; mis: C; vtrace: ρ̄); null = its source's (areal 5, tis 2, mis 2, "
+                                            "icepop 5, vtrace 1); .inf = none (areal)", ge=1)
+    behav_weight_floor: Optional[float] = doc(None, "the lower bound on w (icepop: α, null = 0.5; areal: none unless "
+                                              "set)", ge=0)
+    correction_tau: Optional[float] = doc(None, "m2po: τ on mean((log w)²) (null = 0.04); mismatch_mask: τ on |log w| in "
+                                          "nats (null = ln 2)", ge=0)
+    clip_behav: bool = doc(False, "also clip the whole ratio π_θ/π_behav as naive PPO does, besides the decoupled "
+                           "objective's clip against π_prox: a stale token the policy moved past the clip since it was "
+                           "sampled gets no gradient (not AReaL's objective; ppo loss at token level only)")
     stale_warn_capped: float = doc(0.05, "warn once (console and metrics) when more than this share of a step's tokens "
                                    "has a behaviour weight outside [floor, cap] for stale_warn_steps steps in a row; "
                                    "0 = never", ge=0, le=1)

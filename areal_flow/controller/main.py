@@ -22,6 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from areal_flow.algorithms.correction_table import configured_bounds
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller.ending import record_failure, run_summary, why_it_ended, write_summary
@@ -604,7 +605,7 @@ class Controller:
                             max_new_tokens=algo.max_new_tokens, judges=list(self.judge_pools)),
             **reward_busy([meta for meta, _, _ in batch.values()], self.graph.rewards, seconds),
             # train/<stat>, and the step's diagnostics finished from their sums (by_length/*, histograms)
-            **train_metrics(stats, algo.behav_weight_cap, algo.behav_weight_floor),
+            **train_metrics(stats, *reversed(configured_bounds(algo))),
             **{f"sent_bytes/{p}": n for p, n in traffic.items()},
             step_seconds=seconds, train_seconds=train_seconds, update_seconds=update_seconds, trained_at=done.at,
             samples_per_second=self.B * self.G / seconds, gen_tokens_per_second=self.state.generated_tokens / seconds,

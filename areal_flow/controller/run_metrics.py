@@ -20,6 +20,7 @@ from areal_flow.algorithms.diagnostics import (
     ess_fraction,
     length_bucket_metrics,
     length_buckets,
+    mismatch_metrics,
     staleness_metrics,
 )
 from areal_flow.graph.keys import JUDGE_STATS
@@ -146,11 +147,15 @@ def train_metrics(stats: dict[str, float], behav_weight_cap: float | None = None
         by_length/loss_share/qK        the bucket's share of Σ |A|·token weight (the length bias)
         stale/<d>/...                  by versions behind π_prox: tokens, weight_mean, weight_max,
                                        capped_fraction, grad_share (diagnostics.staleness_metrics)
+        mismatch/..., mismatch/<d>/... log π_start − log π_behav, all tokens and by versions behind:
+                                       abs_mean, abs_p99, abs_max, k3, past_fraction, tokens
+                                       (diagnostics.mismatch_metrics)
 
     N is the number of tokens in the histogram (the valid tokens the loss ran, every minibatch
     and epoch), or n_valid_tokens − skipped_tokens when the loss gave no histogram. Keys whose
     inputs are missing (a loss function of one's own, the critic's stats) are left out."""
-    row = {f"train/{k}": v for k, v in stats.items() if not k.startswith((BIN_PREFIX, "by_length/", "stale/"))}
+    row = {f"train/{k}": v for k, v in stats.items()
+           if not k.startswith((BIN_PREFIX, "by_length/", "stale/", "mismatch/"))}
     if hist := behav_weight_hist(stats):
         row["train/behav_weight_hist"] = hist
         edges = behav_weight_edges(behav_weight_cap, behav_weight_floor)
@@ -165,6 +170,7 @@ def train_metrics(stats: dict[str, float], behav_weight_cap: float | None = None
         row["train/ess_fraction"] = ess_fraction(stats["behav_weight_sum"], stats["behav_weight_sq_sum"], n)
     row.update(length_bucket_metrics(stats))
     row.update({f"train/{k}": v for k, v in staleness_metrics(stats).items()})
+    row.update({f"train/{k}": v for k, v in mismatch_metrics(stats).items()})
     return row
 
 

@@ -2,7 +2,7 @@
 "Staleness diagnostics").
 
 The behaviour weight w = π_prox/π_behav of a token sampled several versions ago can be far from 1;
-past its bounds (algorithm.behav_weight_cap, _floor) the token is masked or clamped. When that
+past the bounds of algorithm.correction the token is masked or its weight truncated. When that
 happens to a large share of the tokens, or the weights are so uneven that a few tokens carry the
 step (a low effective sample size), for several steps in a row, the run says so once: on the
 console (the launcher prints `warning` rows) and in the metrics, naming η and what to change.

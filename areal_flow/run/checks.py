@@ -182,9 +182,7 @@ def algorithm_problems(cfg: RunConfig) -> list[str]:
                             f"not {norm.mean_level}")
     if algo.c_clip is not None and algo.policy_loss == "cispo":
         problems.append(f"algorithm.c_clip={algo.c_clip}: the dual clip is PPO's; cispo has no clipped branch to bound")
-    floor, cap = algo.behav_weight_floor, algo.behav_weight_cap
-    if floor is not None and cap is not None and floor > cap:
-        problems.append(f"algorithm.behav_weight_floor={floor} exceeds algorithm.behav_weight_cap={cap}")
+    problems += correction_problems(algo)
     if algo.kl_target is not None and algo.kl_coef == 0:
         problems.append(f"algorithm.kl_target={algo.kl_target} adapts algorithm.kl_coef, which is 0: set its "
                         "initial value")
@@ -197,6 +195,32 @@ def algorithm_problems(cfg: RunConfig) -> list[str]:
     for i, name in enumerate(algo.reward_shapers):
         if (why := name_problem("reward_shaper", name, f"algorithm.reward_shapers[{i}]")) is not None:
             problems.append(why)
+    return problems
+
+
+def correction_problems(algo) -> list[str]:
+    """The off-policy correction's keys: each bound it does not read is refused by key, as is
+    clip_behav where naive PPO's clip of π_θ/π_behav is not defined (docs/algorithms.md)."""
+    from areal_flow.algorithms.correction_table import DEFAULTS, KEYS, resolve
+
+    name, problems = algo.correction, []
+    params = resolve(name, low=algo.behav_weight_floor, high=algo.behav_weight_cap, tau=algo.correction_tau)
+    for bound, key in KEYS.items():
+        if getattr(algo, key) is not None and bound not in params.reads:
+            problems.append(f"algorithm.{key}={getattr(algo, key)} does not apply to algorithm.correction={name}, "
+                            f"which reads {', '.join('algorithm.' + KEYS[b] for b in params.reads)}")
+    if algo.correction_level not in DEFAULTS[name].levels:
+        problems.append(f"algorithm.correction_level={algo.correction_level}: algorithm.correction={name} is defined "
+                        "per token only (sequence level: tis, mis)")
+    if params.low is not None and params.high is not None and params.low > params.high:
+        problems.append(f"algorithm.behav_weight_floor={params.low} exceeds algorithm.behav_weight_cap={params.high}"
+                        f" (algorithm.correction={name})")
+    if algo.clip_behav:
+        refusals = [(algo.policy_loss == "cispo", "policy_loss=cispo has no clipped branch to add it to"),
+                    (algo.importance_level == "sequence", "importance_level=sequence (GSPO): the sequence's ratio is "
+                                                          "not the token's π_θ/π_behav"),
+                    (not algo.decoupled, "decoupled=false is naive PPO, already clipped against π_behav")]
+        problems += [f"algorithm.clip_behav=true: {why}" for refused, why in refusals if refused]
     return problems
 
 

@@ -205,7 +205,7 @@ def extras(snap: Snapshot) -> Table | None:
         parts = key.split("/")
         if parts[0] == "by_length" and len(parts) >= 3:
             grid.setdefault("/".join(parts[1:-1]), {})[parts[-1]] = v
-        elif key.startswith(STALE_PREFIX):
+        elif key.startswith((STALE_PREFIX, MISMATCH_PREFIX)):
             continue  # by_staleness's table
         else:
             single[key] = v
@@ -223,28 +223,41 @@ def extras(snap: Snapshot) -> Table | None:
 
 STALE_PREFIX = "train/stale/"
 STALE_FIGURES = ("tokens", "weight_mean", "weight_max", "capped_fraction", "grad_share")
+MISMATCH_PREFIX = "train/mismatch/"
+MISMATCH_FIGURES = {"abs_mean": "|Δ log p| mean", "abs_p99": "|Δ log p| p99 ≤", "abs_max": "|Δ log p| max",
+                    "k3": "KL (k3)", "past_fraction": "past the correction"}
 
 
 def by_staleness(snap: Snapshot) -> Table | None:
     """The last step's behaviour weights π_prox/π_behav by versions behind π_prox (the columns):
-    tokens, mean and largest weight, the share capped (masked or clamped) and of the gradient; and
-    the stalest tokens' share of a minibatch's gradient (the largest, the last minibatch's)."""
+    tokens, mean and largest weight, the share capped (masked or clamped) and of the gradient; the
+    stalest tokens' share of a minibatch's gradient (the largest, the last minibatch's); and the
+    mismatch log π_start − log π_behav by the same columns, with every token's in a column "all"."""
     grid: dict[str, dict[str, object]] = {}
     single = {}
     for key, v in snap.extras.items():
+        if key.startswith(MISMATCH_PREFIX):
+            *bucket, figure = key[len(MISMATCH_PREFIX):].split("/")
+            if figure in MISMATCH_FIGURES:
+                grid.setdefault(MISMATCH_FIGURES[figure], {})[bucket[0] if bucket else "all"] = v
+            continue
         if not key.startswith(STALE_PREFIX):
             continue
         bucket, _, figure = key[len(STALE_PREFIX):].partition("/")
         if figure:
-            grid.setdefault(figure, {})[bucket] = v
+            grid.setdefault(figure.replace("_", " "), {})[bucket] = v
         else:
             single[bucket] = v
     if not grid:
         return None
-    buckets = list(dict.fromkeys(b for row in grid.values() for b in row))
+    buckets = list(dict.fromkeys(b for row in grid.values() for b in row if b != "all"))
+    buckets += ["all"] if any("all" in row for row in grid.values()) else []
     t = table("by versions behind (last step)", "", *buckets)
-    for figure in (f for f in STALE_FIGURES if f in grid):
-        t.add_row(figure.replace("_", " "), *(value(grid[figure].get(b)) for b in buckets))
+    for figure in (f.replace("_", " ") for f in STALE_FIGURES):
+        if figure in grid:
+            t.add_row(figure, *(value(grid[figure].get(b)) for b in buckets))
+    for figure in (f for f in MISMATCH_FIGURES.values() if f in grid):
+        t.add_row(figure, *(value(grid[figure].get(b)) for b in buckets))
     for key, v in single.items():
         t.add_row(key.replace("_", " "), value(v), *([""] * (len(buckets) - 1)))
     return t

@@ -41,7 +41,7 @@ LIVE_WITHOUT_TABLE = 120.0
 of its files was written within this many seconds."""
 
 OPTIONAL_KEYS = ("train/ess_fraction", "train/capped_fraction")
-OPTIONAL_PREFIXES = ("by_length/", "train/stale/")
+OPTIONAL_PREFIXES = ("by_length/", "train/stale/", "train/mismatch/")
 """Keys of a step row shown when the run writes them."""
 
 ROLES = ("controller", "gen_server", "rollout", "reward", "trainer", "inference", "judge_server")

@@ -342,7 +342,7 @@ class ModelWorker:
         has_ref = "ref_logprobs" in inputs.token_data
         kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and has_ref
         skip = library.zero_gradient(inputs.advantages, algo, kl_in_loss=kl_in_loss)
-        stats = self.update(engine, samples, inputs, loss_fn, skip)
+        stats = self.update(engine, samples, inputs, loss_fn, skip, first_loss_fn=partial(loss_fn, at_start=True))
         stats.update(length_bias(inputs, algo.max_new_tokens, reduce))
         self.policy_inputs = inputs
         if has_ref and algo.kl_coef:
@@ -381,9 +381,9 @@ class ModelWorker:
         return self.update(engine, samples, inputs.without_aggregation(), partial(library.critic_objective, algo=algo))
 
     def update(self, engine: Engine, samples: list[Sample], inputs: TrainInputs, loss_fn,
-               skip: list[bool] | None = None) -> dict[str, float]:
+               skip: list[bool] | None = None, first_loss_fn=None) -> dict[str, float]:
         return train_update(engine, [s.group_id for s in samples], inputs.seqs, engine_data(inputs), loss_fn,
-                            self.cfg.algorithm, skip)
+                            self.cfg.algorithm, skip, first_loss_fn)
 
     def save_checkpoint(self, msg: SaveCheckpoint) -> None:
         try:
@@ -483,14 +483,17 @@ def length_bias(inputs: TrainInputs, max_new_tokens: int, reduce: AllReduce | No
 
 
 def train_update(engine: Engine, group_ids: list[int], seqs: list[tuple[np.ndarray, np.ndarray]],
-                 token_data: dict[str, list[np.ndarray]], loss_fn, algo, skip: list[bool] | None = None) -> dict[str, float]:
+                 token_data: dict[str, list[np.ndarray]], loss_fn, algo, skip: list[bool] | None = None,
+                 first_loss_fn=None) -> dict[str, float]:
     """n_minibatches optimizer steps per epoch over the batch (each sample's group in `group_ids`),
-    their stats added up; the sequences marked in `skip` are not run (Engine.train_step)."""
+    their stats added up; the sequences marked in `skip` are not run (Engine.train_step). The first
+    optimizer step runs `first_loss_fn` when given (the policy's own logprobs at the step's start)."""
     stats: dict[str, float] = {}
     each = []
-    for idx in minibatches(group_ids, algo.n_minibatches, algo.ppo_epochs):
+    for n, idx in enumerate(minibatches(group_ids, algo.n_minibatches, algo.ppo_epochs)):
         each.append(engine.train_step(
-            [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()}, loss_fn,
+            [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()},
+            first_loss_fn if n == 0 and first_loss_fn is not None else loss_fn,
             skip=None if skip is None else [skip[i] for i in idx]))
         accumulate_stats(stats, each[-1])
     stats.update(stalest_shares(each))  # the stalest tokens' share of each minibatch's gradient

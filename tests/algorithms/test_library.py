@@ -1,6 +1,7 @@
 """The algorithm library as a recipe selects it: π_prox sources, KL as a loss term, and losses,
 estimators and shapers named by registry name or import path."""
 
+import math
 import sys
 import textwrap
 
@@ -26,7 +27,7 @@ def batch(seed=0, n=12):
 
 def test_the_current_prox_source_is_the_trained_logprobs_detached():
     logp, data, mask = batch()
-    algo = AlgorithmConfig(behav_weight_cap=None, clip_behav=False)  # AReaL's objective: every token weighted by w
+    algo = AlgorithmConfig(behav_weight_cap=math.inf)  # AReaL's objective, uncapped: every token weighted by w
     loss, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
     want, _ = decoupled_ppo_loss(logp, logp.detach().clone(), data["behav_logprobs"], data["advantages"], mask,
                                  eps_clip=0.2, n_valid_tokens=12.0)
@@ -39,7 +40,7 @@ def test_the_current_prox_source_is_the_trained_logprobs_detached():
 
 def test_behav_and_loglinear_prox_sources():
     logp, data, mask = batch(1)
-    algo = AlgorithmConfig(behav_weight_cap=None)
+    algo = AlgorithmConfig(behav_weight_cap=math.inf)
     behav, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="behav", prox_version=3, kl_coef=0.0)
     naive, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source=None, prox_version=3, kl_coef=0.0)
     assert behav.item() == pytest.approx(naive.item())  # π_prox = π_behav: w = 1, r = π_θ/π_behav
@@ -50,7 +51,7 @@ def test_behav_and_loglinear_prox_sources():
     prox = data["behav_logprobs"] + torch.cat([torch.zeros(6), torch.full((6,), 2 / 3)]).double() * (
         logp.detach() - data["behav_logprobs"])
     want, _ = decoupled_ppo_loss(logp, prox, data["behav_logprobs"], data["advantages"], mask, eps_clip=0.2,
-                                 n_valid_tokens=12.0, clip_behav=True)  # the default's clip against π_behav too
+                                 n_valid_tokens=12.0)
     assert loglinear.item() == pytest.approx(want.item())
 
 
@@ -146,8 +147,7 @@ def test_answers_the_train_step_may_skip_have_no_gradient(config):
     advantages 0) get exactly 0 gradient, and the others are not marked."""
     logp, data, mask = batch(seed=4)
     data["advantages"][data["seq_ids"] == 1] = 0.0  # the second answer: a group of equal rewards
-    # Without the clip against π_behav, which would also stop some of the others' tokens here.
-    algo = AlgorithmConfig(behav_weight_cap=None, clip_behav=False, **config)
+    algo = AlgorithmConfig(behav_weight_cap=math.inf, **config)
     per_answer = [data["advantages"][data["seq_ids"] == i].numpy() for i in range(4)]
     assert zero_gradient(per_answer, algo, kl_in_loss=False) == [False, True, False, False]
     loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.0)
@@ -159,7 +159,7 @@ def test_answers_the_train_step_may_skip_have_no_gradient(config):
 def test_nothing_is_skipped_where_a_zero_advantage_still_has_a_gradient():
     logp, data, mask = batch(seed=5)
     data["advantages"][:] = 0.0
-    algo = AlgorithmConfig(behav_weight_cap=None, kl_in="loss")
+    algo = AlgorithmConfig(behav_weight_cap=math.inf, kl_in="loss")
     loss, _ = objective(logp, data, mask, 12.0, algo=algo, prox_source="current", prox_version=3, kl_coef=0.1)
     loss.backward()
     assert torch.all(logp.grad != 0)  # the KL term's
@@ -168,3 +168,27 @@ def test_nothing_is_skipped_where_a_zero_advantage_still_has_a_gradient():
     assert zero_gradient(answers, AlgorithmConfig(), kl_in_loss=False) == [True]
     assert zero_gradient(answers, AlgorithmConfig(skip_zero_advantage=False), kl_in_loss=False) == [False]
     assert zero_gradient(answers, AlgorithmConfig(policy_loss="tests.losses:mine"), kl_in_loss=False) == [False]
+
+
+def test_the_mismatch_is_measured_against_the_trainers_policy_at_the_steps_start():
+    from areal_flow.algorithms.diagnostics import mismatch_metrics
+
+    logp, data, mask = batch(6)
+    data["prox_logprobs"] = logp.detach() + 0.01
+    algo = AlgorithmConfig()
+
+    def figures(source, at_start):
+        _, stats = objective(logp, data, mask, 12.0, algo=algo, prox_source=source, prox_version=3, kl_coef=0.0,
+                             at_start=at_start)
+        return mismatch_metrics({k: float(v) for k, v in stats.items()})
+
+    # π_prox from the prox node is the step's start: every minibatch measures against it.
+    want = (data["prox_logprobs"] - data["behav_logprobs"]).abs().mean().item()
+    assert figures("data", at_start=False)["mismatch/abs_mean"] == pytest.approx(want)
+    # A shortcut or an approximation is not: only the first minibatch's own logprobs are.
+    assert figures("behav", at_start=False) == {} and figures("loglinear", at_start=False) == {}
+    own = (logp.detach() - data["behav_logprobs"]).abs().mean().item()
+    assert figures("behav", at_start=True)["mismatch/abs_mean"] == pytest.approx(own)
+    assert figures(None, at_start=True)["mismatch/abs_mean"] == pytest.approx(own)  # naive PPO too
+    # by versions behind: half the tokens are 0 behind (version 3), half 2 (version 1)
+    assert figures("current", at_start=False)["mismatch/2/tokens"] == 6

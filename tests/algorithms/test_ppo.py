@@ -10,7 +10,6 @@ from areal_flow.algorithms.ppo import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
     LOSS_KINDS,
-    WEIGHT_ACTIONS,
     aggregation_weight,
     decoupled_ppo_loss,
 )
@@ -195,8 +194,8 @@ def _runs(seq_ids):
 
 
 def _general_reference(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_high=None, c_clip=None, kind="ppo",
-                       importance_level="token", seq_ids=None, behav_weight_cap=None, behav_weight_floor=None,
-                       behav_weight_action="mask", token_weights=None, n_valid_tokens=None):
+                       importance_level="token", seq_ids=None, correction="areal", behav_weight_cap=None,
+                       behav_weight_floor=None, token_weights=None, n_valid_tokens=None):
     """Per-token loop over the whole family, written from the docstring's formulas; also d loss / d logp."""
     lp, bh, a, m = (t.reshape(-1).tolist() for t in (logp, behav, adv, mask))
     px = prox.reshape(-1).tolist() if prox is not None else None
@@ -231,7 +230,7 @@ def _general_reference(logp, prox, behav, adv, mask, *, eps_clip, eps_clip_high=
         stats[BEHAV_WEIGHT_BIN.format(sum(w > e for e in edges[1:-1]))] += 1
         if px is not None and ((cap is not None and w > cap) or (floor is not None and w < floor)):
             stats["capped_tokens"] += 1
-            w = 0.0 if behav_weight_action == "mask" else min(max(w, floor or 0.0), math.inf if cap is None else cap)
+            w = min(w, cap) if correction in ("tis", "vtrace") else 0.0  # truncated, or masked
         rc = min(max(r, 1 - eps_clip), 1 + hi)
         if kind == "ppo":
             if -a[t] * rc > -a[t] * r:
@@ -270,11 +269,11 @@ def _wide_inputs(n, seed):
         dict(c_clip=2.0),
         dict(c_clip=1.5, eps_clip_high=0.28, behav_weight_cap=2.0),
         dict(behav_weight_cap=2.0, behav_weight_floor=0.5),
-        dict(behav_weight_cap=2.0, behav_weight_floor=0.5, behav_weight_action="clamp"),
-        dict(behav_weight_floor=0.5, behav_weight_action="clamp"),
+        dict(correction="tis", behav_weight_cap=2.0),
+        dict(correction="vtrace", behav_weight_cap=1.0),
         dict(kind="cispo", eps_clip_high=0.28, behav_weight_cap=2.0),
         dict(importance_level="sequence", c_clip=1.5),
-        dict(importance_level="sequence", kind="cispo", behav_weight_floor=0.5, behav_weight_action="clamp"),
+        dict(importance_level="sequence", kind="cispo", correction="tis", behav_weight_cap=2.0),
     ],
 )
 @pytest.mark.parametrize("use_prox,use_weights", [(True, False), (True, True), (False, True)])
@@ -333,16 +332,16 @@ def test_asymmetric_clip():
 
 
 @pytest.mark.parametrize(
-    "floor,cap,action,expected_weights",
+    "floor,cap,correction,expected_weights",
     [
-        (0.1, 5.0, "mask", [1.0, 0.0, 0.0]),
-        (0.1, 5.0, "clamp", [1.0, 5.0, 0.1]),
-        (0.1, None, "mask", [1.0, math.exp(3), 0.0]),
-        (0.1, None, "clamp", [1.0, math.exp(3), 0.1]),
-        (None, 5.0, "clamp", [1.0, 5.0, math.exp(-3)]),
+        (0.1, 5.0, "areal", [1.0, 0.0, 0.0]),
+        (0.1, 5.0, "icepop", [1.0, 0.0, 0.0]),
+        (0.1, None, "areal", [1.0, math.exp(3), 0.0]),
+        (None, 5.0, "tis", [1.0, 5.0, math.exp(-3)]),
+        (None, 1.0, "vtrace", [1.0, 1.0, math.exp(-3)]),
     ],
 )
-def test_behaviour_weight_floor_cap_mask_and_clamp(floor, cap, action, expected_weights):
+def test_behaviour_weight_floor_cap_mask_and_truncate(floor, cap, correction, expected_weights):
     logp = torch.full((3,), -1.0, dtype=F64)
     prox = logp.clone()  # r = 1: never clipped, loss_t = -w_t * A_t
     behav = _t([-1.0, -4.0, 2.0])  # w = 1, e^3, e^-3
@@ -350,7 +349,7 @@ def test_behaviour_weight_floor_cap_mask_and_clamp(floor, cap, action, expected_
     mask = torch.ones(3, dtype=torch.bool)
     loss, grad, stats = _loss_and_grad(
         logp, prox, behav, adv, mask, eps_clip=0.2, behav_weight_cap=cap, behav_weight_floor=floor,
-        behav_weight_action=action,
+        correction=correction,
     )
     expected = [-w * a / 3 for w, a in zip(expected_weights, [1.0, 2.0, 3.0])]
     assert loss == pytest.approx(sum(expected))
@@ -399,7 +398,15 @@ def test_cispo_and_dual_clip_arguments_are_checked():
     [
         (dict(kind="grpo"), r"kind 'grpo'.*'ppo', 'cispo'"),
         (dict(importance_level="seq"), r"importance_level 'seq'.*'token', 'sequence'"),
-        (dict(behav_weight_action="drop"), r"behav_weight_action 'drop'.*'mask', 'clamp'"),
+        (dict(correction="drop"), r"correction 'drop'.*'areal', 'tis'"),
+        (dict(correction="tis"), "correction 'tis' needs behav_weight_cap"),
+        (dict(correction="m2po"), "correction 'm2po' needs correction_tau"),
+        (dict(correction="icepop", behav_weight_cap=5.0), "correction 'icepop' needs behav_weight_floor"),
+        (dict(correction="areal", correction_level="sequence", seq_ids=torch.zeros(3, dtype=torch.long)),
+         "'areal' is defined at level token"),
+        (dict(clip_behav=True, kind="cispo"), "clip_behav.*cispo"),
+        (dict(clip_behav=True, importance_level="sequence", seq_ids=torch.zeros(3, dtype=torch.long)),
+         "clip_behav.*sequence"),
         (dict(importance_level="sequence"), "needs seq_ids"),
         (dict(behav_weight_floor=2.0, behav_weight_cap=1.5), r"behav_weight_floor \(2.0\) > behav_weight_cap"),
         (dict(seq_ids=torch.zeros(4, dtype=torch.long)), "seq_ids has shape"),
@@ -571,6 +578,7 @@ def _batches(draw):
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     kind = draw(st.sampled_from(LOSS_KINDS))
+    correction = draw(st.sampled_from(["areal", "tis"]))
     options = dict(
         eps_clip=draw(st.sampled_from([0.2, 10.0])),
         eps_clip_high=draw(st.sampled_from([None, 0.28])),
@@ -578,9 +586,9 @@ def _batches(draw):
         importance_level=draw(st.sampled_from(IMPORTANCE_LEVELS)),
         seq_ids=seq_ids,
         c_clip=draw(st.sampled_from([None, 2.0])) if kind == "ppo" else None,
-        behav_weight_cap=draw(st.sampled_from([None, 1.5])),
-        behav_weight_floor=draw(st.sampled_from([None, 0.7])),
-        behav_weight_action=draw(st.sampled_from(WEIGHT_ACTIONS)),
+        correction=correction,
+        behav_weight_cap=draw(st.sampled_from([None, 1.5])) if correction == "areal" else 1.5,
+        behav_weight_floor=draw(st.sampled_from([None, 0.7])) if correction == "areal" else None,
         token_weights=draw(st.sampled_from([None, 0.5 + torch.arange(n, dtype=F64) / n])),
     )
     return logp, prox, behav, adv, mask, options
@@ -651,7 +659,7 @@ def test_property_gspo_with_one_token_per_sequence_is_token_level(batch):
 
 
 def test_m2po_drops_the_largest_log_weights_first_until_the_second_moment_fits():
-    from areal_flow.algorithms.ppo import m2_keep
+    from areal_flow.algorithms.corrections import m2_keep
 
     lw = torch.tensor([0.1, -2.0, 0.0, 1.0, 0.3, 5.0])
     mask = torch.tensor([True, True, True, True, True, False])  # the 5.0 is not a valid token
@@ -671,8 +679,8 @@ def test_m2po_masks_in_the_loss_and_counts_as_capped():
     behav = torch.tensor([-1.0, -3.0, -1.1, -1.0])  # log w = 0, 2, 0.1, 0
     adv = torch.ones(4)
     mask = torch.ones(4, dtype=torch.bool)
-    loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, mask, eps_clip=0.2, behav_weight_cap=None,
-                                     behav_weight_m2=0.04)
+    loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, mask, eps_clip=0.2, correction="m2po",
+                                     correction_tau=0.04)
     loss.backward()
     assert float(stats["capped_tokens"]) == 1
     assert logp.grad[1] == 0 and all(logp.grad[i] != 0 for i in (0, 2, 3))  # the log w = 2 token is dropped

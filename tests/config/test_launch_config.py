@@ -185,7 +185,7 @@ def test_config_groups_select_algorithm_and_metrics_and_the_recipe_sits_on_top(t
     assert job["algorithm"]["loss_agg"] == "seq-mean-token-sum-norm"
     assert job["algorithm"]["group_size"] == 8  # from the recipe
     job = yaml.safe_load(launch("--cfg", "job", cwd=tmp_path).stdout)
-    assert job["algorithm"]["reward_norm"]["std_level"] == "group" and job["algorithm"]["behav_weight_cap"] == 5.0
+    assert job["algorithm"]["reward_norm"]["std_level"] == "group" and job["algorithm"]["correction"] == "areal"
 
 
 def test_weights_in_shared_memory_need_a_writable_dev_shm(monkeypatch, tmp_path):
