@@ -40,7 +40,9 @@ STEPS = [  # what the controller's log_step writes, the keys the view reads (oth
             "by_length/samples/q1": 3, "by_length/samples/q2": None,
             "train/stale/0/weight_mean": 1.0, "train/stale/0/capped_fraction": 0.0,
             "train/stale/3-4/weight_mean": 1.75, "train/stale/3-4/capped_fraction": 0.125,
-            "train/stale/stalest_grad_share_max": 0.625}, staleness_mean=1.0, staleness_max=1, staleness_hist=[0, 80], elapsed=4.0),
+            "train/stale/stalest_grad_share_max": 0.625, "train/mismatch/0/abs_mean": 0.002,
+            "train/mismatch/3-4/abs_mean": 0.25, "train/mismatch/abs_mean": 0.1},
+         staleness_mean=1.0, staleness_max=1, staleness_hist=[0, 80], elapsed=4.0),
 ]
 
 
@@ -158,7 +160,8 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
                            "by_length/samples/q1": 3, "by_length/samples/q2": None,
                            "train/stale/0/weight_mean": 1.0, "train/stale/0/capped_fraction": 0.0,
                            "train/stale/3-4/weight_mean": 1.75, "train/stale/3-4/capped_fraction": 0.125,
-                           "train/stale/stalest_grad_share_max": 0.625}
+                           "train/stale/stalest_grad_share_max": 0.625, "train/mismatch/0/abs_mean": 0.002,
+                           "train/mismatch/3-4/abs_mean": 0.25, "train/mismatch/abs_mean": 0.1}
 
     procs = {p.name: p for p in snap.processes}
     assert [p.name for p in snap.processes] == ["controller", "gen_server0", "gen_server1", "rollout0", "reward0",
@@ -189,9 +192,11 @@ def test_a_live_run_reads_into_the_right_numbers_and_shows_them(tmp_path, server
     assert any(" ".join(line.split()).endswith("│by length: samples │ 3 │ -│") for line in lines), text
     # The behaviour weights by versions behind, one column a bucket, in a table of their own.
     assert "by versions behind (last step)" in text
-    assert any(" ".join(line.split()).endswith("│weight mean │ 1 │ 1.75│") for line in lines), text
-    assert any(" ".join(line.split()).endswith("│capped fraction │ 0 │ 0.125│") for line in lines), text
-    assert any(" ".join(line.split()).endswith("│stalest grad share max │ 0.625 │ │") for line in lines), text
+    assert any(" ".join(line.split()).endswith("│weight mean │ 1 │ 1.75 │ -│") for line in lines), text
+    assert any(" ".join(line.split()).endswith("│capped fraction │ 0 │ 0.125 │ -│") for line in lines), text
+    assert any(" ".join(line.split()).endswith("│stalest grad share max │ 0.625 │ │ │") for line in lines), text
+    # and the behaviour/trainer mismatch by the same columns, every token's in "all"
+    assert any(" ".join(line.split()).endswith("│|Δ log p| mean │ 0.002 │ 0.25 │ 0.1│") for line in lines), text
     assert any("loaded version (servers)" in line and line.rstrip(" │").endswith("3") for line in lines)
     assert any("trained version" in line and line.rstrip(" │").endswith("4") for line in lines)
     assert "environment (per trajectory)" not in text and snap.env == {}  # one turn a sample: no such table
