@@ -58,7 +58,11 @@ def weight_bounds(name: str, params: Params) -> tuple[float | None, float | None
     return params.low, params.high
 
 
+def configured(algo) -> Params:
+    """An AlgorithmConfig's correction's bounds: the keys that are set, its source's values for the rest."""
+    return resolve(algo.correction, low=algo.behav_weight_floor, high=algo.behav_weight_cap, tau=algo.correction_tau)
+
+
 def configured_bounds(algo) -> tuple[float | None, float | None]:
     """(floor, cap) of w under an AlgorithmConfig's correction (`weight_bounds` of its resolved bounds)."""
-    params = resolve(algo.correction, low=algo.behav_weight_floor, high=algo.behav_weight_cap, tau=algo.correction_tau)
-    return weight_bounds(algo.correction, params)
+    return weight_bounds(algo.correction, configured(algo))

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from areal_flow.algorithms.correction_table import CORRECTIONS, DEFAULTS, KEYS, Params, resolve, weight_bounds
+from areal_flow.algorithms.correction_table import (CORRECTIONS, DEFAULTS, KEYS, Params, configured, resolve,
+                                                    weight_bounds)
 
-__all__ = ["CORRECTIONS", "DEFAULTS", "KEYS", "Params", "resolve", "weight_bounds"]
+__all__ = ["CORRECTIONS", "DEFAULTS", "KEYS", "Params", "configured", "resolve", "weight_bounds"]
+
 
 def areal(log_w: torch.Tensor, mask: torch.Tensor, *, high: float | None, low: float | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +123,16 @@ def _level_weight(log_w: torch.Tensor, mask: torch.Tensor, level: str, seq_ids: 
     """w_t per token, or each token's sequence ratio ρ_i = exp(Σ_{valid t ∈ i} log w_t)."""
     if level == "token":
         return torch.exp(log_w)
+    return torch.exp(sequence_sum(torch.where(mask, log_w, torch.zeros_like(log_w)), seq_ids))
+
+
+def sequence_sum(x: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, the sum of `x` (detached) over the token's sequence: a maximal run of equal
+    `seq_ids` in row-major order."""
     runs, inverse = torch.unique_consecutive(seq_ids.reshape(-1), return_inverse=True)
-    flat = torch.where(mask, log_w, torch.zeros_like(log_w)).reshape(-1)
-    sums = torch.zeros(runs.numel(), dtype=flat.dtype, device=flat.device).index_add_(0, inverse, flat)
-    return torch.exp(sums[inverse].reshape(log_w.shape))
+    flat = x.detach().reshape(-1)
+    sums = flat.new_zeros(runs.numel()).index_add_(0, inverse, flat)
+    return sums[inverse].reshape(x.shape)
 
 
 def m2_keep(log_weight: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:

@@ -239,7 +239,6 @@ MISMATCH = "mismatch/{}/{}"
 MISMATCH_EDGES = tuple(m * 10.0 ** e for e in range(-6, 1) for m in (1.0, 3.0)) + (10.0,)
 """The edges of the |Δ log p| histogram that gives the p99: two per decade from 1e-6 to 10 (bin 0
 holds |Δ| <= 1e-6, the last everything above 10)."""
-_MISMATCH_SUMS = ("tokens", "abs_sum", "abs_max", "k3_sum", "past")
 
 
 def mismatch_sums(staleness: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor, past: torch.Tensor

@@ -58,7 +58,7 @@ def cispo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor,
 
 
 def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[torch.Tensor, Stats]:
-    p = correction_params(algo)
+    p = corrections.configured(algo)
     return decoupled_ppo_loss(
         logprobs, prox, batch["behav_logprobs"], batch["advantages"], mask, kind=kind,
         eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, c_clip=algo.c_clip,
@@ -67,12 +67,6 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         correction_level=algo.correction_level, token_weights=batch.get("token_weights"),
         n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
         clip_behav=algo.clip_behav)
-
-
-def correction_params(algo) -> corrections.Params:
-    """The configured correction's bounds: the keys that are set, its source's values for the rest."""
-    return corrections.resolve(algo.correction, low=algo.behav_weight_floor, high=algo.behav_weight_cap,
-                               tau=algo.correction_tau)
 
 
 # ---- built-in advantage estimators:
@@ -218,7 +212,7 @@ def mismatch(start: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Te
     would mask or truncate at the step's start."""
     start = start.detach()
     delta = torch.where(mask, start - batch["behav_logprobs"].to(start.dtype), torch.zeros_like(start))
-    _, past = corrections.apply(algo.correction, delta, mask, correction_params(algo), level=algo.correction_level,
+    _, past = corrections.apply(algo.correction, delta, mask, corrections.configured(algo), level=algo.correction_level,
                                 seq_ids=batch.get("seq_ids"))
     staleness = batch.get("staleness")
     if staleness is None:

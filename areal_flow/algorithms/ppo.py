@@ -72,14 +72,8 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: to
     A sequence is a maximal run of equal ids in row-major order. `log_ratio` must already be 0 at masked
     positions; a sequence with no valid token gets 0 (s = 1), which is harmless since none of its tokens count.
     """
-    runs, inverse = torch.unique_consecutive(seq_ids.reshape(-1), return_inverse=True)
-    n_seqs = runs.numel()
-    flat = log_ratio.detach().reshape(-1)
-    sums = torch.zeros(n_seqs, dtype=flat.dtype, device=flat.device).index_add_(0, inverse, flat)
-    counts = torch.zeros(n_seqs, dtype=flat.dtype, device=flat.device).index_add_(
-        0, inverse, mask.reshape(-1).to(flat.dtype)
-    )
-    return (sums / counts.clamp(min=1))[inverse].reshape(log_ratio.shape)
+    counts = corrections.sequence_sum(mask.to(log_ratio.dtype), seq_ids).clamp(min=1)
+    return corrections.sequence_sum(log_ratio, seq_ids) / counts
 
 
 class _Anchored(NamedTuple):
@@ -215,13 +209,10 @@ def _check_options(kind: str, importance_level: str, c_clip: float | None, seq_i
             raise ValueError(f"c_clip must be > 1, got {c_clip}")
     if (importance_level == "sequence" or level == "sequence") and seq_ids is None:
         raise ValueError("a sequence-level ratio or correction needs seq_ids")
-    if level not in params.levels:
-        raise ValueError(f"correction {correction!r} is defined at level {' or '.join(params.levels)}, not {level!r}")
     if params.low is not None and params.high is not None and params.low > params.high:
         raise ValueError(f"behav_weight_floor ({params.low}) > behav_weight_cap ({params.high})")
-    needs = {"tis": ("high",), "mis": ("high",), "vtrace": ("high",), "icepop": ("low", "high"),
-             "m2po": ("tau",), "mismatch_mask": ("tau",)}.get(correction, ())
-    for bound in needs:
+    # every bound a correction reads is required, but AReaL's (no cap: v0.3.0; no floor: its default)
+    for bound in () if correction == "areal" else corrections.DEFAULTS[correction].reads:
         if getattr(params, bound) is None:
             raise ValueError(f"correction {correction!r} needs {corrections.KEYS[bound]}")
     if clip_behav and kind == "cispo":

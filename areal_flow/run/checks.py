@@ -201,10 +201,10 @@ def algorithm_problems(cfg: RunConfig) -> list[str]:
 def correction_problems(algo) -> list[str]:
     """The off-policy correction's keys: each bound it does not read is refused by key, as is
     clip_behav where naive PPO's clip of π_θ/π_behav is not defined (docs/algorithms.md)."""
-    from areal_flow.algorithms.correction_table import DEFAULTS, KEYS, resolve
+    from areal_flow.algorithms.correction_table import DEFAULTS, KEYS, configured
 
     name, problems = algo.correction, []
-    params = resolve(name, low=algo.behav_weight_floor, high=algo.behav_weight_cap, tau=algo.correction_tau)
+    params = configured(algo)
     for bound, key in KEYS.items():
         if getattr(algo, key) is not None and bound not in params.reads:
             problems.append(f"algorithm.{key}={getattr(algo, key)} does not apply to algorithm.correction={name}, "
