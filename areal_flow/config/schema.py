@@ -544,6 +544,9 @@ class MetricsConfig:
                               choices=METRICS_BACKENDS)
     wandb: WandbConfig = doc(help="Weights & Biases settings", factory=WandbConfig)
     plot: bool = doc(True, "write a learning-curve PNG beside metrics.jsonl at the end")
+    suspect_warn: float = doc(0.05, "warn once (console and metrics) when more than this share of a step's samples is "
+                              "suspect (reward/suspect: a gamed or hedged answer, docs/rewards.md); 0 = never",
+                              ge=0, le=1)
 
 
 @dataclass

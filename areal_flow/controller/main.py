@@ -31,6 +31,7 @@ from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
+from areal_flow.controller.suspect_alarm import SuspectAlarm
 from areal_flow.controller.weight_alarm import WeightAlarm
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, reward_wait, train_metrics
 from areal_flow.controller.slots import RolloutSlots
@@ -137,6 +138,7 @@ class Controller:
         self.filter_streak = FilterStreak(algo.filter_stall_batches * self.B)
         self.weight_alarm = WeightAlarm(algo.stale_warn_capped, algo.stale_warn_ess, algo.stale_warn_steps,
                                         cfg.rollout.max_staleness)
+        self.suspect_alarm = SuspectAlarm(cfg.metrics.suspect_warn)
         self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
         # Groups a restarted rollout worker was running: still admitted (their versions kept), given
         # to a worker again; a copy that comes back first wins, a later one is refused as not running.
@@ -622,11 +624,13 @@ class Controller:
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.state.filtered - self.state.filtered_logged,
         )
-        warning = self.weight_alarm.observe(row)
+        warnings = [(kind, alarm.observe(row)) for kind, alarm in (("staleness", self.weight_alarm),
+                                                                   ("reward_hacking", self.suspect_alarm))]
         self.metrics.log("step", **row, stale_trouble_steps=self.weight_alarm.in_a_row)
-        if warning:
-            log.warning("controller: %s", warning)
-            self.metrics.log("warning", step=step + 1, kind="staleness", message=warning)
+        for kind, warning in warnings:
+            if warning:
+                log.warning("controller: %s", warning)
+                self.metrics.log("warning", step=step + 1, kind=kind, message=warning)
         self.state.generated_tokens, self.state.filtered_logged = 0, self.state.filtered
         self.ledger.flush()
 

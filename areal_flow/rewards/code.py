@@ -31,7 +31,7 @@ import msgspec
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import SHAPES, AnyTests, AssertTests, Tests, parse_tests
-from areal_flow.rewards.asserts import call_checks, run_asserts
+from areal_flow.rewards.asserts import run_checks
 from areal_flow.rewards.remote_sandbox import RemoteSandbox
 from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
 
@@ -56,16 +56,19 @@ def passed(result: CaseResult, expected: str) -> bool:
 # Every status a test can end with: passed, wrong_answer, the sandbox's statuses of a program that
 # did not finish well, not_run (after an earlier failure, with sandbox.fail_fast) and no_code.
 TEST_STATUSES = ("passed", "wrong_answer", "timeout", "runtime_error", "memory_limit", "file_size_limit",
-                 "disk_limit", "output_limit", "sandbox_error", "not_run", "no_code")
+                 "disk_limit", "output_limit", "not_plain", "sandbox_error", "not_run", "no_code")
 
 
 class TestResult(msgspec.Struct):
-    """One test as scored: passed | wrong_answer | a sandbox status (timeout, runtime_error, ...) |
-    not_run (after an earlier failure); see TEST_STATUSES."""
+    """One test as scored: passed | wrong_answer | not_plain (a result that is not plain data) | a
+    sandbox status (timeout, runtime_error, ...) | not_run (after an earlier failure); see
+    TEST_STATUSES."""
 
     status: str
     seconds: float = 0.0
     stderr: str = ""
+    got: str = ""  # a function-call test's: what the call returned (its repr) or raised
+    suspect: str = ""  # what no honest program does: not_plain, forged, exit, exited (docs/rewards.md)
 
 
 def make_sandbox(cfg: SandboxConfig) -> Sandbox | RemoteSandbox:
@@ -89,7 +92,7 @@ class CodeReward:
         """The reward and `tests_<status>`: the fraction of the sample's tests that ended so, for
         every status of TEST_STATUSES (0.0 included, so a step's mean is over all its samples)."""
         result = score_program(self.sandbox, extract_code(completion), parse_tests(reference), self.partial_credit)
-        return {"reward": result["reward"], **status_fractions(result["tests"])}
+        return {"reward": result["reward"], **status_fractions(result["tests"]), "suspect": float(result["suspect"])}
 
 
 def status_fractions(tests: list[TestResult]) -> dict[str, float]:
@@ -102,19 +105,20 @@ def status_fractions(tests: list[TestResult]) -> dict[str, float]:
 
 def score_program(sandbox: Sandbox | RemoteSandbox, program: str | None, tests: AnyTests,
                   partial_credit: bool = False) -> dict[str, Any]:
-    """{reward, tests_passed, tests_total, tests: [TestResult]}; reward 1.0 only when every test
-    passes, or with `partial_credit` the fraction that pass."""
+    """{reward, tests_passed, tests_total, suspect, tests: [TestResult]}; reward 1.0 only when every
+    test passes, or with `partial_credit` the fraction that pass; `suspect` when any test's program
+    did what no honest one does (its reason in that test's `suspect`)."""
     n = len(tests)
     if program is None:
         scored = [TestResult("no_code")] * n
     elif isinstance(tests, AssertTests) or tests.fn_name is not None:
-        checks = tests if isinstance(tests, AssertTests) else call_checks(tests)
-        scored = [TestResult(status, seconds, error) for status, seconds, error in run_asserts(sandbox, program, checks)]
+        scored = [TestResult(*outcome) for outcome in run_checks(sandbox, program, tests)]
     else:
         scored = run_cases(sandbox, program, tests)
     n_passed = sum(t.status == "passed" for t in scored)
     reward = n_passed / n if partial_credit else float(n_passed == n)
-    return {"reward": reward, "tests_passed": n_passed, "tests_total": n, "tests": scored}
+    return {"reward": reward, "tests_passed": n_passed, "tests_total": n, "suspect": any(t.suspect for t in scored),
+            "tests": scored}
 
 
 def run_cases(sandbox: Sandbox | RemoteSandbox, program: str, tests: Tests) -> list[TestResult]:

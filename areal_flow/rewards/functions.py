@@ -1,5 +1,7 @@
 """The reward functions a reward node can name with `fn:`. Each maps (completion text, reference
-answer) to a float; they run inside reward worker processes (math-verify needs a main thread)."""
+answer) to a float, or to a dict of figures with the same keys on every call (`reward` and what
+becomes a per-node metric); they run inside reward worker processes (math-verify needs a main
+thread)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import re
 from typing import Callable
 
 from areal_flow.data.arith import arith_reward, extract_answer
-from areal_flow.rewards.math import math_reward
+from areal_flow.rewards.math import math_figures
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -38,7 +40,7 @@ def judge_agree(completion: str, verdict: str) -> dict[str, float]:
 REWARD_FNS: dict[str, Callable[[str, str], "float | dict[str, float]"]] = {
     "arith": arith_reward,
     "arith_format": arith_format_reward,
-    "math": math_reward,
+    "math": math_figures,  # {"reward", "suspect"}: suspect is 1.0 for an answer refused as a hedge
     "judge": judge_reward,
     "judge_agree": judge_agree,
 }

@@ -43,6 +43,10 @@ INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py
 # RLIMIT_NPROC (counted per uid across the machine) is a budget per sandbox, and no two sandboxes
 # share a uid. Far above any account a distribution creates.
 UID_BASE = 1_500_000_000
+# The checker of a program's tests (areal_flow/rewards/checker.py) runs as a uid of its own, this far
+# below its program's: below every program's uid (those of a worker's tool sandboxes reach UID_BASE +
+# 65·2^22, about 0.27e9 above it), so no checker shares a uid with any program.
+CHECKER_UID_SHIFT = 300_000_000
 # Directories the program's interpreter needs (shown read-only); the interpreter's own prefix is added.
 LIMITS = ("wall_seconds", "cpu_seconds", "memory_mb", "file_size_mb", "disk_mb", "processes", "open_files",
           "output_bytes")
@@ -101,6 +105,7 @@ class Sandbox:
         self.python = os.path.realpath(cfg.python or sys.executable)
         self._same_grammar = self.python == os.path.realpath(sys.executable)  # may compile programs here
         self.uid = UID_BASE + os.getpid() if uid is None else uid
+        self.checker_uid = self.uid - CHECKER_UID_SHIFT
         self._isolate: bool | None = None  # None until probed: whether runs use namespaces
         self._isolation: Isolation | None = None
         self._server: subprocess.Popen | None = None  # the resident init (sandbox_init.py)
@@ -135,22 +140,33 @@ class Sandbox:
         layers = [k for k, on in msgspec.structs.asdict(iso).items() if on]
         return f"local sandbox ({', '.join(layers) or 'no isolation'})"
 
-    def run(self, program: str, inputs: list[str], *, script: str | None = None,
-            scale: float = 1.0) -> list[CaseResult]:
-        """Run `program` once per input: as a script fed the input on stdin, or running `script`
-        (fed the input), a harness of the caller's that reads the program from solution.py
-        (areal_flow/rewards/asserts.py's runs a program's tests). Each case gets `scale` times the
-        configured wall and CPU seconds (a harness that runs several tests in one case). Stops at the
-        first case that does not finish cleanly when fail_fast. Never raises for anything the
-        program does."""
+    def run(self, program: str, inputs: list[str]) -> list[CaseResult]:
+        """Run `program` once per input, as a script fed the input on stdin. Stops at the first case
+        that does not finish cleanly when fail_fast. Never raises for anything the program does."""
         if self._isolate is None:
             self.isolation()
         if (failed := self._does_not_compile(program)) is not None:
             return [failed] if self.cfg.fail_fast else [failed] * len(inputs)
-        reply = self._launch(program, inputs, script, isolate=self._isolate, scale=scale)
+        reply = self._launch(program, inputs, None, isolate=self._isolate)
         if "error" in reply:
             return [CaseResult("sandbox_error", stderr=reply["error"])]
         return [msgspec.convert(c, CaseResult) for c in reply["cases"]]
+
+    def check(self, program: str, script: str, checker: str, job: dict, *, scale: float = 1.0) -> CaseResult:
+        """Run `program` under `script` (which reads it from solution.py and answers calls on
+        descriptors 3 and 4) beside a checker: `checker`'s source, run with `JOB` = `job` in a process
+        of its own uid, forked by the init, whose stdout comes back as the result's. The result's
+        status and stderr are the program's. The case gets `scale` times the configured wall and CPU
+        seconds (it runs several tests). Never raises for anything the program does."""
+        if self._isolate is None:
+            self.isolation()
+        if (failed := self._does_not_compile(program)) is not None:
+            return failed
+        reply = self._launch(program, [""], script, isolate=self._isolate, scale=scale,
+                             checker={"source": checker, "uid": self.checker_uid, "job": job})
+        if "error" in reply:
+            return CaseResult("sandbox_error", stderr=reply["error"])
+        return msgspec.convert(reply["cases"][0], CaseResult)
 
     def close(self) -> None:
         """Stop the resident init (it also dies with this process)."""
@@ -188,14 +204,16 @@ class Sandbox:
         return None
 
     def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool,
-                scale: float = 1.0) -> dict[str, Any]:
+                scale: float = 1.0, checker: dict | None = None) -> dict[str, Any]:
         root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}_")
         limits = {k: getattr(self.cfg, k) for k in LIMITS}
         limits.update(wall_seconds=self.cfg.wall_seconds * scale, cpu_seconds=math.ceil(self.cfg.cpu_seconds * scale))
         job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
-               "ro_paths": [*SYSTEM_PATHS, *_interpreter_paths(self.python)], "isolate": isolate,
-               "program": program, "harness": harness_source, "inputs": inputs,
-               "limits": limits, "fail_fast": self.cfg.fail_fast}
+               # The checker runs in the init's own interpreter, the program in self.python.
+               "ro_paths": list(dict.fromkeys([*SYSTEM_PATHS, *_interpreter_paths(self.python),
+                                                *_interpreter_paths(sys.executable)])),
+               "isolate": isolate, "program": program, "harness": harness_source, "inputs": inputs,
+               "limits": limits, "fail_fast": self.cfg.fail_fast, "checker": checker}
         # Each case is bounded inside; this bounds the whole job, namespace set-up and clean-up included.
         budget = len(inputs) * (limits["wall_seconds"] + 1.0) + HOST_SLACK
         deadline = time.monotonic() + budget

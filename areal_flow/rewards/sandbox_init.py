@@ -17,6 +17,7 @@ See docs/rewards.md for the limits and what each isolation layer stops.
 """
 
 import ctypes
+import fcntl
 import marshal
 import struct
 import os
@@ -113,23 +114,32 @@ def _limits(lim: dict) -> None:
         resource.setrlimit(which, value)
 
 
-def _exec_case(job: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int) -> None:
-    """In the forked child: become the program. Never returns."""
+def _arrange(fds: dict) -> None:
+    """Make each target descriptor a copy of its source, and close every other."""
+    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD, 256) for target, source in fds.items()}  # out of the way
+    for target, copy in high.items():
+        os.dup2(copy, target)
+    os.closerange(max(fds) + 1, 65536)  # the copies above included
+
+
+def _become(uid: int, lim: dict) -> None:
+    """Drop to `uid` (as root), under the limits, in a session of its own that dies with us."""
+    os.setsid()
+    _limits(lim)
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # after the uid change, which clears it
+
+
+def _exec_case(job: dict, workdir: str, fds: dict) -> None:
+    """In the forked child: become the program, with descriptors `fds` (target: source). Never returns."""
     try:
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.closerange(3, 65536)
-        os.setsid()
+        _arrange(fds)
         os.chdir(workdir)
-        _limits(job["limits"])
-        if os.geteuid() == 0:
-            uid = job["uid"]
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # after the uid change, which clears it
+        _become(job["uid"], job["limits"])
         argv = [job["python"], *job["python_args"]]
         argv += ["solution.py"] if job["harness"] is None else ["harness.py"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -140,15 +150,28 @@ def _exec_case(job: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int) -
     os._exit(127)
 
 
-def _kill_all_but_me(isolated: bool, pgid: int) -> None:
-    """Kill what the case left running: in our own PID namespace that is everything but us."""
+def _run_checker(checker: dict, lim: dict, fds: dict) -> None:
+    """In the forked child: become the checker (its own uid; stdout its reports, 3 and 4 the pipes to
+    the program) and run its source. Never returns. It is this process forked, not a new
+    interpreter: it may hold the tests, which the program's process never does."""
     try:
-        if isolated:
-            os.kill(-1, SIGKILL)
-        else:
-            os.killpg(pgid, SIGKILL)
-    except ProcessLookupError:
-        pass
+        _arrange(fds)
+        os.chdir("/")
+        _become(checker["uid"], lim)
+        exec(compile(checker["source"], "checker", "exec"), {"__name__": "__main__", "JOB": checker["job"]})
+    except BaseException as e:  # noqa: BLE001 - the tests it did not report are the host's to settle
+        os.write(2, f"sandbox: the checker failed: {type(e).__name__}: {e}\n".encode())
+    os._exit(0)
+
+
+def _kill_all_but_me(isolated: bool, *pgids: int) -> None:
+    """Kill what the case left running: in our own PID namespace that is everything but us, else the
+    process groups (sessions) the case's processes lead."""
+    for pgid in (-1,) if isolated else pgids:
+        try:
+            os.kill(pgid, SIGKILL) if isolated else os.killpg(pgid, SIGKILL)
+        except ProcessLookupError:
+            pass
     while True:  # reap the case and every orphan the kernel handed to us
         try:
             os.waitpid(-1, 0)
@@ -156,28 +179,24 @@ def _kill_all_but_me(isolated: bool, pgid: int) -> None:
             return
 
 
-def run_case(job: dict, workdir: str, stdin_text: str, isolated: bool) -> dict:
-    lim = job["limits"]
-    stdin_fd = os.memfd_create("stdin")  # a file, not a pipe: a program that never reads cannot block us
-    os.write(stdin_fd, stdin_text.encode())
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _exec_case(job, workdir, stdin_fd, out_w, err_w)
-    for fd in (stdin_fd, out_w, err_w):
-        os.close(fd)
+def _memfd(text: str) -> int:
+    """A file holding `text`, at its start: a program that never reads it cannot block us."""
+    fd = os.memfd_create("stdin")
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _watch(out_r: int, err_r: int, pid: int, deadline: float, lim: dict) -> tuple:
+    """Read stdout and stderr until `pid` exits, the deadline passes or an output limit is crossed:
+    (stdout, the stderr's tail, status or None)."""
     pidfd = os.pidfd_open(pid)  # readable once the child exits
     poll = select.poll()
-    for fd in (out_r, err_r, pidfd):
-        if fd != pidfd:
-            os.set_blocking(fd, False)
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
         poll.register(fd, select.POLLIN)
-    out, err, status, exited = bytearray(), bytearray(), None, False
-    err_seen = 0
-    deadline = start + lim["wall_seconds"]
+    poll.register(pidfd, select.POLLIN)
+    out, err, status, exited, err_seen = bytearray(), bytearray(), None, False, 0
     while status is None:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -210,6 +229,43 @@ def run_case(job: dict, workdir: str, stdin_text: str, isolated: bool) -> dict:
                 while (chunk := _read(fd)):
                     buf += chunk
             break
+    os.close(pidfd)
+    return out, err, status
+
+
+def _status(code: int, err: bytes) -> str:
+    """What a program's exit code (and its stderr's tail) say happened to it."""
+    if code == 0:
+        return "ok"
+    if code in (-SIGXCPU, -SIGKILL):
+        return "timeout"  # the CPU limit: SIGXCPU at the soft limit, SIGKILL at the hard one
+    if code == -SIGXFSZ or b"File too large" in err[-STDERR_KEEP:]:
+        return "file_size_limit"  # Python ignores SIGXFSZ, so the write fails with EFBIG
+    if b"No space left on device" in err[-STDERR_KEEP:]:
+        return "disk_limit"
+    if b"MemoryError" in err[-STDERR_KEEP:]:
+        return "memory_limit"
+    return "runtime_error"
+
+
+def _result(status, code, seconds, out: bytes, err: bytes, lim: dict) -> dict:
+    return {"status": status, "exit_code": code, "seconds": round(seconds, 4),
+            "stdout": out[: lim["output_bytes"]].decode("utf-8", "replace"),
+            "stderr": err[-STDERR_KEEP:].decode("utf-8", "replace")}
+
+
+def run_case(job: dict, workdir: str, stdin_text: str, isolated: bool) -> dict:
+    lim = job["limits"]
+    stdin_fd = _memfd(stdin_text)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _exec_case(job, workdir, {0: stdin_fd, 1: out_w, 2: err_w})
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
+    out, err, status = _watch(out_r, err_r, pid, start + lim["wall_seconds"], lim)
     seconds = time.monotonic() - start
     try:
         os.kill(pid, SIGKILL)
@@ -217,25 +273,48 @@ def run_case(job: dict, workdir: str, stdin_text: str, isolated: bool) -> dict:
         pass
     _, wait_status = os.waitpid(pid, 0)
     _kill_all_but_me(isolated, pid)
-    for fd in (out_r, err_r, pidfd):
+    for fd in (out_r, err_r):
         os.close(fd)
     code = os.waitstatus_to_exitcode(wait_status)
-    if status is None:
-        if code == 0:
-            status = "ok"
-        elif code in (-SIGXCPU, -SIGKILL):
-            status = "timeout"  # the CPU limit: SIGXCPU at the soft limit, SIGKILL at the hard one
-        elif code == -SIGXFSZ or b"File too large" in err[-STDERR_KEEP:]:
-            status = "file_size_limit"  # Python ignores SIGXFSZ, so the write fails with EFBIG
-        elif b"No space left on device" in err[-STDERR_KEEP:]:
-            status = "disk_limit"
-        elif b"MemoryError" in err[-STDERR_KEEP:]:
-            status = "memory_limit"
+    return _result(status or _status(code, err), code, seconds, out, err, lim)
+
+
+def run_checked(job: dict, workdir: str, isolated: bool) -> dict:
+    """The program (job["harness"] answering calls) beside its checker: the checker's reports as
+    stdout, the program's status and stderr (its prints included). The case ends when the checker does."""
+    lim = job["limits"]
+    write_files(job, workdir)
+    calls_r, calls_w = os.pipe()  # checker -> program
+    replies_r, replies_w = os.pipe()  # program -> checker
+    out_r, out_w = os.pipe()  # the checker's reports
+    err_r, err_w = os.pipe()  # the program's stdout and stderr
+    stdin_fd, null = _memfd(""), os.open("/dev/null", os.O_RDWR)
+    start = time.monotonic()
+    program = os.fork()
+    if program == 0:
+        _exec_case(job, workdir, {0: stdin_fd, 1: err_w, 2: err_w, 3: calls_r, 4: replies_w})
+    checker = os.fork()
+    if checker == 0:
+        _run_checker(job["checker"], lim, {0: null, 1: out_w, 2: null, 3: calls_w, 4: replies_r})
+    for fd in (calls_r, calls_w, replies_r, replies_w, out_w, err_w, stdin_fd, null):
+        os.close(fd)
+    out, err, status = _watch(out_r, err_r, checker, start + lim["wall_seconds"], lim)
+    seconds = time.monotonic() - start
+    code = None
+    if status is None:  # the checker is done: a program that ended under it has a moment to be reaped
+        for _ in range(20):
+            pid, wait_status = os.waitpid(program, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(wait_status)
+                status = _status(code, err)
+                break
+            time.sleep(0.005)
         else:
-            status = "runtime_error"
-    return {"status": status, "exit_code": code, "seconds": round(seconds, 4),
-            "stdout": out[: lim["output_bytes"]].decode("utf-8", "replace"),
-            "stderr": err[-STDERR_KEEP:].decode("utf-8", "replace")}
+            status = "ok"  # still answering calls when the checks ended
+    _kill_all_but_me(isolated, program, checker)
+    for fd in (out_r, err_r):
+        os.close(fd)
+    return _result(status, code, seconds, out, err, lim)
 
 
 def _read(fd: int) -> bytes | None:
@@ -246,6 +325,8 @@ def _read(fd: int) -> bytes | None:
 
 
 def run_cases(job: dict, workdir: str, isolated: bool) -> list[dict]:
+    if job["checker"] is not None:
+        return [run_checked(job, workdir, isolated)]
     write_files(job, workdir)
     results = []
     for stdin_text in job["inputs"]:

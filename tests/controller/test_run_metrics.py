@@ -103,6 +103,18 @@ def test_reward_accuracy_and_other_scalar_keys_are_averaged_over_every_sample():
     assert m["response_length_max"] == 40
 
 
+def test_suspect_is_the_share_of_samples_any_reward_node_flagged():
+    groups = [GroupMeta(0, "w", [sample("a", 5, {0: 5}, {"rewards": 1.0, "code_suspect": 1.0, "math_suspect": 0.0}),
+                                 sample("b", 5, {0: 5}, {"rewards": 0.0, "code_suspect": 0.0, "math_suspect": 1.0}),
+                                 sample("c", 5, {0: 5}, {"rewards": 0.0, "code_suspect": 0.0, "math_suspect": 0.0}),
+                                 sample("d", 5, {0: 5}, {"rewards": 0.0})])]  # timed out: no figures
+    m = batch_metrics(groups, step=0, reward_key="rewards", output_key="output_ids")
+    assert (m["reward/suspect"], m["reward/suspect_samples"]) == (0.5, 2)
+    assert m["reward/code_suspect"] == pytest.approx(1 / 3)  # each node's own, over the samples it scored
+    plain = [GroupMeta(0, "w", [sample("a", 5, {0: 5}, {"rewards": 1.0, "arith_raw": 1.0})])]
+    assert "reward/suspect" not in batch_metrics(plain, step=0, reward_key="rewards", output_key="output_ids")
+
+
 def test_truncated_fraction_counts_samples_that_did_not_stop():
     finishes = [Finish.STOP, Finish.LENGTH, Finish.ABORT, Finish.STOP]
     groups = [GroupMeta(0, "w", [sample(str(i), 5, {0: 5}, {"rewards": 0.0}, f) for i, f in enumerate(finishes)])]

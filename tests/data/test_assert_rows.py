@@ -85,3 +85,61 @@ def test_parquet_rows_of_mixed_shapes_and_a_refusal_by_row(tmp_path):
         load_rows(path, CODE, "areal_code")
     assert str(e.value).startswith(f"{path}: row 3: missing field 'input_output', and no assert-style")
     assert str(e.value).endswith("(row has: query_id, prompt)")
+
+
+# ---- tests that cannot tell a right program from an empty one ----------------------------------
+
+BLANK = "every expected output is blank: a program that prints nothing passes every test"
+NONE = "every expected output is None: a function f() whose body is `pass` passes every test"
+NO_ASSERT = ("no assert statement, raise or assert*() call in any test: nothing checks the program's answers, "
+             "so a function whose body is `pass` passes")
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({**IO, "input_output": {"inputs": ["1\n", "2\n"], "outputs": ["", " \n\t"]}}, f"input_output: {BLANK}"),
+    ({**IO, "input_output": {"inputs": [["1"], "2\n"], "outputs": [[], "\n"]}}, f"input_output: {BLANK}"),
+    ({**IO, "input_output": json.dumps({"inputs": [[1], [2]], "outputs": [None, "null"], "fn_name": "f"})},
+     f"input_output: {NONE}"),
+    ({**IO, "input_output": {"inputs": ["1", "2"], "outputs": [[None], "[null]"], "fn_name": "f"}},  # APPS's wrapping
+     f"input_output: {NONE}"),
+    ({**IO, "input_output": {"asserts": ["f(1) == 2", "f(2) == 4"]}}, f"input_output: {NO_ASSERT}"),
+    ({**IO, "input_output": {"test": "def check(candidate):\n    candidate(2) == 4\n", "entry_point": "f"}},
+     f"input_output: {NO_ASSERT}"),
+    ({**MBPP, "test_list": ["f(1) == 2", "print(f(2))"]}, f"test_list: {NO_ASSERT}"),
+    ({**ASSERTS, "asserts": ["f(0) == 0"]}, f"asserts: {NO_ASSERT}"),
+    ({**HUMANEVAL, "test": "def check(candidate):\n    candidate(2)\n"}, f"test: {NO_ASSERT}"),
+], ids=["stdin blank", "stdin blank lines", "fn None", "fn [None]", "asserts", "input_output test",
+        "test_list", "row asserts", "humaneval test"])
+def test_tests_an_empty_program_passes_are_refused_naming_file_and_line(tmp_path, row, problem):
+    path = _jsonl(tmp_path, [IO, row])
+    with pytest.raises(DatasetError) as e:
+        load_rows(path, CODE, "areal_code")
+    assert str(e.value) == f"{path}:2: {problem}"
+
+
+@pytest.mark.parametrize("tests", [
+    {"inputs": ["1\n", "2\n"], "outputs": ["", "2\n"]},                        # one output to print is enough
+    {"inputs": [[1], [2]], "outputs": [None, 3], "fn_name": "f"},              # one value other than None
+    {"inputs": [[1]], "outputs": [[None, None]], "fn_name": "f"},              # a list of Nones is a value
+    {"inputs": [[1]], "outputs": [0], "fn_name": "f"},                         # 0, False, "" are not None
+    {"inputs": [[1]], "outputs": ["None"], "fn_name": "f"},                    # the string, not the value
+    {"asserts": ["f(1) == 2", "assert f(2) == 4"]},                            # one assert in any test
+    {"asserts": ["if f(1) != 2:\n    raise ValueError(f(1))"]},
+    {"asserts": ["import unittest\nunittest.TestCase().assertEqual(f(1), 2)"]},
+    {"asserts": ["f(1) == 2"], "setup": "def g():\n    assert f(0) == 0\ng()"},  # the setup checks too
+])
+def test_tests_that_can_fail_an_empty_program_load(tmp_path, tests):
+    rows = load_rows(_jsonl(tmp_path, [IO, {**IO, "query_id": "ok", "input_output": tests}]), CODE, "areal_code")
+    assert json.loads(rows[1]["input_output"]) == tests
+
+
+def test_degenerate_tests_in_a_parquet_file_are_refused_by_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{**IO, "input_output": json.dumps(IO["input_output"])},
+            {**IO, "query_id": "blank", "input_output": json.dumps({"inputs": ["1\n"], "outputs": ["\n"]})}]
+    path = str(tmp_path / "blank.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DatasetError) as e:
+        load_rows(path, CODE, "areal_code")
+    assert str(e.value) == f"{path}: row 1: input_output: {BLANK}"

@@ -175,7 +175,7 @@ def test_no_training_problem_has_a_held_out_identity(tmp_path):
 
 def test_files_are_cached_by_settings(tmp_path):
     train, held = ensure_tiny_code_data(str(tmp_path), 30, 10, 1)
-    assert os.path.basename(os.path.dirname(train)) == "tiny-code-v1-train30-eval10-seed1"
+    assert os.path.basename(os.path.dirname(train)) == "tiny-code-v1.2-train30-eval10-seed1"
     before = os.stat(train).st_mtime_ns
     assert ensure_tiny_code_data(str(tmp_path), 30, 10, 1) == (train, held)
     assert os.stat(train).st_mtime_ns == before
@@ -258,7 +258,7 @@ def test_dataset_name_tiny_code_generates_and_loads_code_rows(tmp_path):
     cfg = config(tmp_path, "dataset.name=tiny_code", "dataset.n_train=40", "dataset.n_eval=12",
                  "dataset.fields=[prompt,input_output]", "graph.reward.inputs=[output_ids,input_output]")
     train, held_out = prepare_data(cfg)
-    assert train == str(tmp_path / "cache" / "data" / "tiny-code-v1-train40-eval12-seed0" / "train.jsonl")
+    assert train == str(tmp_path / "cache" / "data" / "tiny-code-v1.2-train40-eval12-seed0" / "train.jsonl")
     assert row_format("tiny_code") == "areal_code"
     rows = load_rows(held_out, ["prompt", "input_output", "solution", "family", "difficulty"], "areal_code")
     assert len(rows) == 12 and rows[0]["id"] == "eval-0" and len(load_rows(train, [], "areal_code")) == 40

@@ -14,16 +14,18 @@ from areal_flow.envs.base import resolve_env
 from areal_flow.envs.code_feedback import CodeFeedback
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
 from areal_flow.models.tasks import repaired
-from areal_flow.rewards.sandbox import UID_BASE
+from areal_flow.rewards.sandbox import CHECKER_UID_SHIFT, UID_BASE
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
-ROW = {"input_output": {"inputs": [[4], [2], [-3]], "outputs": [12, 6, -9], "fn_name": "mul_3"}}
+ROW = {"input_output": {"inputs": [[4], [2], [-3]], "outputs": [12, 6, -9], "fn_name": "mul_3"}, "shown_tests": 3}
 
 
 def sandboxed_processes() -> list[int]:
-    """The pids of processes running as one of this process's tool sandboxes' uids (what a program
-    left behind; envs/python_tool.py: SandboxPool gives box k the uid UID_BASE + (k+1)·PID_SPAN + pid)."""
-    return processes_of_uids({UID_BASE + (k + 1) * PID_SPAN + os.getpid() for k in range(MAX_BOXES)})
+    """The pids of processes running as one of this process's tool sandboxes' uids, or their checkers'
+    (what a program left behind; envs/python_tool.py: SandboxPool gives box k the uid
+    UID_BASE + (k+1)·PID_SPAN + pid)."""
+    uids = {UID_BASE + (k + 1) * PID_SPAN + os.getpid() for k in range(MAX_BOXES)}
+    return processes_of_uids(uids | {u - CHECKER_UID_SHIFT for u in uids})
 
 
 def attempts(turns: list[str], row=ROW, **settings):
@@ -55,13 +57,30 @@ def test_an_attempt_that_hangs_floods_or_forges_the_drivers_report_fails_and_not
         "def mul_3(x):\n    while True: pass",
         "def mul_3(x)\n    return x",
         "def mul_3(x):\n    print('é' * 10**6)\n    return x * 3",
-        # An attempt that prints what looks like the driver's success line: it cannot know the nonce.
-        "print('\\n' + 'x' * 16 + '{\"index\": -1}')\ndef mul_3(x):\n    return 0"], wall_seconds=1.0)
+        # An attempt that writes what looks like the checker's success lines on every descriptor it has.
+        "import os\nfor fd in range(1, 5):\n    os.write(fd, b'[0, \"passed\", 0, \"\", \"\", \"\"]\\n')\n"
+        "def mul_3(x):\n    return 0"], wall_seconds=1.0)
     assert hang.observation == "# failed: mul_3(4) == 12, got timeout\n" and hang.reward == 0.0
     assert syntax.observation.startswith("# failed: mul_3(4) == 12, got SyntaxError")
     assert not flood.done and flood.reward == 0.0 and flood.observation.isascii()
-    assert forge.observation == "# failed: mul_3(4) == 12, got 0\n"
+    assert forge.reward == 0.0 and forge.observation.startswith("# failed: mul_3(4) == 12, got ")
     assert sandboxed_processes() == []
+
+
+@needs_root
+def test_feedback_comes_from_the_shown_tests_only():
+    """The prompt shows 2 tests; an attempt that fails only the hidden third is never told of it."""
+    row = {**ROW, "shown_tests": 2}
+    hidden_only, shown = attempts(["def mul_3(x):\n    return x * 3 if x > 0 else 0",
+                                   "def mul_3(x):\n    return x * 3 if x > 2 else 0"], row=row)
+    assert (hidden_only.done, hidden_only.reward, hidden_only.observation) == (True, 1.0, "")
+    assert shown.observation == "# failed: mul_3(2) == 6, got 0\n"
+    everything = attempts(["def mul_3(x):\n    return x * 3 if x > 0 else 0"], row=row, feedback_from="all")[0]
+    assert everything.observation == "# failed: mul_3(-3) == -9, got 0\n"
+    with pytest.raises(ValueError, match=r"the row's 'shown_tests' must say how many .* got None.* would leak"):
+        CodeFeedback({"input_output": ROW["input_output"]})
+    with pytest.raises(ValueError, match=r"an int in 1\.\.3\), got 4"):
+        CodeFeedback({**ROW, "shown_tests": 4})
 
 
 def test_rows_without_function_call_tests_are_refused_by_name():

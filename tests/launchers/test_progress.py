@@ -103,6 +103,13 @@ def test_the_summary_table_gives_the_trainers_wait_on_rewards_and_each_reward_no
             if line.count("│") == 3}
     assert rows["trainer waiting on rewards"] == "4.0%" and rows["reward workers busy (code)"] == "40.0%"
     assert "weight updates" not in rows  # no step said how long its update took
+    assert "suspect samples (gamed or hedged)" not in rows  # no step had a reward that flags samples
+    steps[0]["reward/suspect"], steps[1]["reward/suspect"] = 0.0, 0.25
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, steps))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table.getvalue().splitlines()
+            if line.count("│") == 3}
+    assert rows["suspect samples (gamed or hedged)"] == "12.5% (max 25.0%)"
 
 
 def test_the_summary_table_gives_the_weight_updates_share_of_the_steps():

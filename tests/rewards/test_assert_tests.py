@@ -1,6 +1,6 @@
 """Assert-style code tests (HumanEval's `test` + `entry_point`, MBPP's asserts): read from the tests
-field and from dataset rows, run with the program in one process of the real sandbox, and scored
-all-or-nothing or, with partial credit, as the fraction passed."""
+field and from dataset rows, run in the real sandbox's checker beside the program's process, and
+scored all-or-nothing or, with partial credit, as the fraction passed."""
 
 import json
 import os
@@ -74,21 +74,25 @@ def test_a_rows_own_keys_become_the_tests_field():
         row_tests({"test": CHECK})
 
 
-def test_only_the_jobs_reports_with_a_known_status_count_and_a_death_mid_test_is_that_tests():
-    lines = [["n", -1], ["n", -1, "passed", 0.01, ""], ["n", 0], ["n", 0, "wrong_answer", 0.1, "AssertionError"],
-             ["n", 0, "passed", 0.1, ""],  # a forked copy of the harness: the first report counts
-             ["other", 1, "passed", 0.0, ""], ["n", 1, "forged", 0.0, ""], ["n", 1]]
-    reports = Reports("\n".join(map(json.dumps, lines)) + '\n["n", 1, "pass', "n")  # the output limit cut the last
+def test_only_reports_with_a_known_status_count_and_a_death_mid_test_is_that_tests():
+    lines = [[-1], [-1, "passed", 0.01, "", "", ""], [0], [0, "wrong_answer", 0.1, "AssertionError", "", ""],
+             [0, "passed", 0.1, "", "", ""],  # the first report counts
+             [1, "forged", 0.0, "", "", ""], ["1", "passed", 0.0, "", "", ""], [1]]
+    reports = Reports("\n".join(map(json.dumps, lines)) + '\n[1, "pass')  # the output limit cut the last
     assert reports.started == {-1, 0, 1}
-    assert reports.ended == {-1: ("passed", 0.01, ""), 0: ("wrong_answer", 0.1, "AssertionError")}
+    assert reports.ended == {-1: ("passed", 0.01, "", "", ""), 0: ("wrong_answer", 0.1, "AssertionError", "", "")}
     case = CaseResult("output_limit", exit_code=-9, seconds=0.5)
     settled, again = settle(case, reports, 3, fail_fast=False)
     assert [s[0] for s in settled] == ["wrong_answer", "output_limit"] and again  # test 2 runs in a new process
-    assert "process ended under it: output_limit, exit code -9" in settled[1][2]
+    assert "process ended under the test: output_limit, exit code -9" in settled[1][2]
     assert settle(case, reports, 3, fail_fast=True)[1] is False
     # A process that never finished loading the program: every test alike, none run again.
-    assert settle(CaseResult("timeout", seconds=2.0), Reports("", "n"), 2, fail_fast=False)[0] == [
-        ("timeout", 2.0, "[the test's process ended under it: timeout, exit code None]"), ("timeout", 0.0, "")]
+    assert settle(CaseResult("timeout", seconds=2.0), Reports(""), 2, fail_fast=False)[0] == [
+        ("timeout", 2.0, "[the program's process ended under the test: timeout, exit code None]", "timeout", ""),
+        ("timeout", 0.0, "", "", "")]
+    # Exiting 0 under a test is a crash, and suspect.
+    assert settle(CaseResult("ok", exit_code=0), Reports("[-1, \"passed\", 0, \"\", \"\", \"\"]\n[0]"), 1,
+                  fail_fast=True)[0][0][::4] == ("runtime_error", "exited")
 
 
 # ---- running them -----------------------------------------------------------------------------
@@ -182,16 +186,16 @@ def f(x):
     t0 = time.monotonic()
     got = score_program(box, program, tests)
     assert statuses(got) == ["passed", "timeout", "runtime_error", "passed"]  # the rest ran in new processes
-    assert "outlived its deadline" in got["tests"][1].stderr
-    assert "process ended under it: ok, exit code 0" in got["tests"][2].stderr
+    assert "past 1.0 s" in got["tests"][1].stderr
+    assert "process ended under the test: ok, exit code 0" in got["tests"][2].stderr
     assert time.monotonic() - t0 < 1.0 + 0.5 + 2.0
 
 
 @needs_root
 def test_printed_status_lines_cannot_pass_a_test(box):
-    # Lines in the harness's format, on every descriptor the program might guess, then an exit
-    # before any check runs: without the job's nonce they are not reports.
-    forged = json.dumps(["0" * 32, 0, "passed", 0.0, ""]) + "\n"
+    # Lines in the checker's report format, on every descriptor the program has, then an exit before
+    # any test runs: only the checker holds the descriptor its reports go out on.
+    forged = json.dumps([0, "passed", 0.0, "", "", ""]) + "\n"
     program = f"""
 import os
 for fd in range(1, 8):
@@ -202,7 +206,7 @@ for fd in range(1, 8):
 os._exit(0)
 """
     got = score_program(box, program, parse_tests({"asserts": ["assert False"]}))
-    assert got["reward"] == 0.0 and statuses(got) == ["runtime_error"]
+    assert got["reward"] == 0.0 and statuses(got) == ["not_plain"] and got["suspect"]  # on its reply pipe: forged
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -88,12 +88,12 @@ def test_function_call_tests_run_in_one_process_and_compare_the_json_round_trip(
     counter = "calls = []\ndef count():\n    calls.append(1)\n    return len(calls)\n"
     counted = parse_tests({"inputs": [[], [], []], "outputs": [1, 2, 3], "fn_name": "count"})
     assert score_program(box, counter, counted)["reward"] == 1.0
-    # No such function, a value JSON cannot encode: runtime errors, as a harness that could not call
-    # or print it had.
-    for program, why in (("def other(xs, k):\n    return xs\n", "KeyError"),
-                         ("def scale(xs, k):\n    return {object()}\n", "not JSON serializable")):
+    # No such function, a set (plain data, but not JSON's), a set holding an object (not plain data).
+    for program, status, why in (("def other(xs, k):\n    return xs\n", "runtime_error", "NameError"),
+                                 ("def scale(xs, k):\n    return {1}\n", "runtime_error", "JSON cannot encode"),
+                                 ("def scale(xs, k):\n    return {object()}\n", "not_plain", "not plain data")):
         failed = score_program(box, program, tests)
-        assert failed["tests"][0].status == "runtime_error" and why in failed["tests"][0].stderr
+        assert failed["tests"][0].status == status and why in failed["tests"][0].stderr
     box.close()
 
 
@@ -105,7 +105,7 @@ def test_every_test_status_reaches_the_metrics_as_a_share_of_the_samples_tests()
     program = ("import sys, time\nn = int(input())\n"
                "if n == 2: print(0)\nelif n == 3: sys.exit(1)\nelif n == 4: time.sleep(30)\nelse: print(n)\n")
     got = reward(f"```python\n{program}```", tests)
-    assert set(got) == {"reward"} | {f"tests_{s}" for s in TEST_STATUSES}
+    assert set(got) == {"reward", "suspect"} | {f"tests_{s}" for s in TEST_STATUSES}
     assert got["reward"] == 0.0
     assert {k: v for k, v in got.items() if v and k != "reward"} == {
         "tests_passed": 0.25, "tests_wrong_answer": 0.25, "tests_runtime_error": 0.25, "tests_timeout": 0.25}

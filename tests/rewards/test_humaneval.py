@@ -48,3 +48,14 @@ def test_every_solution_returning_none_fails(reward):
     # They fail on their checks' asserts or on using None, not on a sandbox problem or a timeout.
     statuses = {status for _, stats in got.values() for status in stats}
     assert statuses <= {"tests_wrong_answer", "tests_runtime_error"}, statuses
+
+
+def test_the_helpers_a_check_calls_are_the_prompts_not_the_programs(reward):
+    """HumanEval/32's check asserts poly(coeffs, candidate(coeffs)) ≈ 0 with the prompt's poly: a
+    program that redefines poly to be 0 everywhere does not pass, one that solves the task does."""
+    problem = next(p for p in humaneval_problems() if p["task_id"] == "HumanEval/32")
+    tests = json.dumps(humaneval_row(problem)["input_output"])
+    cheat = "def poly(xs, x):\n    return 0.0\n\ndef find_zero(xs):\n    return 0.0\n"
+    assert reward(f"```python\n{cheat}```", tests)["reward"] == 0.0
+    honest = problem["prompt"] + problem["canonical_solution"]
+    assert reward(f"```python\n{honest}```", tests)["reward"] == 1.0

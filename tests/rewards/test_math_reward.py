@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from areal_flow.rewards.functions import REWARD_FNS
-from areal_flow.rewards.math import _deadline, _OutOfTime, extract_answer, math_reward, parse_references, score
+from areal_flow.rewards.math import (
+    _deadline,
+    _OutOfTime,
+    boxes,
+    extract_answer,
+    math_figures,
+    math_reward,
+    parse_references,
+    score,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,9 +155,109 @@ def test_a_malformed_reference_list_raises():
         math_reward(boxed("2"), '["2", ')
 
 
-def test_registered_as_math():
-    assert REWARD_FNS["math"] is math_reward
+def test_registered_as_math_with_a_suspect_figure():
+    assert REWARD_FNS["math"] is math_figures
     assert "math_verify" not in REWARD_FNS
+    # The same keys on every call, right, wrong, hedged or without an answer.
+    assert math_figures(boxed("2"), "2") == {"reward": 1.0, "suspect": 0.0}
+    assert math_figures(boxed("3"), "2") == {"reward": 0.0, "suspect": 0.0}
+    assert math_figures(boxed("2 \\text{ or } 3"), "2") == {"reward": 0.0, "suspect": 1.0}
+    assert math_figures("no idea", "2") == {"reward": 0.0, "suspect": 0.0}
+
+
+# ---- hedging: an answer that offers several values scores 0, the reference among them or not -------
+
+def hedged(completion: str, reference: str) -> str | None:
+    result = score(completion, reference)
+    assert result.hedged is None or (result.reward, result.matched) == (0.0, None)
+    return result.hedged
+
+
+def test_boxes_collects_every_closed_box():
+    assert boxes("\\boxed{1} then \\fbox{2}, \\boxed 3 and \\boxed{} and \\boxed{\\boxed{4}} \\boxed{5") == [
+        "1", "2", "3", "\\boxed{4}", "4"]
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("It is \\boxed{2} or maybe \\boxed{3}.", "2"),
+    ("It is \\boxed{3} or maybe \\boxed{2}.", "2"),                   # the last box right: still a hedge
+    ("\\fbox{5} ... \\boxed{2}", "2"),
+    ("\\boxed{\\boxed{2} \\boxed{3}}", "2"),                             # boxes inside a box
+    ("x = \\boxed{3}? No: recomputing, x = \\boxed{2}.", "2"),          # a wrong box in the working counts
+])
+def test_boxes_with_different_values_are_a_hedge(completion, reference):
+    assert math_reward(completion, reference) == 0.0
+    assert hedged(completion, reference) == "boxes_differ"
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("\\boxed{2, 3, 5}", "2"),
+    ("\\boxed{2; 3}", "2"),
+    ("\\boxed{x = 2, x = 3}", "2"),
+    ("\\boxed{2 \\text{ or } 3}", "2"),
+    ("\\boxed{2 \\lor 3}", "2"),
+    ("\\boxed{2 \\vee 3}", "2"),
+    ("\\boxed{2 \\text{ and } 3}", "2"),
+    ("\\boxed{\\pm 2}", '["2", "-2"]'),                                  # each reference is one value
+    ("The answer is 2 or 3.", "2"),                                       # a final-answer line too
+    ("\\boxed{2 \\text{ or } 3}", "2, 3"),                                # "or" is a hedge even for a list
+    ("\\boxed{x = 2 \\text{ or } x = 3}", "2, 3"),                         # (math-verify accepts both)
+])
+def test_candidates_where_the_reference_is_one_value_are_a_hedge(completion, reference):
+    assert math_reward(completion, reference) == 0.0
+    assert hedged(completion, reference) == "candidates"
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("\\boxed{41 = 42}", "42"),                                          # math-verify takes the 42
+    ("\\boxed{x = 41 = 42}", "42"),
+    ("\\boxed{? = 42}", "42"),                                            # math-verify takes the 42
+    ("\\boxed{17+25=?}", "42"),
+    ("The answer is 41 = 42", "42"),
+])
+def test_a_question_or_a_false_equation_is_a_restated_answer(completion, reference):
+    assert math_reward(completion, reference) == 0.0
+    assert hedged(completion, reference) == "restated"
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("The result is \\boxed{2}.", "2"),                                    # a single right box
+    ("So \\boxed{2}. Checking: 1+1 = 2, so indeed \\boxed{ 2 }.", "2"),    # the same box twice
+    ("\\boxed{\\frac{1}{2}}, that is \\boxed{\\dfrac12}", "0.5"),           # same text once normalised
+    ("\\boxed{1/2}, that is \\boxed{0.5}", "0.5"),                         # different text, equal per math-verify
+    ("\\boxed{\\boxed{3}}", "3"),
+    ("\\boxed{\\left( 1, 2 \\right)} or, written plainly, \\boxed{(1,2)}", "(1, 2)"),
+    ("Put the answer in \\boxed{} as asked: \\boxed{5}", "5"),              # an empty box is no value
+    ("\\boxed{3, 2}", "2, 3"),                                               # a list for a list
+    ("\\boxed{x = 2, y = 3}", "(2, 3)"),
+    ("\\boxed{(1, 2)}", "(1, 2)"),                                           # a tuple is one value
+    ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}"),
+    ("\\boxed{[0, 1)}", "[0, 1)"),
+    ("\\boxed{1,000}", "1000"),                                              # thousands, not a list
+    ("\\boxed{10,\\!000}", "10000"),
+    ("\\boxed{\\pm 2}", "\\pm 2"),
+    ("\\boxed{17+25 = 42}", "42"),                                           # an equation that holds
+    ("\\boxed{x = 2}", "2"),
+    ("\\boxed{f(2) = 5}", "5"),
+])
+def test_honest_answers_are_no_hedge(completion, reference):
+    assert hedged(completion, reference) is None
+    assert math_reward(completion, reference) == 1.0
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("The answer is 5, which is odd.", "5"),     # prose after a comma: no candidates (math-verify reads no 5)
+    ("Final answer: 5 apples and 3 pears", "5"),
+    ("\\boxed{3}", "4"),
+])
+def test_wrong_or_unreadable_answers_are_not_called_hedges(completion, reference):
+    assert hedged(completion, reference) is None and math_reward(completion, reference) == 0.0
+
+
+def test_an_unevaluated_question_is_not_covered():
+    """`\\boxed{17+25}` for "What is 17+25?" restates the question, but the reward never sees the
+    question: math-verify evaluates the sum and it scores 1 (docs/rewards.md)."""
+    assert hedged("\\boxed{17+25}", "42") is None and math_reward("\\boxed{17+25}", "42") == 1.0
 
 
 @pytest.mark.parametrize("answer", [
@@ -205,6 +314,14 @@ def test_command_prints_one_json_object():
     assert out["extracted"] == "\\frac{1}{2}"
     assert out["references"] == ["\\frac{1}{3}", "0.5"]
     assert out["matched"] == "0.5"
+    assert out["hedged"] is None
+
+
+def test_command_prints_why_an_answer_is_a_hedge():
+    proc = run_command("\\boxed{2} or \\boxed{3}", "3")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["reward"], out["extracted"], out["matched"], out["hedged"]) == (0.0, "3", None, "boxes_differ")
 
 
 def test_command_exits_zero_for_a_wrong_or_missing_answer():

@@ -73,26 +73,25 @@ def test_stdio_and_function_call_tests_score_as_locally(service):
     calls = parse_tests({"inputs": ["[1, 2]\n3"], "outputs": ["[3, 6]"], "fn_name": "scale"})
     program = "class Solution:\n    def scale(self, xs, k):\n        return [x * k for x in xs]\n"
     assert score_program(box, program, calls)["reward"] == 1.0
-    sent = requests[-1]  # the call is a check of the harness, with the program as a file
-    assert "[[1, 2], 3]" in json.loads(sent["stdin"])["checks"][0]
+    sent = requests[-1]  # the calls go as stdin, with the program as a file; what they must return stays here
+    assert [json.loads(line)[:2] for line in sent["stdin"].splitlines()] == [[0, "scale"]]
+    assert "[3, 6]" not in sent["stdin"] and "6" not in sent["stdin"]
     assert base64.b64decode(sent["files"]["solution.py"]).decode() == program
     assert sent["run_timeout"] == 2.0 * 2 and sent["memory_limit_MB"] == 1024
+    lying = "class A:\n    def __eq__(self, other):\n        return True\ndef scale(xs, k):\n    return A()\n"
+    got = score_program(box, lying, calls)
+    assert got["reward"] == 0.0 and got["tests"][0].status == "not_plain" and got["suspect"]
 
 
-def test_assert_style_tests_run_the_harness_with_the_program_as_a_file(service):
+def test_assert_style_tests_need_the_local_sandbox(service):
+    """Their source holds what they expect: it must not run where the program runs."""
     url, requests = service
     box = RemoteSandbox(SandboxConfig(backend="remote", url=url, wall_seconds=2.0, fail_fast=False))
-    program = "def f(x):\n    return 2 * x\n"
-    asserts = parse_tests({"asserts": ["assert f(1) == 2", "assert f(2) == 5", "assert f(3) == 6"]})
-    got = score_program(box, program, asserts, partial_credit=True)
-    assert [t.status for t in got["tests"]] == ["passed", "wrong_answer", "passed"]
-    assert got["reward"] == pytest.approx(2 / 3)
-    sent = requests[-1]
-    assert base64.b64decode(sent["files"]["solution.py"]).decode() == program
-    assert json.loads(sent["stdin"])["checks"] == asserts.checks
-    assert sent["run_timeout"] == 2.0 * 4  # one process for the program's start and its 3 tests
-    check = parse_tests({"test": "def check(candidate):\n    assert candidate(4) == 8\n", "entry_point": "f"})
-    assert score_program(box, program, check)["reward"] == 1.0
+    asserts = parse_tests({"asserts": ["assert f(1) == 2", "assert f(2) == 5"]})
+    n_sent = len(requests)
+    got = score_program(box, "def f(x):\n    return 2 * x\n", asserts)
+    assert [t.status for t in got["tests"]] == ["sandbox_error"] * 2 and got["reward"] == 0.0
+    assert "sandbox.backend=local" in got["tests"][0].stderr and len(requests) == n_sent
 
 
 def test_timeouts_errors_and_a_sandbox_error_map_onto_the_local_statuses(service):
