@@ -1,4 +1,4 @@
-"""`python -m areal_flow.launch [recipe=NAME] [key=value ...]`: compose, validate, plan, start.
+"""`python -m areal_flow.launch [recipe=NAME|PATH] [key=value ...]`: compose, validate, plan, start.
 
 Everything that can be wrong with a recipe is found here, before any process starts: Hydra
 rejects unknown keys and wrong types, `run/checks.py` a bad graph, placement or combination of
@@ -29,6 +29,7 @@ from areal_flow.run.compose import compose
 from areal_flow.run.dry_run import dry_run
 from areal_flow.run.lock import RunDirBusy, hold_run_dir
 from areal_flow.run.prepare import prepare
+from areal_flow.run.recipe_files import RecipeError, recipe_args, watch_hydra_files
 from areal_flow.run.start import start_watched
 from areal_flow.run.submit import submit_slurm
 from areal_flow.run.summary import report
@@ -102,30 +103,6 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
-def check_yaml(argv: list[str]) -> str | None:
-    """Hydra reports a malformed YAML file with a 90-line traceback; find it first and say which
-    file and line in one message. Checks conf/, recipes/ and every hydra.searchpath folder."""
-    import re
-
-    import yaml
-
-    folders = [CONF_DIR]
-    if (CONF_DIR / "recipe").is_symlink():  # rglob does not follow the conf/recipe link: add its target
-        folders.append((CONF_DIR / "recipe").resolve())
-    for arg in argv:
-        if arg.startswith("hydra.searchpath="):
-            folders += [Path(p) for p in re.findall(r"file://([^,\]\s]+)", arg)]
-    for folder in folders:
-        for path in sorted(folder.rglob("*.yaml")):
-            try:
-                yaml.safe_load(path.read_text())
-            except yaml.YAMLError as e:
-                mark = getattr(e, "problem_mark", None)
-                where = f"{path}, line {mark.line + 1}" if mark else str(path)
-                return f"malformed YAML in {where}: {getattr(e, 'problem', None) or e}"
-    return None
-
-
 def check_run_dir(argv: list[str]) -> str | None:
     """Hydra makes hydra.run.dir (or hydra.sweep.dir) before the task runs, and a directory that
     cannot be made ends in its traceback: make it here first and say which key and why in one line."""
@@ -146,7 +123,19 @@ if __name__ == "__main__":
     # then installs no KeyboardInterrupt handler: a later `kill -INT` or Ctrl-C would be lost and the
     # run would never stop gracefully. The launcher always listens for it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if problem := check_yaml(sys.argv[1:]) or check_run_dir(sys.argv[1:]):
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {problem}", highlight=False)
+
+    def refuse(problem: str) -> None:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(problem)}", highlight=False)
+
+    try:
+        sys.argv[1:] = recipe_args(sys.argv[1:], CONF_DIR)  # recipe=PATH: an option Hydra finds
+    except RecipeError as e:
+        refuse(str(e))
         sys.exit(2)
+    if problem := check_run_dir(sys.argv[1:]):
+        refuse(problem)
+        sys.exit(2)
+    # Hydra reports a malformed YAML file with a 90-line traceback: each file it reads is checked as
+    # it is read, and only those (never a folder's other YAML files).
+    watch_hydra_files(refuse)
     main()

@@ -14,15 +14,23 @@ call, the first differing position and the text around it.
 
     python -m areal_flow.agents.check_template MODEL_PATH
 
-Exit status 0 when nothing drifts, 1 when something does, 2 when the model has no chat template.
+A template that refuses a conversation (Mistral's "roles must alternate", which has no tool turns)
+cannot be checked on it: that is said in one line per conversation, and the others are checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+EXIT_CODES = """exit status:
+  0  checked: no drift
+  1  drift: some call's tokens differ from the full render (each is printed)
+  2  cannot check: no model or tokenizer at MODEL_PATH, no chat template, or the template refuses
+     a conversation (and no drift in the others); a one-line reason on stderr"""
 
 PYTHON_TOOL = {"type": "function", "function": {
     "name": "python", "description": "Run Python code and read what it printed.",
@@ -65,12 +73,37 @@ class Drift:
         return f"{self.conversation}, call {self.call}: {self.kind} at {self.position}: {self.context!r}"
 
 
+@dataclass
+class Report:
+    """What checking a template found: its drifts, and the conversations it refuses to render."""
+
+    drifts: list[Drift] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    """conversation -> the template's reason (jinja's TemplateError, e.g. raise_exception's message)."""
+
+
 def check(tokenizer: Any, conversations: dict[str, tuple[list[dict], list[dict]]] = CONVERSATIONS) -> list[Drift]:
-    """The drifts of `tokenizer`'s chat template over `conversations` (none: safe to train on)."""
+    """The drifts of `tokenizer`'s chat template over `conversations` (none: safe to train on).
+    Raises jinja2.TemplateError when the template refuses a conversation (`check_all` goes on)."""
     drifts = []
     for name, (messages, tools) in conversations.items():
         drifts += _check_one(tokenizer, name, messages, tools)
     return drifts
+
+
+def check_all(tokenizer: Any, conversations: dict[str, tuple[list[dict], list[dict]]] = CONVERSATIONS) -> Report:
+    """`check` over every conversation the template renders, and the reasons of those it refuses."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    report = Report()
+    for name, (messages, tools) in conversations.items():
+        try:
+            report.drifts += _check_one(tokenizer, name, messages, tools)
+        except TemplateSyntaxError:
+            raise  # the template itself is broken: main() says so
+        except TemplateError as exc:
+            report.refused[name] = " ".join(str(exc).split())  # one line
+    return report
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict], prompt: bool) -> str:
@@ -111,22 +144,67 @@ def _first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m areal_flow.agents.check_template", description=__doc__.split("\n")[0])
-    parser.add_argument("model_path", help="a model directory (or just its tokenizer files)")
-    args = parser.parse_args(argv)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a model directory holds at least one when a tokenizer can be loaded from it."""
+
+CHECKED, DRIFT, CANNOT_CHECK = 0, 1, 2
+"""The exit statuses (EXIT_CODES); argparse's usage errors are 2 as well: nothing was checked."""
+
+
+def load(path: str) -> Any:
+    """The tokenizer at `path`; ValueError with a one-line reason when there is none. A path that
+    is not on disk and cannot be a Hub id ("org/name") is not looked up on the Hub."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    hub_id = not os.path.isabs(path) and not path.startswith((".", "~")) and path.count("/") <= 1
+    if not os.path.exists(path) and not hub_id:
+        raise ValueError("no such directory")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"the directory has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not os.path.exists(path):
+            raise ValueError(f"no such directory, and no model of that name on the Hugging Face Hub ({why})") from None
+        raise ValueError(f"no tokenizer could be loaded from it ({why})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_flow.agents.check_template",
+                                     description=__doc__.split("\n")[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_path", metavar="MODEL_PATH",
+                        help="a model directory (or just its tokenizer files), or a Hub id")
+    args = parser.parse_args(argv)
+    from jinja2 import TemplateSyntaxError
+
+    path = args.model_path
+    try:
+        tokenizer = load(path)
+    except ValueError as exc:
+        print(f"{path}: cannot check: {exc}", file=sys.stderr)
+        return CANNOT_CHECK
     if not getattr(tokenizer, "chat_template", None):
-        print(f"{args.model_path}: the tokenizer has no chat template", file=sys.stderr)
-        return 2
-    drifts = check(tokenizer)
-    for drift in drifts:
+        print(f"{path}: cannot check: the tokenizer has no chat template", file=sys.stderr)
+        return CANNOT_CHECK
+    try:
+        report = check_all(tokenizer)
+    except TemplateSyntaxError as exc:
+        print(f"{path}: cannot check: the chat template does not compile: {' '.join(str(exc).split())}",
+              file=sys.stderr)
+        return CANNOT_CHECK
+    for drift in report.drifts:
         print(f"drift: {drift}")
-    calls = sum(m["role"] == "assistant" for messages, _ in CONVERSATIONS.values() for m in messages)
-    print(f"{args.model_path}: {len(CONVERSATIONS)} conversations, {calls} calls, {len(drifts)} drifts")
-    return 1 if drifts else 0
+    for name, why in report.refused.items():
+        print(f"{path}: cannot check {name!r}: the template refuses it: {why}", file=sys.stderr)
+    checked = {name: c for name, c in CONVERSATIONS.items() if name not in report.refused}
+    calls = sum(m["role"] == "assistant" for messages, _ in checked.values() for m in messages)
+    refused = f" ({len(report.refused)} refused by the template)" if report.refused else ""
+    print(f"{path}: {len(checked)} conversations{refused}, {calls} calls, {len(report.drifts)} drifts")
+    if report.drifts:
+        return DRIFT
+    return CANNOT_CHECK if report.refused else CHECKED
 
 
 if __name__ == "__main__":

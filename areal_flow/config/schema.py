@@ -89,6 +89,9 @@ class NodeConfig:
     max_trajectory_tokens: Optional[int] = doc(None, "generate nodes with env: token budget of a trajectory, its "
                                                "prompt and every turn and observation; null = the model's context "
                                                "(max_position_embeddings)", ge=1)
+    env_error_share: float = doc(0.5, "generate nodes with env: stop the run when the environment raised in more "
+                                 "than this share of the last 200 trajectories (each such trajectory's group is "
+                                 "dropped, counted in env/errors); 1 = never", ge=0, le=1)
     agent: Optional[str] = doc(None, "generate nodes of role actor: 'package.module:function', an async function "
                                "(client: openai.AsyncOpenAI, row: dict) -> reward that runs each rollout through the "
                                "OpenAI gateway (docs/agents.md); null = none")
@@ -349,6 +352,9 @@ class RolloutConfig:
     health_interval: float = doc(2.0, "seconds between /health checks of a generation server marked down", gt=0)
     down_timeout: float = doc(60.0, "seconds a request waits for a server to come back when every one is down, "
                               "then fails", ge=0)
+    failed_groups_stall: int = doc(64, "stop the run when this many prompt groups in a row fail to generate (an "
+                                   "agent's rollout that failed every run, an environment that raised), none scored "
+                                   "between them; 0 = never (step_timeout still ends a run that trains nothing)", ge=0)
 
 
 @dataclass
@@ -394,6 +400,9 @@ class GenerationConfig:
                                         "request's tokens and logprobs do not depend on what it is batched with, "
                                         "about 20% fewer tokens/s; null = on at rollout.max_staleness=0, where it "
                                         "makes seeded runs reproducible bit for bit (sglang: add the flag to extra_args)")
+    max_request_bytes: int = doc(16 << 20, "embedded: larger request bodies are refused (413) before they are read "
+                                 "or tokenized (--max-request-bytes); 16 MiB holds a 128k-token conversation many "
+                                 "times over", ge=1)
     extra_args: List[str] = doc(help="sglang: more launch_server arguments, passed verbatim, e.g. "
                                 "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
 
@@ -576,7 +585,8 @@ class DumpConfig:
 class RunConfig:
     """One training run."""
 
-    recipe: str = doc("", "name of the recipe (set by the recipe file)")
+    recipe: str = doc("", "name of the recipe, in the run directory's path (set by the recipe file; a recipe file "
+                      "that does not set it is named after its file)")
     seed: int = doc(1, "seed of sampling and training")
     output_dir: str = doc("${hydra:runtime.output_dir}", "where this run writes logs, metrics, weights and the checkpoint")
     cache_dir: str = doc("${oc.env:AREAL_FLOW_CACHE,${oc.env:HOME}/.cache/areal_flow}", "generated data and bootstrapped base models, reused across runs")

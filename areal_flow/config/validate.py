@@ -77,6 +77,13 @@ def check_ranges(obj: Any, prefix: str = "") -> list[str]:
     return problems
 
 
+def did_you_mean(name: str, options: Any, prefix: str = "") -> str:
+    """'; did you mean PREFIXoption?' naming the option closest to a mistyped `name`, or '' when
+    none is close: the hint of every unknown key, node and recipe name."""
+    close = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
 def unknown_keys(obj: Any, prefix: str = "") -> list[str]:
     """Keys of a typed config that its dataclasses do not declare, with their full path. Hydra's
     `+key=value` adds a key past the schema, and the launcher's `typed` keeps it (OmegaConf merges a
@@ -87,9 +94,8 @@ def unknown_keys(obj: Any, prefix: str = "") -> list[str]:
     problems = []
     for name in vars(obj):
         if name not in declared:
-            close = difflib.get_close_matches(name, declared, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-            problems.append(f"{prefix}{name}: unknown key, {where} has no field {name!r}{hint}")
+            problems.append(f"{prefix}{name}: unknown key, {where} has no field {name!r}"
+                            f"{did_you_mean(name, declared, prefix)}")
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
+from areal_flow.rollout.turns import ENV_ERROR
 from areal_flow.generation.router import ServerPool, version_number
+
+log = logging.getLogger("areal_flow.controller")
 
 SHOWN_SAMPLES = 4
 """Answers kept in an evaluation's record (prompt, answer, reference, score) for reading."""
@@ -74,6 +78,8 @@ async def held_out_accuracy(
                                      for i, row in enumerate(rows)])
 
     async def scored(text: str, row: dict, figures: dict[str, float]) -> float:
+        if figures.get(ENV_ERROR):  # its environment raised: the answer was cut short, and scores 0
+            return 0.0
         return figures[AGENT_REWARD] if agent_scores else await score(text, row[reference_key])
 
     scores = await asyncio.gather(*[scored(text, row, figures) for (text, _, _, figures), row in zip(answers, rows)])
@@ -100,10 +106,13 @@ async def answer(pool: ServerPool, tokenizer, prompt: str, row: dict, params: di
         text = tokenizer.decode(got["output_ids"], skip_special_tokens=True)
         return text, text, answer_version(got), {}
     got = await turns.run(pool, tokenizer, row, prompt_ids, params, rid, rid, seed=None)
+    if got.get("error"):
+        log.warning("held-out answer %s: environment %s: %s (scored 0)", rid, getattr(turns, "name", ""), got["error"])
     versions = set(got["versions"])
     return (tokenizer.decode(final_turn(got["output_ids"], got["loss_mask"]), skip_special_tokens=True),
             tokenizer.decode(got["output_ids"], skip_special_tokens=True),
-            versions.pop() if len(versions) == 1 else -1, got["scalars"])
+            versions.pop() if len(versions) == 1 else -1,
+            {ENV_ERROR: 0.0, **got["scalars"]} if "error" in got else got["scalars"])  # env/error's mean: a share
 
 
 EVALS = "evals"

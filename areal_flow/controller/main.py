@@ -31,6 +31,7 @@ from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
+from areal_flow.controller.rollout_failures import RolloutFailures
 from areal_flow.controller.suspect_alarm import SuspectAlarm
 from areal_flow.controller.weight_alarm import WeightAlarm
 from areal_flow.controller.run_metrics import RunClock, Traffic, batch_metrics, reward_busy, reward_wait, train_metrics
@@ -139,6 +140,7 @@ class Controller:
         self.weight_alarm = WeightAlarm(algo.stale_warn_capped, algo.stale_warn_ess, algo.stale_warn_steps,
                                         cfg.rollout.max_staleness)
         self.suspect_alarm = SuspectAlarm(cfg.metrics.suspect_warn)
+        self.failures = RolloutFailures.of(cfg.rollout.failed_groups_stall, gen)  # rollouts that fail stop the run
         self.readmit: list[int] = []  # groups a resumed run admits again (they were generating), in order
         # Groups a restarted rollout worker was running: still admitted (their versions kept), given
         # to a worker again; a copy that comes back first wins, a later one is refused as not running.
@@ -315,6 +317,7 @@ class Controller:
             await send_to(self.socket, ident, Route(meta.group_id, -1))
             return
         rank, problem = self.intake.accept(meta)
+        self.failures.observe(meta, problem)
         # Each answer's length and the group's stage times go to the ledger: what the advisor fits
         # generation from (advise/fit.py), the filtered groups' answers included.
         out = self.intake.output_keys[0]
@@ -489,6 +492,8 @@ class Controller:
         group id -> (metadata, rank holding it, tokens). `update`: the weight update in flight,
         whose failure ends the wait (it sets `changed` when it ends)."""
         self.waiting_for = f"finished prompt groups to train step {step}"
+        if why := self.failures.stopped():  # even with a batch ready: the groups keep failing
+            raise StalledRun(why)
         while (ids := self.staleness.pick_batch(step)) is None:
             if self.stop_requested:
                 raise _Stop
@@ -496,6 +501,8 @@ class Controller:
                 raise _Resize
             if self.filter_streak.stalled:
                 raise StalledRun(self.filter_stalled())
+            if why := self.failures.stopped():
+                raise StalledRun(why)
             if update is not None and update.done():
                 update.result()  # raises a failed update's error
             self.check_evaluation()
@@ -623,6 +630,7 @@ class Controller:
             controller_cpu_fraction=controller_cpu / seconds,
             elapsed=self.clock.elapsed(), buffered=len(self.intake), running=len(self.staleness.running),
             filtered_groups=self.state.filtered - self.state.filtered_logged,
+            **self.failures.step_figures(),  # env/errors, env/error_share
         )
         warnings = [(kind, alarm.observe(row)) for kind, alarm in (("staleness", self.weight_alarm),
                                                                    ("reward_hacking", self.suspect_alarm))]

@@ -8,8 +8,9 @@ done. A recipe names an environment as it names a reward function: a name of `EN
 (`graph.generate.env: python_tool`) or 'package.module:Class'.
 
 An environment never raises for anything the policy wrote: a tool that fails is an observation
-that says so. It may be slow (a tool runs in the sandbox): `step` is a coroutine, and a worker runs
-many trajectories at once.
+that says so. What it raises all the same (a bug) ends that trajectory only, and drops its group,
+counted (rollout/turns.py; docs/agents.md, "When rollouts fail"). It may be slow (a tool runs in
+the sandbox): `step` is a coroutine, and a worker runs many trajectories at once.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class Environment(abc.ABC):
         """Called once the trajectory ends, whatever ended it."""
 
     def check(self) -> None:
-        """Called once at launch on an environment made from an empty row: raise ValueError for what
-        would fail every trajectory (a tool the machine cannot run), so the run fails at start."""
+        """Called once at launch on an environment made from the first training row: raise
+        ValueError for what would fail every trajectory (a tool the machine cannot run), so the run
+        fails at start."""
 
 
 def resolve_env(name: str, where: str) -> type[Environment]:

@@ -62,7 +62,7 @@ class CodeFeedback(Environment):
             raise ValueError(f"code_feedback: {e}") from None
         self.sandbox = tool_sandbox(sandbox, self.settings.wall_seconds)
         self.tests: Tests | None = None
-        if row:  # the launch check makes one from an empty row
+        if row:  # an empty row (a test's) has no tests to give feedback from
             field = self.settings.tests_field
             if field not in row:
                 raise ValueError(f"code_feedback: the row has no field {field!r} (env_settings.tests_field)")

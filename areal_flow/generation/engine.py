@@ -458,12 +458,6 @@ class GenerationEngine:
         ids, p = request.input_ids, request.params
         if len(ids) == 0:
             raise ValueError("input_ids cannot be empty.")
-        try:
-            bad = next((t for t in ids if not 0 <= operator.index(t) < self.vocab_size), None)
-        except TypeError:
-            raise ValueError("input_ids must hold integers") from None
-        if bad is not None:
-            raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         if p.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
         if self.max_total_tokens is not None and len(ids) + p.max_new_tokens > self.max_total_tokens:
@@ -477,6 +471,13 @@ class GenerationEngine:
                 f"messages and {p.max_new_tokens} tokens for the completion (max_new_tokens). Please reduce the "
                 "number of tokens in the input messages or the completion to fit within the limit."
             )
+        # After the lengths: a prompt far over them is refused at once, not after a walk over its ids.
+        try:
+            bad = next((t for t in ids if not 0 <= operator.index(t) < self.vocab_size), None)
+        except TypeError:
+            raise ValueError("input_ids must hold integers") from None
+        if bad is not None:
+            raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         if not (p.temperature >= 0 and math.isfinite(p.temperature)):
             raise ValueError(f"temperature must be non-negative and finite, got {p.temperature}.")
         if not 0 < p.top_p <= 1:

@@ -139,7 +139,8 @@ def _sampling_dict(params: Any) -> dict:
     return params
 
 
-def parse_sampling_params(params: dict, prompt_len: int, context_length: int | None) -> SamplingParams:
+def parse_sampling_params(params: dict, prompt_len: int, token_limit: int | None) -> SamplingParams:
+    """`token_limit`: the most tokens a request may hold, prompt and answer (token_limit())."""
     for key, value in params.items():
         if key in SAMPLING_KEYS or key in TEXT_SAMPLING_KEYS:
             continue
@@ -149,10 +150,10 @@ def parse_sampling_params(params: dict, prompt_len: int, context_length: int | N
             raise bad_request(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
     max_new_tokens = _int(params, "max_new_tokens", 128)
     if "max_new_tokens" in params and params["max_new_tokens"] is None:
-        # SGLang: null means "up to the context".
-        if context_length is None:
+        # SGLang: null means "up to the context" (here: or the KV cache budget, when smaller).
+        if token_limit is None:
             raise bad_request("sampling_params.max_new_tokens is required: the model declares no context length")
-        max_new_tokens = max(context_length - prompt_len, 0)
+        max_new_tokens = max(token_limit - prompt_len, 0)
     stop_ids = params.get("stop_token_ids")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -165,6 +166,12 @@ def parse_sampling_params(params: dict, prompt_len: int, context_length: int | N
         stop=_stop_strings(params.get("stop")),
         seed=_int(params, "sampling_seed", None),
     )
+
+
+def token_limit(engine: GenerationEngine) -> int | None:
+    """The most tokens a request may hold, prompt and answer: the model's context, or the server's KV
+    cache budget (max_total_tokens) when smaller; None when neither is known."""
+    return min((n for n in (engine.context_length, engine.max_total_tokens) if n is not None), default=None)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -226,9 +233,9 @@ def parse_generate(body: dict, server: GenerationServer) -> GenerateCall:
     rids = _rids(body.get("rid"), count, batch, n)
     columns = zip(prompts, sampling, *(_per_prompt(body, key, count, batch) for key in
                                        ("return_logprob", "logprob_start_len", "top_logprobs_num")))
-    items = []
+    items, limit = [], token_limit(server.engine)
     for i, (prompt, params, return_logprob, start, top) in enumerate(columns):
-        parsed = parse_sampling_params(params, len(prompt), server.engine.context_length)
+        parsed = parse_sampling_params(params, len(prompt), limit)
         return_logprob = as_bool(return_logprob, "return_logprob", False)
         start, top = _integer(start, "logprob_start_len", -1), _integer(top, "top_logprobs_num", 0)
         if not return_logprob:  # as SGLang, which then ignores both

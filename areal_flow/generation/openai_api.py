@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import time
@@ -27,6 +28,8 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from areal_flow.generation.engine import GenerationRequest, GenerationResult
 from areal_flow.generation.generate_api import HTTPError
@@ -40,6 +43,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # Fields a client may send that change nothing here; any other unknown field is refused.
 IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "service_tier"})
 UNSUPPORTED_UNLESS_ZERO = ("presence_penalty", "frequency_penalty")  # OpenAI's default 0 is accepted
+SEEDS = (-(2**63), 2**64 - 1)  # a seed fits in 64 bits, signed or not (the engine draws from it mod 2^64)
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> HTTPError:
@@ -69,6 +73,8 @@ class OpenAICall:
         out = []
         for i in range(self.n):
             seed = None if self.params.seed is None else self.params.seed + i
+            if seed is not None and seed > SEEDS[1]:
+                seed -= 2**64  # wrapped to 64 bits, as /generate's sample j of n
             out.append(GenerationRequest(self.prompt_ids, dataclasses.replace(self.params, seed=seed),
                                          top_logprobs_num=self.logprobs or 0))
         return out
@@ -89,9 +95,11 @@ def list_models(model_path: str, context_length: int | None, created: int) -> di
 
 
 def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, context_length: int | None,
-               known: frozenset[str]) -> OpenAICall:
+               known: frozenset[str], kv_budget: int | None = None, vocab_size: int | None = None) -> OpenAICall:
     """A /v1/chat/completions (`chat`) or /v1/completions body, checked field by field: a 400 (404
-    for an unknown model) naming the field."""
+    for an unknown model) naming the field. The prompt is rendered and tokenized last, once every
+    other field is known to be good. `kv_budget` (the server's max_total_tokens) and `vocab_size`
+    bound an answer's tokens and the alternatives per token, as the engine would."""
     if not isinstance(body, dict):
         raise openai_error(400, "the request body must be a JSON object")
     for key, value in body.items():
@@ -105,43 +113,68 @@ def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, contex
         raise openai_error(400, "you must provide a model parameter", "model")
     if model not in served_models(model_path):
         raise openai_error(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    alternatives = 20 if vocab_size is None else min(20, vocab_size)  # OpenAI's most, or the vocabulary
     if chat:
-        tools = _tools(body.get("tools"))
-        text = render_chat(tokenizer, _messages(body.get("messages")), tools)
-        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
-        logprobs = _number(body, "top_logprobs", int, 0, 0, 20) if _bool(body, "logprobs", False) else None
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = body.get(max_key)
+        logprobs = _number(body, "top_logprobs", int, 0, 0, alternatives) if _bool(body, "logprobs", False) else None
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise openai_error(400, "tool_choice must be auto or none here", "tool_choice")
-        parse_tools = bool(tools) and body.get("tool_choice") != "none"
+        tools = _tools(body.get("tools"))
     else:
-        prompt = _prompt(body.get("prompt"), tokenizer)
-        logprobs, parse_tools = _number(body, "logprobs", int, None, 0, 5), False
-        max_tokens, max_key = body.get("max_tokens", COMPLETION_MAX_TOKENS), "max_tokens"
-    if not prompt:
-        raise openai_error(400, "the prompt is empty", "messages" if chat else "prompt")
-    room = None if context_length is None else context_length - len(prompt)
-    if max_tokens is None:
-        if room is None:
-            raise openai_error(400, f"{max_key} is required: the model declares no context length", max_key)
-        max_tokens = room
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        max_key, max_tokens = "max_tokens", body.get("max_tokens", COMPLETION_MAX_TOKENS)
+        logprobs = _number(body, "logprobs", int, None, 0, min(5, alternatives))
+        tools = []
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise openai_error(400, f"{max_key} must be a positive integer, got {max_tokens!r}", max_key)
-    if room is not None and max_tokens > room:
-        raise openai_error(400, f"{max_key}={max_tokens} with a prompt of {len(prompt)} tokens is over the "
-                                f"model's context of {context_length} tokens", max_key)
-    params = SamplingParams(
-        max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0, stop=_stop(body.get("stop")),
-        seed=_number(body, "seed", int, None, None, None))
+    stop = _stop(body.get("stop"))
+    if stop and tokenizer is None:
+        raise openai_error(400, "stop strings need the model's tokenizer, and this server has none: send no stop",
+                           "stop")
+    temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0
+    seed = _number(body, "seed", int, None, *SEEDS)
+    n, stream = _number(body, "n", int, 1, 1, MAX_N), _bool(body, "stream", False)
+    skip_special_tokens = _bool(body, "skip_special_tokens", True)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise openai_error(400, "stream_options must be an object", "stream_options")
-    return OpenAICall(chat=chat, model=model, prompt_ids=prompt, params=params,
-                      n=_number(body, "n", int, 1, 1, MAX_N), stream=_bool(body, "stream", False),
-                      logprobs=logprobs, tools=parse_tools, echo_usage=bool(options.get("include_usage")),
-                      skip_special_tokens=_bool(body, "skip_special_tokens", True))
+    if chat:
+        text = render_chat(tokenizer, _messages(body.get("messages")), tools)
+        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        prompt = _prompt(body.get("prompt"), tokenizer)
+    prompt_key = "messages" if chat else "prompt"
+    if not prompt:
+        raise openai_error(400, "the prompt is empty", prompt_key)
+    max_tokens = _answer_tokens(max_tokens, max_key, len(prompt), prompt_key, context_length, kv_budget)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    return OpenAICall(chat=chat, model=model, prompt_ids=prompt, params=params, n=n, stream=stream,
+                      logprobs=logprobs, tools=bool(tools) and body.get("tool_choice") != "none",
+                      echo_usage=bool(options.get("include_usage")), skip_special_tokens=skip_special_tokens)
+
+
+def _answer_tokens(asked: int | None, key: str, prompt_len: int, prompt_key: str, context_length: int | None,
+                   kv_budget: int | None) -> int:
+    """The answer's most tokens: `asked`, or (None) what is left of the model's context, or of the
+    server's KV cache budget when smaller. A 400 naming the prompt when it leaves no room for one
+    token, naming `key` when `asked` is more than the room."""
+    limits = [(n, what) for n, what in ((context_length, "the model's context"),
+                                        (kv_budget, "the server's KV cache budget (max_total_tokens)"))
+              if n is not None]
+    if not limits:
+        if asked is None:
+            raise openai_error(400, f"{key} is required: the model declares no context length", key)
+        return asked
+    limit, what = min(limits)
+    room = limit - prompt_len
+    if room < 1:
+        raise openai_error(400, f"the prompt is {prompt_len} tokens and {what} is {limit} tokens: no room for an "
+                                f"answer; shorten the {prompt_key}", prompt_key, "context_length_exceeded")
+    if asked is not None and asked > room:
+        raise openai_error(400, f"{key}={asked} with a prompt of {prompt_len} tokens is over {what} of {limit} "
+                                f"tokens: at most {room}", key, "context_length_exceeded")
+    return room if asked is None else asked
 
 
 def _bool(body: dict, key: str, default: bool) -> bool:
@@ -159,6 +192,8 @@ def _number(body: dict, key: str, kind: type, default: Any, low: Any, high: Any)
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise openai_error(400, f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}", key)
+    if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
+        raise openai_error(400, f"{key} must be a finite number, got {value!r}", key)
     if (low is not None and value < low) or (high is not None and value > high):
         raise openai_error(400, f"{key}={value!r} must be in [{low}, {high}]", key)
     return kind(value)
@@ -264,7 +299,14 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict]) -> str:
     where the assistant's answer starts."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise openai_error(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
+    except TemplateSyntaxError:
+        raise  # the model's template itself is broken: no request's fault (a 500)
+    except TemplateError as exc:  # the template refuses these messages (raise_exception), or cannot read them
+        raise openai_error(400, f"messages: the model's chat template refuses this conversation: {exc}",
+                           "messages") from None
 
 
 # ---- answers -------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ native API, so a client written for SGLang works here unchanged. New weights com
 `weights/group.py`). The areal_flow extension is
 `meta_info.output_token_versions`: the integer weight version of each generated token (SGLang's
 `weight_version` is a free label; see `engine.version_for_label`). `/generate` bodies and answers,
-streaming included, are in `generate_api.py`; `/v1/loads` and `/metrics` in `load_report.py`.
+streaming included, are in `generate_api.py`; `/v1/loads` and `/metrics` in `load_report.py`;
+the size limit of a body, its JSON decoding and the parsing of large ones off the event loop in
+`bodies.py`.
 With an API key (`--api-key`, as SGLang's, or the AREAL_FLOW_API_KEY environment variable) every
 request but /health* and /metrics needs `Authorization: Bearer <key>`, else it is answered 401 as
 SGLang answers it (ApiKeyGuard).
@@ -35,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from areal_flow.generation import openai_api
+from areal_flow.generation import bodies, openai_api
+from areal_flow.generation.bodies import json_object
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
 from areal_flow.generation.engine import PAUSE_MODES, EngineShutdownError, GenerationEngine, version_for_label
 from areal_flow.generation.generate_api import (
@@ -67,9 +70,6 @@ from areal_flow.weights import group as weight_group
 from areal_flow.weights import ipc
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 64 << 20
-"""Larger request bodies are refused (413) rather than read into memory."""
 
 HEALTH_GENERATE_TIMEOUT = 20.0
 """Seconds /health_generate waits for its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)."""
@@ -95,20 +95,9 @@ class Call:
     """Whether the client has gone (Starlette's Request.is_disconnected)."""
 
 
-def _json_object(raw: bytes) -> dict:
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
-
-
 async def route_generate(server: GenerationServer, call: Call) -> tuple[int, Payload] | Response:
-    parsed = parse_generate(_json_object(call.body), server)
+    # A large body is parsed (its text tokenized) on a parser thread: generation/bodies.py.
+    parsed = await bodies.parse(server.parser, call.body, lambda body: parse_generate(bodies.as_object(body), server))
     stream = AnswerStream(parsed, server.engine, server.tokenizer, call.received) if parsed.stream else None
     items = stream.items if stream else parsed.items
     try:
@@ -151,13 +140,16 @@ OPENAI_FIELDS = {
 
 
 async def route_openai(server: GenerationServer, call: Call, *, chat: bool) -> tuple[int, Payload] | Response:
-    """/v1/chat/completions and /v1/completions (generation/openai_api.py)."""
-    try:
-        body = json.loads(call.body) if call.body.strip() else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise openai_api.openai_error(400, f"the request body is not valid JSON: {exc}") from None
-    parsed = openai_api.parse_call(body, chat=chat, model_path=server.tokenizer_path, tokenizer=server.tokenizer,
-                                   context_length=server.engine.context_length, known=OPENAI_FIELDS[chat])
+    """/v1/chat/completions and /v1/completions (generation/openai_api.py); a large body is parsed
+    (rendered and tokenized) on a parser thread (generation/bodies.py)."""
+    engine = server.engine
+
+    def read(body: Any) -> openai_api.OpenAICall:
+        return openai_api.parse_call(body, chat=chat, model_path=server.tokenizer_path, tokenizer=server.tokenizer,
+                                     context_length=engine.context_length, known=OPENAI_FIELDS[chat],
+                                     kv_budget=engine.max_total_tokens, vocab_size=engine.vocab_size)
+
+    parsed = await bodies.parse(server.parser, call.body, read, lambda why: openai_api.openai_error(400, why))
     stream = openai_api.OpenAIStream(parsed, server.tokenizer, server.engine) if parsed.stream else None
     requests = stream.requests if stream else parsed.requests()
     try:
@@ -189,7 +181,7 @@ def _weight_version(value: Any, current: int) -> tuple[int, str | None]:
 
 
 async def route_update_weights(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    body = _json_object(call.body)
+    body = json_object(call.body)
     engine = server.engine
     path = body.get("model_path")
     try:
@@ -301,7 +293,7 @@ def _group_field(body: dict, key: str, kind: type, default: Any = None) -> Any:
 async def route_init_weights_update_group(server: GenerationServer, call: Call) -> tuple[int, Payload]:
     """Join the weights group as rank `rank_offset` (the embedded engine is one rank: SGLang's TP
     ranks would take rank_offset + tp_rank). Returns once every rank has joined."""
-    body = _json_object(call.body)
+    body = json_object(call.body)
     try:
         address = _group_field(body, "master_address", str)
         port = _group_field(body, "master_port", int)
@@ -340,7 +332,7 @@ async def route_update_weights_from_distributed(server: GenerationServer, call: 
     names, dtypes and shapes are well formed) its tensors are received whatever else is wrong, so
     that the sender's broadcast completes and the group stays usable; only then is a bucket that
     does not fit the model refused, naming the tensor, with nothing of it loaded."""
-    body = _json_object(call.body)
+    body = json_object(call.body)
     engine = server.engine
     refused = {"success": False, "message": ""}
     try:
@@ -393,7 +385,7 @@ async def route_update_weights_from_distributed(server: GenerationServer, call: 
 
 
 async def route_destroy_weights_update_group(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    body = _json_object(call.body)
+    body = json_object(call.body)
     try:
         name = _group_field(body, "group_name", str, weight_group.DEFAULT_GROUP)
     except HTTPError as exc:
@@ -515,7 +507,7 @@ async def route_flush_cache(server: GenerationServer, call: Call) -> tuple[int, 
 
 
 async def route_pause(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    mode = _json_object(call.body).get("mode") or "abort"
+    mode = json_object(call.body).get("mode") or "abort"
     if mode not in PAUSE_MODES:
         raise bad_request(f"pause_generation mode {mode!r} is not supported by the embedded engine; it pauses "
                           f"in mode {', '.join(map(repr, PAUSE_MODES))}")
@@ -524,7 +516,7 @@ async def route_pause(server: GenerationServer, call: Call) -> tuple[int, Payloa
 
 
 async def route_continue(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    _json_object(call.body)
+    json_object(call.body)
     server.engine.continue_generation()
     return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -534,7 +526,7 @@ async def route_update_weights_from_tensor(server: GenerationServer, call: Call)
     IPC on a GPU, shared-memory files on the CPU: weights/ipc.py), copied into the model before the
     answer, so the sender may free them then. One serialized bucket: the embedded engine is one TP
     rank."""
-    body = _json_object(call.body)
+    body = json_object(call.body)
     engine = server.engine
     refused = {"success": False, "message": ""}
     try:
@@ -566,7 +558,7 @@ async def route_release_memory(server: GenerationServer, call: Call) -> tuple[in
     """SGLang's /release_memory_occupation for the KV cache: the running requests are retracted and
     their cache freed; the server stays paused until /continue_generation. The embedded engine's
     weights stay where they are (tags other than kv_cache are refused)."""
-    tags = _json_object(call.body).get("tags") or ["kv_cache"]
+    tags = json_object(call.body).get("tags") or ["kv_cache"]
     if not isinstance(tags, list) or set(tags) - {"kv_cache"}:
         raise bad_request(f"tags {tags!r}: the embedded engine releases only its KV cache (tags: ['kv_cache']); its "
                           "weights stay on the device")
@@ -577,12 +569,12 @@ async def route_release_memory(server: GenerationServer, call: Call) -> tuple[in
 async def route_resume_memory(server: GenerationServer, call: Call) -> tuple[int, Payload]:
     """SGLang's /resume_memory_occupation: the embedded engine allocates its KV cache as requests
     come, so there is nothing to take back; generation goes on at /continue_generation."""
-    _json_object(call.body)
+    json_object(call.body)
     return 200, {"success": True, "message": "memory resumed"}
 
 
 async def route_abort(server: GenerationServer, call: Call) -> tuple[int, Payload]:
-    body = _json_object(call.body)
+    body = json_object(call.body)
     rid, abort_all = body.get("rid") or "", as_bool(body.get("abort_all"), "abort_all", False)
     if not isinstance(rid, str):
         raise bad_request(f"rid must be a string, got {rid!r}")
@@ -652,23 +644,17 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None, ext
     return _response(status, {"error": {"message": message, **(extra or {})}}, headers)
 
 
-async def _read_body(request: Request) -> bytes:
-    length = request.headers.get("content-length")  # uvicorn has already refused one that is not a number
-    if length is not None and int(length) > MAX_BODY_BYTES:
-        raise HTTPError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:  # a chunked body announces no length
-            raise HTTPError(413, f"request body is over the {MAX_BODY_BYTES} byte limit")
-    return bytes(body)
+def _endpoint(server: GenerationServer, path: str, route: Route) -> Callable[[Request], Awaitable[Response]]:
+    openai = path.startswith("/v1/")  # OpenAI's routes answer in OpenAI's envelope, a 413 too
 
-
-def _endpoint(server: GenerationServer, route: Route) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         received = time.perf_counter()
         try:
-            call = Call(await _read_body(request), received, request.query_params, request.is_disconnected)
+            try:
+                body = await bodies.read_body(request, server.max_request_bytes)
+            except HTTPError as exc:
+                raise openai_api.openai_error(exc.status, exc.message, code="request_too_large") if openai else exc
+            call = Call(body, received, request.query_params, request.is_disconnected)
             answer = await route(server, call)
             return answer if isinstance(answer, Response) else _response(*answer)
         except HTTPError as exc:
@@ -731,7 +717,7 @@ def create_app(server: GenerationServer, api_key: str | None = None) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
                   exception_handlers={StarletteHTTPException: _routing_error})
     for path, (methods, route) in ROUTES.items():
-        app.add_api_route(path, _endpoint(server, route), methods=sorted(methods), include_in_schema=False)
+        app.add_api_route(path, _endpoint(server, path, route), methods=sorted(methods), include_in_schema=False)
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app
@@ -742,10 +728,15 @@ class GenerationServer:
     With an `api_key`, requests need it as a bearer token (ApiKeyGuard)."""
 
     def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str,
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_request_bytes: int = bodies.MAX_REQUEST_BYTES):
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
+        self.max_request_bytes = max_request_bytes  # larger bodies are refused (413) before they are read
+        # Large bodies are parsed and tokenized here, off the event loop (generation/bodies.py).
+        self.parser = ThreadPoolExecutor(bodies.PARSE_THREADS, thread_name_prefix="generation-parse")
         self.started = int(time.time())  # /v1/models' `created`
         self.load_report = LoadReport(engine)
         self.weight_groups: dict[str, WeightGroup] = {}  # the weights groups joined, by name
@@ -793,6 +784,7 @@ class GenerationServer:
         if self._thread.is_alive():
             self._thread.join()
         self._socket.close()  # uvicorn closes it too; this covers a thread that never ran
+        self.parser.shutdown(wait=False, cancel_futures=True)  # a body still tokenizing answers no one
 
 
 def optional_tokenizer(model_path: str) -> Any:
@@ -805,14 +797,15 @@ def optional_tokenizer(model_path: str) -> Any:
 
 
 def serve(
-    model_path: str, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None, **engine_kw: Any
+    model_path: str, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None,
+    max_request_bytes: int = bodies.MAX_REQUEST_BYTES, **engine_kw: Any
 ) -> tuple[GenerationServer, threading.Thread]:
     """Start an engine and its HTTP server on a background thread (port 0: a free port); with an
-    `api_key`, requests need it as a bearer token."""
+    `api_key`, requests need it as a bearer token; bodies over `max_request_bytes` are refused."""
     tokenizer = optional_tokenizer(model_path)
     engine = GenerationEngine(model_path, tokenizer=tokenizer, **engine_kw)  # the tokenizer: for stop strings
     try:
-        server = GenerationServer((host, port), engine, tokenizer, model_path, api_key)
+        server = GenerationServer((host, port), engine, tokenizer, model_path, api_key, max_request_bytes)
     except BaseException:
         engine.shutdown()
         raise
@@ -859,6 +852,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests need `Authorization: Bearer API_KEY` (all but /health* and /metrics), as "
                              f"SGLang's; default: the {API_KEY_ENV} environment variable, which unlike the command "
                              "line other users cannot read")
+    parser.add_argument("--max-request-bytes", type=int, default=bodies.MAX_REQUEST_BYTES,
+                        help="larger request bodies are refused (413) before they are read or parsed "
+                             f"(generation.max_request_bytes; default {bodies.MAX_REQUEST_BYTES})")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     faulthandler.enable()  # a native crash prints every thread's stack into the log, as the roles' (runtime/child.py)
@@ -875,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model_path, args.host, args.port,
         max_batch_size=args.max_batch_size, seed=args.seed, num_threads=args.num_threads,
         max_total_tokens=args.max_total_tokens, weight_label=args.weight_version, api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes,
         device=str(local_device(args.device)), dtype=compute_dtype(args.dtype, args.device),
         mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,

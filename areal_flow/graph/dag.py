@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from areal_flow.config.validate import did_you_mean
 from areal_flow.graph.keys import ROLES, RUNTIME_KINDS, TEXT, NodeKind, node_kinds
 from areal_flow.graph.layout import Layout, layout_problems, parse_layout
 
@@ -54,6 +55,7 @@ class Node:
     env_settings: tuple[tuple[str, Any], ...] = ()  # its settings, (name, value)
     max_turns: int = 4  # with env: policy turns a trajectory may take
     max_trajectory_tokens: int | None = None  # with env: a trajectory's token budget (None = the model's context)
+    env_error_share: float = 0.5  # with env: the share of trajectories whose environment raised that stops the run
     agent: str | None = None  # the policy's generate node: 'module:function' run through the OpenAI gateway
     agent_wall_seconds: float = 120.0  # with agent: a rollout's wall time
     agent_retries: int = 1  # with agent: runs of a failed rollout before its group is dropped
@@ -267,6 +269,15 @@ def _field(c: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _unknown_node(name: str, nodes_cfg: Mapping[str, Any]) -> str:
+    """A node without a type is one the recipe does not have: an override of a mistyped name
+    (`graph.actor_trian.mesh=1`) makes it. Its name, the recipe's nodes and the likely one."""
+    known = [n for n, c in nodes_cfg.items() if _field(c, "type", "")]
+    return (f"node '{name}': the recipe has no node of that name (graph.{name} sets no type); its nodes: "
+            f"{', '.join(known) or 'none'}{did_you_mean(name, known, 'graph.')} (a new node needs graph.{name}.type: "
+            f"{' | '.join(node_kinds())})")
+
+
 def build_graph(
     nodes_cfg: Mapping[str, Any],
     dataset_keys: Sequence[str],
@@ -280,7 +291,9 @@ def build_graph(
         key = f"graph.{name}"
         ntype, role = _field(c, "type", ""), _field(c, "role")
         kind = node_kinds().get(ntype)
-        if kind is None:
+        if kind is None and not ntype:
+            problems.append(_unknown_node(name, nodes_cfg))
+        elif kind is None:
             problems.append(f"node '{name}': unknown type {ntype!r} ({key}.type); expected one of {', '.join(node_kinds())}")
         elif kind.roles and role not in ROLES:
             problems.append(f"node '{name}': unknown model role {role!r} ({key}.role); expected one of {', '.join(ROLES)}")
@@ -336,6 +349,7 @@ def build_graph(
             env_settings=tuple(dict(_field(c, "env_settings", {}) or {}).items()),
             max_turns=int(_field(c, "max_turns", 4)),
             max_trajectory_tokens=_field(c, "max_trajectory_tokens"),
+            env_error_share=float(_field(c, "env_error_share", 0.5)),
             agent=_field(c, "agent"),
             agent_wall_seconds=float(_field(c, "agent_wall_seconds", 120.0)),
             agent_retries=int(_field(c, "agent_retries", 1)),

@@ -43,7 +43,7 @@ def bundle(*modules) -> str:
 
 
 SERVE = bundle(plain, serve)  # the program's process
-CHECKER = bundle(plain, checker)  # the checker's, run with JOB bound
+CHECKER = bundle(plain, checker)  # the checker's: the init runs its main(job)
 
 
 def check_list(tests: AssertTests | Tests) -> list[dict]:

@@ -25,10 +25,12 @@ Standard library only: bundled with plain.py into the source the init runs (`ass
 import ast
 import builtins
 import json
+import linecache
 import os
 import signal
 import sys
 import time
+import traceback
 
 from areal_flow.rewards.plain import NotPlain, from_json, to_json  # bundled
 
@@ -185,8 +187,6 @@ class Checker:
 
     def explain(self, e, source, name):
         """The traceback's tail, showing the test's lines, without this module's frames."""
-        import linecache
-        import traceback
         linecache.cache[name] = (len(source), None, source.splitlines(True), name)
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != name:
@@ -290,6 +290,3 @@ def main(job):
     os.dup2(2, 1)  # what a test prints (a value the program returned, say) can never pass for a report
     check(job, Program(3, 4, job["max_reply"]), out)
 
-
-if __name__ == "__main__":
-    main(JOB)  # noqa: F821 - the init binds JOB before it runs this source

@@ -154,7 +154,7 @@ class Sandbox:
 
     def check(self, program: str, script: str, checker: str, job: dict, *, scale: float = 1.0) -> CaseResult:
         """Run `program` under `script` (which reads it from solution.py and answers calls on
-        descriptors 3 and 4) beside a checker: `checker`'s source, run with `JOB` = `job` in a process
+        descriptors 3 and 4) beside a checker: `checker`'s source, whose main(job) runs in a process
         of its own uid, forked by the init, whose stdout comes back as the result's. The result's
         status and stderr are the program's. The case gets `scale` times the configured wall and CPU
         seconds (it runs several tests). Never raises for anything the program does."""

@@ -152,13 +152,16 @@ def _exec_case(job: dict, workdir: str, fds: dict) -> None:
 
 def _run_checker(checker: dict, lim: dict, fds: dict) -> None:
     """In the forked child: become the checker (its own uid; stdout its reports, 3 and 4 the pipes to
-    the program) and run its source. Never returns. It is this process forked, not a new
-    interpreter: it may hold the tests, which the program's process never does."""
+    the program) and run its source's main(job). Never returns. It is this process forked, not a new
+    interpreter: it may hold the tests, which the program's process never does. Its source runs (its
+    imports) before the uid changes: unsandboxed, the interpreter's own files may be root's only."""
     try:
         _arrange(fds)
         os.chdir("/")
+        scope = {"__name__": "checker"}
+        exec(compile(checker["source"], "checker", "exec"), scope)
         _become(checker["uid"], lim)
-        exec(compile(checker["source"], "checker", "exec"), {"__name__": "__main__", "JOB": checker["job"]})
+        scope["main"](checker["job"])
     except BaseException as e:  # noqa: BLE001 - the tests it did not report are the host's to settle
         os.write(2, f"sandbox: the checker failed: {type(e).__name__}: {e}\n".encode())
     os._exit(0)

@@ -81,7 +81,8 @@ def reward_of(value: Any) -> float:
     ValueError for anything else, or a number that is not finite."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
-        raise ValueError(f"returned {value!r}, not a reward (a number, or a list of per-turn numbers)")
+        hint = ": does it end without a `return`?" if value is None else ""
+        raise ValueError(f"returned {value!r}, not a reward (a number, or a list of per-turn numbers){hint}")
     reward = float(sum(values))
     if not math.isfinite(reward):
         raise ValueError(f"returned a reward that is not finite ({value!r})")

@@ -9,17 +9,25 @@ version of the turn before it (an observation is made by no policy; the ledger's
 reads it as its turn's). The trajectory ends when the environment says done, at `max_turns`, when a
 turn is cut at its length budget, or when the next observation or turn would pass the trajectory's
 token budget (prompt + every turn), recorded as its `end`.
+
+An environment is the user's code, and may have bugs: an exception from its constructor, `step` or
+`close` ends that trajectory only (its `end` is "env_error", its `error` the traceback's last line
+and where it was raised, its scalar env/error 1). The rollout worker drops the group, naming the
+error (`failed`); the controller counts the errors and stops the run past
+graph.<node>.env_error_share (controller/rollout_failures.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import traceback
 from typing import Any
 
 from areal_flow.config.schema import RunConfig, SandboxConfig
 from areal_flow.config.validate import model_context
-from areal_flow.envs.base import Environment, resolve_env
+from areal_flow.envs.base import Environment, Step, resolve_env
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
 from areal_flow.transport.messages import Finish
@@ -28,18 +36,62 @@ from areal_flow.transport.messages import Finish
 # budget, no room left for another turn, or an observation that would not fit.
 ENDS = ("done", "max_turns", "turn_length", "budget", "observation_too_long")
 
+ENV_ERROR = "env/error"
+"""A trajectory's scalar, 1.0, where its environment raised (absent otherwise): its group is dropped."""
+
+
+def error_line(e: BaseException) -> str:
+    """An exception as its traceback's last line, after the place it was raised: `my_env.py:12 in
+    step: KeyError: 'answer'`."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}: " if frames else ""
+    return where + traceback.format_exception_only(type(e), e)[-1].strip()
+
+
+async def env_step(env: Environment, turn: str) -> tuple[Step | None, str | None]:
+    """The environment's answer to a turn, or the error that ends the trajectory: what `step`
+    raised, or that it returned no Step (an observation that is not text included)."""
+    try:
+        step = await env.step(turn)
+    except Exception as e:  # noqa: BLE001 - a user's environment: its bug ends this trajectory only
+        return None, f"step() raised at {error_line(e)}"
+    numbers = [step.reward or 0, *step.figures.values()] if isinstance(step, Step) else []
+    if not isinstance(step, Step) or not isinstance(step.observation, str) or \
+            not all(isinstance(v, (int, float)) for v in numbers):
+        return None, f"step() returned {step!r}, not a Step (a text observation, numbers for reward and figures)"
+    return step, None
+
+
+async def closed(env: Environment, error: str | None) -> str | None:
+    """Close `env`; the trajectory's error: `error`, or what close raised."""
+    try:
+        await env.close()
+    except Exception as e:  # noqa: BLE001 - a user's environment: its bug ends this trajectory only
+        return error or f"close() raised at {error_line(e)}"
+    return error
+
+
+def append_observation(out: dict[str, list], observation: list[int]) -> None:
+    """An observation's tokens after the turn: loss mask 0, no behaviour logprob, the turn's version."""
+    version = out["versions"][-1] if out["versions"] else 0
+    out["output_ids"] += observation
+    out["behav_logprobs"] += [0.0] * len(observation)
+    out["versions"] += [version] * len(observation)
+    out["loss_mask"] += [0] * len(observation)
+
 
 async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any, prompt_ids: list[int],
                               params: dict, *, max_turns: int, token_budget: int, rid: str, key: str,
                               seed: int | None = None, first: dict | None = None) -> dict:
     """One trajectory's tokens and their per-token record: output_ids, behav_logprobs, versions,
     loss_mask (1: the policy's), finish (STOP unless a turn was cut at its budget), turns, end (one
-    of ENDS), and the environment's figures summed over its turns (tool_calls, ...) with `env_reward`,
-    the sum of its turn rewards, and the repair figures (`repairs`). `first`: turn 0, generated
-    already (a group's first turns come from one request: Turns.run_group)."""
+    of ENDS, or "env_error"), error (None, or what the environment raised, as `env_step` and `closed`
+    say it), and the environment's figures summed over its turns (tool_calls, ...) with
+    `env_reward`, the sum of its turn rewards, and the repair figures (`repairs`). `first`: turn 0,
+    generated already (a group's first turns come from one request: Turns.run_group)."""
     out: dict[str, list] = {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": []}
     figures: dict[str, float] = {"env_reward": 0.0}
-    finish, end, turns = Finish.STOP, "max_turns", 0
+    finish, end, turns, error = Finish.STOP, "max_turns", 0, None
     rewards: list[float | None] = []  # each turn's reward from the environment (None: it gave none)
     try:
         while turns < max_turns:
@@ -58,7 +110,9 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
             if turn["finish"] == Finish.LENGTH:
                 finish, end = Finish.LENGTH, "turn_length"
                 break
-            step = await env.step(tokenizer.decode(turn["output_ids"], skip_special_tokens=True))
+            step, error = await env_step(env, tokenizer.decode(turn["output_ids"], skip_special_tokens=True))
+            if error:
+                break
             for name, value in step.figures.items():
                 figures[name] = figures.get(name, 0.0) + value
             figures["env_reward"] += step.reward or 0.0
@@ -72,14 +126,11 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
             if len(prompt_ids) + len(out["output_ids"]) + len(observation) >= token_budget:
                 end = "observation_too_long"
                 break
-            version = out["versions"][-1] if out["versions"] else 0
-            out["output_ids"] += observation
-            out["behav_logprobs"] += [0.0] * len(observation)
-            out["versions"] += [version] * len(observation)
-            out["loss_mask"] += [0] * len(observation)
+            append_observation(out, observation)
     finally:
-        await env.close()
-    return {**out, "finish": finish, "turns": turns, "end": end, "figures": {**figures, **repairs(rewards)}}
+        error = await closed(env, error)
+    return {**out, "finish": finish, "turns": turns, "end": "env_error" if error else end, "error": error,
+            "figures": {**figures, **repairs(rewards)}}
 
 
 def turn_params(params: dict, env: Environment, room: int) -> dict:
@@ -105,6 +156,7 @@ class Turns:
     sandbox: SandboxConfig  # every environment gets the run's sandbox settings (`sandbox=`)
     max_turns: int
     token_budget: int
+    name: str = ""  # as the recipe names it (graph.<node>.env), for messages
 
     @classmethod
     def of(cls, node: Any, cfg: RunConfig, model_path: str) -> "Turns | None":
@@ -113,38 +165,62 @@ class Turns:
             return None
         budget = node.max_trajectory_tokens or model_context(model_path)
         return cls(resolve_env(node.env, f"graph.{node.name}.env"), dict(node.env_settings), cfg.sandbox,
-                   node.max_turns, budget)
+                   node.max_turns, budget, node.env)
+
+    def make(self, row: dict) -> Environment | dict:
+        """A trajectory's environment, or (its constructor raised) the trajectory that error ends."""
+        try:
+            return self.env(row, sandbox=self.sandbox, **self.settings)
+        except Exception as e:  # noqa: BLE001 - a user's environment: its bug ends this trajectory only
+            return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
+                    "turns": 0, "end": "env_error", "error": f"__init__ raised at {error_line(e)}", "figures": {}}
 
     async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
                   rid: str, key: str, seed: int | None) -> dict:
         """One trajectory from `row`, with its per-sample scalars (`scalars`)."""
-        env = self.env(row, sandbox=self.sandbox, **self.settings)
-        got = await generate_trajectory(pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns,
-                                        token_budget=self.token_budget, rid=rid, key=key, seed=seed)
+        env = self.make(row)
+        got = env if isinstance(env, dict) else await generate_trajectory(
+            pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns, token_budget=self.token_budget,
+            rid=rid, key=key, seed=seed)
         return self.scored(got)
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
                         n: int, key: str, seed: int) -> list[dict]:
         """A group's n trajectories from `row`, sample i seeded seed + i as a one-turn group's. Their
         first turns share the prompt, so they come from one request (one prefill, one round trip);
-        each goes on alone from there."""
-        envs = [self.env(row, sandbox=self.sandbox, **self.settings) for _ in range(n)]
+        each goes on alone from there. A trajectory whose environment could not be made is its error."""
+        envs = [self.make(row) for _ in range(n)]
+        made = [env for env in envs if not isinstance(env, dict)]
         room = self.token_budget - len(prompt_ids)
-        firsts = await generate_group(pool, prompt_ids, turn_params(params, envs[0], room), n, key, seed=seed) \
-            if room > 0 else [None] * n
-        got = await asyncio.gather(*[
-            generate_trajectory(pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns,
-                                token_budget=self.token_budget, rid=f"{key}-{i}", key=key, seed=seed + i, first=first)
-            for i, (env, first) in enumerate(zip(envs, firsts))])
+        firsts = await generate_group(pool, prompt_ids, turn_params(params, made[0], room), n, key, seed=seed) \
+            if room > 0 and made else [None] * n
+
+        async def one(i: int, env: Environment | dict, first: dict | None) -> dict:
+            return env if isinstance(env, dict) else await generate_trajectory(
+                pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns, token_budget=self.token_budget,
+                rid=f"{key}-{i}", key=key, seed=seed + i, first=first)
+
+        got = await asyncio.gather(*[one(i, env, first) for i, (env, first) in enumerate(zip(envs, firsts))])
         return [self.scored(g) for g in got]
+
+    def failed(self, outs: list[dict]) -> str:
+        """Why a group is dropped: its trajectories that ended in an error of the environment, and
+        the first error; "" when none did."""
+        errors = [o["error"] for o in outs if o.get("error")]
+        if not errors:
+            return ""
+        return (f"environment {self.name or self.env.__name__} raised in {len(errors)} of {len(outs)} "
+                f"trajectories: {errors[0]}")
 
     def scored(self, got: dict) -> dict:
         """`got` with its per-sample scalars, env/<name> (every sample has each but the repair rates,
         so a step's mean is over all): turns, observation_tokens (their share of the answer), the
-        environment's summed figures, and `end_<why>` 1 for why it ended, 0 for the other ENDS."""
+        environment's summed figures, `end_<why>` 1 for why it ended, 0 for the other ENDS, and
+        `error` 1 where the environment raised (ENV_ERROR; absent otherwise: its group is dropped)."""
         n = len(got["loss_mask"])
         scalars = {"turns": float(got["turns"]), "observation_tokens": (n - sum(got["loss_mask"])) / n if n else 0.0,
                    **dict.fromkeys(self.env.figures, 0.0), **got["figures"],
-                   **{f"end_{end}": float(end == got["end"]) for end in ENDS}}
+                   **{f"end_{end}": float(end == got["end"]) for end in ENDS},
+                   **({"error": 1.0} if got.get("error") else {})}
         got["scalars"] = {f"env/{name}": value for name, value in scalars.items()}  # logged as env/<name>
         return got

@@ -26,6 +26,7 @@ from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rollout.agent import AgentFailed, runner_of
 from areal_flow.rollout.judge import make_judge
 from areal_flow.rollout.requests import generate_group, group_seed
+from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
 from areal_flow.transport.messages import (
@@ -140,6 +141,11 @@ class RolloutWorker:
                 await self.finish(GeneratedGroup(group.group_id, [], times={"requested": requested}, problem=str(e)))
                 return
         generated = time.time()
+        # An environment that raised ended its trajectory: the group is dropped, naming the error,
+        # and its samples go along for the controller to count (controller/rollout_failures.py).
+        problem = self.turns.failed(outs) if isinstance(self.turns, Turns) else ""
+        if problem:
+            log.warning("%s: group %d: %s", self.name, group.group_id, problem)
         samples = [
             Sample(
                 uid=f"g{group.group_id}-{i}",
@@ -162,7 +168,7 @@ class RolloutWorker:
         if self.judges:
             await self.judge(group, samples)
             times["judged"] = time.time()
-        await self.finish(GeneratedGroup(group.group_id, samples, times=times))
+        await self.finish(GeneratedGroup(group.group_id, samples, times=times, problem=problem))
 
     async def finish(self, group: GeneratedGroup) -> None:
         """Send a generated group to the reward pool, kept until the controller releases it."""

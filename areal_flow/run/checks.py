@@ -15,7 +15,7 @@ import re
 from rich.console import Console
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config, model_context
+from areal_flow.config.validate import ConfigError, check_known_keys, check_ranges, load_model_config
 from areal_flow.data.dataset import DatasetError
 from areal_flow.data.templates import check_chat_template, template_fields
 from areal_flow.generation.limits import MAX_N
@@ -278,38 +278,6 @@ def check_rewards(cfg: RunConfig, graph: Graph, console: Console) -> None:
             problems.append(f"node '{node.name}' (graph.{node.name}.fn={node.fn}): {e}")
     if problems:
         raise ConfigError(problems)
-
-
-def check_env(cfg: RunConfig, graph: Graph, model_path: str, console: Console) -> None:
-    """A multi-turn generate node's environment: it exists, takes its settings and can run here
-    (Environment.check); the tokenizer can write its stop strings; the trajectory's token budget
-    fits the model's context. Raise ConfigError naming each key that is wrong."""
-    node = graph.generate
-    if node.env is None:
-        return
-    from areal_flow.envs.base import resolve_env
-    from areal_flow.models.tokenizer import load_tokenizer
-
-    key = f"graph.{node.name}"
-    try:
-        env = resolve_env(node.env, f"{key}.env")(dict(), sandbox=cfg.sandbox, **dict(node.env_settings))
-        env.check()
-    except (ValueError, TypeError) as e:
-        raise ConfigError([str(e) if str(e).startswith(key) else f"{key}.env={node.env} with {key}.env_settings: {e}"])
-    problems = []
-    tokenizer = load_tokenizer(model_path)
-    for stop in env.stop:
-        ids = tokenizer.encode(stop, add_special_tokens=False)
-        if tokenizer.unk_token_id in ids or tokenizer.decode(ids) != stop:
-            problems.append(f"{key}.env={node.env}: the tokenizer of {model_path} cannot write the stop string "
-                            f"{stop!r} (it reads back as {tokenizer.decode(ids)!r}): no turn could end there")
-    context = model_context(model_path)
-    if node.max_trajectory_tokens is not None and node.max_trajectory_tokens > context:
-        problems.append(f"{key}.max_trajectory_tokens={node.max_trajectory_tokens}: larger than the model's context "
-                        f"({context} positions, {model_path})")
-    if problems:
-        raise ConfigError(problems)
-    console.print(f"generate node {node.name}: environment {node.env}, up to {node.max_turns} turns", highlight=False)
 
 
 def check_agent(graph: Graph, group_size: int, console: Console) -> None:

@@ -15,7 +15,8 @@ from areal_flow.data.loading import dataset_paths, load_prompts, prompt_room, ro
 from areal_flow.data.templates import check_chat_template
 from areal_flow.generation.sglang_backend import sglang_missing
 from areal_flow.graph.dag import Graph, graph_from_config
-from areal_flow.run.checks import check_agent, check_env, check_model, check_rewards, check_tokenizer
+from areal_flow.run.checks import check_agent, check_model, check_rewards, check_tokenizer
+from areal_flow.run.env_checks import check_env, check_names
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,12 @@ def prepare_model(cfg: RunConfig) -> str:
 
 
 def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
-    """Check what a real start needs (SGLang installed, the reward functions), then read the data
-    and make the model; raise ConfigError or DatasetError naming what is wrong."""
+    """Check what a real start needs (SGLang installed, the environment's and the agent's imports,
+    the reward functions), then read the data and make the model; raise ConfigError or
+    DatasetError naming what is wrong."""
     if cfg.generation.backend == "sglang" and (problem := sglang_missing()):
         raise ConfigError([problem])
+    check_names(graph)  # before the data and the model: a first run's bootstrap takes minutes
     check_rewards(cfg, graph, console)
     prompt_key = graph.dataset_input(graph.generate)
     train_path, eval_path = prepare_data(cfg, prompt_key)
@@ -68,7 +71,7 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     check_model_config(cfg.model.path)
     check_model(graph, model_path, cfg.generation.tp_size)
     check_tokenizer(cfg, model_path)
-    check_env(cfg, graph, model_path, console)
+    check_env(cfg, graph, model_path, console, train_path)
     check_agent(graph, cfg.algorithm.group_size, console)
     check_prompt_room(cfg, model_path, prompt_key, ((train_path, cfg.dataset.train_split),
                                                     (eval_path, cfg.dataset.eval_split)), console)

@@ -135,7 +135,8 @@ def busy(snap: Snapshot) -> Table:
 
 
 ENV_ROWS = {"turns": ("turns", num), "tool_calls": ("tool calls", num), "tool_errors": ("tool errors", num),
-            "tool_seconds": ("tool seconds", num), "observation_tokens": ("observation tokens (share)", pct)}
+            "tool_seconds": ("tool seconds", num), "observation_tokens": ("observation tokens (share)", pct),
+            "errors": ("environment errors (trajectories)", num), "error_share": ("environment errors (share)", pct)}
 """How the environment's figures read, in this order; the others (an environment's own, repair
 rates, why trajectories ended) follow under their names."""
 

@@ -54,3 +54,64 @@ def test_the_command_exits_0_on_the_project_template_and_2_without_one(tmp_path)
     assert ok.returncode == 0 and "0 drifts" in ok.stdout, ok.stderr
     none = subprocess.run([*command, str(tmp_path / "plain")], capture_output=True, text=True, timeout=120)
     assert none.returncode == 2 and "no chat template" in none.stderr
+
+
+MISTRAL_TEMPLATE = (
+    # Mistral's alternation rule: no system turn, no tool turn.
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def _saved(tmp_path, template: str | None) -> str:
+    tokenizer = build_char_tokenizer(CODE_CHARS, chat=True)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(tmp_path / "tok")
+    return str(tmp_path / "tok")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, list[str]]:
+    from areal_flow.agents.check_template import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+@pytest.mark.parametrize("where", ["no-such-dir", "empty-dir"])
+def test_a_path_with_no_tokenizer_is_one_line_and_exit_2(tmp_path, capsys, where):
+    path = tmp_path / where
+    if where == "empty-dir":
+        path.mkdir()
+    code, out, err = _run(capsys, str(path))
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith(f"{path}: cannot check: ") and "Repo id" not in err[0]
+    assert ("no such directory" if where == "no-such-dir" else "no tokenizer files") in err[0]
+
+
+def test_a_template_that_refuses_tool_turns_says_so_per_conversation_and_exits_2(tmp_path, capsys):
+    code, out, err = _run(capsys, _saved(tmp_path, MISTRAL_TEMPLATE))
+    refused = [name for name in CONVERSATIONS if name != "two turns"]  # system and tool turns
+    assert code == 2 and len(err) == len(refused), err
+    for name, line in zip(refused, err):
+        assert f"cannot check {name!r}: the template refuses it: Conversation roles must alternate" in line
+    assert "1 conversations (3 refused by the template), 2 calls, 0 drifts" in out and "drift:" not in out
+
+
+def test_drift_in_the_conversations_a_template_renders_is_still_exit_1(tmp_path, capsys):
+    # Earlier answers rewritten, as in test_a_template_that_rewrites_earlier_answers_is_caught.
+    rewriting = MISTRAL_TEMPLATE.replace("{{ m['content'] + eos_token }}",
+                                         "{% if loop.last %}{{ m['content'] }}{% else %}(earlier){% endif %}")
+    code, out, err = _run(capsys, _saved(tmp_path, rewriting))
+    assert code == 1 and "drift: two turns, call 1: history rewritten" in out and len(err) == 3
+
+
+def test_the_help_documents_the_exit_statuses(capsys):
+    from areal_flow.agents.check_template import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "0  checked: no drift" in out and "1  drift" in out and "2  cannot check" in out

@@ -161,19 +161,19 @@ def test_a_bad_allocation_points_at_the_character_and_one_too_big_names_the_clus
     assert r.returncode == 2 and "needs 2 + 1 = 3 devices, the cluster has 1 node(s) × 2 = 2" in r.stdout
 
 
-def test_the_yaml_check_covers_the_project_recipes(tmp_path, monkeypatch):
-    import areal_flow.launch as launch_mod
-
-    root = tmp_path / "root"
-    (root / "conf").mkdir(parents=True)
-    (root / "recipes").mkdir()
-    (root / "recipes" / "bad.yaml").write_text("a: [1, 2\n")
-    (root / "conf" / "recipe").symlink_to(root / "recipes")
-    monkeypatch.setattr(launch_mod, "ROOT", root)
-    monkeypatch.setattr(launch_mod, "CONF_DIR", root / "conf")
-    problem = launch_mod.check_yaml([])
-    assert problem is not None and str(root / "recipes" / "bad.yaml") in problem
-    assert launch_mod.check_yaml(["hydra.searchpath=[file://" + str(tmp_path / "none") + "]"]) == problem
+def test_the_yaml_check_covers_the_files_hydra_reads_through_a_linked_recipe_folder(tmp_path):
+    # conf/recipe is a link to recipes/: a recipe read through such a link is checked as read, by
+    # its real path. The check parses only what Hydra reads (tests/config/test_recipe_files.py).
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "bad.yaml").write_text("a: [1, 2\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "recipe").symlink_to(tmp_path / "recipes", target_is_directory=True)
+    r = launch("recipe=bad", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"malformed YAML in {tmp_path / 'recipes' / 'bad.yaml'}, line 2" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = launch(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "--cfg", "job", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr  # the default recipe: bad.yaml is never read
 
 
 @pytest.mark.slow  # 1.1-1.6 s: the full suite runs it; the fast tier keeps its 3 minutes

@@ -131,7 +131,6 @@ ATTACKS = {
         "if os.fork() == 0:\n    time.sleep(0.3)\n    forge()\n    os._exit(0)\n"
         "def f(x):\n    return 0\n"),
 }
-SLOW = {"disables the alarm and answers late"}  # a deadline per shape
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +154,9 @@ def test_honest_controls_score_1_and_0(box, shape):
     assert wrong["reward"] == pytest.approx(0.0 if shape == "humaneval" else 1 / 3) and not wrong["suspect"]
 
 
+@pytest.mark.slow  # 80 programs, ~25 s on two cores: the full suite runs them; the fast tier keeps its 3 minutes
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("attack", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW else a for a in ATTACKS])
+@pytest.mark.parametrize("attack", list(ATTACKS))
 def test_every_attack_scores_0_in_every_shape(box, attack, shape):
     tests = parse_tests(SHAPES[shape])
     got = score_program(box, program_for(ATTACKS[attack], shape), tests, partial_credit=True)
@@ -174,6 +174,7 @@ SUSPECT = {  # attack -> the suspect reason it leaves in the checked shapes
 }
 
 
+@pytest.mark.slow  # 21 programs: the full suite runs them
 @pytest.mark.parametrize("shape", ["fn_name", "humaneval", "mbpp"])
 @pytest.mark.parametrize("attack", list(SUSPECT))
 def test_what_no_honest_program_does_is_flagged_suspect(box, attack, shape):

@@ -373,8 +373,13 @@ except SandboxUnavailable as e:
 box = Sandbox(SandboxConfig(wall_seconds=2.0, python=sys.argv[1], allow_unsandboxed=True))
 iso = box.isolation()
 r = box.run("import os; print(os.getuid())", [""])[0]
+# A checked run too: the program's process and its checker, each a session of its own, both ended.
+from areal_flow.data.input_output import parse_tests
+from areal_flow.rewards.code import score_program
+calls = parse_tests({"inputs": [[1], [2]], "outputs": [2, 4], "fn_name": "f"})
+checked = [score_program(box, p, calls)["reward"] for p in ("def f(x):\n    return 2 * x\n", "def f(x):\n    return x\n")]
 print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid": r.stdout.strip(),
-                  "box_uid": box.uid}))
+                  "box_uid": box.uid, "checked": checked}))
 """
     python = "/usr/bin/python3"
     if not os.access(python, os.X_OK):
@@ -386,7 +391,8 @@ print(json.dumps({"pid_namespace": iso.pid_namespace, "status": r.status, "uid":
     assert refused["refused"] and "sandbox.allow_unsandboxed" in refused["message"]
     assert "CAP_SYS_ADMIN" in refused["message"]
     assert "WITHOUT NAMESPACES" in proc.stderr  # said loudly
-    assert opted == {"pid_namespace": False, "status": "ok", "uid": str(opted["box_uid"]), "box_uid": opted["box_uid"]}
+    assert opted == {"pid_namespace": False, "status": "ok", "uid": str(opted["box_uid"]), "box_uid": opted["box_uid"],
+                     "checked": [1.0, 0.0]}
 
 
 @pytest.mark.slow  # 1.4-2.3 s: the full suite runs it; the fast tier keeps its 3 minutes

@@ -3,6 +3,7 @@ the environment's observations as tokens, never re-tokenized, with their mask, l
 versions; interruption inside a turn; and each way a trajectory ends."""
 
 import asyncio
+import re
 
 import pytest
 from sglang_standin import StandIn, serving
@@ -229,3 +230,117 @@ def test_a_groups_first_turns_come_from_one_request_and_each_trajectory_goes_on_
     assert [g["scalars"]["env/turns"] for g in got] == [1.0, 2.0, 2.0]
     assert "env/repair_turn2" not in got[0]["scalars"] and got[1]["scalars"]["env/repair_turn2"] == 1.0
     assert got[1]["loss_mask"] == [1] * 3 + [0] * 8 + [1] * 2 and got[1]["behav_logprobs"][:3] == [-0.5] * 3
+
+
+class Buggy(Environment):
+    """A user's environment with a bug: its second step raises (or, `bug`, another of its faults)."""
+
+    stop = ("</c>",)
+    closed = 0
+
+    def __init__(self, row, *, sandbox=None, bug="step"):
+        super().__init__(row)
+        if bug == "init":
+            raise KeyError("answer")
+        self.bug, self.steps = bug, 0
+
+    async def step(self, turn: str) -> Step:
+        self.steps += 1
+        if self.steps == 2 and self.bug == "step":
+            raise RuntimeError("boom")
+        if self.bug == "returns_none":
+            return None
+        return Step("=1;", figures={"tool_calls": 1.0})
+
+    async def close(self) -> None:
+        type(self).closed += 1
+        if self.bug == "close":
+            raise OSError("cannot close")
+
+
+@pytest.mark.parametrize("bug, turns, said", [
+    ("step", 2, r"step\(\) raised at test_turns.py:\d+ in step: RuntimeError: boom"),
+    ("returns_none", 1, r"step\(\) returned None, not a Step .*"),
+    ("close", 4, r"close\(\) raised at test_turns.py:\d+ in close: OSError: cannot close"),
+])
+def test_an_environment_that_raises_ends_its_trajectory_only_naming_the_error_and_is_closed(bug, turns, said):
+    Buggy.closed = 0
+    got, calls = run([("<c>1</c>", "stop", "1")] * 4, env=Buggy({}, bug=bug))
+    assert (got["end"], got["turns"], len(calls)) == ("env_error", turns, turns)
+    assert re.fullmatch(said, got["error"]) and Buggy.closed == 1
+    # The tokens so far stay whole: every per-token record as long as the answer.
+    assert len(got["loss_mask"]) == len(got["output_ids"]) == len(got["versions"]) == len(got["behav_logprobs"])
+
+
+def test_a_group_with_an_environment_error_is_dropped_by_name_and_counted_per_trajectory():
+    """A group's trajectories go on when one's environment raises; the error is that trajectory's
+    (env/error 1, absent elsewhere), and `failed` names it for the worker to drop the group. An
+    environment that cannot be made ends its trajectory before any turn, generating nothing."""
+    from areal_flow.config.schema import SandboxConfig
+    from areal_flow.rollout.turns import Turns
+
+    class OneBuggy(Buggy):
+        made = 0
+
+        def __init__(self, row, *, sandbox=None):
+            type(self).made += 1
+            super().__init__(row, bug="step" if type(self).made == 2 else "none")
+
+    class Calls(StandIn):
+        """Answers every request, a group's with n answers, `<c>1</c>`."""
+
+        def answer(self, body: dict) -> object:
+            out = ids("<c>1</c>")
+            one = {"text": "<c>1</c>", "output_ids": out, "meta_info": {
+                "id": "x", "weight_version": "1", "finish_reason": {"type": "stop"},
+                "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+            n = body["sampling_params"].get("n", 1)
+            return [one] * n if n > 1 else one
+
+    params = {"max_new_tokens": 20, "temperature": 1.0}
+
+    async def go(url, turns):
+        async with ServerPool([url]) as pool:
+            return await turns.run_group(pool, TOK, {}, ids("Q:"), params, 3, "g5", seed=100)
+
+    turns = Turns(OneBuggy, {}, SandboxConfig(), max_turns=2, token_budget=200, name="my_envs:OneBuggy")
+    with serving(Calls) as url:
+        got = asyncio.run(go(url, turns))
+    assert [g["end"] for g in got] == ["max_turns", "env_error", "max_turns"]
+    assert [g["scalars"].get("env/error") for g in got] == [None, 1.0, None]
+    assert re.fullmatch(r"environment my_envs:OneBuggy raised in 1 of 3 trajectories: step\(\) raised at "
+                        r"test_turns.py:\d+ in step: RuntimeError: boom", turns.failed(got))
+    assert turns.failed([{**g, "error": None} for g in got]) == ""
+
+    class Unmade(Buggy):
+        def __init__(self, row, *, sandbox=None):
+            super().__init__(row, bug="init")
+
+    with serving(Calls) as url:
+        got = asyncio.run(go(url, Turns(Unmade, {}, SandboxConfig(), max_turns=2, token_budget=200)))
+        assert Calls.calls == []  # nothing generated for a group none of whose environments exists
+    assert all(g["output_ids"] == [] and g["end"] == "env_error" for g in got)
+    assert re.fullmatch(r"__init__ raised at test_turns.py:\d+ in __init__: KeyError: 'answer'", got[0]["error"])
+
+
+def test_a_held_out_answer_whose_environment_raised_scores_0_and_the_share_is_logged():
+    from areal_flow.config.schema import SandboxConfig
+    from areal_flow.controller.evaluation import held_out_accuracy
+    from areal_flow.rollout.turns import Turns
+
+    Scripted.SCRIPT = [("<c>1</c>", "stop", "1")] * 20
+    turns = Turns(Buggy, {}, SandboxConfig(), max_turns=3, token_budget=200)
+    scored = []
+
+    async def score(text, reference):
+        scored.append(text)
+        return 1.0
+
+    async def go(url):
+        async with ServerPool([url]) as pool:
+            return await held_out_accuracy(pool, TOK, [{"q": "Q:", "a": "#### 5"}], score, "q", "a", 50, turns)
+
+    with serving(Scripted) as url:
+        result = asyncio.run(go(url))
+    assert scored == [] and result.accuracy == 0.0 and result.answers[0]["score"] == 0.0
+    assert result.figures["env/error"] == 1.0
