@@ -76,6 +76,7 @@ class CodeFeedback(Environment):
         if self.settings.feedback_from == "all":
             return tests
         field, shown = self.settings.shown_field, row.get(self.settings.shown_field)
+        shown = int(shown) if isinstance(shown, str) and shown.strip().isdigit() else shown  # rows arrive as text
         if not (type(shown) is int and 1 <= shown <= len(tests)):
             raise ValueError(f"code_feedback: the row's {field!r} must say how many of its first tests the prompt "
                              f"shows (an int in 1..{len(tests)}), got {shown!r}; feedback from hidden tests would "

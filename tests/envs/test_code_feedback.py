@@ -75,6 +75,8 @@ def test_feedback_comes_from_the_shown_tests_only():
                                    "def mul_3(x):\n    return x * 3 if x > 2 else 0"], row=row)
     assert (hidden_only.done, hidden_only.reward, hidden_only.observation) == (True, 1.0, "")
     assert shown.observation == "# failed: mul_3(2) == 6, got 0\n"
+    as_text = attempts(["def mul_3(x):\n    return x * 3 if x > 2 else 0"], row={**row, "shown_tests": "2"})[0]
+    assert as_text.observation == shown.observation  # a row's fields reach the environment as text
     everything = attempts(["def mul_3(x):\n    return x * 3 if x > 0 else 0"], row=row, feedback_from="all")[0]
     assert everything.observation == "# failed: mul_3(-3) == -9, got 0\n"
     with pytest.raises(ValueError, match=r"the row's 'shown_tests' must say how many .* got None.* would leak"):
