@@ -199,9 +199,9 @@ class Checker:
             name = test["call"]
             try:
                 got = self.program.call(name, test["args"], {}, method_first=True)
+            except Refused:
+                raise
             except Exception as e:  # noqa: BLE001 - what the call raised is what it gave
-                if isinstance(e, Refused):
-                    raise
                 return "runtime_error", f"{type(e).__name__}: {e}", f"{type(e).__name__}: {e}", ""
             same, message = compare_call(got, test["expected"], name)
             return ("passed", "", "", "") if same else ("wrong_answer", message, repr(got), "")

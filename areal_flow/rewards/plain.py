@@ -7,7 +7,7 @@ subclass, so no `__eq__` or `__hash__` of the program's) can be written or read:
     None, bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict
 
 Every container is a JSON array that starts with its type's tag (`["tuple", 1, 2]`, `["dict", [k, v],
-...]`), so a list and a tuple stay apart and a dict may have any plain key. `decode` builds builtins
+...]`), so a list and a tuple stay apart and a dict may have any plain key. `from_json` builds builtins
 only, whatever text it is given: a forged or malformed reply fails to decode, it cannot make an
 object that lies.
 
@@ -49,14 +49,6 @@ def to_json(value, depth=0):
                    else f"a {kind.__name__}")
 
 
-def encode(value):
-    """One line of text (no newline in it) holding `value`; NotPlain when it is not plain data."""
-    try:
-        return json.dumps(to_json(value), allow_nan=True, separators=(",", ":"))
-    except (ValueError, RecursionError) as e:  # an int past Python's digit limit for text
-        raise NotPlain(str(e)) from None
-
-
 def from_json(obj, depth=0):
     """The builtin value a `to_json` structure stands for; NotPlain for anything else."""
     kind = type(obj)
@@ -86,12 +78,3 @@ def from_json(obj, depth=0):
         return set(values) if tag == "set" else frozenset(values)
     except (TypeError, ValueError) as e:  # an unhashable key or set member, bad hex, a wrong count
         raise NotPlain(f"a malformed {tag}: {e}") from None
-
-
-def decode(text):
-    """The value a line of `encode` holds; NotPlain for any other text."""
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise NotPlain(f"not an encoded value ({type(e).__name__})") from None
-    return from_json(obj)
