@@ -55,10 +55,13 @@ def test_an_agent_that_returns_no_reward_stops_the_run_with_one_line_naming_it_i
     assert r.returncode == 1, out[-3000:]
     assert time.monotonic() - t0 < 250  # not step_timeout's 300 s
     (line,) = [line for line in out.splitlines() if line.startswith("run failed:")]  # the run's one line
-    assert re.search(r"the run trains nothing: the last 8 prompt groups failed in a row, none scored between them "
-                     r"\(rollout.failed_groups_stall=8\); the last: rollout g\d+-\d failed 1 run\(s\) "
-                     r"\(graph.generate.agent_retries=0\): agent no_return_agent:run: ValueError: returned None, not "
-                     r"a reward \(a number, or a list of per-turn numbers\): does it end without a `return`\?", line), line
+    # The count is what was dropped when the step loop looked: at least the limit, more when groups
+    # arrived together (CI once saw 9).
+    m = re.search(r"the run trains nothing: the last (\d+) prompt groups failed in a row, none scored between them "
+                 r"\(rollout.failed_groups_stall=8\); the last: rollout g\d+-\d failed 1 run\(s\) "
+                 r"\(graph.generate.agent_retries=0\): agent no_return_agent:run: ValueError: returned None, not "
+                 r"a reward \(a number, or a list of per-turn numbers\): does it end without a `return`\?", line)
+    assert m and int(m.group(1)) >= 8, line
     assert "restarted" not in out
     ledger = jsonl(run_dir / "ledger.jsonl")
     assert len([e for e in ledger if e["event"] == "drop"]) >= 8 and not [e for e in ledger if e["event"] == "train"]

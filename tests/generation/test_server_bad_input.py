@@ -19,13 +19,15 @@ import torch
 from generation_helpers import before_every_forward, http_call, running_server, save_chat_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from areal_flow.generation.bodies import MAX_REQUEST_BYTES
 from areal_flow.generation.server import GenerationServer
 from areal_flow.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 
 openai = pytest.importorskip("openai")
 
-LIMIT = 2 << 20
-"""The test server's max_request_bytes: a 1.2 MB message is under it, a body of LIMIT + 1 bytes over."""
+LIMIT = MAX_REQUEST_BYTES
+"""The test server's max_request_bytes, the default: a 10.5 MB message is under it, a body of LIMIT + 1
+bytes over."""
 
 NO_USER_QUERY = "No user query found in messages."
 REFUSING_TEMPLATE = ("{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
@@ -267,7 +269,7 @@ def test_the_limit_is_generation_max_request_bytes_through_the_server_command_li
 
 def test_health_and_a_decoding_request_are_answered_while_huge_and_deep_bodies_are_handled(chat_server, client,
                                                                                              monkeypatch):
-    """A 1.2 MB chat message is tokenized (and refused: over the context) while a body over the limit,
+    """A 10.5 MB chat message is tokenized (and refused: over the context) while a body over the limit,
     two 100,000-deep bodies, a streamed /generate decoding 600 tokens and /health probes come and go.
     The huge message's tokenization is held open until the others have been answered, so that they
     must be answered while it runs: on the event loop it would hold up every one of them."""
@@ -303,7 +305,7 @@ def test_health_and_a_decoding_request_are_answered_while_huge_and_deep_bodies_a
     def huge() -> None:
         try:
             client.chat.completions.create(model=_model(server), messages=[{"role": "user",
-                                                                           "content": "ab " * 400_000}])
+                                                                           "content": "ab " * 3_500_000}])
         except openai.APIStatusError as exc:
             results["huge"] = (exc.status_code, exc.body, time.monotonic())
 
@@ -350,7 +352,7 @@ def test_health_and_a_decoding_request_are_answered_while_huge_and_deep_bodies_a
             thread.join()
         decoded_while_held = [c for t, c in chunks if t > held]
         release.set()
-        while threads[1].is_alive():  # the real tokenization of 1.2 MB, then its refusal
+        while threads[1].is_alive():  # the real tokenization of 10.5 MB (seconds), then its refusal
             probe()
             time.sleep(0.05)
         threads[1].join()
