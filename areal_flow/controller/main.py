@@ -31,6 +31,7 @@ from areal_flow.controller.intake import FilterStreak, Intake, outside_range
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.publisher import WeightPublisher, server_counts
+from areal_flow.controller.in_transit import InTransit
 from areal_flow.controller.rollout_failures import RolloutFailures
 from areal_flow.controller.suspect_alarm import SuspectAlarm
 from areal_flow.controller.weight_alarm import WeightAlarm
@@ -200,6 +201,7 @@ class Controller:
         self.saved_path = spec.resume  # ... and its folder
         self.resize_asked: dict | None = None  # a trainer resize the launcher asks for (runtime/resize.py)
         self.held_routes: list[tuple[bytes, GroupMeta]] | None = None  # scored groups that arrive while it runs
+        self.in_transit = InTransit()  # routed to a rank, not yet trained: a copy is routed again
         # Where the next step's window starts: monotonic time, the servers' counts
         # (Publisher.server_counts), controller CPU seconds.
         self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
@@ -313,6 +315,11 @@ class Controller:
             self.held_routes.append((ident, meta))
             return
         if meta.group_id not in self.staleness.running:
+            if (rank := self.in_transit.rank_again(meta.group_id)) is not None:
+                log.warning("controller: group %d scored again after a reward worker restarted: routed to trainer "
+                            "rank %d again (a rank holding it drops the copy)", meta.group_id, rank)
+                await send_to(self.socket, ident, Route(meta.group_id, rank))
+                return
             log.error("controller: group %d is not running (a duplicate?), dropped", meta.group_id)
             await send_to(self.socket, ident, Route(meta.group_id, -1))
             return
@@ -349,7 +356,10 @@ class Controller:
         self.state.running_prompts.pop(meta.group_id, None)
         owner = self.slots.release(meta.group_id)
         await send_to(self.socket, ident, Route(meta.group_id, rank))
-        await send_to(self.socket, owner, Released([meta.group_id]))  # its copy is no longer needed
+        if rank == DROP:
+            await send_to(self.socket, owner, Released([meta.group_id]))  # its copy is no longer needed
+        else:  # kept until a step trains it: its reward worker may die before it sends it on
+            self.in_transit.routed(meta.group_id, rank, owner)
         self.changed.set()
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -524,11 +534,17 @@ class Controller:
             await send_to(self.socket, self.ranks[rank], plan)
         done = await self.replies_from_ranks(StepDone, f"step {step}")
         self.state.trainer_seconds += time.monotonic() - t0
+        await self.release(self.in_transit.trained(batch))
         if self.graph.colocated:
             await self.publisher.generations_turn()
         for d in done:
             self.traffic.report(f"trainer{d.rank}", d.sent_bytes)
         return merge_results(done)
+
+    async def release(self, copies: dict[bytes, list[int]]) -> None:
+        """The rollout workers may let go of these groups' copies."""
+        for owner, group_ids in copies.items():
+            await send_to(self.socket, owner, Released(group_ids))
 
     async def send_weights(self, version: int, flags: UpdateFlags) -> None:
         """Once the publisher has paused the servers, for channels whose trainers send: every trainer
@@ -595,6 +611,7 @@ class Controller:
                           seconds=round(seconds, 3))
         self.metrics.log("resize", step=step, trainers_before=before, trainers=n, checkpoint=path, seconds=seconds)
         resize.answer(run_dir, resize.DONE, ask["id"], n=n, seconds=round(seconds, 3))
+        await self.release(self.in_transit.all_held())
         held, self.held_routes, self.resize_asked = self.held_routes, None, None
         for ident, meta in held:
             await self.route(ident, meta)

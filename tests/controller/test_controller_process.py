@@ -144,3 +144,60 @@ def test_the_step_loop_stops_at_the_wall_time_limit_and_the_summary_says_so(make
     assert reason == {"kind": "wall_time", "message": "max_wall_seconds=540 reached after 0 of 1000 steps"}
     summary = run_summary(c, 0, stopped=False, accuracy=(None, None), train_wall=541.0, checkpoint=None, reason=reason)
     assert summary["stop_reason"] == reason and not summary["stopped"]
+
+
+def test_a_group_scored_again_after_its_reward_worker_restarted_goes_to_its_rank_again(make_controller):
+    """A reward worker killed between the controller's Route and its send loses the group; the rank
+    would wait for it until step_timeout (a run hung so). The rollout worker keeps its copy until a
+    step trains the group, and a copy scored again is routed to the same rank (which drops a second
+    copy it already holds); once trained, a copy is a duplicate."""
+    import asyncio
+
+    import zmq
+
+    from areal_flow.transport.messages import DROP, Finish, GroupMeta, Released, Route, SampleMeta, decode
+
+    c = make_controller("algorithm.success_rate_range=null")
+    ctx = zmq.Context()
+    peers = {}
+    for name in ("reward0", "rollout0"):
+        peers[name] = ctx.socket(zmq.DEALER)
+        peers[name].setsockopt(zmq.IDENTITY, name.encode())
+        peers[name].connect(f"tcp://127.0.0.1:{c.spec.controller_port}")
+    keys = c.intake.token_keys
+    lengths = {k: 4 if k == c.intake.prompt_key else 3 for k in keys}
+    meta = GroupMeta(7, "reward0", [SampleMeta(f"g7-{i}", i, dict(lengths), {0: 3}, {c.intake.reward_key: float(i)},
+                                               Finish.STOP) for i in range(c.G)])
+
+    def received(name: str) -> list:
+        sock, got = peers[name], []
+        while sock.poll(300):
+            got.append(decode(sock.recv()))
+        return got
+
+    async def scored() -> None:
+        await c.route(b"reward0", meta)
+
+    async def greeted() -> None:  # the router sends only to peers it has heard from
+        for sock in peers.values():
+            sock.send(b"hello")
+            await c.socket.recv_multipart()
+
+    try:
+        asyncio.run(greeted())
+        c.slots.offer(b"rollout0", 4)
+        c.slots.take(7)
+        c.staleness.admit(7)
+        c.state.running_prompts[7] = 0
+        asyncio.run(scored())
+        assert received("reward0") == [Route(7, 0)]
+        assert received("rollout0") == []  # the copy is kept: the route may not take effect
+        asyncio.run(scored())  # the reward worker restarted, the rollout worker sent its copy again
+        assert received("reward0") == [Route(7, 0)]
+        asyncio.run(c.release(c.in_transit.trained([7])))  # a step trained it
+        assert received("rollout0") == [Released([7])]
+        asyncio.run(scored())
+        assert received("reward0") == [Route(7, DROP)]
+    finally:
+        for sock in peers.values():
+            sock.close(linger=0)
