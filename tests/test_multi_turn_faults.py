@@ -12,7 +12,7 @@ from run_helpers import check_accounting, leftover_processes, processes_of_uids
 from test_resume_end_to_end import start, wait_for_step
 
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
-from areal_flow.rewards.sandbox import UID_BASE
+from areal_flow.sandbox.local import UID_BASE
 from chaos import run_processes
 
 pytestmark = pytest.mark.slow

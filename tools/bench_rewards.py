@@ -10,11 +10,11 @@ earlier repeat's parse; the best of --repeats is reported, per kind and over the
 reward is checked against the one the mix expects.
 
 Part `code`: --programs programs (a stdin/stdout one and a function-call one, alternately, each
-with --cases test cases) scored by the code reward's sandbox (areal_flow/rewards/sandbox.py:
+with --cases test cases) scored by the code reward's sandbox (areal_flow/sandbox/local.py:
 namespaces, chroot, own uid, limits; a function-call program's process beside its checker,
-areal_flow/rewards/asserts.py), against the same programs run bare, no isolation: one
+areal_flow/sandbox/asserts.py), against the same programs run bare, no isolation: one
 `python -I -S` per stdin case, and one of the program's side of a checked run answering all of a
-function-call program's calls (areal_flow/rewards/serve.py), checked here: programs/s of each and
+function-call program's calls (areal_flow/sandbox/serve.py), checked here: programs/s of each and
 the sandbox's overhead per program. With --against REV, the same programs are also scored by the
 code reward of commit REV (a git worktree of it, in a child process), alternately with this tree's
 (also in a child process), and the ratio of their costs per program is printed.
@@ -51,12 +51,12 @@ from rich.table import Table
 
 from _bench import machine
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.asserts import SERVE
-from areal_flow.rewards.checker import compare_call
+from areal_flow.sandbox.asserts import SERVE
+from areal_flow.sandbox.checker import compare_call
 from areal_flow.rewards.code import Tests, parse_tests, passed, score_program
-from areal_flow.rewards.plain import from_json, to_json
+from areal_flow.sandbox.plain import from_json, to_json
 from areal_flow.rewards.math import DEFAULT_TIMEOUT, math_reward
-from areal_flow.rewards.sandbox import CaseResult, Sandbox
+from areal_flow.sandbox.local import CaseResult, Sandbox
 from areal_flow.rewards.service import NodeScorer, Shaping
 
 KINDS = ("integer", "fraction", "expression",
@@ -186,7 +186,7 @@ import json, sys, time
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import parse_tests
 from areal_flow.rewards.code import score_program
-from areal_flow.rewards.sandbox import Sandbox
+from areal_flow.sandbox.local import Sandbox
 box = Sandbox(SandboxConfig())
 box.isolation()
 jobs = [(program, parse_tests(tests)) for program, tests in json.load(sys.stdin)]

@@ -31,7 +31,7 @@ def all_modules() -> list[str]:
     return sorted(names)
 
 
-CHILD_PROGRAMS = {"areal_flow.rewards.sandbox_init": "the sandbox's first program, run by tests/rewards/test_sandbox.py "
+CHILD_PROGRAMS = {"areal_flow.sandbox.init": "the sandbox's first program, run by tests/sandbox/test_sandbox.py "
                                                    "in the sandbox's child processes"}
 """Modules that run only as a child process's program, never imported by a test: not counted."""
 

@@ -54,7 +54,7 @@ class Tests:
 @dataclasses.dataclass(frozen=True)
 class AssertTests:
     """Assert-style tests: each of `checks` is Python source run after `setup`, in their namespace,
-    where every name neither defines calls the program's (areal_flow/rewards/checker.py); a test
+    where every name neither defines calls the program's (areal_flow/sandbox/checker.py); a test
     passes when its check raises nothing."""
 
     checks: list[str]

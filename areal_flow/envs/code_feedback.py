@@ -4,7 +4,7 @@ failing test back (the call, what was expected, what it gave) and the policy tri
 Feedback comes only from the tests the prompt already shows (the row's first `shown_tests`), so an
 attempt never learns a hidden test: the held-out score, which the reward node takes from every test
 on the final attempt (graph/keys.py: final_turn), stays a score on tests the model was not shown.
-An attempt runs as the code reward's are checked (areal_flow/rewards/asserts.py: the function in the
+An attempt runs as the code reward's are checked (areal_flow/sandbox/asserts.py: the function in the
 program's own sandboxed process, the tests in a checker it cannot reach), stopping at the first
 failure: a wrong value, an exception, a result that is not plain data, or a test still running at
 its deadline (`timeout`). An attempt that passes the shown tests ends the trajectory with reward 1;
@@ -30,7 +30,7 @@ from areal_flow.data.input_output import Tests, parse_tests
 from areal_flow.data.observations import MAX_OUTPUT_CHARS, call_text, failed_test
 from areal_flow.envs.base import Environment, Step
 from areal_flow.envs.python_tool import MAX_BOXES, check_sandbox, printable, shared_pool, tool_sandbox
-from areal_flow.rewards.asserts import run_checks
+from areal_flow.sandbox.asserts import run_checks
 
 @dataclasses.dataclass(frozen=True)
 class FeedbackSettings:

@@ -1,7 +1,7 @@
 """`python_tool`: the policy may run Python between its turns and read what it printed.
 
 A turn that ends with a tool call, `<python>CODE</python>` (the tags are settings), runs CODE in the
-code sandbox (areal_flow/rewards/sandbox.py: namespaces, chroot, its own uid, limits), with its own
+code sandbox (areal_flow/sandbox/local.py: namespaces, chroot, its own uid, limits), with its own
 wall time; the observation is what it printed, cut at `max_output_chars` and marked where cut, in
 `<output>` tags. A program that fails, hangs or prints what the tokenizer cannot hold is an
 observation too (`error: ...`, characters outside printable ASCII replaced): nothing a program does
@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.observations import MAX_OUTPUT_CHARS, PYTHON_CLOSE, PYTHON_OPEN, output_observation
 from areal_flow.envs.base import Environment, Step
-from areal_flow.rewards.sandbox import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
+from areal_flow.sandbox.local import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
 
 PID_SPAN = 1 << 22  # Linux's largest pid_max: uid UID_BASE + k·PID_SPAN + pid is the k-th box of pid, unique
 MAX_BOXES = 64  # sandboxes a worker process may hold: their uids stay below 2^31

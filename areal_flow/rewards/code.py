@@ -8,7 +8,7 @@ normalising whitespace; with `fn_name` the program defines that function (or a m
 `class Solution`) called with each input's arguments, and the return value must equal the expected
 output (APPS wraps it in a one-element list). Assert-style, HumanEval's `{test, entry_point}` (one
 test: check(entry_point)) and MBPP's `{asserts}` (one test per assert). Every shape but stdin runs
-its tests in one sandboxed process with the program (areal_flow/rewards/asserts.py): a function
+its tests in one sandboxed process with the program (areal_flow/sandbox/asserts.py): a function
 call is a check too.
 
 Debug one program as a user would before a long run:
@@ -31,9 +31,9 @@ import msgspec
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import SHAPES, AnyTests, AssertTests, Tests, parse_tests
-from areal_flow.rewards.asserts import run_checks
-from areal_flow.rewards.remote_sandbox import RemoteSandbox
-from areal_flow.rewards.sandbox import CaseResult, Sandbox, SandboxUnavailable
+from areal_flow.sandbox.asserts import run_checks
+from areal_flow.sandbox.remote import RemoteSandbox
+from areal_flow.sandbox.local import CaseResult, Sandbox, SandboxUnavailable
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 

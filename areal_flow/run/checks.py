@@ -25,7 +25,7 @@ from areal_flow.graph.layout import layout_problems
 from areal_flow.launchers.slurm import sbatch_missing
 from areal_flow.models.tokenizer import missing_tokenizer_files
 from areal_flow.rewards.code import CodeReward
-from areal_flow.rewards.sandbox import SandboxUnavailable
+from areal_flow.sandbox.local import SandboxUnavailable
 from areal_flow.rewards.service import AGENT_FN, builtin_names, resolve
 
 SHARED_MEMORY = "/dev/shm"

@@ -14,7 +14,7 @@ from areal_flow.envs.base import resolve_env
 from areal_flow.envs.code_feedback import CodeFeedback
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
 from areal_flow.models.tasks import repaired
-from areal_flow.rewards.sandbox import CHECKER_UID_SHIFT, UID_BASE
+from areal_flow.sandbox.local import CHECKER_UID_SHIFT, UID_BASE
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 ROW = {"input_output": {"inputs": [[4], [2], [-3]], "outputs": [12, 6, -9], "fn_name": "mul_3"}, "shown_tests": 3}

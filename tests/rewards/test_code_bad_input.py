@@ -12,7 +12,7 @@ import time
 import pytest
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import CHECKER_UID_SHIFT, UID_BASE
+from areal_flow.sandbox.local import CHECKER_UID_SHIFT, UID_BASE
 from areal_flow.rewards.service import NodeScorer, Shaping
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")

@@ -14,7 +14,7 @@ from areal_flow.rewards.code import (
     passed,
     score_program,
 )
-from areal_flow.rewards.sandbox import CaseResult, Sandbox
+from areal_flow.sandbox.local import CaseResult, Sandbox
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 

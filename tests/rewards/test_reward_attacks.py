@@ -16,7 +16,7 @@ import pytest
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import parse_tests
 from areal_flow.rewards.code import score_program
-from areal_flow.rewards.sandbox import Sandbox
+from areal_flow.sandbox.local import Sandbox
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 

@@ -1,4 +1,4 @@
-"""The inside of the code sandbox: runs as a script (`python -I -S sandbox_init.py`), stdlib only.
+"""The inside of the code sandbox: runs as a script (`python -I -S init.py`), stdlib only.
 
 It is resident, one per reward worker: it reads jobs on stdin and writes one result per job on stdout,
 each a marshalled dict behind an 8-byte length, so the interpreter starts and imports once per worker,

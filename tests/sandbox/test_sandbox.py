@@ -24,7 +24,7 @@ import uuid
 import pytest
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import ROOT_PREFIX, Sandbox
+from areal_flow.sandbox.local import ROOT_PREFIX, Sandbox
 
 LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
                 output_bytes=1 << 16)
@@ -301,7 +301,7 @@ sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
 DRIVER = r"""
 import json, os, subprocess, sys, time
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import Sandbox
+from areal_flow.sandbox.local import Sandbox
 
 uid = int(sys.argv[1])
 def as_uid():
@@ -362,7 +362,7 @@ def test_without_namespaces_the_sandbox_refuses_unless_opted_in(tmp_path):
     script = r"""
 import json, sys, logging
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards.sandbox import Sandbox, SandboxUnavailable
+from areal_flow.sandbox.local import Sandbox, SandboxUnavailable
 logging.basicConfig(level=logging.WARNING)
 try:
     Sandbox(SandboxConfig(wall_seconds=2.0)).isolation()
@@ -400,7 +400,7 @@ def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
     # A job whose cases never end (wall limit far beyond the host's deadline): the host gives up
     # at its own deadline and kills the whole group.
     box = Sandbox(SandboxConfig(wall_seconds=30.0, cpu_seconds=30))
-    monkeypatch.setattr("areal_flow.rewards.sandbox.HOST_SLACK", -29.0)
+    monkeypatch.setattr("areal_flow.sandbox.local.HOST_SLACK", -29.0)
     t0 = time.monotonic()
     (r,) = box.run("import time; time.sleep(60)", [""])
     assert r.status == "sandbox_error" and "did not finish" in r.stderr
@@ -408,7 +408,7 @@ def test_the_host_deadline_kills_an_init_that_hangs(monkeypatch, tmp_path):
     # Killing the init is immediate; the kernel tears its namespace down right after.
     assert wait_until_gone(box.uid) == []
     # The next program gets a new init.
-    monkeypatch.setattr("areal_flow.rewards.sandbox.HOST_SLACK", 10.0)
+    monkeypatch.setattr("areal_flow.sandbox.local.HOST_SLACK", 10.0)
     assert [(r.status, r.stdout) for r in box.run("print(input())", ["again"])] == [("ok", "again\n")]
     box.close()
 
@@ -418,7 +418,7 @@ def test_a_killed_worker_takes_its_sandbox_down():
     uid = 1_300_000_000 + os.getpid()
     # The first run probes the isolation with a program of the same uid that exits at once: the
     # worker says when that is over, so the process looked for below is the sleeping one.
-    script = ("from areal_flow.config.schema import SandboxConfig\nfrom areal_flow.rewards.sandbox import Sandbox\n"
+    script = ("from areal_flow.config.schema import SandboxConfig\nfrom areal_flow.sandbox.local import Sandbox\n"
               f"box = Sandbox(SandboxConfig(wall_seconds=60, cpu_seconds=60), uid={uid})\nbox.isolation()\n"
               "print('probed', flush=True)\nbox.run('import time; time.sleep(60)', [''])\n")
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

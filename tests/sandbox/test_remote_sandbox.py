@@ -16,7 +16,7 @@ from aiohttp import web
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.rewards.code import CodeReward, parse_tests, score_program
-from areal_flow.rewards.remote_sandbox import RemoteSandbox
+from areal_flow.sandbox.remote import RemoteSandbox
 
 REQUESTS = web.AppKey("requests", list)
 

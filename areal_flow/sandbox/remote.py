@@ -7,9 +7,9 @@ One `POST {url}/run_code` per test case, the case's input as stdin:
               "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error",
                              "return_code", "stdout", "stderr", "execution_time"}}
 
-Function-call tests send the program's side of a checked run (areal_flow/rewards/serve.py) as the code,
+Function-call tests send the program's side of a checked run (areal_flow/sandbox/serve.py) as the code,
 the program as the file `solution.py` (`files` holds base64 contents) and the calls as stdin; the
-replies come back as stdout and are checked here, on the host (areal_flow/rewards/checker.py), so
+replies come back as stdout and are checked here, on the host (areal_flow/sandbox/checker.py), so
 what a call must return never reaches the service. Each call's own deadline is not kept there: the
 whole run gets the calls' share of time. Assert-style tests hold what they expect inside their
 source, which would have to run where the program runs: they need the local sandbox, and score
@@ -27,9 +27,9 @@ import urllib.error
 import urllib.request
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.rewards import checker as checks
-from areal_flow.rewards.plain import to_json
-from areal_flow.rewards.sandbox import CaseResult
+from areal_flow.sandbox import checker as checks
+from areal_flow.sandbox.plain import to_json
+from areal_flow.sandbox.local import CaseResult
 
 
 class RemoteSandbox:

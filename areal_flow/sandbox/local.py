@@ -2,7 +2,7 @@
 printed, case by case.
 
 The program was written by a model under training: treat it as hostile. Each Sandbox keeps one
-`sandbox_init.py` (stdlib only) resident in a session of its own and sends it one job per program;
+`init.py` (stdlib only, beside it) resident in a session of its own and sends it one job per program;
 for each job it makes new PID, network and mount namespaces in which the program runs, chrooted into
 a root of read-only binds, as an unprivileged uid of its own, under resource limits, with a
 wall-clock deadline per case. The host keeps a deadline over the whole job and kills the init's
@@ -38,12 +38,12 @@ from areal_flow.config.schema import SandboxConfig
 
 log = logging.getLogger("areal_flow.sandbox")
 
-INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
+INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "init.py")
 # Programs run as uid UID_BASE + the pid of the worker that runs them: one uid per worker, so
 # RLIMIT_NPROC (counted per uid across the machine) is a budget per sandbox, and no two sandboxes
 # share a uid. Far above any account a distribution creates.
 UID_BASE = 1_500_000_000
-# The checker of a program's tests (areal_flow/rewards/checker.py) runs as a uid of its own, this far
+# The checker of a program's tests (areal_flow/sandbox/checker.py) runs as a uid of its own, this far
 # below its program's: below every program's uid (those of a worker's tool sandboxes reach UID_BASE +
 # 65·2^22, about 0.27e9 above it), so no checker shares a uid with any program.
 CHECKER_UID_SHIFT = 300_000_000
@@ -108,7 +108,7 @@ class Sandbox:
         self.checker_uid = self.uid - CHECKER_UID_SHIFT
         self._isolate: bool | None = None  # None until probed: whether runs use namespaces
         self._isolation: Isolation | None = None
-        self._server: subprocess.Popen | None = None  # the resident init (sandbox_init.py)
+        self._server: subprocess.Popen | None = None  # the resident init (init.py)
         self._server_log: Any = None
 
     def isolation(self) -> Isolation:

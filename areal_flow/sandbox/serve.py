@@ -4,9 +4,9 @@ its tests are checks (function calls, HumanEval's check(candidate), MBPP's asser
 It loads the program from solution.py (as a module that is not __main__; its prints go to stderr),
 says so, then answers calls, one line each way. Requests come in on descriptor 3 and replies go out
 on descriptor 4, both pipes to the checker, a process of another uid that runs the tests
-(areal_flow/rewards/checker.py). Nothing here knows what a test expects: the checker sends only a
+(areal_flow/sandbox/checker.py). Nothing here knows what a test expects: the checker sends only a
 call's name and arguments, and gets back what the call returned as plain data
-(areal_flow/rewards/plain.py) or the exception it raised.
+(areal_flow/sandbox/plain.py) or the exception it raised.
 
     request  [id, name, args, kwargs, method_first]     args/kwargs encoded as plain data
     reply    [id, "ok", value] | [id, "raised", type, message, is_exception] | [id, "not_plain", what]
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from areal_flow.rewards.plain import NotPlain, from_json, to_json  # bundled
+from areal_flow.sandbox.plain import NotPlain, from_json, to_json  # bundled
 
 ERROR_CHARS = 500  # the tail of a traceback, or the head of an exception's message, that is sent
 

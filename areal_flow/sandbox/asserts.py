@@ -2,7 +2,7 @@
 asserts), run in two processes of the sandbox, so that the verdict is reached where the program
 cannot reach.
 
-The program runs in a process of its own (areal_flow/rewards/serve.py, as the sandbox's uid for
+The program runs in a process of its own (areal_flow/sandbox/serve.py, as the sandbox's uid for
 programs) that loads it and answers calls. The tests run in the checker (areal_flow/rewards/
 checker.py), which the sandbox's init forks beside it as another uid: it holds the tests and what
 they expect, calls the program over two pipes and gets back plain data only (areal_flow/rewards/
@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 
 from areal_flow.data.input_output import AssertTests, Tests
-from areal_flow.rewards import checker, plain, serve
-from areal_flow.rewards.checker import LOAD
-from areal_flow.rewards.sandbox import CaseResult
+from areal_flow.sandbox import checker, plain, serve
+from areal_flow.sandbox.checker import LOAD
+from areal_flow.sandbox.local import CaseResult
 
 ERROR_CHARS = 500  # the tail of a failing test's traceback that is reported
 STATUSES = ("passed", "wrong_answer", "runtime_error", "memory_limit", "timeout", "output_limit", "not_plain",

@@ -12,9 +12,9 @@ import pytest
 
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import AssertTests, parse_tests, row_tests
-from areal_flow.rewards.asserts import Reports, settle
+from areal_flow.sandbox.asserts import Reports, settle
 from areal_flow.rewards.code import CodeReward, score_program
-from areal_flow.rewards.sandbox import CaseResult, Sandbox
+from areal_flow.sandbox.local import CaseResult, Sandbox
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's namespaces need root, as on CI")
 

@@ -1,12 +1,12 @@
 """The checker: runs a program's tests in a process of its own, where the program cannot reach.
 
-The sandbox's init forks it beside the program's process (areal_flow/rewards/serve.py) in the same
+The sandbox's init forks it beside the program's process (areal_flow/sandbox/serve.py) in the same
 namespaces, as a uid of its own: the program can neither signal nor trace it, nor read its memory or
 descriptors. It holds the tests and what they expect; the program never does. A test reaches the
 program only through calls: `candidate` in HumanEval's check(candidate), every other name a test
 uses that neither the test, its setup nor the standard library defines (MBPP's `f` in
 `assert f(1) == 2`), and the function of a function-call test. Each call sends its arguments over a
-pipe and gets back plain data (areal_flow/rewards/plain.py) or the exception the call raised, so no
+pipe and gets back plain data (areal_flow/sandbox/plain.py) or the exception the call raised, so no
 object of the program's is ever compared, hashed or called here.
 
 It reports on its stdout, which only it holds, one line per test as it starts, `[i]`, and as it ends,
@@ -17,7 +17,7 @@ result that is not plain data, or a reply that is not a reply) and not_run. `got
 function-call test's call returned (its repr) or raised; `suspect` names what no honest program does:
 not_plain, forged (a reply out of turn or malformed), exit (SystemExit or another BaseException from
 a call or at load). A program whose process ends mid-test leaves the test started and not ended:
-the host gives it the process's status (areal_flow/rewards/asserts.py: `settle`).
+the host gives it the process's status (areal_flow/sandbox/asserts.py: `settle`).
 
 Standard library only: bundled with plain.py into the source the init runs (`asserts.bundle`).
 """
@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-from areal_flow.rewards.plain import NotPlain, from_json, to_json  # bundled
+from areal_flow.sandbox.plain import NotPlain, from_json, to_json  # bundled
 
 LOAD = -1  # the index of the program's own start in the reports
 
