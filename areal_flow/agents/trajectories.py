@@ -20,42 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Trajectory:
-    """The tokens of one line of calls: the first prompt, then everything after it."""
-
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)  # answers (mask 1) and what the agent added (mask 0)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # behaviour logprobs; 0.0 on observation tokens
-    versions: list[int] = field(default_factory=list)  # per token; an observation takes the answer's before it
-    answer_starts: list[int] = field(default_factory=list)  # where each answer starts in `tokens`
-    calls: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def add(self, observation: list[int], answer: list[int], logprobs: list[float], versions: list[int]) -> None:
-        version = self.versions[-1] if self.versions else (versions[0] if versions else 0)
-        self.output_ids += observation
-        self.loss_mask += [0] * len(observation)
-        self.logprobs += [0.0] * len(observation)
-        self.versions += [version] * len(observation)
-        self.answer_starts.append(len(self.prompt_ids) + len(self.output_ids))
-        self.output_ids += answer
-        self.loss_mask += [1] * len(answer)
-        self.logprobs += logprobs
-        self.versions += versions
-        self.calls += 1
-
-    def cut(self, end: int) -> Trajectory:
-        """A copy of its first `end` tokens (at the start of an answer: a fork point)."""
-        kept = end - len(self.prompt_ids)
-        return Trajectory(list(self.prompt_ids), self.output_ids[:kept], self.loss_mask[:kept], self.logprobs[:kept],
-                          self.versions[:kept], [s for s in self.answer_starts if s < end],
-                          sum(s < end for s in self.answer_starts))
+from areal_flow.transport.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
@@ -92,18 +57,18 @@ class Recorder:
             if n > shared or (n == shared and best is not None and n == len(trajectory.tokens)):
                 best, shared = trajectory, n
         if best is not None and shared == len(best.tokens):  # it extends `best`
-            best.add(prompt[shared:], list(output_ids), list(logprobs), list(versions))
+            _extend(best, prompt[shared:], output_ids, logprobs, versions)
             self.last = best
             return best
         if best is not None and shared in best.answer_starts:  # a fork at the start of an answer
             trajectory = best.cut(shared)
-            trajectory.add(prompt[shared:], list(output_ids), list(logprobs), list(versions))
+            _extend(trajectory, prompt[shared:], output_ids, logprobs, versions)
         else:
             if best is not None and best.calls and shared > len(best.prompt_ids):
                 self.drifts += 1
                 self.examples.append(DriftExample(shared, best.tokens[shared: shared + 16], prompt[shared: shared + 16]))
             trajectory = Trajectory(prompt)
-            trajectory.add([], list(output_ids), list(logprobs), list(versions))
+            _extend(trajectory, [], output_ids, logprobs, versions)
         self.trajectories.append(trajectory)
         self.last = trajectory
         return trajectory
@@ -112,6 +77,14 @@ class Recorder:
     def drift_rate(self) -> float:
         """Drifts per call (`agent/drift_rate`)."""
         return self.drifts / self.calls if self.calls else 0.0
+
+
+def _extend(trajectory: Trajectory, observation: list[int], output_ids: list[int], logprobs: list[float],
+            versions: list[int]) -> None:
+    """A call joins `trajectory`: the new part of its prompt (what the agent added) as an
+    observation, of its answer's version where the trajectory has none yet, then its answer."""
+    trajectory.observe(observation, versions[0] if versions else 0)
+    trajectory.answer(list(output_ids), list(logprobs), list(versions))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
-from areal_flow.rollout.turns import ENV_ERROR
+from areal_flow.rollout.turns import ENV_ERROR, Turns
 from areal_flow.generation.router import ServerPool, version_number
 
 log = logging.getLogger("areal_flow.controller")
@@ -106,13 +106,13 @@ async def answer(pool: ServerPool, tokenizer, prompt: str, row: dict, params: di
         text = tokenizer.decode(got["output_ids"], skip_special_tokens=True)
         return text, text, answer_version(got), {}
     got = await turns.run(pool, tokenizer, row, prompt_ids, params, rid, rid, seed=None)
-    if got.get("error"):
-        log.warning("held-out answer %s: environment %s: %s (scored 0)", rid, getattr(turns, "name", ""), got["error"])
-    versions = set(got["versions"])
-    return (tokenizer.decode(final_turn(got["output_ids"], got["loss_mask"]), skip_special_tokens=True),
-            tokenizer.decode(got["output_ids"], skip_special_tokens=True),
+    if got.error:
+        log.warning("held-out answer %s: environment %s: %s (scored 0)", rid, getattr(turns, "name", ""), got.error)
+    versions = set(got.versions)
+    return (tokenizer.decode(final_turn(got.output_ids, got.loss_mask), skip_special_tokens=True),
+            tokenizer.decode(got.output_ids, skip_special_tokens=True),
             versions.pop() if len(versions) == 1 else -1,
-            {ENV_ERROR: 0.0, **got["scalars"]} if "error" in got else got["scalars"])  # env/error's mean: a share
+            {ENV_ERROR: 0.0, **got.scalars} if isinstance(turns, Turns) else got.scalars)  # env/error's mean: a share
 
 
 EVALS = "evals"

@@ -38,7 +38,7 @@ from areal_flow.generation.router import ServerPool
 from areal_flow.graph.keys import AGENT_REWARD
 from areal_flow.rollout.requests import turn_seed
 from areal_flow.rollout.turns import Turns
-from areal_flow.transport.messages import Finish
+from areal_flow.transport.trajectory import Trajectory
 
 log = logging.getLogger("areal_flow.rollout")
 
@@ -139,18 +139,17 @@ class AgentRunner:
             await self.gateway.stop()
 
     async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                  rid: str, key: str, seed: int | None) -> dict:
+                  rid: str, key: str, seed: int | None) -> Trajectory:
         """One rollout, run once (a held-out answer: the first role's sample, every role's reward in
         its scalars): a failure is an empty answer with reward 0."""
         try:
             return (await self.attempt(await self._gateway(pool, tokenizer), row, params, key, seed))[0]
         except AgentFailed as e:
             log.warning("%s", e)
-            return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
-                    "scalars": {AGENT_REWARD: 0.0, "agent/failed": 1.0}}
+            return Trajectory(list(prompt_ids), scalars={AGENT_REWARD: 0.0, "agent/failed": 1.0})
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                        n: int, key: str, seed: int) -> list[dict]:
+                        n: int, key: str, seed: int) -> list[Trajectory]:
         """A group's n samples: n / roles rollouts, rollout j seeded seed + j, each giving a sample of
         every role; AgentFailed when one fails every run. The samples come role by role (the first
         role's of every rollout, then the next role's), so that each role's samples are one block of
@@ -163,7 +162,7 @@ class AgentRunner:
                 raise g
         return [samples[r] for r in range(len(got[0])) for samples in got]
 
-    async def rollout(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int) -> list[dict]:
+    async def rollout(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int) -> list[Trajectory]:
         failures: list[str] = []
         for attempt in range(self.retries + 1):
             try:
@@ -174,7 +173,7 @@ class AgentRunner:
                 log.warning("rollout %s, run %d of %d: %s", key, attempt + 1, self.retries + 1, e)
                 continue
             for sample in got:
-                sample["scalars"]["agent/failed_runs"] = float(attempt)
+                sample.scalars["agent/failed_runs"] = float(attempt)
             return got
         raise AgentFailed(f"rollout {key} failed {len(failures)} run(s) (graph.generate.agent_retries="
                           f"{self.retries}): {failures[-1]}")
@@ -198,7 +197,8 @@ class AgentRunner:
                              f"({', '.join(self.roles)})")
         return {role: reward_of(value[role]) for role in self.roles}
 
-    async def attempt(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int | None) -> list[dict]:
+    async def attempt(self, gateway: Gateway, row: dict, params: dict, key: str, seed: int | None
+                      ) -> list[Trajectory]:
         """One run of the agent: per role, its last call's trajectory, its reward and the `agent/`
         scalars. Each role has a key (and a client) of its own: its calls are recorded apart, and
         draw seeds of their own."""
@@ -226,7 +226,7 @@ class AgentRunner:
         return [self._sample(records[role], role, value, {"reward": rewards[role], "seconds": seconds}, each)
                 for role in roles]
 
-    def _sample(self, recorder: Any, role: str | None, value: Any, figures: dict, each: dict) -> dict:
+    def _sample(self, recorder: Any, role: str | None, value: Any, figures: dict, each: dict) -> Trajectory:
         """A role's sample: the trajectory of its last call, and its scalars."""
         trajectory = recorder.last
         if trajectory is None:
@@ -235,8 +235,6 @@ class AgentRunner:
         scalars = {**figures, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
                    "drift_rate": recorder.drift_rate, "trajectories": float(len(recorder.trajectories)),
                    "resumes": float(recorder.resumes)}
-        return {"prompt_ids": trajectory.prompt_ids, "output_ids": trajectory.output_ids,
-                "behav_logprobs": trajectory.logprobs, "versions": trajectory.versions,
-                "loss_mask": trajectory.loss_mask, "finish": Finish.STOP,
-                "drift": dataclasses.asdict(recorder.examples[0]) if recorder.examples else None,
-                "scalars": {**{f"agent/{name}": v for name, v in scalars.items()}, **each}}
+        return dataclasses.replace(
+            trajectory, drift=dataclasses.asdict(recorder.examples[0]) if recorder.examples else None,
+            scalars={**{f"agent/{name}": v for name, v in scalars.items()}, **each})

@@ -31,6 +31,7 @@ from areal_flow.envs.base import Environment, Step, resolve_env
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
 from areal_flow.transport.messages import Finish
+from areal_flow.transport.trajectory import Trajectory
 
 # Why a trajectory ended (its `end`): the environment's done, max_turns, a turn cut at its length
 # budget, no room left for another turn, or an observation that would not fit.
@@ -71,44 +72,40 @@ async def closed(env: Environment, error: str | None) -> str | None:
     return error
 
 
-def append_observation(out: dict[str, list], observation: list[int]) -> None:
-    """An observation's tokens after the turn: loss mask 0, no behaviour logprob, the turn's version."""
-    version = out["versions"][-1] if out["versions"] else 0
-    out["output_ids"] += observation
-    out["behav_logprobs"] += [0.0] * len(observation)
-    out["versions"] += [version] * len(observation)
-    out["loss_mask"] += [0] * len(observation)
+@dataclasses.dataclass
+class Ended:
+    """A trajectory of an environment and how it went: why it ended (one of ENDS, or "env_error")
+    and the environment's figures summed over its turns (tool_calls, ...), with `env_reward`, the
+    sum of its turn rewards, and the repair figures (`repairs`)."""
+
+    trajectory: Trajectory
+    end: str
+    figures: dict[str, float]
 
 
 async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any, prompt_ids: list[int],
                               params: dict, *, max_turns: int, token_budget: int, rid: str, key: str,
-                              seed: int | None = None, first: dict | None = None) -> dict:
-    """One trajectory's tokens and their per-token record: output_ids, behav_logprobs, versions,
-    loss_mask (1: the policy's), finish (STOP unless a turn was cut at its budget), turns, end (one
-    of ENDS, or "env_error"), error (None, or what the environment raised, as `env_step` and `closed`
-    say it), and the environment's figures summed over its turns (tool_calls, ...) with
-    `env_reward`, the sum of its turn rewards, and the repair figures (`repairs`). `first`: turn 0,
-    generated already (a group's first turns come from one request: Turns.run_group)."""
-    out: dict[str, list] = {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": []}
+                              seed: int | None = None, first: dict | None = None) -> Ended:
+    """One trajectory: the policy's turns and the environment's observations, its finish (STOP
+    unless a turn was cut at its budget) and its error (None, or what the environment raised, as
+    `env_step` and `closed` say it). `first`: turn 0, generated already (a group's first turns
+    come from one request: Turns.run_group)."""
+    trajectory = Trajectory(list(prompt_ids))
     figures: dict[str, float] = {"env_reward": 0.0}
-    finish, end, turns, error = Finish.STOP, "max_turns", 0, None
+    end, error = "max_turns", None
     rewards: list[float | None] = []  # each turn's reward from the environment (None: it gave none)
     try:
-        while turns < max_turns:
-            room = token_budget - len(prompt_ids) - len(out["output_ids"])
+        while trajectory.calls < max_turns:
+            room = token_budget - len(trajectory.tokens)
             if room <= 0:
                 end = "budget"
                 break
-            turn = first if turns == 0 and first is not None else await generate_sample(
-                pool, prompt_ids + out["output_ids"], turn_params(params, env, room), f"{rid}-t{turns}", key,
-                seed=turn_seed(seed, turns))
-            turns += 1
-            n = len(turn["output_ids"])
-            for name in ("output_ids", "behav_logprobs", "versions"):
-                out[name] += turn[name]
-            out["loss_mask"] += [1] * n
+            turn = first if trajectory.calls == 0 and first is not None else await generate_sample(
+                pool, trajectory.tokens, turn_params(params, env, room), f"{rid}-t{trajectory.calls}", key,
+                seed=turn_seed(seed, trajectory.calls))
+            trajectory.answered(turn)
             if turn["finish"] == Finish.LENGTH:
-                finish, end = Finish.LENGTH, "turn_length"
+                end = "turn_length"
                 break
             step, error = await env_step(env, tokenizer.decode(turn["output_ids"], skip_special_tokens=True))
             if error:
@@ -120,17 +117,16 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
             if step.done:
                 end = "done"
                 break
-            if turns == max_turns:
+            if trajectory.calls == max_turns:
                 break  # no turn would read the observation
             observation = tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
-            if len(prompt_ids) + len(out["output_ids"]) + len(observation) >= token_budget:
+            if len(trajectory.tokens) + len(observation) >= token_budget:
                 end = "observation_too_long"
                 break
-            append_observation(out, observation)
+            trajectory.observe(observation)
     finally:
-        error = await closed(env, error)
-    return {**out, "finish": finish, "turns": turns, "end": "env_error" if error else end, "error": error,
-            "figures": {**figures, **repairs(rewards)}}
+        trajectory.error = await closed(env, error)
+    return Ended(trajectory, "env_error" if trajectory.error else end, {**figures, **repairs(rewards)})
 
 
 def turn_params(params: dict, env: Environment, room: int) -> dict:
@@ -167,60 +163,61 @@ class Turns:
         return cls(resolve_env(node.env, f"graph.{node.name}.env"), dict(node.env_settings), cfg.sandbox,
                    node.max_turns, budget, node.env)
 
-    def make(self, row: dict) -> Environment | dict:
+    def make(self, row: dict, prompt_ids: list[int]) -> Environment | Ended:
         """A trajectory's environment, or (its constructor raised) the trajectory that error ends."""
         try:
             return self.env(row, sandbox=self.sandbox, **self.settings)
         except Exception as e:  # noqa: BLE001 - a user's environment: its bug ends this trajectory only
-            return {"output_ids": [], "behav_logprobs": [], "versions": [], "loss_mask": [], "finish": Finish.STOP,
-                    "turns": 0, "end": "env_error", "error": f"__init__ raised at {error_line(e)}", "figures": {}}
+            return Ended(Trajectory(list(prompt_ids), error=f"__init__ raised at {error_line(e)}"), "env_error", {})
 
     async def run(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                  rid: str, key: str, seed: int | None) -> dict:
+                  rid: str, key: str, seed: int | None) -> Trajectory:
         """One trajectory from `row`, with its per-sample scalars (`scalars`)."""
-        env = self.make(row)
-        got = env if isinstance(env, dict) else await generate_trajectory(
+        env = self.make(row, prompt_ids)
+        got = env if isinstance(env, Ended) else await generate_trajectory(
             pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns, token_budget=self.token_budget,
             rid=rid, key=key, seed=seed)
         return self.scored(got)
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                        n: int, key: str, seed: int) -> list[dict]:
+                        n: int, key: str, seed: int) -> list[Trajectory]:
         """A group's n trajectories from `row`, sample i seeded seed + i as a one-turn group's. Their
         first turns share the prompt, so they come from one request (one prefill, one round trip);
         each goes on alone from there. A trajectory whose environment could not be made is its error."""
-        envs = [self.make(row) for _ in range(n)]
-        made = [env for env in envs if not isinstance(env, dict)]
+        envs = [self.make(row, prompt_ids) for _ in range(n)]
+        made = [env for env in envs if not isinstance(env, Ended)]
         room = self.token_budget - len(prompt_ids)
         firsts = await generate_group(pool, prompt_ids, turn_params(params, made[0], room), n, key, seed=seed) \
             if room > 0 and made else [None] * n
 
-        async def one(i: int, env: Environment | dict, first: dict | None) -> dict:
-            return env if isinstance(env, dict) else await generate_trajectory(
+        async def one(i: int, env: Environment | Ended, first: dict | None) -> Ended:
+            return env if isinstance(env, Ended) else await generate_trajectory(
                 pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns, token_budget=self.token_budget,
                 rid=f"{key}-{i}", key=key, seed=seed + i, first=first)
 
         got = await asyncio.gather(*[one(i, env, first) for i, (env, first) in enumerate(zip(envs, firsts))])
         return [self.scored(g) for g in got]
 
-    def failed(self, outs: list[dict]) -> str:
+    def failed(self, outs: list[Trajectory]) -> str:
         """Why a group is dropped: its trajectories that ended in an error of the environment, and
         the first error; "" when none did."""
-        errors = [o["error"] for o in outs if o.get("error")]
+        errors = [o.error for o in outs if o.error]
         if not errors:
             return ""
         return (f"environment {self.name or self.env.__name__} raised in {len(errors)} of {len(outs)} "
                 f"trajectories: {errors[0]}")
 
-    def scored(self, got: dict) -> dict:
-        """`got` with its per-sample scalars, env/<name> (every sample has each but the repair rates,
-        so a step's mean is over all): turns, observation_tokens (their share of the answer), the
-        environment's summed figures, `end_<why>` 1 for why it ended, 0 for the other ENDS, and
-        `error` 1 where the environment raised (ENV_ERROR; absent otherwise: its group is dropped)."""
-        n = len(got["loss_mask"])
-        scalars = {"turns": float(got["turns"]), "observation_tokens": (n - sum(got["loss_mask"])) / n if n else 0.0,
-                   **dict.fromkeys(self.env.figures, 0.0), **got["figures"],
-                   **{f"end_{end}": float(end == got["end"]) for end in ENDS},
-                   **({"error": 1.0} if got.get("error") else {})}
-        got["scalars"] = {f"env/{name}": value for name, value in scalars.items()}  # logged as env/<name>
-        return got
+    def scored(self, got: Ended) -> Trajectory:
+        """The trajectory with its per-sample scalars, env/<name> (every sample has each but the
+        repair rates, so a step's mean is over all): turns, observation_tokens (their share of the
+        answer), the environment's summed figures, `end_<why>` 1 for why it ended, 0 for the other
+        ENDS, and `error` 1 where the environment raised (ENV_ERROR; absent otherwise: its group is
+        dropped)."""
+        trajectory = got.trajectory
+        n, mask = len(trajectory.loss_mask), trajectory.loss_mask
+        scalars = {"turns": float(trajectory.calls), "observation_tokens": (n - sum(mask)) / n if n else 0.0,
+                   **dict.fromkeys(self.env.figures, 0.0), **got.figures,
+                   **{f"end_{end}": float(end == got.end) for end in ENDS},
+                   **({"error": 1.0} if trajectory.error else {})}
+        trajectory.scalars = {f"env/{name}": value for name, value in scalars.items()}  # logged as env/<name>
+        return trajectory

@@ -29,6 +29,7 @@ from areal_flow.rollout.requests import generate_group, group_seed
 from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes
+from areal_flow.transport.trajectory import Trajectory
 from areal_flow.transport.messages import (
     AdmitRequest,
     Admitted,
@@ -130,8 +131,8 @@ class RolloutWorker:
         requested = time.time()
         seed = group_seed(self.seed, group.group_id, group.group_size)
         if self.turns is None:
-            outs = await generate_group(self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}",
-                                        seed=seed)
+            outs = [Trajectory.one_turn(prompt_ids, o) for o in await generate_group(
+                self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}", seed=seed)]
         else:  # every sample its own trajectory: they part at the first turn's first token
             try:
                 outs = await self.turns.run_group(self.pool, self.tokenizer, group.fields, prompt_ids, self.params,
@@ -154,12 +155,10 @@ class RolloutWorker:
                 index=i,
                 birth_time=group.birth_time,
                 # An agent's rollout whose calls drifted shows where, in the sample dump.
-                fields={**group.fields, "agent_drift": json.dumps(o["drift"])} if o.get("drift") else group.fields,
-                # One turn: every answer token is the policy's (loss_mask, where the recipe declares
-                # it); a multi-turn trajectory's own loss_mask replaces this.
-                arrays=self.arrays({"prompt_ids": prompt_ids, "loss_mask": np.ones(len(o["output_ids"])), **o}),
-                finish=o["finish"],
-                scalars=dict(o.get("scalars", {})),
+                fields={**group.fields, "agent_drift": json.dumps(o.drift)} if o.drift else group.fields,
+                arrays=self.arrays(o.arrays()),
+                finish=o.finish,
+                scalars=dict(o.scalars),
             )
             for i, o in enumerate(outs)
         ]

@@ -58,15 +58,15 @@ def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS
 def test_an_agent_s_calls_become_one_sample_with_what_it_added_masked_and_its_reward(served):
     model, tokenizer, server = served
     (got,) = rollouts(model, server, two_calls)
-    assert got["prompt_ids"] == tokenizer.encode("Q: 2+3", add_special_tokens=False)
+    assert got.prompt_ids == tokenizer.encode("Q: 2+3", add_special_tokens=False)
     added = tokenizer.encode(ADDED, add_special_tokens=False)
-    assert got["loss_mask"] == [1] * 4 + [0] * len(added) + [1] * 4
-    assert got["output_ids"][4:4 + len(added)] == added
-    assert len(got["behav_logprobs"]) == len(got["versions"]) == len(got["output_ids"])
-    assert got["scalars"] == pytest.approx({"agent/reward": 0.75, "agent/calls": 2, "agent/drifts": 0,
+    assert got.loss_mask == [1] * 4 + [0] * len(added) + [1] * 4
+    assert got.output_ids[4:4 + len(added)] == added
+    assert len(got.logprobs) == len(got.versions) == len(got.output_ids)
+    assert got.scalars == pytest.approx({"agent/reward": 0.75, "agent/calls": 2, "agent/drifts": 0,
                                             "agent/drift_rate": 0, "agent/trajectories": 1, "agent/failed_runs": 0,
-                                            "agent/resumes": 0, "agent/seconds": got["scalars"]["agent/seconds"]})
-    assert got["drift"] is None
+                                            "agent/resumes": 0, "agent/seconds": got.scalars["agent/seconds"]})
+    assert got.drift is None
 
 
 def test_the_run_s_sampling_is_forced_on_every_call_whatever_the_agent_asks(served):
@@ -76,10 +76,10 @@ def test_the_run_s_sampling_is_forced_on_every_call_whatever_the_agent_asks(serv
         return await two_calls(client, row, model="not-the-policy", temperature=1.9)
 
     greedy = {**PARAMS, "temperature": 0.0}
-    a, b = (rollouts(model, server, hot, params=greedy, seed=s)[0]["output_ids"] for s in (1, 2))
+    a, b = (rollouts(model, server, hot, params=greedy, seed=s)[0].output_ids for s in (1, 2))
     assert a == b  # greedy, whatever the seed: the run's temperature 0 was used
-    c, d = (rollouts(model, server, hot, params=PARAMS, seed=s)[0]["output_ids"] for s in (1, 2))
-    assert c == rollouts(model, server, hot, params=PARAMS, seed=1)[0]["output_ids"] != d  # seeded by the rollout
+    c, d = (rollouts(model, server, hot, params=PARAMS, seed=s)[0].output_ids for s in (1, 2))
+    assert c == rollouts(model, server, hot, params=PARAMS, seed=1)[0].output_ids != d  # seeded by the rollout
 
 
 def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_counted(served):
@@ -89,13 +89,13 @@ def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_co
         return await two_calls(client, row, edit=True)
 
     (got,) = rollouts(model, server, drifting)
-    assert got["scalars"]["agent/drifts"] == 1 and got["scalars"]["agent/drift_rate"] == 0.5
-    assert got["scalars"]["agent/trajectories"] == 2
+    assert got.scalars["agent/drifts"] == 1 and got.scalars["agent/drift_rate"] == 0.5
+    assert got.scalars["agent/trajectories"] == 2
     # The edited history is the sample's prompt, never trained; only the last answer is the policy's.
-    prompt = tokenizer.decode(got["prompt_ids"])
+    prompt = tokenizer.decode(got.prompt_ids)
     assert prompt[len("Q: 2+3") + 1] == "!" and prompt.endswith(ADDED)
-    assert got["loss_mask"] == [1] * 4 and len(got["output_ids"]) == 4
-    assert got["drift"]["position"] == len(tokenizer.encode("Q: 2+3", add_special_tokens=False)) + 1
+    assert got.loss_mask == [1] * 4 and len(got.output_ids) == 4
+    assert got.drift["position"] == len(tokenizer.encode("Q: 2+3", add_special_tokens=False)) + 1
 
 
 def test_an_agent_that_raises_is_run_again_then_fails_its_group_by_name(served):
@@ -109,7 +109,7 @@ def test_an_agent_that_raises_is_run_again_then_fails_its_group_by_name(served):
         return await two_calls(client, row)
 
     (got,) = rollouts(model, server, once_broken)
-    assert got["scalars"]["agent/failed_runs"] == 1 and got["scalars"]["agent/calls"] == 2
+    assert got.scalars["agent/failed_runs"] == 1 and got.scalars["agent/calls"] == 2
 
     async def broken(client, row):
         await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
@@ -159,7 +159,7 @@ def test_per_turn_rewards_are_summed(served):
         return [0.5, 0.25, 1]
 
     (got,) = rollouts(model, server, per_turn)
-    assert got["scalars"]["agent/reward"] == 1.75
+    assert got.scalars["agent/reward"] == 1.75
 
 
 async def solver_and_checker(clients, row):
@@ -172,13 +172,13 @@ async def solver_and_checker(clients, row):
 def test_two_roles_give_a_sample_each_a_rollout_the_group_role_by_role(served):
     model, tokenizer, server = served
     got = rollouts(model, server, solver_and_checker, n=4, roles=("solver", "checker"))
-    prompts = [tokenizer.decode(g["prompt_ids"]) for g in got]
+    prompts = [tokenizer.decode(g.prompt_ids) for g in got]
     assert prompts[:2] == ["Q: 2+3"] * 2 and all(p.startswith("check ") for p in prompts[2:])  # 2 rollouts x 2 roles
-    assert [g["scalars"]["agent/reward"] for g in got] == [1.0, 1.0, 0.25, 0.25]  # each its role's reward
-    assert all(g["scalars"]["agent/reward/solver"] == 1.0 and g["scalars"]["agent/reward/checker"] == 0.25
-               and g["scalars"]["agent/calls"] == 1 for g in got)
-    assert got[0]["output_ids"] != got[1]["output_ids"]  # rollouts seeded apart
-    solver_said = [tokenizer.decode(g["output_ids"]) for g in got[:2]]
+    assert [g.scalars["agent/reward"] for g in got] == [1.0, 1.0, 0.25, 0.25]  # each its role's reward
+    assert all(g.scalars["agent/reward/solver"] == 1.0 and g.scalars["agent/reward/checker"] == 0.25
+               and g.scalars["agent/calls"] == 1 for g in got)
+    assert got[0].output_ids != got[1].output_ids  # rollouts seeded apart
+    solver_said = [tokenizer.decode(g.output_ids) for g in got[:2]]
     assert prompts[2:] == [f"check {s}" for s in solver_said]  # the checker's sample is its own call's
 
     async def one_role(clients, row):

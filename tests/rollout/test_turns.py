@@ -3,6 +3,7 @@ the environment's observations as tokens, never re-tokenized, with their mask, l
 versions; interruption inside a turn; and each way a trajectory ends."""
 
 import asyncio
+import dataclasses
 import re
 
 import pytest
@@ -66,17 +67,17 @@ def run(script, prompt="Q:", max_turns=4, token_budget=200, max_new_tokens=50, e
 
 def test_observations_are_appended_as_their_own_tokens_masked_and_the_history_is_never_retokenized():
     got, calls = run([("<c>2+3</c>", "stop", "4"), ("#### 5", "stop", "5")])
-    assert TOK.decode(got["output_ids"]) == "<c>2+3</c>=5;#### 5"
-    assert got["loss_mask"] == [1] * 10 + [0] * 3 + [1] * 6
-    assert got["behav_logprobs"] == [-0.25] * 10 + [0.0] * 3 + [-0.25] * 6
+    assert TOK.decode(got.trajectory.output_ids) == "<c>2+3</c>=5;#### 5"
+    assert got.trajectory.loss_mask == [1] * 10 + [0] * 3 + [1] * 6
+    assert got.trajectory.logprobs == [-0.25] * 10 + [0.0] * 3 + [-0.25] * 6
     # An observation carries its turn's version; each turn's tokens their own.
-    assert got["versions"] == [4] * 13 + [5] * 6
-    assert (got["finish"], got["turns"], got["end"]) == (Finish.STOP, 2, "done")
+    assert got.trajectory.versions == [4] * 13 + [5] * 6
+    assert (got.trajectory.finish, got.trajectory.calls, got.end) == (Finish.STOP, 2, "done")
     # The call's reward (0.5, below 1) and a last turn with none: a failure not repaired at turn 2.
-    assert got["figures"] == {"env_reward": 0.5, "tool_calls": 1.0, "repair_turn2": 0.0}
+    assert got.figures == {"env_reward": 0.5, "tool_calls": 1.0, "repair_turn2": 0.0}
     # The second request is the first's tokens plus the observation's, exactly; each turn asks to
     # stop at the environment's stop strings, with a seed of its own.
-    assert calls[1]["input_ids"] == ids("Q:") + got["output_ids"][:13]
+    assert calls[1]["input_ids"] == ids("Q:") + got.trajectory.output_ids[:13]
     assert [c["sampling_params"]["stop"] for c in calls] == [["</c>"]] * 2
     assert [c["sampling_params"]["sampling_seed"] for c in calls] == [7, turn_seed(7, 1)] and turn_seed(7, 1) != 7
     assert Calculator.closed >= 1
@@ -84,10 +85,10 @@ def test_observations_are_appended_as_their_own_tokens_masked_and_the_history_is
 
 def test_an_interrupted_turn_is_resubmitted_with_its_tokens_and_its_versions_kept():
     got, calls = run([("<c>1", "abort", "1"), ("+1</c>", "stop", "2"), ("#### 2", "stop", "2")])
-    assert TOK.decode(got["output_ids"]) == "<c>1+1</c>=2;#### 2"
+    assert TOK.decode(got.trajectory.output_ids) == "<c>1+1</c>=2;#### 2"
     assert calls[1]["input_ids"] == ids("Q:<c>1")
-    assert got["versions"][:4] == [1] * 4 and got["versions"][4:10] == [2] * 6
-    assert got["loss_mask"] == [1] * 10 + [0] * 3 + [1] * 6
+    assert got.trajectory.versions[:4] == [1] * 4 and got.trajectory.versions[4:10] == [2] * 6
+    assert got.trajectory.loss_mask == [1] * 10 + [0] * 3 + [1] * 6
 
 
 @pytest.mark.parametrize("script, kwargs, end, finish, turns", [
@@ -100,9 +101,10 @@ def test_an_interrupted_turn_is_resubmitted_with_its_tokens_and_its_versions_kep
 def test_each_way_a_trajectory_ends_is_recorded_and_it_never_passes_its_token_budget(script, kwargs, end, finish,
                                                                                      turns):
     got, calls = run(script, **kwargs)
-    assert (got["end"], got["finish"], got["turns"]) == (end, finish, turns)
-    assert len(ids("Q:")) + len(got["output_ids"]) <= kwargs.get("token_budget", 200)
-    assert len(got["loss_mask"]) == len(got["output_ids"]) == len(got["versions"]) == len(got["behav_logprobs"])
+    assert (got.end, got.trajectory.finish, got.trajectory.calls) == (end, finish, turns)
+    assert len(ids("Q:")) + len(got.trajectory.output_ids) <= kwargs.get("token_budget", 200)
+    t = got.trajectory
+    assert len(t.loss_mask) == len(t.output_ids) == len(t.versions) == len(t.logprobs)
     # No turn asks for more tokens than the trajectory has room for.
     for call in calls:
         room = kwargs.get("token_budget", 200) - len(call["input_ids"])
@@ -148,12 +150,12 @@ class Grader(Environment):
 
 def test_repairs_count_the_failures_at_turn_k_fixed_at_turn_k_plus_1():
     got, _ = run([("bad", "stop", "1"), ("bad", "stop", "1"), ("ok", "stop", "1")], env=Grader({}))
-    assert (got["turns"], got["end"]) == (3, "done")
-    assert got["figures"] == {"env_reward": 1.0, "repair_turn2": 0.0, "repair_turn3": 1.0}
+    assert (got.trajectory.calls, got.end) == (3, "done")
+    assert got.figures == {"env_reward": 1.0, "repair_turn2": 0.0, "repair_turn3": 1.0}
     got, _ = run([("ok", "stop", "1")], env=Grader({}))
-    assert got["figures"] == {"env_reward": 1.0}  # no failure: no repair figure (a step's mean leaves it out)
+    assert got.figures == {"env_reward": 1.0}  # no failure: no repair figure (a step's mean leaves it out)
     got, _ = run([("bad", "stop", "1"), ("bad", "stop", "1")], env=Grader({}), max_turns=2)
-    assert got["figures"] == {"env_reward": 0.0, "repair_turn2": 0.0}  # the last failure had no next turn
+    assert got.figures == {"env_reward": 0.0, "repair_turn2": 0.0}  # the last failure had no next turn
 
 
 class ByPrompt(StandIn):
@@ -226,10 +228,10 @@ def test_a_groups_first_turns_come_from_one_request_and_each_trajectory_goes_on_
     # Trajectories 1 and 2 go on alone, each from its own tokens, with its own turn-1 seed.
     assert sorted(c["sampling_params"]["sampling_seed"] for c in later) == sorted(turn_seed(100 + i, 1) for i in (1, 2))
     assert all(c["input_ids"] == ids("Q:bad\nagain: ") and "n" not in c["sampling_params"] for c in later)
-    assert [TOK.decode(g["output_ids"]) for g in got] == ["ok", "bad\nagain: ok", "bad\nagain: ok"]
-    assert [g["scalars"]["env/turns"] for g in got] == [1.0, 2.0, 2.0]
-    assert "env/repair_turn2" not in got[0]["scalars"] and got[1]["scalars"]["env/repair_turn2"] == 1.0
-    assert got[1]["loss_mask"] == [1] * 3 + [0] * 8 + [1] * 2 and got[1]["behav_logprobs"][:3] == [-0.5] * 3
+    assert [TOK.decode(g.output_ids) for g in got] == ["ok", "bad\nagain: ok", "bad\nagain: ok"]
+    assert [g.scalars["env/turns"] for g in got] == [1.0, 2.0, 2.0]
+    assert "env/repair_turn2" not in got[0].scalars and got[1].scalars["env/repair_turn2"] == 1.0
+    assert got[1].loss_mask == [1] * 3 + [0] * 8 + [1] * 2 and got[1].logprobs[:3] == [-0.5] * 3
 
 
 class Buggy(Environment):
@@ -266,10 +268,11 @@ class Buggy(Environment):
 def test_an_environment_that_raises_ends_its_trajectory_only_naming_the_error_and_is_closed(bug, turns, said):
     Buggy.closed = 0
     got, calls = run([("<c>1</c>", "stop", "1")] * 4, env=Buggy({}, bug=bug))
-    assert (got["end"], got["turns"], len(calls)) == ("env_error", turns, turns)
-    assert re.fullmatch(said, got["error"]) and Buggy.closed == 1
+    assert (got.end, got.trajectory.calls, len(calls)) == ("env_error", turns, turns)
+    assert re.fullmatch(said, got.trajectory.error) and Buggy.closed == 1
     # The tokens so far stay whole: every per-token record as long as the answer.
-    assert len(got["loss_mask"]) == len(got["output_ids"]) == len(got["versions"]) == len(got["behav_logprobs"])
+    t = got.trajectory
+    assert len(t.loss_mask) == len(t.output_ids) == len(t.versions) == len(t.logprobs)
 
 
 def test_a_group_with_an_environment_error_is_dropped_by_name_and_counted_per_trajectory():
@@ -306,11 +309,12 @@ def test_a_group_with_an_environment_error_is_dropped_by_name_and_counted_per_tr
     turns = Turns(OneBuggy, {}, SandboxConfig(), max_turns=2, token_budget=200, name="my_envs:OneBuggy")
     with serving(Calls) as url:
         got = asyncio.run(go(url, turns))
-    assert [g["end"] for g in got] == ["max_turns", "env_error", "max_turns"]
-    assert [g["scalars"].get("env/error") for g in got] == [None, 1.0, None]
+    assert [g.error is not None for g in got] == [False, True, False]
+    assert [g.scalars["env/end_max_turns"] for g in got] == [1.0, 0.0, 1.0]  # ended by its error
+    assert [g.scalars.get("env/error") for g in got] == [None, 1.0, None]
     assert re.fullmatch(r"environment my_envs:OneBuggy raised in 1 of 3 trajectories: step\(\) raised at "
                         r"test_turns.py:\d+ in step: RuntimeError: boom", turns.failed(got))
-    assert turns.failed([{**g, "error": None} for g in got]) == ""
+    assert turns.failed([dataclasses.replace(g, error=None) for g in got]) == ""
 
     class Unmade(Buggy):
         def __init__(self, row, *, sandbox=None):
@@ -319,8 +323,8 @@ def test_a_group_with_an_environment_error_is_dropped_by_name_and_counted_per_tr
     with serving(Calls) as url:
         got = asyncio.run(go(url, Turns(Unmade, {}, SandboxConfig(), max_turns=2, token_budget=200)))
         assert Calls.calls == []  # nothing generated for a group none of whose environments exists
-    assert all(g["output_ids"] == [] and g["end"] == "env_error" for g in got)
-    assert re.fullmatch(r"__init__ raised at test_turns.py:\d+ in __init__: KeyError: 'answer'", got[0]["error"])
+    assert all(g.output_ids == [] and g.error and g.scalars["env/error"] == 1.0 for g in got)
+    assert re.fullmatch(r"__init__ raised at test_turns.py:\d+ in __init__: KeyError: 'answer'", got[0].error)
 
 
 def test_a_held_out_answer_whose_environment_raised_scores_0_and_the_share_is_logged():
