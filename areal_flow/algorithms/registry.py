@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from areal_flow.config.import_path import import_callable
+from areal_flow.config.import_path import resolve_named
 
 KINDS = ("policy_loss", "adv_estimator", "reward_shaper")
 
@@ -39,13 +39,9 @@ def register(kind: str, name: str) -> Callable[[Callable], Callable]:
 def name_problem(kind: str, name: str, key: str) -> str | None:
     """Why `name` names no function of this kind, checked without importing torch: a built-in is
     fine, an import path is imported and looked up; None when it is usable."""
-    if name in BUILTINS[kind]:
-        return None
-    if ":" not in name:
-        return (f"{key}={name!r}: no {kind} of that name; built-in: {', '.join(BUILTINS[kind])}, "
-                "or give 'module.path:function'")
     try:
-        resolve(kind, name, key)
+        resolve_named(name, dict.fromkeys(BUILTINS[kind]), where=f"{key}={name!r}",
+                      unknown=lambda: _no_such(kind, name, key, f"built-in: {', '.join(BUILTINS[kind])}"))
     except ValueError as exc:
         return str(exc)
     return None
@@ -60,15 +56,12 @@ def resolve(kind: str, name: str, key: str) -> Callable:
     """The function `name` stands for: a registered name, or 'module.path:attribute'. `key` is the
     config key that named it, for the error message."""
     _load_builtins()
-    if name in _REGISTRY[kind]:
-        return _REGISTRY[kind][name]
-    if ":" not in name:
-        raise ValueError(f"{key}={name!r}: no {kind} of that name; registered: {', '.join(names(kind))}, "
-                         "or give 'module.path:function'")
-    try:
-        return import_callable(name)
-    except ValueError as exc:
-        raise ValueError(f"{key}={name!r}: {exc}") from None
+    return resolve_named(name, _REGISTRY[kind], where=f"{key}={name!r}",
+                         unknown=lambda: _no_such(kind, name, key, f"registered: {', '.join(names(kind))}"))
+
+
+def _no_such(kind: str, name: str, key: str, known: str) -> str:
+    return f"{key}={name!r}: no {kind} of that name; {known}, or give 'module.path:function'"
 
 
 def _qualname(fn: Callable) -> str:
