@@ -2,8 +2,9 @@
 
 A recipe names a built-in (`algorithm.policy_loss: cispo`) or a function of the user's own by its
 import path (`algorithm.policy_loss: my_pkg.losses:my_loss`); docs/algorithms.md has the signature
-of each kind. The built-ins register themselves in `algorithms/library.py`; a user's module may also
-call `register(...)` and be named by its import path once.
+of each kind. The built-ins are `algorithms/builtins.py`'s, added the first time a name is looked up
+or registered (it imports torch); a user's module may also call `register(...)` and be named by its
+import path once.
 """
 
 from __future__ import annotations
@@ -15,25 +16,31 @@ from areal_flow.config.import_path import resolve_named
 KINDS = ("policy_loss", "adv_estimator", "reward_shaper")
 
 BUILTINS = {"policy_loss": ("cispo", "ppo"), "adv_estimator": ("gae", "returns"), "reward_shaper": ("overlong",)}
-"""The names `algorithms/library.py` registers, known without importing it (and torch): the config
+"""The names of `algorithms/builtins.py`, known without importing it (and torch): the config
 checker uses them before any process starts."""
 
 _REGISTRY: dict[str, dict[str, Callable]] = {kind: {} for kind in KINDS}
+_builtins_loaded = False
 
 
 def register(kind: str, name: str) -> Callable[[Callable], Callable]:
     """Decorator: `@register("policy_loss", "my_loss")` makes `algorithm.policy_loss: my_loss` find it."""
     if kind not in _REGISTRY:
         raise ValueError(f"unknown registry {kind!r}; the registries are {', '.join(KINDS)}")
+    _load_builtins()  # first, so that a name of a built-in is refused, whatever was imported before
 
     def add(fn: Callable) -> Callable:
-        known = _REGISTRY[kind].get(name)
-        if known is not None and known is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered ({_qualname(known)})")
-        _REGISTRY[kind][name] = fn
+        _add(kind, name, fn)
         return fn
 
     return add
+
+
+def _add(kind: str, name: str, fn: Callable) -> None:
+    known = _REGISTRY[kind].get(name)
+    if known is not None and known is not fn:
+        raise ValueError(f"{kind} {name!r} is already registered ({_qualname(known)})")
+    _REGISTRY[kind][name] = fn
 
 
 def name_problem(kind: str, name: str, key: str) -> str | None:
@@ -69,5 +76,12 @@ def _qualname(fn: Callable) -> str:
 
 
 def _load_builtins() -> None:
-    # The built-ins live beside the worker-level glue that calls them; importing registers them.
-    import areal_flow.algorithms.library  # noqa: F401
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    from areal_flow.algorithms.builtins import FUNCTIONS  # here: it imports torch
+
+    for kind, functions in FUNCTIONS.items():
+        for name, fn in functions.items():
+            _add(kind, name, fn)
+    _builtins_loaded = True

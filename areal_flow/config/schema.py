@@ -17,6 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_flow.config.validate import ConfigError
+
 
 def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, *, ge: float | None = None,
         gt: float | None = None, le: float | None = None, choices: tuple | None = None) -> Any:
@@ -113,8 +115,6 @@ def node_config(name: str, node: Any) -> NodeConfig:
     `graph.<name>.<key>`. A key NodeConfig does not declare is kept as an extra attribute, as
     OmegaConf keeps a key added with '+' anywhere in the config, for `config/validate.py:
     check_known_keys` to name with the others."""
-    from areal_flow.config.validate import ConfigError  # here: validate.py imports this module
-
     if isinstance(node, NodeConfig):
         return node
     if not isinstance(node, dict) and not OmegaConf.is_dict(node):
