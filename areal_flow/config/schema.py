@@ -4,7 +4,7 @@ Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides o
 OmegaConf rejects unknown keys and wrongly typed values with the full key path. A field's value
 range is declared on the field itself (`ge`, `gt`, `le`, `choices`) and checked by one generic
 checker (`config/validate.py: check_ranges`); cross-field and machine rules live beside the
-launcher (`run/checks.py`), and the graph's rules in `graph/dag.py`. Every process receives this typed config (`runtime/spec.py`).
+launcher (`run/checks.py`), and the graph's rules in `graph/` (`dag.py: build_graph`). Every process receives this typed config (`runtime/spec.py`).
 """
 
 from __future__ import annotations
