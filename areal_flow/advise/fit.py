@@ -40,7 +40,7 @@ import yaml
 
 from areal_flow.advise.costs import AdviseError, Costs, Latency, Lengths, lognormal_from_max, lognormal_from_truncation
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.graph.dag import parse_mesh
+from areal_flow.graph.mesh import parse_mesh
 from areal_flow.metrics.writer import read_metrics
 
 TOKEN_PHASES = ("packing", "forward", "backward", "forward_backward")

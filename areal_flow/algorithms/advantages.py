@@ -9,18 +9,10 @@ import torch
 LEVELS = ("group", "batch", "none")
 
 
-def normalize(
-    x: torch.Tensor,
-    *,
-    group_size: int,
-    mean_level: str = "group",
-    std_level: str = "group",
-    leave_one_out: bool = False,
-    std_unbiased: bool = True,
-    eps: float = 1e-6,
-    mask: torch.Tensor | None = None,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
+def normalize(x: torch.Tensor, *, group_size: int, mean_level: str = "group", std_level: str = "group",
+              leave_one_out: bool = False, std_unbiased: bool = True, eps: float = 1e-6,
+              mask: torch.Tensor | None = None, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              ) -> torch.Tensor:
     """Centre and scale `x` at a chosen level (AReaL's NormConfig).
 
     x: [N] (one value per sequence) or [N, T] (padded token values); `mask` (bool, x's shape, default all
@@ -37,14 +29,34 @@ def normalize(
     σ around the μ in use; the two agree whenever mean_level == std_level and there is no leave-one-out.)
 
     `all_reduce` (data parallel: each rank holds whole groups of one batch) takes a float64 tensor and
-    returns its sum over ranks. Batch-level statistics are computed from (count, Σx, Σx²) passed
-    through it once, so every rank gets the same μ and σ; every rank must then call `normalize` with the
-    same levels (it is a collective). Group statistics never need it.
-
-    A group whose valid values are all equal gets exactly 0 at group level: its mean is computed
-    relative to one of its own values, so x - μ is exactly 0 whatever the float rounding.
+    returns its sum over ranks; batch-level statistics pass through it (`_batch_stats`), so every rank
+    must then call `normalize` with the same levels (it is a collective). Group statistics never need it.
+    A group whose valid values are all equal gets exactly 0 at group level (`_group_stats`).
     Statistics are accumulated in float64; the result has x's float dtype (the default one for ints).
     """
+    mask = _checked_mask(x, mask, group_size, mean_level, std_level, leave_one_out)
+    out_dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    # Zero the masked entries first, so that inf/NaN padding cannot reach any sum.
+    v = torch.where(mask, x.to(torch.float64), zero)
+    m = mask.to(torch.float64)
+    # [G, group_size, T'] with T' = 1 for per-sequence values; every statistic below broadcasts against it.
+    shape3 = (x.shape[0] // group_size, group_size, 1 if x.ndim == 1 else x.shape[1])
+    v3 = v.reshape(shape3)
+    means: dict[str, torch.Tensor] = {}
+    stds: dict[str, torch.Tensor] = {}
+    if "group" in (mean_level, std_level):
+        means["group"], stds["group"] = _group_stats(v3, m.reshape(shape3), leave_one_out, std_unbiased)
+    if "batch" in (mean_level, std_level):
+        means["batch"], stds["batch"] = _batch_stats(v, m, all_reduce, std_unbiased)
+    centred = v3 if mean_level == "none" else v3 - means[mean_level]
+    scaled = centred if std_level == "none" else centred / (stds[std_level] + eps)
+    return torch.where(mask, scaled.reshape(x.shape), zero).to(out_dtype)
+
+
+def _checked_mask(x: torch.Tensor, mask: torch.Tensor | None, group_size: int, mean_level: str, std_level: str,
+                  leave_one_out: bool) -> torch.Tensor:
+    """`normalize`'s arguments checked; its mask as bool (all valid when None)."""
     for name, level in (("mean_level", mean_level), ("std_level", std_level)):
         if level not in LEVELS:
             raise ValueError(f"{name} must be one of {LEVELS}, got {level!r}")
@@ -58,67 +70,53 @@ def normalize(
     if n_rows % group_size != 0:
         raise ValueError(f"the number of rows ({n_rows}) is not divisible by group_size ({group_size})")
     if mask is None:
-        mask = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    elif mask.shape != x.shape:
+        return torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    if mask.shape != x.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}, x has {tuple(x.shape)}")
-    mask = mask.bool()
-    out_dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+    return mask.bool()
 
-    # Zero the masked entries first, so that inf/NaN padding cannot reach any sum.
-    v = torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
-    m = mask.to(torch.float64)
-    # [G, group_size, T'] with T' = 1 for per-sequence values; every statistic below broadcasts against it.
-    shape3 = (n_rows // group_size, group_size, 1 if x.ndim == 1 else x.shape[1])
-    v3, m3 = v.reshape(shape3), m.reshape(shape3)
 
-    group_mean = group_std = batch_mean = batch_std = None
-    if "group" in (mean_level, std_level):
-        n_g = m3.sum(dim=(1, 2), keepdim=True)
-        # Shift by the group's first valid value: the deviations of an all-equal group are exactly 0,
-        # and shifted sums lose less precision than raw ones.
-        flat = (shape3[0], shape3[1] * shape3[2])  # not -1: that is ambiguous for an empty batch
-        flat_v, flat_m = v3.reshape(flat), m3.reshape(flat)
-        if flat[1] == 0:  # no entries at all (a trainer rank with no samples: [0, 0]): nothing to shift by
-            ref = torch.zeros((shape3[0], 1, 1), dtype=torch.float64, device=x.device)
-        else:
-            first = flat_m.argmax(dim=1, keepdim=True)  # index of the first valid entry (0 when none)
-            ref = flat_v.gather(1, first).reshape(-1, 1, 1)  # masked entries are 0, so an empty group gets 0
-        dev = (v3 - ref) * m3
-        s_g = dev.sum(dim=(1, 2), keepdim=True)
-        group_mean = ref + s_g / n_g.clamp(min=1)
-        if leave_one_out:
-            n_other = n_g - m3.sum(dim=2, keepdim=True)
-            s_other = s_g - dev.sum(dim=2, keepdim=True)
-            loo = ref + s_other / n_other.clamp(min=1)
-            # Nobody else to compare with: μ = x gives exactly 0.
-            group_mean_for_centre = torch.where(n_other > 0, loo, v3)
-        else:
-            group_mean_for_centre = group_mean
-        sq = (((v3 - group_mean) * m3) ** 2).sum(dim=(1, 2), keepdim=True)
-        group_std = _std_from(sq, n_g, std_unbiased)
-    if "batch" in (mean_level, std_level):
-        sums = torch.stack([m.sum(), v.sum(), (v * v).sum()])
-        if all_reduce is not None:
-            sums = all_reduce(sums)
-        n_b, s1, s2 = sums[0], sums[1], sums[2]
-        batch_mean = s1 / n_b.clamp(min=1)
-        # Σ(x - μ)² = Σx² - μ·Σx; rounding can make it slightly negative when all values are equal.
-        batch_std = _std_from((s2 - batch_mean * s1).clamp(min=0), n_b, std_unbiased)
+def _group_stats(v3: torch.Tensor, m3: torch.Tensor, leave_one_out: bool,
+                 std_unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(μ to centre by, σ) of each group, broadcastable against v3 [G, group_size, T'] (masked entries 0,
+    m3 their float mask). μ is the group's mean, or with `leave_one_out` the other rows' mean (x itself
+    where they have no valid entry); σ is around the group's own mean.
 
-    if mean_level == "group":
-        centred = v3 - group_mean_for_centre
-    elif mean_level == "batch":
-        centred = v3 - batch_mean
+    The sums are shifted by the group's first valid value: the deviations of an all-equal group are
+    then exactly 0 whatever the float rounding (so is its output), and shifted sums lose less precision
+    than raw ones."""
+    n_g = m3.sum(dim=(1, 2), keepdim=True)
+    flat = (v3.shape[0], v3.shape[1] * v3.shape[2])  # not -1: that is ambiguous for an empty batch
+    flat_v, flat_m = v3.reshape(flat), m3.reshape(flat)
+    if flat[1] == 0:  # no entries at all (a trainer rank with no samples: [0, 0]): nothing to shift by
+        ref = torch.zeros((v3.shape[0], 1, 1), dtype=torch.float64, device=v3.device)
     else:
-        centred = v3
-    if std_level == "group":
-        scaled = centred / (group_std + eps)
-    elif std_level == "batch":
-        scaled = centred / (batch_std + eps)
-    else:
-        scaled = centred
-    out = torch.where(mask, scaled.reshape(x.shape), torch.zeros((), dtype=torch.float64, device=x.device))
-    return out.to(out_dtype)
+        first = flat_m.argmax(dim=1, keepdim=True)  # index of the first valid entry (0 when none)
+        ref = flat_v.gather(1, first).reshape(-1, 1, 1)  # masked entries are 0, so an empty group gets 0
+    dev = (v3 - ref) * m3
+    s_g = dev.sum(dim=(1, 2), keepdim=True)
+    group_mean = ref + s_g / n_g.clamp(min=1)
+    centre = group_mean
+    if leave_one_out:
+        n_other = n_g - m3.sum(dim=2, keepdim=True)
+        s_other = s_g - dev.sum(dim=2, keepdim=True)
+        loo = ref + s_other / n_other.clamp(min=1)
+        centre = torch.where(n_other > 0, loo, v3)  # nobody else to compare with: μ = x gives exactly 0
+    sq = (((v3 - group_mean) * m3) ** 2).sum(dim=(1, 2), keepdim=True)
+    return centre, _std_from(sq, n_g, std_unbiased)
+
+
+def _batch_stats(v: torch.Tensor, m: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+                 std_unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(μ, σ) over every valid entry of the batch (v: masked entries 0, m: the float mask), from
+    (count, Σx, Σx²) passed once through `all_reduce` when given, so that every rank gets the same."""
+    sums = torch.stack([m.sum(), v.sum(), (v * v).sum()])
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    n_b, s1, s2 = sums[0], sums[1], sums[2]
+    batch_mean = s1 / n_b.clamp(min=1)
+    # Σ(x - μ)² = Σx² - μ·Σx; rounding can make it slightly negative when all values are equal.
+    return batch_mean, _std_from((s2 - batch_mean * s1).clamp(min=0), n_b, std_unbiased)
 
 
 def _std_from(sum_sq: torch.Tensor, count: torch.Tensor, unbiased: bool) -> torch.Tensor:

@@ -36,31 +36,18 @@ def value_loss(
     Returns (loss, stats): detached 0-d sums `n_tokens`, `value_clipped_tokens`, `value_error_sum`
     (of |v − R|), and `value_sum` (of v), so callers add them over micro-batches and ranks.
     """
-    if kind not in VALUE_LOSSES:
-        raise ValueError(f"value loss kind must be one of {', '.join(VALUE_LOSSES)}, got {kind!r}")
-    if value_clip is not None and value_clip <= 0:
-        raise ValueError(f"value_clip must be > 0 (or None for no clipping), got {value_clip}")
-    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
-        if t.shape != values.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}")
+    _check(values, old_values, returns, mask, value_clip=value_clip, kind=kind)
     mask = mask.bool()
     zero = torch.zeros_like(values)
     v = torch.where(mask, values, zero)
     old = torch.where(mask, old_values.detach().to(v.dtype), zero)
     ret = torch.where(mask, returns.detach().to(v.dtype), zero)
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        d = x - ret
-        if kind == "mse":
-            return 0.5 * d * d
-        return torch.nn.functional.huber_loss(x, ret, reduction="none", delta=huber_delta)
-
-    plain = f(v)
+    plain = _pointwise(v, ret, kind, huber_delta)
     if value_clip is None:
         took_clip = torch.zeros_like(mask)
         per_token = plain
     else:
-        clipped = f(old + torch.clamp(v - old, -value_clip, value_clip))
+        clipped = _pointwise(old + torch.clamp(v - old, -value_clip, value_clip), ret, kind, huber_delta)
         took_clip = mask & (clipped > plain)
         per_token = torch.where(took_clip, clipped, plain)
     per_token = torch.where(mask, per_token, zero)
@@ -73,3 +60,22 @@ def value_loss(
         "value_sum": v.sum().detach(),
     }
     return loss, stats
+
+
+def _check(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+           value_clip: float | None, kind: str) -> None:
+    if kind not in VALUE_LOSSES:
+        raise ValueError(f"value loss kind must be one of {', '.join(VALUE_LOSSES)}, got {kind!r}")
+    if value_clip is not None and value_clip <= 0:
+        raise ValueError(f"value_clip must be > 0 (or None for no clipping), got {value_clip}")
+    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, values has {tuple(values.shape)}")
+
+
+def _pointwise(x: torch.Tensor, ret: torch.Tensor, kind: str, huber_delta: float) -> torch.Tensor:
+    """f(x) per token: ½(x − R)² (mse) or Huber(x − R; δ)."""
+    d = x - ret
+    if kind == "mse":
+        return 0.5 * d * d
+    return torch.nn.functional.huber_loss(x, ret, reduction="none", delta=huber_delta)

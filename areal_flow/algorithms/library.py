@@ -1,5 +1,5 @@
-"""The algorithm library as a recipe selects it: built-in losses, estimators and shapers by name,
-and the two steps a train node runs with them (docs/algorithms.md).
+"""The two steps a train node runs with the losses, estimators and shapers a recipe names
+(docs/algorithms.md; the built-ins are in `builtins.py`, found by name through `registry.py`).
 
 1. `advantages`, once per train batch: reward shapers → reward normalisation → token rewards (the
    score at each answer's last token, minus the KL penalty when KL is a reward) → the advantage
@@ -8,8 +8,7 @@ and the two steps a train node runs with them (docs/algorithms.md).
    term when it is one.
 
 The math lives in the pure functions of `ppo.py`, `advantages.py`, `kl.py`, `shaping.py` and
-`prox.py`; this module only reads the config and calls them. Each registered function takes the
-whole `AlgorithmConfig` so that a user's own function may read any field it needs.
+`prox.py`; this module only reads the config and calls them.
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ import numpy as np
 import torch
 
 from areal_flow.algorithms import corrections
-from areal_flow.algorithms.advantages import gae, normalize, token_rewards
+from areal_flow.algorithms.advantages import normalize, token_rewards
 from areal_flow.algorithms.critic import value_loss
 from areal_flow.algorithms.diagnostics import mismatch_sums
 from areal_flow.algorithms.kl import kl_estimate
-from areal_flow.algorithms.ppo import aggregation_weight, decoupled_ppo_loss
+from areal_flow.algorithms.ppo import aggregation_weight
 from areal_flow.algorithms.prox import loglinear_prox
-from areal_flow.algorithms.registry import register, resolve
-from areal_flow.algorithms.shaping import overlong_penalty
+from areal_flow.algorithms.registry import resolve
 
 Stats = dict[str, torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -38,68 +36,6 @@ PROX_SOURCES = ("data", "current", "behav", "loglinear")
 themselves, exact when the whole update is one optimizer step ('current'); the behaviour logprobs,
 exact when every token was sampled by the current weights ('behav'); or AReaL's log-linear
 interpolation by per-token version ('loglinear')."""
-
-
-# ---- built-in policy losses: fn(logprobs, prox, batch, mask, denominator, algo) -> (loss, stats) ----
-
-
-@register("policy_loss", "ppo")
-def ppo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor, Stats]:
-    """PPO clip (asymmetric with eps_clip_high, dual with c_clip; GSPO with importance_level=sequence)
-    with the behaviour weight π_prox/π_behav of the decoupled objective when there is a π_prox."""
-    return _policy(logprobs, prox, batch, mask, denominator, algo, kind="ppo")
-
-
-@register("policy_loss", "cispo")
-def cispo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor, Stats]:
-    """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, stop-gradient importance ratio, so
-    that every token keeps a gradient."""
-    return _policy(logprobs, prox, batch, mask, denominator, algo, kind="cispo")
-
-
-def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[torch.Tensor, Stats]:
-    p = corrections.configured(algo)
-    return decoupled_ppo_loss(
-        logprobs, prox, batch["behav_logprobs"], batch["advantages"], mask, kind=kind,
-        eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, c_clip=algo.c_clip,
-        importance_level=algo.importance_level, seq_ids=batch.get("seq_ids"),
-        correction=algo.correction, behav_weight_cap=p.high, behav_weight_floor=p.low, correction_tau=p.tau,
-        correction_level=algo.correction_level, token_weights=batch.get("token_weights"),
-        n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
-        clip_behav=algo.clip_behav)
-
-
-# ---- built-in advantage estimators:
-# fn(token_rewards [N,T], values [N,T] | None, mask, algo) -> (advantages [N,T], critic targets [N,T]) ----
-
-
-@register("adv_estimator", "gae")
-def gae_estimator(rewards, values, mask, algo) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(γ, λ) against the critic's values, whose targets are A + V; without a critic the values
-    are 0, and with γ = λ = 1 every token's advantage is its return-to-go (REINFORCE; GRPO once the
-    rewards are normalised)."""
-    if values is None:
-        values = torch.zeros_like(rewards)
-    return gae(rewards, values, mask, algo.gamma, algo.gae_lambda)
-
-
-@register("adv_estimator", "returns")
-def returns_estimator(rewards, values, mask, algo) -> tuple[torch.Tensor, torch.Tensor]:
-    """γ-discounted returns-to-go, ignoring any critic (REINFORCE, REINFORCE++)."""
-    returns = gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, 1.0)[0]
-    return returns, returns
-
-
-# ---- built-in reward shapers: fn(scores [N], lengths [N], truncated [N] bool, algo) -> [N] ----
-
-
-@register("reward_shaper", "overlong")
-def overlong(scores, lengths, truncated, algo) -> torch.Tensor:
-    """DAPO's soft overlong penalty over the last `overlong_tokens` before max_new_tokens."""
-    if algo.overlong_tokens is None:
-        raise ValueError("reward shaper 'overlong' needs algorithm.overlong_tokens")
-    return scores + overlong_penalty(lengths, max_new_tokens=algo.max_new_tokens,
-                                     overlong_tokens=algo.overlong_tokens, factor=algo.overlong_penalty_factor)
 
 
 def shapers(algo) -> list[Callable]:

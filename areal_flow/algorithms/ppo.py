@@ -3,6 +3,27 @@
 One entry point, `decoupled_ppo_loss`, covers clipped PPO (with asymmetric and dual clipping), CISPO
 (MiniMax-M1) and GSPO's sequence-level ratio, always with AReaL's behaviour weight π_prox/π_behav.
 `aggregation_weight` gives the per-token weights and denominator shares of veRL's loss aggregations.
+
+The objective, per valid token t, with the anchor d = π_prox if given else π_behav and sg() the
+stop-gradient:
+
+    r_t    = exp(logp_t - d_t)                                             importance_level="token"
+    r_t    = exp(logp_t - sg(logp_t) + sg(log s_i)),
+             log s_i = mean_{valid t in seq i} (logp_t - d_t)              importance_level="sequence" (GSPO)
+    c(r)   = clip(r, 1 - eps_clip, 1 + eps_clip_high)
+    pg_t   = max(-A_t * r_t, -A_t * c(r_t))                                kind="ppo"
+    pg_t   = min(pg_t, c_clip * |A_t|)                                     with c_clip (dual clip)
+    pg_t   = -sg(c(r_t)) * A_t * logp_t                                    kind="cispo"
+    w_t    = K(exp(prox_t - behav_t))                                      (stop-gradient; 1 without prox)
+    loss   = sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens
+
+K is the off-policy correction `correction` (corrections.py: areal, tis, mis, icepop, m2po,
+mismatch_mask, vtrace) with its bounds (`behav_weight_cap` C or β, `behav_weight_floor` α,
+`correction_tau` τ; None: no such bound) at `correction_level` (token, or sequence for tis and mis).
+With the defaults it is AReaL's decoupled objective, eq. 5 of arXiv 2505.24298, with the weight
+uncapped (v0.3.0's default); the library passes the cap 5. Each part is a function below:
+`importance_ratio`, `ppo_term`, `behav_clip_term`, `cispo_term`, corrections.apply (w_t, always
+applied when prox is given), `aggregate` and `loss_stats`.
 """
 
 from __future__ import annotations
@@ -89,78 +110,30 @@ class _Anchored(NamedTuple):
 
 
 def decoupled_ppo_loss(
-    logprobs: torch.Tensor,
-    prox_logprobs: torch.Tensor | None,
-    behav_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    c_clip: float | None = None,
-    kind: str = "ppo",
-    importance_level: str = "token",
-    seq_ids: torch.Tensor | None = None,
-    correction: str = "areal",
-    behav_weight_cap: float | None = None,
-    behav_weight_floor: float | None = None,
-    correction_tau: float | None = None,
-    correction_level: str = "token",
-    token_weights: torch.Tensor | None = None,
-    n_valid_tokens: float | None = None,
-    entropy: torch.Tensor | None = None,
-    staleness: torch.Tensor | None = None,
-    clip_behav: bool = False,
+    logprobs: torch.Tensor, prox_logprobs: torch.Tensor | None, behav_logprobs: torch.Tensor,
+    advantages: torch.Tensor, mask: torch.Tensor, *, eps_clip: float, eps_clip_high: float | None = None,
+    c_clip: float | None = None, kind: str = "ppo", importance_level: str = "token",
+    seq_ids: torch.Tensor | None = None, correction: str = "areal", behav_weight_cap: float | None = None,
+    behav_weight_floor: float | None = None, correction_tau: float | None = None, correction_level: str = "token",
+    token_weights: torch.Tensor | None = None, n_valid_tokens: float | None = None,
+    entropy: torch.Tensor | None = None, staleness: torch.Tensor | None = None, clip_behav: bool = False,
 ) -> tuple[torch.Tensor, Stats]:
-    """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens.
+    """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens:
+    the objective of the module's docstring.
 
     All tensors have one shape: packed [T] or padded [B, T]. `logprobs` (π_θ) carries the gradient;
     `prox_logprobs` (π_prox, the actor before this update), `behav_logprobs` (π_behav, the policy that
-    sampled the token), `advantages` and `token_weights` are treated as constants. `mask` (bool) marks
-    valid tokens. With the anchor d = prox if given else behav and sg() the stop-gradient:
-
-        r_t    = exp(logp_t - d_t)                                             importance_level="token"
-        r_t    = exp(logp_t - sg(logp_t) + sg(log s_i)),
-                 log s_i = mean_{valid t in seq i} (logp_t - d_t)              importance_level="sequence" (GSPO)
-        c(r)   = clip(r, 1 - eps_clip, 1 + eps_clip_high)
-        pg_t   = max(-A_t * r_t, -A_t * c(r_t))                                kind="ppo"
-        pg_t   = min(pg_t, c_clip * |A_t|)                                     with c_clip (dual clip)
-        pg_t   = -sg(c(r_t)) * A_t * logp_t                                    kind="cispo"
-        w_t    = K(exp(prox_t - behav_t))                                      (stop-gradient; 1 without prox)
-        loss   = sum_{mask} token_weights_t * w_t * pg_t / n_valid_tokens
-
-    K is the off-policy correction `correction` (corrections.py: areal, tis, mis, icepop, m2po,
-    mismatch_mask, vtrace) with its bounds as given here (`behav_weight_cap` C or β,
-    `behav_weight_floor` α, `correction_tau` τ; None: no such bound) at `correction_level` (token,
-    or sequence for tis and mis). With the defaults it is AReaL's decoupled objective, eq. 5 of arXiv
-    2505.24298, with the weight uncapped (v0.3.0's default); the library passes the cap 5.
-
-    `clip_behav` (kind="ppo", token level, with prox) adds naive PPO's clip of the whole ratio
-    π_θ/π_behav = r_t·w_t as a third pessimistic term (`behav_clip_term`):
-
-        pg_t   = max(pg_t, -A_t * clip(r_t·w_t, 1 - eps_clip, 1 + eps_clip_high) / w_t)
-
-    so that a token the policy has moved past the clip since it was sampled, in its advantage's
-    direction, gets no gradient, however many versions that took. It is not AReaL's objective: a
-    first minibatch at π_θ = π_prox loses the gradient of every stale token past 1 ± ε. It is
-    refused with kind="cispo" (no clipped branch) and at sequence level (GSPO's ratio is not r·w).
-
-    The parts, each a function below: `importance_ratio` (GSPO's sequence ratio and `seq_ids`),
-    `ppo_term` (clipping, dual clip), `cispo_term` (MiniMax-M1), corrections.apply (w_t, always
-    applied when prox is given), `aggregate` (`token_weights`, `n_valid_tokens`: see
-    `aggregation_weight`) and `loss_stats`.
-
-    Masked positions contribute nothing, to the loss or the gradient, even if their inputs are inf/NaN.
+    sampled the token), `advantages` and `token_weights` (see `aggregation_weight`) are treated as
+    constants. `mask` (bool) marks valid tokens; masked positions contribute nothing, to the loss or the
+    gradient, even if their inputs are inf/NaN. `seq_ids` (int) says which sequence each token belongs
+    to, for a sequence-level ratio or correction. `clip_behav` (kind="ppo", token level, with prox) adds
+    naive PPO's clip of the whole ratio π_θ/π_behav as a third pessimistic term (`behav_clip_term`).
 
     Returns (loss, stats). Stats are detached 0-d sums (or a max), so that callers add them over
-    micro-batches and ranks: n_tokens, clipped_tokens (PPO: the clipped branch was taken, no gradient;
-    CISPO: the weight c(r_t) differs from r_t, the gradient stays), dual_clipped_tokens, capped_tokens
-    (the tokens whose w_t the correction masked or truncated), ratio_sum (of r_t), behav_weight_sum and
-    behav_weight_max (of w_t before the correction); with `entropy` (the policy's per-token entropy,
-    as the engines pass it in batch["entropy"]), entropy_sum over the valid tokens (divide by n_tokens
-    for the mean). Entropy is only reported: it adds no term to the loss. With `staleness` (each
-    token's versions behind π_prox, an int tensor of the same shape), the per-staleness sums of
-    diagnostics.staleness_bucket_sums: the weights, capped tokens and gradient weight by age.
+    micro-batches and ranks (`loss_stats`); with `entropy` (the policy's per-token entropy) its sum over
+    the valid tokens, reported only; with `staleness` (each token's versions behind π_prox, an int tensor
+    of the same shape), the per-staleness sums of diagnostics.staleness_bucket_sums: the weights, capped
+    tokens and gradient weight by age.
     """
     params = corrections.Params(low=behav_weight_floor, high=behav_weight_cap, tau=correction_tau,
                                 levels=corrections.DEFAULTS[correction].levels if correction in corrections.DEFAULTS else ())
@@ -170,15 +143,10 @@ def decoupled_ppo_loss(
     mask = mask.bool()
     x = _anchored(logprobs, prox_logprobs, behav_logprobs, advantages, token_weights, mask)
     ratio = importance_ratio(x.logp, x.anchor, mask, importance_level, seq_ids)
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + (eps_clip if eps_clip_high is None else eps_clip_high))
-    if kind == "ppo":
-        pg, took_clip, dual = ppo_term(x.adv, ratio, clipped_ratio, mask, c_clip)
-        if clip_behav and prox_logprobs is not None:
-            high = eps_clip if eps_clip_high is None else eps_clip_high
-            pg, took_clip = behav_clip_term(pg, took_clip, x.adv, ratio, x.weight, mask, eps_clip, high)
-    else:
-        pg, took_clip = cispo_term(x.logp, x.adv, ratio, clipped_ratio, mask)
-        dual = torch.zeros_like(mask)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high)
+    pg, took_clip, dual = _policy_term(kind, x, ratio, clipped_ratio, mask, c_clip,
+                                       (eps_clip, high) if clip_behav and prox_logprobs is not None else None)
     if prox_logprobs is None:
         applied_weight, capped = x.weight, torch.zeros_like(mask)
     else:
@@ -195,6 +163,19 @@ def decoupled_ppo_loss(
         grad = torch.where(keeps, x.adv.abs() * factor * applied_weight * x.token_weights, x.zero).detach()
         stats.update(staleness_bucket_sums(staleness, mask, x.weight, capped, grad))
     return loss, stats
+
+
+def _policy_term(kind: str, x: _Anchored, ratio: torch.Tensor, clipped_ratio: torch.Tensor, mask: torch.Tensor,
+                 c_clip: float | None, behav_clip: tuple[float, float] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pg_t, clipped, dual-clipped) of the loss `kind`; `behav_clip` (low, high): naive PPO's clip too."""
+    if kind != "ppo":
+        pg, took_clip = cispo_term(x.logp, x.adv, ratio, clipped_ratio, mask)
+        return pg, took_clip, torch.zeros_like(mask)
+    pg, took_clip, dual = ppo_term(x.adv, ratio, clipped_ratio, mask, c_clip)
+    if behav_clip is not None:
+        pg, took_clip = behav_clip_term(pg, took_clip, x.adv, ratio, x.weight, mask, *behav_clip)
+    return pg, took_clip, dual
 
 
 def _check_options(kind: str, importance_level: str, c_clip: float | None, seq_ids: torch.Tensor | None,
@@ -292,7 +273,12 @@ def behav_clip_term(pg: torch.Tensor, took_clip: torch.Tensor, adv: torch.Tensor
     π_θ/π_behav = r_t·w_t, divided by w_t so that the behaviour weight the loss multiplies by gives
     naive PPO's clipped objective back: pg_t = max(pg_t, -A_t·clip(r_t·w_t, 1 - low, 1 + high)/w_t).
     Where that clip is active the term is a constant (no gradient); where it is not, it equals
-    -A_t·r_t and is never taken over pg_t. A token with w_t = 0 keeps pg_t."""
+    -A_t·r_t and is never taken over pg_t. A token with w_t = 0 keeps pg_t.
+
+    So a token the policy has moved past the clip since it was sampled, in its advantage's direction,
+    gets no gradient, however many versions that took. It is not AReaL's objective: a first minibatch
+    at π_θ = π_prox loses the gradient of every stale token past 1 ± ε. `decoupled_ppo_loss` refuses it
+    with kind="cispo" (no clipped branch) and at sequence level (GSPO's ratio is not r·w)."""
     safe = torch.where(weight > 0, weight, torch.ones_like(weight))
     total = torch.clamp(ratio * safe, 1.0 - low, 1.0 + high) / safe
     behav_clipped = -adv * total
@@ -333,10 +319,14 @@ def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tenso
 def loss_stats(mask: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, took_clip: torch.Tensor,
                dual: torch.Tensor, capped: torch.Tensor, entropy: torch.Tensor | None, *,
                edges: list[float] | None = None) -> Stats:
-    """The loss's detached 0-d statistics over the valid tokens (see `decoupled_ppo_loss`), and for
-    the step's diagnostics (algorithms/diagnostics.py): behav_weight_sq_sum (Σw², for the effective
-    sample size) and the histogram of w_t over `edges` (default: behav_weight_edges(None)), one
-    count per bin under diagnostics.BEHAV_WEIGHT_BIN, all before the cap and floor."""
+    """The loss's detached 0-d statistics over the valid tokens: n_tokens, clipped_tokens (PPO: the
+    clipped branch was taken, no gradient; CISPO: the weight c(r_t) differs from r_t, the gradient
+    stays), dual_clipped_tokens, capped_tokens (the tokens whose w_t the correction masked or
+    truncated), ratio_sum (of r_t), behav_weight_sum and behav_weight_max (of w_t before the
+    correction), entropy_sum with `entropy` (divide by n_tokens for the mean). And for the step's
+    diagnostics (algorithms/diagnostics.py): behav_weight_sq_sum (Σw², for the effective sample size)
+    and the histogram of w_t over `edges` (default: behav_weight_edges(None)), one count per bin under
+    diagnostics.BEHAV_WEIGHT_BIN, all before the cap and floor."""
     zero = torch.zeros_like(ratio)
     dtype = ratio.dtype
     masked_weight = torch.where(mask, weight, zero).detach()

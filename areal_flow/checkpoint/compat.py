@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import node_config
-from areal_flow.graph.dag import parse_mesh
+from areal_flow.graph.mesh import parse_mesh
 
 SAME = ("seed", "model", "dataset", "graph", "algorithm", "training.dtype")
 """Config keys (and everything under them) that a resumed run keeps: they change the math."""

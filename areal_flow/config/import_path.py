@@ -1,10 +1,17 @@
-"""A function a config names by its import path, 'package.module:function'."""
+"""What a config value names: a built-in by its word, or a function of the user's own by its import
+path, 'package.module:function'.
+
+Losses, estimators and shapers (algorithms/registry.py), reward functions (rewards/service.py),
+environments (envs/registry.py) and agents (rollout/agent.py) are all named so, and resolved by
+`resolve_named`; each caller says what its built-ins are and how its errors begin (the config key).
+"""
 
 from __future__ import annotations
 
 import importlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def _where(e: BaseException) -> str:
@@ -40,3 +47,17 @@ def import_callable(path: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"{module_name!r} has no callable {attr!r}")
     return obj
+
+
+def resolve_named(name: str, builtins: Mapping[str, Any], *, where: str, unknown: Callable[[], str]) -> Any:
+    """`builtins[name]`, else the callable at 'package.module:attribute'. A name that is neither (no
+    colon) raises ValueError(unknown()), the caller's message (its key, the name and what is built
+    in); an import path that does not resolve raises ValueError('<where>: <what is wrong>')."""
+    if name in builtins:
+        return builtins[name]
+    if ":" not in name:
+        raise ValueError(unknown())
+    try:
+        return import_callable(name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

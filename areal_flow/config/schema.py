@@ -4,7 +4,7 @@ Hydra composes `conf/config.yaml` + the chosen recipe + command-line overrides o
 OmegaConf rejects unknown keys and wrongly typed values with the full key path. A field's value
 range is declared on the field itself (`ge`, `gt`, `le`, `choices`) and checked by one generic
 checker (`config/validate.py: check_ranges`); cross-field and machine rules live beside the
-launcher (`run/checks.py`), and the graph's rules in `graph/dag.py`. Every process receives this typed config (`runtime/spec.py`).
+launcher (`run/checks.py`), and the graph's rules in `graph/` (`dag.py: build_graph`). Every process receives this typed config (`runtime/spec.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
+
+from areal_flow.config.validate import ConfigError
 
 
 def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, *, ge: float | None = None,
@@ -113,8 +115,6 @@ def node_config(name: str, node: Any) -> NodeConfig:
     `graph.<name>.<key>`. A key NodeConfig does not declare is kept as an extra attribute, as
     OmegaConf keeps a key added with '+' anywhere in the config, for `config/validate.py:
     check_known_keys` to name with the others."""
-    from areal_flow.config.validate import ConfigError  # here: validate.py imports this module
-
     if isinstance(node, NodeConfig):
         return node
     if not isinstance(node, dict) and not OmegaConf.is_dict(node):

@@ -15,9 +15,10 @@ import difflib
 import json
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from areal_flow.config.schema import RunConfig
+if TYPE_CHECKING:  # an annotation only: schema.py raises this module's ConfigError
+    from areal_flow.config.schema import RunConfig
 
 
 class ConfigError(ValueError):

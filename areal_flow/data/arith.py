@@ -14,7 +14,8 @@ import json
 import os
 import random
 import re
-import tempfile
+
+from areal_flow.runtime.disk import write_atomic
 
 MAX_DIGITS = 8
 # P(n) ∝ 1/n for the digit count of the larger operand.
@@ -141,19 +142,8 @@ def _row(row_id: str, a: int, b: int) -> dict[str, str]:
 
 
 def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
-    """Write to a temp file in the same folder, then rename: readers see all rows or no file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`rows` as JSON lines, written whole: readers see all rows or no file."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def ensure_arith_data(

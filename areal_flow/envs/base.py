@@ -5,7 +5,7 @@ rollout worker generates a policy turn until one of the environment's `stop` str
 length budget, then passes the turn's text to `step`, which answers with an observation (text the
 worker tokenizes alone and appends, loss mask 0), an optional reward and whether the trajectory is
 done. A recipe names an environment as it names a reward function: a name of `ENVS`
-(`graph.generate.env: python_tool`) or 'package.module:Class'.
+(`graph.generate.env: python_tool`) or 'package.module:Class' (`registry.py: resolve_env`).
 
 An environment never raises for anything the policy wrote: a tool that fails is an observation
 that says so. What it raises all the same (a bug) ends that trajectory only, and drops its group,
@@ -19,7 +19,6 @@ import abc
 import dataclasses
 from typing import Any
 
-from areal_flow.config.import_path import import_callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,23 +52,3 @@ class Environment(abc.ABC):
         """Called once at launch on an environment made from the first training row: raise
         ValueError for what would fail every trajectory (a tool the machine cannot run), so the run
         fails at start."""
-
-
-def resolve_env(name: str, where: str) -> type[Environment]:
-    """The Environment class `name` names (one of ENVS, or 'package.module:Class'). ValueError
-    naming `where` (the config key) when there is none."""
-    from areal_flow.envs.registry import ENVS
-
-    if name in ENVS:
-        return ENVS[name]
-    if ":" not in name:
-        raise ValueError(f"{where}: no environment {name!r}; built in: {', '.join(sorted(ENVS))}, or "
-                         "'package.module:Class' of your own")
-    try:
-        cls = import_callable(name)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"{where}: {name!r} is not a subclass of areal_flow.envs.base.Environment")
-    return cls
-

@@ -9,7 +9,7 @@ how the keys travel.
 
 The node kinds are a registry, as the losses are (`algorithms/registry.py`): each kind is a name and
 a `NodeKind` spec, registered with `register("node", name)(spec)`, and graph validation
-(`graph/dag.py`) reads a node's rules from its kind's spec alone. The five built-ins are registered
+(`graph/dataflow.py`) reads a node's rules from its kind's spec alone. The five built-ins are registered
 below. A kind of your own is validated against its spec, then refused: no process of this version
 would run it (`RUNTIME_KINDS`).
 """

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_flow.graph.dag import Graph, format_mesh
+from areal_flow.graph.dag import Graph
+from areal_flow.graph.mesh import format_mesh
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.dag import format_mesh
+from areal_flow.graph.mesh import format_mesh
 from areal_flow.graph.placement import LISTENERS, Placement, Proc
 
 

@@ -20,7 +20,7 @@ import socket
 import sys
 
 from areal_flow.graph import graph_from_config, place
-from areal_flow.graph.dag import parse_mesh
+from areal_flow.graph.mesh import parse_mesh
 from areal_flow.graph.placement import Placement
 from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
 from areal_flow.runtime.security import host_address, is_loopback

@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from areal_flow.data.arith import arith_reward
-from areal_flow.models.bootstrap import HELDOUT_N, HELDOUT_SEED, INFO_FILE
-from areal_flow.models.tasks import BootstrapTask, Completion, bootstrap_task
+from areal_flow.models.model_cache import INFO_FILE
+from areal_flow.models.tasks import HELDOUT_N, HELDOUT_SEED, BootstrapTask, Completion, bootstrap_task
 from areal_flow.models.tiny import build_tiny_qwen2, tiny_qwen2_config
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 from areal_flow.runtime.devices import local_device

@@ -25,6 +25,9 @@ from areal_flow.data.observations import (
 )
 from areal_flow.models.tokenizer import CHARS, CODE_CHARS, EOS
 
+HELDOUT_N, HELDOUT_SEED = 200, 0
+"""The held-out set the bootstrap must never train on: the default one of `ensure_arith_data`."""
+
 Completion = Union[str, list[tuple[str, bool]]]
 """A reference completion: its text, or its parts as (text, trained): a tool's answer is not trained."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import pebble
 
-from areal_flow.config.import_path import import_callable
+from areal_flow.config.import_path import resolve_named
 from areal_flow.config.schema import SandboxConfig
 
 log = logging.getLogger("areal_flow.reward")
@@ -70,15 +70,8 @@ def resolve(fn: str, sandbox: SandboxConfig) -> RewardFn:
         from areal_flow.rewards.code import CodeReward
 
         return CodeReward(sandbox)
-    if fn in REWARD_FNS:
-        return REWARD_FNS[fn]
-    if ":" not in fn:
-        raise ValueError(f"unknown reward function {fn!r}: expected one of {', '.join(builtin_names())}, "
-                         "or 'module:function'")
-    try:
-        return import_callable(fn)
-    except ValueError as e:
-        raise ValueError(f"reward function {fn!r}: {e}") from None
+    return resolve_named(fn, REWARD_FNS, where=f"reward function {fn!r}", unknown=lambda: (
+        f"unknown reward function {fn!r}: expected one of {', '.join(builtin_names())}, or 'module:function'"))
 
 
 @dataclass(frozen=True)

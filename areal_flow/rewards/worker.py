@@ -19,7 +19,8 @@ import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
-from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.graph.dag import Graph, graph_from_config
+from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rewards.service import AGENT_FN, RewardService

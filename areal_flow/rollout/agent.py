@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable
 
 from areal_flow.agents.gateway import Gateway, Sampling
-from areal_flow.config.import_path import import_callable
+from areal_flow.config.import_path import resolve_named
 from areal_flow.generation.router import ServerPool
 from areal_flow.graph.keys import AGENT_REWARD
 from areal_flow.rollout.requests import turn_seed
@@ -52,10 +52,7 @@ class AgentFailed(Exception):
 
 def load_agent(path: str, where: str) -> Callable:
     """The async function `path` names ('package.module:function'); ValueError naming `where`."""
-    try:
-        fn = import_callable(path)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    fn = resolve_named(path, {}, where=where, unknown=lambda: f"{where}: expected 'module:function'")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"{where}: {path!r} is not an async function: an agent is "
                          "`async def run(client: openai.AsyncOpenAI, row: dict) -> float`")

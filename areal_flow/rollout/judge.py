@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from areal_flow.graph.dag import Node
+from areal_flow.graph.node import Node
 
 
 class JudgeError(RuntimeError):

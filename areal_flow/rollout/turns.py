@@ -27,7 +27,7 @@ from typing import Any
 
 from areal_flow.config.schema import RunConfig, SandboxConfig
 from areal_flow.config.validate import model_context
-from areal_flow.envs.base import Environment, Step, resolve_env
+from areal_flow.envs.base import Environment, Step
 from areal_flow.generation.router import ServerPool
 from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
 from areal_flow.transport.messages import Finish
@@ -159,6 +159,9 @@ class Turns:
         """The generate node's turns, or None when it names no environment (one turn a sample)."""
         if node.env is None:
             return None
+        # Here: the built-in environments import the sandbox, which a run without one never needs.
+        from areal_flow.envs.registry import resolve_env
+
         budget = node.max_trajectory_tokens or model_context(model_path)
         return cls(resolve_env(node.env, f"graph.{node.name}.env"), dict(node.env_settings), cfg.sandbox,
                    node.max_turns, budget, node.env)

@@ -20,7 +20,8 @@ from areal_flow.data.dataset import DatasetError
 from areal_flow.data.templates import check_chat_template, template_fields
 from areal_flow.generation.limits import MAX_N
 from areal_flow.generation.sglang_backend import generation_problems
-from areal_flow.graph.dag import Graph, format_mesh, graph_from_config
+from areal_flow.graph.dag import Graph, graph_from_config
+from areal_flow.graph.mesh import format_mesh
 from areal_flow.graph.layout import layout_problems
 from areal_flow.launchers.slurm import sbatch_missing
 from areal_flow.models.tokenizer import missing_tokenizer_files

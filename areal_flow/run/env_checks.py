@@ -25,7 +25,7 @@ def check_names(graph: Graph) -> None:
     node = graph.generate
     try:
         if node.env is not None:
-            from areal_flow.envs.base import resolve_env
+            from areal_flow.envs.registry import resolve_env
 
             resolve_env(node.env, f"graph.{node.name}.env")
         if node.agent is not None:
@@ -46,7 +46,7 @@ def made_env(cfg: RunConfig, graph: Graph, row: dict[str, Any], where: str) -> A
     """The generate node's environment made from `row` (`where` names it: the first row of the
     training file) and checked (Environment.check); ConfigError naming the key, the environment
     and, for a field the rows lack, the field."""
-    from areal_flow.envs.base import resolve_env
+    from areal_flow.envs.registry import resolve_env
     from areal_flow.rollout.turns import error_line
 
     node, key = graph.generate, f"graph.{graph.generate.name}"

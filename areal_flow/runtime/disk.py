@@ -1,11 +1,14 @@
 """A disk that fills during a write, said in one line with the path: safetensors, torch and json
 each report it their own way (safetensors as a Rust IoError with no path), deep in a traceback.
-And a small file written whole (`write_atomic`), for files other processes poll."""
+And a file written whole (`write_atomic`): every file of a run that another process reads while it
+may be rewritten (membership, scale hand-offs, processes.json), and the datasets made here."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -62,9 +65,23 @@ def writing(what: str, path: str) -> Iterator[None]:
         raise
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` whole: a reader sees the old file or the new one, never a part."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def write_atomic(path: str, data: bytes | str) -> None:
+    """Write `data` (text as UTF-8) to `path` whole: a reader sees the old file or the new one, never
+    a part, and after a crash the disk holds one of them whole.
+
+    It goes to a temporary file in the same folder (a rename is atomic only within one file system;
+    hidden and named *.tmp, so that a reader listing or globbing the folder passes it by), which is
+    fsynced and renamed over `path`; it is removed when anything fails, an interrupt included. The
+    file gets the mode `open` would give it (the umask's)."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

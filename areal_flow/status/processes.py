@@ -14,15 +14,14 @@ import os
 import socket
 import time
 
+from areal_flow.runtime.disk import write_atomic
+
 PROCESSES = "processes.json"
 
 
 def write_processes(run_dir: str, table: dict[str, dict]) -> None:
     """Replace the run directory's processes.json with `table`, atomically."""
-    tmp = os.path.join(run_dir, f".{PROCESSES}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1)
-    os.replace(tmp, os.path.join(run_dir, PROCESSES))
+    write_atomic(os.path.join(run_dir, PROCESSES), json.dumps(table, indent=1))
 
 
 def read_processes(run_dir: str) -> dict[str, dict] | None:

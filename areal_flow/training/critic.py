@@ -30,7 +30,7 @@ import torch
 
 from areal_flow.algorithms import library
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.dag import Node
+from areal_flow.graph.node import Node
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import Engine, budget_named
 from areal_flow.training.worker import CRITIC_DIR, configured, train_update

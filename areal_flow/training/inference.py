@@ -23,7 +23,8 @@ import torch.distributed as dist
 import zmq
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.graph.dag import Graph, graph_from_config
+from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name
 from areal_flow.runtime.devices import TRAINER_BACKENDS
 from areal_flow.runtime.security import LOOPBACK

@@ -34,7 +34,8 @@ from areal_flow.algorithms.library import AllReduce
 from areal_flow.algorithms.prox import prox_source
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
-from areal_flow.graph.dag import Graph, Node, graph_from_config
+from areal_flow.graph.dag import Graph, graph_from_config
+from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from areal_flow.runtime.disk import writing
+from areal_flow.runtime.disk import write_atomic, writing
 from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
 
 if TYPE_CHECKING:
@@ -57,10 +57,7 @@ LOADED = "weights_loaded.json"
 
 def record_loaded(run_dir: str, path: str, version: int) -> None:
     """Every server up has loaded `version` from `path`: a server restarted later starts from it."""
-    tmp = os.path.join(run_dir, f".{LOADED}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"path": path, "version": version}, f)
-    os.replace(tmp, os.path.join(run_dir, LOADED))
+    write_atomic(os.path.join(run_dir, LOADED), json.dumps({"path": path, "version": version}))
 
 
 def last_loaded(run_dir: str, first: tuple[str, int]) -> tuple[str, int]:

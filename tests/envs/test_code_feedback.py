@@ -10,7 +10,7 @@ import pytest
 from run_helpers import processes_of_uids
 
 from areal_flow.data import tiny_code
-from areal_flow.envs.base import resolve_env
+from areal_flow.envs.registry import resolve_env
 from areal_flow.envs.code_feedback import CodeFeedback
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
 from areal_flow.models.tasks import repaired

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from areal_flow.envs.base import Environment, Step, resolve_env
+from areal_flow.envs.base import Environment, Step
+from areal_flow.envs.registry import resolve_env
 from areal_flow.data.observations import cut
 from areal_flow.envs.python_tool import PythonTool, printable
 

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_flow.data.arith import completion_text, extract_answer, prompt_text
 from areal_flow.models import bootstrap, supervised
-from areal_flow.models.bootstrap import REQUIRED_FILES, ensure_base_model, publish_dir
+from areal_flow.models.bootstrap import ensure_base_model
+from areal_flow.models.model_cache import INFO_FILE, REQUIRED_FILES, publish_dir
 from areal_flow.models.supervised import (
     greedy_accuracy,
     greedy_completions,
@@ -45,7 +46,7 @@ def test_result_is_a_loadable_hf_directory_with_its_tokenizer(base_dir):
 
 
 def test_loss_goes_down(base_dir):
-    info = json.loads(open(os.path.join(base_dir, bootstrap.INFO_FILE)).read())
+    info = json.loads(open(os.path.join(base_dir, INFO_FILE)).read())
     losses = info["losses"]
     assert len(losses) == SHORT["steps"]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -173,6 +174,6 @@ def test_a_gpu_bootstrap_runs_in_a_child_process_and_its_failure_is_reported(tmp
 @pytest.mark.gpu
 def test_the_bootstrap_trains_on_the_gpu_and_its_model_loads_on_the_cpu(tmp_path):
     model_dir = ensure_base_model(str(tmp_path), **SHORT, device="cuda")
-    losses = json.loads(open(os.path.join(model_dir, bootstrap.INFO_FILE)).read())["losses"]
+    losses = json.loads(open(os.path.join(model_dir, INFO_FILE)).read())["losses"]
     assert sum(losses[-5:]) < 0.75 * sum(losses[:5])
     assert AutoModelForCausalLM.from_pretrained(model_dir).lm_head.weight.device.type == "cpu"
