@@ -66,7 +66,8 @@ from transformers import AutoModelForCausalLM
 
 from _bench import machine
 from areal_flow.data.arith import prompt_text, sample_operands
-from areal_flow.generation.engine import GenerationEngine, kv_bytes_per_token
+from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.kv_budget import kv_bytes_per_token
 from areal_flow.generation.step_timing import per_step_ms
 from areal_flow.models.bootstrap import ensure_base_model
 from areal_flow.models.tokenizer import load_tokenizer

@@ -54,7 +54,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from areal_flow.generation import bodies, openai_api
 from areal_flow.generation.bodies import json_object
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.engine import PAUSE_MODES, EngineShutdownError, GenerationEngine, version_for_label
+from areal_flow.generation.commands import PAUSE_MODES
+from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, version_for_label
 from areal_flow.generation.generate_api import (
     AnswerStream,
     HTTPError,

@@ -270,7 +270,7 @@ def test_by_broadcast_the_weights_go_between_pause_and_continue_and_a_refusal_st
     when a server refuses a bucket."""
     import torch
 
-    from areal_flow.generation.engine import load_checkpoint
+    from areal_flow.generation.checkpoint import load_checkpoint
     from areal_flow.training.engine import bucketed
     from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 
