@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Con
 
 from areal_flow.generation.client import wait_healthy
 from areal_flow.generation.engine import GenerationEngine
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.http.server import GenerationServer, serve
 
 VOCAB_SIZE = 18
 EOS_ID = 1

@@ -18,8 +18,8 @@ import pytest
 from generation_helpers import ModelDirs, http_call, wait_until
 
 from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.bodies import MAX_REQUEST_BYTES as MAX_BODY_BYTES
-from areal_flow.generation.server import serve
+from areal_flow.generation.http.bodies import MAX_REQUEST_BYTES as MAX_BODY_BYTES
+from areal_flow.generation.http.server import serve
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}

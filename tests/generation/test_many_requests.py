@@ -12,7 +12,7 @@ import torch
 from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, greedy_reference, load_reference
 
 from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import serve
+from areal_flow.generation.http.server import serve
 
 LONGEST = 40
 

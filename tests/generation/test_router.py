@@ -25,7 +25,7 @@ from areal_flow.weights.files import FileChannel
 from areal_flow.weights.update import WeightUpdateError, update_servers
 
 DISK = FileChannel("disk", "/unused")  # the controller's end: each server loads the directory it is given
-from areal_flow.generation.server import GenerationServer
+from areal_flow.generation.http.server import GenerationServer
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.transport.messages import Finish
 

@@ -13,7 +13,7 @@ from generation_helpers import ModelDirs, http_call, server_process, wait_until
 
 from areal_flow.generation.client import GenerationClient, wait_healthy
 from areal_flow.generation.engine import EngineShutdownError
-from areal_flow.generation.server import serve
+from areal_flow.generation.http.server import serve
 
 
 

@@ -20,14 +20,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, GenerationRequest, GenerationResult
+from areal_flow.generation.http.context import Served
+from areal_flow.generation.http.errors import as_bool, bad_request
 from areal_flow.generation.limits import MAX_N
 from areal_flow.generation.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from areal_flow.generation.server import GenerationServer
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
                  "sampling_seed", "n", "stream_interval"}
@@ -44,22 +43,6 @@ always the no-op."""
 
 TEXT_SAMPLING_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "custom_params"}
 """SGLang keys that shape only the returned text or are free-form (SGLang itself ignores custom_params)."""
-
-
-
-class HTTPError(Exception):
-    """Answer with this status and SGLang's `{"error": {"message": ...}}` envelope; `extra` adds
-    fields to it (OpenAI's type, param and code: openai_api.py)."""
-
-    def __init__(self, status: int, message: str, extra: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.extra = extra or {}
-
-
-def bad_request(message: str) -> HTTPError:
-    return HTTPError(400, message)
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -115,14 +98,6 @@ def _float(params: dict, key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"sampling_params.{key} must be a number, got {value!r}")
     return float(value)
-
-
-def as_bool(value: Any, name: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {value!r}")
-    return value
 
 
 def _token_list(value: Any, what: str) -> list[int]:
@@ -185,7 +160,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _prompts(body: dict, server: GenerationServer) -> tuple[list[list[int]], bool]:
+def _prompts(body: dict, server: Served) -> tuple[list[list[int]], bool]:
     """The prompts' token ids, and whether the body used the batch form."""
     input_ids, text = body.get("input_ids"), body.get("text")
     if input_ids is not None and text is not None:
@@ -216,7 +191,7 @@ def _samples_per_prompt(sampling: list[dict]) -> int:
     return n
 
 
-def parse_generate(body: dict, server: GenerationServer) -> GenerateCall:
+def parse_generate(body: dict, server: Served) -> GenerateCall:
     """The answers a /generate body asks for, validated field by field (400 naming the field)."""
     stream = as_bool(body.get("stream"), "stream", False)
     if body.get("token_ids_logprob") not in (None, []):

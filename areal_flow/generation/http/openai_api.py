@@ -32,7 +32,7 @@ from typing import Any
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from areal_flow.generation.engine import GenerationRequest, GenerationResult
-from areal_flow.generation.generate_api import HTTPError
+from areal_flow.generation.http.errors import HTTPError
 from areal_flow.generation.sampling import SamplingParams
 
 MAX_N = 64  # choices a request may ask for
