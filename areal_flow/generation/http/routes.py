@@ -1,7 +1,8 @@
 """The routes of SGLang's native API (the subset RL trainers use) and OpenAI's, over the embedded
 engine: generation, health, load and server information, pause/continue/abort, and the KV cache's
-memory; the weight routes are weight_routes.py's. Bodies and answers of /generate are
-generate_api.py's, of the OpenAI routes openai_api.py's; a route sees only its `Call` and what the
+memory; the weight routes are weight_routes.py's. Bodies of /generate are read by
+generate_api.py and answered by generate_answers.py, those of the OpenAI routes by openai_api.py
+and openai_answers.py; a route sees only its `Call` and what the
 server serves (context.py), the HTTP plumbing is app.py's.
 """
 
@@ -21,11 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from areal_flow.generation.commands import PAUSE_MODES
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.http import bodies, openai_api
+from areal_flow.generation.http import bodies, openai_answers, openai_api
 from areal_flow.generation.http.bodies import json_object
 from areal_flow.generation.http.context import Call, Payload, Route, Served
 from areal_flow.generation.http.errors import as_bool, bad_request
-from areal_flow.generation.http.generate_api import AnswerStream, build_answer, parse_generate
+from areal_flow.generation.http.generate_answers import AnswerStream, build_answer
+from areal_flow.generation.http.generate_api import parse_generate
 from areal_flow.generation.http.weight_routes import WEIGHT_ROUTES
 
 HEALTH_GENERATE_TIMEOUT = 20.0
@@ -123,7 +125,7 @@ async def route_openai(server: Served, call: Call, *, chat: bool) -> tuple[int, 
                                      kv_budget=engine.max_total_tokens, vocab_size=engine.vocab_size)
 
     parsed = await bodies.parse(server.parser, call.body, read, lambda why: openai_api.openai_error(400, why))
-    stream = openai_api.OpenAIStream(parsed, server.tokenizer, server.engine) if parsed.stream else None
+    stream = openai_answers.OpenAIStream(parsed, server.tokenizer, server.engine) if parsed.stream else None
     requests = stream.requests if stream else parsed.requests()
     try:
         futures = server.engine.submit_many(requests)
@@ -135,7 +137,7 @@ async def route_openai(server: Served, call: Call, *, chat: bool) -> tuple[int, 
     results = await _results_unless_gone(server, call, futures, [r.rid for r in requests])
     if results is None:
         return 499, "client disconnected"
-    return 200, openai_api.build_response(parsed, results, server.tokenizer)
+    return 200, openai_answers.build_response(parsed, results, server.tokenizer)
 
 
 async def route_models(server: Served, call: Call) -> tuple[int, Payload]:
