@@ -49,10 +49,10 @@ def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tok
     calls) and finish reason from all its tokens; the extension fields as stitched."""
     # Imported here: they load torch (the engine's types), which the rollout worker otherwise never
     # needs (its start-up: 0.8 s without, 4 s with).
-    from areal_flow.generation.engine import GenerationResult
+    from areal_flow.generation.engine.generation_engine import GenerationResult
     from areal_flow.generation.http.openai_answers import choice
     from areal_flow.generation.http.openai_api import OpenAICall
-    from areal_flow.generation.sampling import SamplingParams
+    from areal_flow.generation.engine.sampling import SamplingParams
 
     reason = choice_["finish_reason"]
     result = GenerationResult(

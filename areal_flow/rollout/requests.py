@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import itertools
 
-from areal_flow.generation.router import ServerPool, token_versions
+from areal_flow.generation.client.router import ServerPool, token_versions
 from areal_flow.transport.messages import Finish
 
 

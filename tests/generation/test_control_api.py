@@ -18,8 +18,8 @@ from generation_helpers import (
     running_server, wait_until,
 )
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.generation.http.server import GenerationServer
 from areal_flow.rollout.requests import generate_group, generate_sample
 

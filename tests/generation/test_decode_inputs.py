@@ -1,4 +1,4 @@
-"""The host side of a decode step (generation/paged_batch.py, engine.py): the block table kept
+"""The host side of a decode step (generation/engine/paged_batch.py, engine.py): the block table kept
 across steps and the inputs built from it in numpy equal what the rows' block lists say, through
 joins, forks, finished rows, retractions and chunked prefill; the sampled tokens and logprobs
 come back from the device bit for bit in one copy; and the step timer splits steps when asked."""
@@ -15,13 +15,13 @@ import torch
 from generation_helpers import VOCAB_SIZE, tiny_config
 from transformers import Qwen2ForCausalLM
 
-from areal_flow.generation.decode import DecodeStep, Forward
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.sampler import Drawn
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool, block_table
-from areal_flow.generation.paged_batch import PagedBatch
-from areal_flow.generation.step_timing import PARTS, per_step_ms
+from areal_flow.generation.engine.decode import DecodeStep, Forward
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.sampler import Drawn
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool, block_table
+from areal_flow.generation.engine.paged_batch import PagedBatch
+from areal_flow.generation.engine.step_timing import PARTS, per_step_ms
 
 
 def _batch(num_blocks: int | None, chunk: int | None) -> PagedBatch:

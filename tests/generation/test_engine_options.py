@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_flow.generation.engine_options import EngineOptions
+from areal_flow.generation.engine.options import EngineOptions
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -29,7 +29,7 @@ def test_the_prefill_chunk_is_whole_prompts_for_minus_one_unset_or_batch_invaria
 
 
 def test_the_engine_refuses_bad_options_before_loading_a_model(tmp_path):
-    from areal_flow.generation.engine import GenerationEngine
+    from areal_flow.generation.engine.generation_engine import GenerationEngine
 
     with pytest.raises(ValueError, match="page_size"):  # the path holds no model: never read
         GenerationEngine(str(tmp_path / "no-model"), page_size=0)

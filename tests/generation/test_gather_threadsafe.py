@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from areal_flow.generation.engine import EngineShutdownError
+from areal_flow.generation.engine.generation_engine import EngineShutdownError
 from areal_flow.generation.http.routes import gather_threadsafe
 
 

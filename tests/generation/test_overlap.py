@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from generation_helpers import ModelDirs, torch_threads
 
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.paged_batch import PagedBatch
-from areal_flow.generation.sampler import Drawn
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.paged_batch import PagedBatch
+from areal_flow.generation.engine.sampler import Drawn
 
 PROMPTS = [[2, 7, 3, 9], [5, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 2], [4, 4, 4, 4, 4, 4, 4], [9] * 20]
 

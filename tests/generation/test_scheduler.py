@@ -9,11 +9,11 @@ from concurrent.futures import Future
 
 import pytest
 
-from areal_flow.generation.commands import Abort
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.requests import GenerationRequest
-from areal_flow.generation.sampling import SamplingParams
-from areal_flow.generation.scheduler import BlockCapacity, TokenCapacity, admit, claim, requeue, take_aborted
+from areal_flow.generation.engine.commands import Abort
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.requests import GenerationRequest
+from areal_flow.generation.engine.sampling import SamplingParams
+from areal_flow.generation.engine.scheduler import BlockCapacity, TokenCapacity, admit, claim, requeue, take_aborted
 
 
 def row(rid: str, prompt: tuple[int, ...] = (1, 2, 3), max_new_tokens: int = 5, **request: object) -> Row:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from areal_flow.generation.engine_options import EngineOptions
+from areal_flow.generation.engine.options import EngineOptions
 from areal_flow.generation.http.cli import engine_settings, parser
 
 SERVER_KEYS = {"api_key", "max_request_bytes"}

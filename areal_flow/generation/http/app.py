@@ -21,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from areal_flow.generation.engine import EngineShutdownError
+from areal_flow.generation.engine.generation_engine import EngineShutdownError
 from areal_flow.generation.http import bodies, openai_api
 from areal_flow.generation.http.context import Call, Payload, Route, Served
 from areal_flow.generation.http.errors import HTTPError

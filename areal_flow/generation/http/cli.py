@@ -1,5 +1,5 @@
 """The command line of a generation server, `python -m areal_flow.generation.server`: SGLang's
-flags where SGLang has one (the embedded engine's settings: engine_options.py), then serve until
+flags where SGLang has one (the embedded engine's settings: engine/options.py), then serve until
 SIGTERM or SIGINT."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
                         help="prompt tokens prefilled per forward beside the decoding rows (-1 or unset: whole prompts)")
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="keep no prefix cache: every request prefills its whole prompt (SGLang's flag; the "
-                             "embedded engine's prefix cache is hash-chained blocks, generation/paged.py)")
+                             "embedded engine's prefix cache is hash-chained blocks, generation/engine/paged.py)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="cuda: run decode steps eagerly instead of replaying captured CUDA graphs")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant decoding (SGLang's flag): a request's tokens and logprobs do not "
                              "depend on what else is in the batch, so a seeded request answers bit-identically "
-                             "however requests arrive; slower (generation/decode.py)")
+                             "however requests arrive; slower (generation/engine/decode.py)")
     parser.add_argument("--weight-version", default="default",
                         help="label of the initial weights (digits also set the integer token version)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
 from areal_flow.generation.http.bodies import MAX_REQUEST_BYTES
 from areal_flow.generation.http.load_report import LoadReport
 from areal_flow.generation.http.weight_groups import WeightGroup

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, GenerationResult
+from areal_flow.generation.engine.generation_engine import EngineShutdownError, GenerationEngine, GenerationResult
 from areal_flow.generation.http.generate_api import GenerateCall, Item
 
 

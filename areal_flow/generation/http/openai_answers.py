@@ -13,7 +13,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
-from areal_flow.generation.engine import GenerationResult
+from areal_flow.generation.engine.generation_engine import GenerationResult
 from areal_flow.generation.http.openai_api import TOOL_CALL, OpenAICall
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
 from areal_flow.generation.http import bodies
 from areal_flow.generation.http.app import create_app
 from areal_flow.generation.http.context import Served

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from areal_flow.generation.engine import version_for_label
+from areal_flow.generation.engine.generation_engine import version_for_label
 from areal_flow.generation.http.bodies import json_object
 from areal_flow.generation.http.context import Call, Payload, Route, Served
 from areal_flow.generation.http.errors import HTTPError, as_bool, bad_request

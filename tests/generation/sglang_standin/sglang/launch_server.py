@@ -24,7 +24,7 @@ import sys
 import threading
 
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
 from areal_flow.generation.http import routes
 from areal_flow.generation.http.context import Route
 from areal_flow.generation.http.server import GenerationServer, optional_tokenizer

@@ -8,7 +8,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-from areal_flow.generation.requests import GenerationRequest
+from areal_flow.generation.engine.requests import GenerationRequest
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The paged backend: the engine's own forward (generation/decode.py) over a paged KV cache
-(generation/paged.py, paged_batch.py), each step one forward that feeds the decoding rows their
+"""The paged backend: the engine's own forward (generation/engine/decode.py) over a paged KV cache
+(generation/engine/paged.py, paged_batch.py), each step one forward that feeds the decoding rows their
 newest token beside the next chunk of the prompts being prefilled.
 
 Overlap schedule (`overlap`; SGLang's overlap scheduler): a step launches the sampling, then the
@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.cuda_graphs import GraphRunner
-from areal_flow.generation.decode import DecodeStep
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_batch import PagedBatch, Prefilled
-from areal_flow.generation.sampler import Drawn, Sampler
-from areal_flow.generation.sampling import RowSampling
-from areal_flow.generation.scheduler import BlockCapacity, Capacity
-from areal_flow.generation.step_timing import StepTimer
-from areal_flow.generation.stepper import Stepper
+from areal_flow.generation.engine.cuda_graphs import GraphRunner
+from areal_flow.generation.engine.decode import DecodeStep
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.paged_batch import PagedBatch, Prefilled
+from areal_flow.generation.engine.sampler import Drawn, Sampler
+from areal_flow.generation.engine.sampling import RowSampling
+from areal_flow.generation.engine.scheduler import BlockCapacity, Capacity
+from areal_flow.generation.engine.step_timing import StepTimer
+from areal_flow.generation.engine.stepper import Stepper
 
 
 class PagedStepper(Stepper):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from areal_flow.generation.requests import GenerationRequest, GenerationResult
-from areal_flow.generation.sampling import RowSampling
+from areal_flow.generation.engine.requests import GenerationRequest, GenerationResult
+from areal_flow.generation.engine.sampling import RowSampling
 
 class GrowingLayer(DynamicLayer):
     """One layer's KV cache in a buffer with room to spare at the end.
@@ -100,7 +100,7 @@ class Row:
     # The weights that computed the logits this row samples from next: its next token's version.
     # (Held in place across an update, the first token after it still comes from the old weights.)
     logits_version: int = 0
-    # The paged cache (generation/paged_batch.py): the row's blocks, and how many of its sequence's
+    # The paged cache (generation/engine/paged_batch.py): the row's blocks, and how many of its sequence's
     # tokens have their keys and values there.
     blocks: list[int] = field(default_factory=list)
     computed: int = 0

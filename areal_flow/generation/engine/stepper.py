@@ -1,10 +1,10 @@
 """The contract between the engine's decode loop and a way of holding and stepping a batch: the
-engine decides what to run (generation/scheduler.py) and answers requests; a Stepper runs it.
+engine decides what to run (generation/engine/scheduler.py) and answers requests; a Stepper runs it.
 
 Two backends: `DenseStepper` (dense_stepper.py), the transformers forward over a left-padded cache
 that grows in place, for any architecture; `PagedStepper` (paged_stepper.py), the engine's own
 forward over a paged cache with chunked prefill, a prefix cache, the overlap schedule and CUDA
-graphs, for the architectures generation/decode.py takes.
+graphs, for the architectures generation/engine/decode.py takes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.scheduler import Capacity
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.scheduler import Capacity
 
 
 class Stepper(ABC):

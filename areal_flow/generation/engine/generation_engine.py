@@ -31,14 +31,14 @@ plus max_new_tokens, summed, stay within it (a reservation for the longest each 
 is ever evicted mid-answer); the others wait in order. Requests whose prompts are identical (the G
 answers of one prompt, which arrive together) are prefilled once and their KV cache is copied.
 
-Where each part lives: the settings, checked when made, in engine_options.py; what callers hand
+Where each part lives: the settings, checked when made, in options.py; what callers hand
 the decode thread, in inbox.py; the decode thread's loop in decode_loop.py, which asks
 scheduler.py what joins the batch and a stepper (stepper.py) to run each step: the engine's own
 forward over a paged cache (paged_stepper.py, with the overlap schedule) or the transformers
 forward over a left-padded cache (dense_stepper.py); sampled tokens reach their rows through
 sampler.py.
 
-This engine knows nothing about HTTP; `server.py` puts SGLang's API in front of it.
+This engine knows nothing about HTTP; generation/http/ puts SGLang's API in front of it.
 """
 
 from __future__ import annotations
@@ -55,31 +55,31 @@ from typing import Any
 
 import torch
 
-from areal_flow.generation import scheduler
-from areal_flow.generation.checkpoint import check_compatible, eos_ids, load_checkpoint, load_model
-from areal_flow.generation.commands import PAUSE_MODES, Abort, WeightUpdate
+from areal_flow.generation.engine import scheduler
+from areal_flow.generation.engine.checkpoint import check_compatible, eos_ids, load_checkpoint, load_model
+from areal_flow.generation.engine.commands import PAUSE_MODES, Abort, WeightUpdate
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.cuda_graphs import GraphRunner
-from areal_flow.generation.decode import DecodeStep
-from areal_flow.generation.decode_loop import DecodeLoop
-from areal_flow.generation.dense_stepper import DenseStepper
-from areal_flow.generation.engine_options import EngineOptions
-from areal_flow.generation.inbox import Inbox
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.kv_budget import resolve_budget
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_stepper import PagedStepper
-from areal_flow.generation.request_checks import RequestLimits, check_request
-from areal_flow.generation.requests import (  # noqa: F401  (the engine's public types, imported from here too)
+from areal_flow.generation.engine.cuda_graphs import GraphRunner
+from areal_flow.generation.engine.decode import DecodeStep
+from areal_flow.generation.engine.decode_loop import DecodeLoop
+from areal_flow.generation.engine.dense_stepper import DenseStepper
+from areal_flow.generation.engine.options import EngineOptions
+from areal_flow.generation.engine.inbox import Inbox
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.kv_budget import resolve_budget
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.paged_stepper import PagedStepper
+from areal_flow.generation.engine.request_checks import RequestLimits, check_request
+from areal_flow.generation.engine.requests import (  # noqa: F401  (the engine's public types, imported from here too)
     EngineShutdownError,
     GenerationRequest,
     GenerationResult,
     version_for_label,
 )
-from areal_flow.generation.sampler import Sampler
-from areal_flow.generation.sampling import SamplingParams  # noqa: F401  (likewise)
-from areal_flow.generation.step_timing import StepTimer
-from areal_flow.generation.stepper import Stepper
+from areal_flow.generation.engine.sampler import Sampler
+from areal_flow.generation.engine.sampling import SamplingParams  # noqa: F401  (likewise)
+from areal_flow.generation.engine.step_timing import StepTimer
+from areal_flow.generation.engine.stepper import Stepper
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class GenerationEngine:
         self._loop.start()
 
     def _make_stepper(self, opts: EngineOptions) -> Stepper:
-        """The paged backend for the models the engine's own decode step takes (generation/decode.py);
+        """The paged backend for the models the engine's own decode step takes (generation/engine/decode.py);
         the dense one, over the transformers forward, for the others. Sets the effective settings."""
         decode_step = DecodeStep.for_model(self.model, batch_invariant=opts.batch_invariant) if opts.fast_decode \
             else None

@@ -1,7 +1,7 @@
 """What the callers of the engine hand its decode thread, behind one lock: the queue of requests,
 the commands (weight updates, aborts and pauses), and the flags the thread reads between two
-steps. Callers put things in (generation/engine.py); the decode thread takes them out
-(generation/decode_loop.py)."""
+steps. Callers put things in (generation/engine/generation_engine.py); the decode thread takes them out
+(generation/engine/decode_loop.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from areal_flow.generation.commands import Abort, WeightUpdate
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.requests import EngineShutdownError
+from areal_flow.generation.engine.commands import Abort, WeightUpdate
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.requests import EngineShutdownError
 
 
 class Inbox:

@@ -1,5 +1,5 @@
 """The dense backend: the transformers forward over a left-padded KV cache that grows in place
-(kv_batch.Batch), for every architecture the engine serves, also those generation/decode.py does
+(kv_batch.Batch), for every architecture the engine serves, also those generation/engine/decode.py does
 not take. Admitted requests are prefilled in one forward and joined to the running batch with
 one copy of its cache; finished rows stay in the batch as dead rows until enough of them are
 (or new rows join) that compacting pays for its copy."""
@@ -12,10 +12,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.kv_batch import Batch, GrowingLayer, Row
-from areal_flow.generation.sampler import Sampler
-from areal_flow.generation.scheduler import Capacity, TokenCapacity
-from areal_flow.generation.stepper import Stepper
+from areal_flow.generation.engine.kv_batch import Batch, GrowingLayer, Row
+from areal_flow.generation.engine.sampler import Sampler
+from areal_flow.generation.engine.scheduler import Capacity, TokenCapacity
+from areal_flow.generation.engine.stepper import Stepper
 
 COMPACT_AT = 0.75
 """Compact the batch once a quarter of its rows are dead (measured best of 1/2, 3/4, 9/10 on

@@ -10,7 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How `GenerationEngine` decodes (generation/engine.py). The effective values, once the model
+    """How `GenerationEngine` decodes (generation/engine/generation_engine.py). The effective values, once the model
     is known (a model the engine's own decode step does not take gets no paged cache, and so no
     prefix cache, overlap or CUDA graphs), are the engine's attributes of the same names."""
 
@@ -27,7 +27,7 @@ class EngineOptions:
     """Label of the initial weights (SGLang's --weight-version); their integer version is
     `version_for_label(weight_label, -1)`."""
     fast_decode: bool = True
-    """Decode with the engine's own forward (generation/decode.py) where the architecture allows;
+    """Decode with the engine's own forward (generation/engine/decode.py) where the architecture allows;
     False: every step through the transformers forward (slower; for comparison and debugging)."""
     device: str = "cpu"
     """Where the weights, the KV cache and the sampling live."""
@@ -35,22 +35,22 @@ class EngineOptions:
     """Number format of the weights and the cache (logits are float32 for sampling either way)."""
     mem_fraction: float | None = None
     """On a GPU without max_total_tokens: the KV budget is what remains of this share of the
-    device's memory once the weights are loaded (SGLang's --mem-fraction-static; generation/kv_budget.py)."""
+    device's memory once the weights are loaded (SGLang's --mem-fraction-static; generation/engine/kv_budget.py)."""
     batch_invariant: bool = False
     """A request's tokens and logprobs do not depend on what else is in the batch (SGLang's
     --enable-deterministic-inference): only with the engine's own decode step; prompts are then
     prefilled whole. About a fifth of the tokens/s of a full batch of many prompt lengths."""
     page_size: int = 16
-    """Tokens per block of the paged KV cache (generation/paged.py)."""
+    """Tokens per block of the paged KV cache (generation/engine/paged.py)."""
     chunked_prefill_size: int | None = None
     """Prompt tokens prefilled per forward beside the decoding rows (SGLang's
     --chunked-prefill-size); None or -1: whole prompts."""
     cuda_graphs: bool = True
-    """On CUDA, not batch-invariant: decode steps replay captured graphs (generation/cuda_graphs.py);
+    """On CUDA, not batch-invariant: decode steps replay captured graphs (generation/engine/cuda_graphs.py);
     False runs them eagerly (SGLang's --disable-cuda-graph)."""
     time_steps: bool = False
     """The paged cache: split each decode step's time into host and device work
-    (generation/step_timing.py; `GenerationEngine.step_timing`): for benchmarks."""
+    (generation/engine/step_timing.py; `GenerationEngine.step_timing`): for benchmarks."""
     prefix_cache: bool = True
     """The paged cache, not batch-invariant (an answer would then depend on what ran before it):
     keep ended requests' full blocks for requests that start with the same tokens (SGLang's radix cache)."""

@@ -1,5 +1,5 @@
 """What other threads hand the engine's decode thread, which carries each out between two decode
-steps and then sets its `done` future (generation/engine.py)."""
+steps and then sets its `done` future (generation/engine/generation_engine.py)."""
 
 from __future__ import annotations
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from areal_flow.generation.cuda_graphs import GraphRunner
-from areal_flow.generation.decode import Chunk, DecodeStep, Forward
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.sampling import RowSampling
+from areal_flow.generation.engine.cuda_graphs import GraphRunner
+from areal_flow.generation.engine.decode import Chunk, DecodeStep, Forward
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.sampling import RowSampling
 from areal_flow.runtime.devices import to_device
-from areal_flow.generation.step_timing import StepTimer
+from areal_flow.generation.engine.step_timing import StepTimer
 
 
 @dataclass

@@ -5,7 +5,7 @@ Admission is in order: the head of the queue joins while the batch has room and 
 take it; the first request that does not fit stops the queue (the ones behind it wait their turn,
 so a long request is never starved by short ones). What "fits" means is the backend's
 (`Capacity`): the left-padded cache reserves every request's longest answer, the paged cache
-counts blocks (generation/paged_batch.py).
+counts blocks (generation/engine/paged_batch.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from areal_flow.generation.commands import Abort
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged_batch import can_follow
+from areal_flow.generation.engine.commands import Abort
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged_batch import can_follow
 
 
 class Capacity(Protocol):

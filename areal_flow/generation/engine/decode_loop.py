@@ -1,8 +1,8 @@
 """The engine's decode thread: wait for work, carry out the commands between two steps (aborts,
 pauses, a flush of the prefix cache), then either load a weight update or run one step of the
 batch on the stepper, and answer the rows that ended. What joins the batch is the scheduler's
-(generation/scheduler.py); how the batch is held and stepped, the stepper's (generation/stepper.py);
-the semantics of aborts, pauses and updates are in generation/engine.py's docstring."""
+(generation/engine/scheduler.py); how the batch is held and stepped, the stepper's (generation/engine/stepper.py);
+the semantics of aborts, pauses and updates are in generation/engine/generation_engine.py's docstring."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from areal_flow.generation import scheduler
-from areal_flow.generation.checkpoint import copy_in
-from areal_flow.generation.commands import Abort, WeightUpdate
+from areal_flow.generation.engine import scheduler
+from areal_flow.generation.engine.checkpoint import copy_in
+from areal_flow.generation.engine.commands import Abort, WeightUpdate
 from areal_flow.generation.compute_counts import ComputeCounts
-from areal_flow.generation.inbox import Inbox
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.requests import EngineShutdownError
-from areal_flow.generation.sampler import Sampler
-from areal_flow.generation.step_timing import StepTimer
-from areal_flow.generation.stepper import Stepper
+from areal_flow.generation.engine.inbox import Inbox
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.requests import EngineShutdownError
+from areal_flow.generation.engine.sampler import Sampler
+from areal_flow.generation.engine.step_timing import StepTimer
+from areal_flow.generation.engine.stepper import Stepper
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.requests import GenerationResult
-from areal_flow.generation.sampling import RowSampling, sample, scaled_logprobs, top_logprobs
-from areal_flow.generation.step_timing import StepTimer
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.requests import GenerationResult
+from areal_flow.generation.engine.sampling import RowSampling, sample, scaled_logprobs, top_logprobs
+from areal_flow.generation.engine.step_timing import StepTimer
 from areal_flow.runtime.devices import to_device
 
 logger = logging.getLogger(__name__)
