@@ -17,10 +17,10 @@ from transformers import Qwen2ForCausalLM
 
 from areal_flow.generation.engine.decode import DecodeStep, Forward
 from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.engine.sampler import Drawn
 from areal_flow.generation.engine.kv_batch import Row
 from areal_flow.generation.engine.paged import BlockPool, block_table
 from areal_flow.generation.engine.paged_batch import PagedBatch
+from areal_flow.generation.engine.sampler import Drawn
 from areal_flow.generation.engine.step_timing import PARTS, per_step_ms
 
 

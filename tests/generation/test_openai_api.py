@@ -12,9 +12,9 @@ import pytest
 from generation_helpers import generate_ok, running_server, save_chat_model
 
 from areal_flow.generation.engine.generation_engine import GenerationResult
+from areal_flow.generation.engine.sampling import SamplingParams
 from areal_flow.generation.http.openai_answers import build_response, parse_tool_calls
 from areal_flow.generation.http.openai_api import OpenAICall
-from areal_flow.generation.engine.sampling import SamplingParams
 from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
 
 # The dev extra installs it; the GPU image does not carry it (`pytest -m gpu` collects this module).

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.engine import scheduler
 from areal_flow.generation.engine.checkpoint import copy_in
 from areal_flow.generation.engine.commands import Abort, WeightUpdate
-from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.engine.inbox import Inbox
 from areal_flow.generation.engine.kv_batch import Row
 from areal_flow.generation.engine.requests import EngineShutdownError

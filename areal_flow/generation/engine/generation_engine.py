@@ -55,18 +55,18 @@ from typing import Any
 
 import torch
 
+from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.engine import scheduler
 from areal_flow.generation.engine.checkpoint import check_compatible, eos_ids, load_checkpoint, load_model
 from areal_flow.generation.engine.commands import PAUSE_MODES, Abort, WeightUpdate
-from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.engine.cuda_graphs import GraphRunner
 from areal_flow.generation.engine.decode import DecodeStep
 from areal_flow.generation.engine.decode_loop import DecodeLoop
 from areal_flow.generation.engine.dense_stepper import DenseStepper
-from areal_flow.generation.engine.options import EngineOptions
 from areal_flow.generation.engine.inbox import Inbox
 from areal_flow.generation.engine.kv_batch import Row
 from areal_flow.generation.engine.kv_budget import resolve_budget
+from areal_flow.generation.engine.options import EngineOptions
 from areal_flow.generation.engine.paged import BlockPool
 from areal_flow.generation.engine.paged_stepper import PagedStepper
 from areal_flow.generation.engine.request_checks import RequestLimits, check_request

@@ -25,8 +25,8 @@ from areal_flow.generation.engine.decode import Chunk, DecodeStep, Forward
 from areal_flow.generation.engine.kv_batch import Row
 from areal_flow.generation.engine.paged import BlockPool
 from areal_flow.generation.engine.sampling import RowSampling
-from areal_flow.runtime.devices import to_device
 from areal_flow.generation.engine.step_timing import StepTimer
+from areal_flow.runtime.devices import to_device
 
 
 @dataclass

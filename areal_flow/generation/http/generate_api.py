@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest
+from areal_flow.generation.engine.sampling import SamplingParams
 from areal_flow.generation.http.context import Served
 from areal_flow.generation.http.errors import as_bool, bad_request
 from areal_flow.generation.limits import MAX_N
-from areal_flow.generation.engine.sampling import SamplingParams
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
                  "sampling_seed", "n", "stream_interval"}

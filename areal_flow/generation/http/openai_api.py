@@ -29,8 +29,8 @@ from typing import Any
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from areal_flow.generation.engine.generation_engine import GenerationRequest
-from areal_flow.generation.http.errors import HTTPError
 from areal_flow.generation.engine.sampling import SamplingParams
+from areal_flow.generation.http.errors import HTTPError
 
 MAX_N = 64  # choices a request may ask for
 MAX_STOP = 4  # stop strings, as OpenAI

@@ -20,8 +20,8 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from areal_flow.generation.engine.commands import PAUSE_MODES
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
+from areal_flow.generation.engine.commands import PAUSE_MODES
 from areal_flow.generation.http import bodies, openai_answers, openai_api
 from areal_flow.generation.http.bodies import json_object
 from areal_flow.generation.http.context import Call, Payload, Route, Served
