@@ -17,7 +17,7 @@ import time
 
 from rich.console import Console
 
-from areal_flow.generation.membership import read_membership, servers_file
+from areal_flow.generation.client.membership import read_membership, servers_file
 from areal_flow.launchers.elastic import ScaleRefused, judge_of, parse_change, results, running, submit, target_size
 from areal_flow.runtime.spec import read_spec
 

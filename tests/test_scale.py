@@ -20,7 +20,7 @@ from run_helpers import RECIPE_ETA, SMALL, check_accounting, jsonl, steps_of, wa
 
 from areal_flow.config.schema import ElasticConfig
 from areal_flow.controller.ledger import audit
-from areal_flow.generation.membership import read_membership
+from areal_flow.generation.client.membership import read_membership
 from areal_flow.launchers.autoscale import decide
 from areal_flow.launchers.elastic import ScaleRefused, parse_change, submit, target_size
 from areal_flow.runtime.spec import read_run

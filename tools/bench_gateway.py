@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
 from areal_flow.rollout.agent import AgentRunner
 

@@ -8,7 +8,7 @@ useful tokens. The engine gets every request at once and batches them continuous
 --max-batch-size running); `generate` runs static batches of --static-batch prompts in arrival
 order, each running until its longest answer is done (a padded row keeps decoding after its own
 length: wasted work). Same model, one thread each (as a generation server on one pinned core). The
-engine runs twice: with its own decode step (generation/decode.py) and with every decode step
+engine runs twice: with its own decode step (generation/engine/decode.py) and with every decode step
 through the transformers forward. Useful tokens/s = answer tokens / time; the sides run alternately
 --repeats times (default 3) and the best run of each is reported.
 
@@ -30,7 +30,7 @@ few tokens; the engine: the full --new-tokens, so that every CUDA graph bucket t
 captured before it, as a server captures each once in its life); on the CPU, torch's default threads.
 
 Each shape and batch also gets a line splitting the engine's decode step (its best run, pure decode
-steps only: generation/step_timing.py) into host and device work, in mean ms per step: "host" is the
+steps only: generation/engine/step_timing.py) into host and device work, in mean ms per step: "host" is the
 engine's own Python (scheduling, building the forward's inputs, answering rows), "forward call" and
 "sampling call" the host's time in those calls (a graph replay or kernel launches on a GPU; the math
 itself on the CPU), "readback" the wait for the sampled tokens (on a GPU: for the device to finish
@@ -66,8 +66,9 @@ from transformers import AutoModelForCausalLM
 
 from _bench import machine
 from areal_flow.data.arith import prompt_text, sample_operands
-from areal_flow.generation.engine import GenerationEngine, kv_bytes_per_token
-from areal_flow.generation.step_timing import per_step_ms
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.engine.kv_budget import kv_bytes_per_token
+from areal_flow.generation.engine.step_timing import per_step_ms
 from areal_flow.models.bootstrap import ensure_base_model
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.devices import compute_dtype, local_device

@@ -32,7 +32,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from _bench import machine
-from areal_flow.generation.engine import GenerationEngine, kv_bytes_per_token
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.engine.kv_budget import kv_bytes_per_token
 from areal_flow.runtime.devices import compute_dtype, local_device
 from bench_engine import SHAPES
 from bench_generation import save_random_model

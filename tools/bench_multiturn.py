@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
 
 SETTINGS = (("no prefix cache", dict(prefix_cache=False)), ("prefix cache", dict(prefix_cache=True)))
 

@@ -37,9 +37,9 @@ from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _bench import machine
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.router import ServerPool
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.client.router import ServerPool
+from areal_flow.generation.http.server import GenerationServer, serve
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.training.engine import OptimSpec
 from areal_flow.training.torch_engine import TorchEngine

@@ -47,7 +47,7 @@ TOKEN_PHASES = ("packing", "forward", "backward", "forward_backward")
 """The trainer's phases (metrics/profile.py) whose time scales with the tokens of a step."""
 
 EMBEDDED_MAX_BATCH = 128
-"""The embedded engine's max_batch_size when generation.max_batch_size is null (generation/engine.py)."""
+"""The embedded engine's max_batch_size when generation.max_batch_size is null (generation/engine/options.py)."""
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from starlette.routing import Route
 
 from areal_flow.agents import resume, sglang_wire, sse
 from areal_flow.agents.trajectories import Recorder
-from areal_flow.generation.client import GenerationError
-from areal_flow.generation.router import ServerPool, ServerPoolError
+from areal_flow.generation.client.generation_client import GenerationError
+from areal_flow.generation.client.router import ServerPool, ServerPoolError
 
 OPENAI_PATHS = ("chat/completions", "completions")
 

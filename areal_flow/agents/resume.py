@@ -7,7 +7,7 @@ The rest is asked for as a `/v1/completions` call on the exact token ids (the pr
 so far), with the budget left, the call's stop strings, temperature and top_p, and the choice's
 own seed: a seeded token draws from (seed, position), so the stream goes on where it stopped. The
 stitched choice's text, tool calls and finish reason are then derived again from all its tokens,
-as the server derives them (generation/openai_api.py: `choice`), so the agent gets one whole
+as the server derives them (generation/http/openai_answers.py: `choice`), so the agent gets one whole
 answer and never sees the cut. A resumed choice's OpenAI `logprobs`, when the agent asked for
 them, carry each token's logprob but not the top alternatives.
 """
@@ -49,9 +49,10 @@ def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tok
     calls) and finish reason from all its tokens; the extension fields as stitched."""
     # Imported here: they load torch (the engine's types), which the rollout worker otherwise never
     # needs (its start-up: 0.8 s without, 4 s with).
-    from areal_flow.generation.engine import GenerationResult
-    from areal_flow.generation.openai_api import OpenAICall, choice
-    from areal_flow.generation.sampling import SamplingParams
+    from areal_flow.generation.engine.generation_engine import GenerationResult
+    from areal_flow.generation.http.openai_answers import choice
+    from areal_flow.generation.http.openai_api import OpenAICall
+    from areal_flow.generation.engine.sampling import SamplingParams
 
     reason = choice_["finish_reason"]
     result = GenerationResult(

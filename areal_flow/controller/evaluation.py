@@ -21,7 +21,7 @@ import numpy as np
 
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.rollout.turns import ENV_ERROR, Turns
-from areal_flow.generation.router import ServerPool, version_number
+from areal_flow.generation.client.router import ServerPool, version_number
 
 log = logging.getLogger("areal_flow.controller")
 

@@ -43,10 +43,10 @@ from areal_flow.controller.state import RunState, for_ranks
 from areal_flow.controller.trainer_pool import merge_results, plan_step
 from areal_flow.data.dataset import load_rows
 from areal_flow.data.loading import load_prompts, prompt_room, row_format
-from areal_flow.generation.client import wait_healthy
+from areal_flow.generation.client.generation_client import wait_healthy
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.membership import follow, servers_of
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.membership import follow, servers_of
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.weights import UpdateFlags, make_channel
 from areal_flow.weights.files import record_loaded
 from areal_flow.weights.update import WeightUpdateError

@@ -8,9 +8,9 @@ import time
 import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
-from areal_flow.generation.client import GenerationClient, GenerationError
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.weights.channel import SendByTrainers, WeightChannel
 from areal_flow.weights.update import update_servers
 

@@ -1,7 +1,7 @@
 """Real SGLang as the generation backend (`generation.backend=sglang`): the command line and the
 environment of one `python -m sglang.launch_server`, and the checks of `generation.*` it needs.
 
-Everything talks to a generation server through SGLang's native HTTP API (generation/client.py),
+Everything talks to a generation server through SGLang's native HTTP API (generation/client/generation_client.py),
 so the launcher starts SGLang where it would start the embedded server, and the controller waits
 for its /health in the same way. Flag spellings follow SGLang's `server_args.py`.
 """

@@ -12,7 +12,7 @@ operation is a generator that yields while it waits, so a process that dies mean
   run's first weights (a newer version's files may be pruned while a server starts), each listed
   in servers.json as `joining` once its /health answers; the controller's pool takes it, loading
   the current version on it, and marks it ready; then it is listed as serving and every rollout
-  worker's pool takes it (generation/membership.py says why in two steps). A server
+  worker's pool takes it (generation/client/membership.py says why in two steps). A server
   that does not start is reported, stopped and left out; the run goes on.
 - **Down** (`generate=-k`): the newest k servers are marked `leaving` (no new request goes to them;
   weight updates still do), once every follower has acknowledged that, their running requests are
@@ -39,8 +39,8 @@ from typing import Any
 
 import msgspec
 
-from areal_flow.generation.client import auth_headers, wait_healthy
-from areal_flow.generation.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
+from areal_flow.generation.client.generation_client import auth_headers, wait_healthy
+from areal_flow.generation.client.membership import (ACKS, READY, Member, Membership, acknowledged, is_ready,
                                               read_membership, servers_file, write_membership)
 from areal_flow.graph.placement import Proc
 from areal_flow.launchers.autoscale import AutoScaler

@@ -47,7 +47,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
 """ChatML over the character tokenizer: `<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n`; tool
 definitions, an assistant's `<tool_call>{json}</tool_call>` and tool results as Qwen2.5's template
-writes them (the OpenAI endpoints: generation/openai_api.py)."""
+writes them (the OpenAI endpoints: generation/http/openai_api.py)."""
 
 
 def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from areal_flow.agents.gateway import Gateway, Sampling
 from areal_flow.config.import_path import resolve_named
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.graph.keys import AGENT_REWARD
 from areal_flow.rollout.requests import turn_seed
 from areal_flow.rollout.turns import Turns

@@ -79,12 +79,12 @@ class Judge:
 def make_judge(cfg, spec, node: Node) -> Judge:
     """Judge `node` of a run: a pool of its servers, its model's tokenizer and context length."""
     from areal_flow.config.validate import model_context
-    from areal_flow.generation.membership import servers_of
-    from areal_flow.generation.router import ServerPool
+    from areal_flow.generation.client.membership import servers_of
+    from areal_flow.generation.client.router import ServerPool
     from areal_flow.models.tokenizer import load_tokenizer
 
     path = spec.judge_models[node.name]
-    # The judge's servers serving now (a scaled run's: generation/membership.py), followed by the worker.
+    # The judge's servers serving now (a scaled run's: generation/client/membership.py), followed by the worker.
     names, urls = servers_of(spec.run_dir, spec.judge_names(node.name), spec.judge_urls(node.name), judge=node.name)
     pool = ServerPool(urls, names, cfg.rollout, api_key=spec.api_key)
     return Judge(node, pool, load_tokenizer(path), model_context(path),

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import itertools
 
-from areal_flow.generation.router import ServerPool, token_versions
+from areal_flow.generation.client.router import ServerPool, token_versions
 from areal_flow.transport.messages import Finish
 
 
@@ -18,7 +18,7 @@ SEED_LIMIT = 2**31 - 1
 
 def group_seed(run_seed: int, group_id: int, group_size: int) -> int:
     """The sampling seed of prompt group `group_id`'s request: sample i of the group draws from
-    seed + i (the server's rule for `n` samples: generation/generate_api.py, as SGLang), so every
+    seed + i (the server's rule for `n` samples: generation/http/generate_api.py, as SGLang), so every
     sample of the run has a seed of its own, whatever server or batch serves it. A hash of the run's
     seed offsets them, so runs of other seeds draw other streams."""
     offset = int.from_bytes(hashlib.blake2b(str(run_seed).encode(), digest_size=8).digest(), "little")

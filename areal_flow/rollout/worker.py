@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
-from areal_flow.generation.membership import follow, servers_of
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.membership import follow, servers_of
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
@@ -51,7 +51,7 @@ class RolloutWorker:
         algo = cfg.algorithm
         self.params = {"max_new_tokens": algo.max_new_tokens, "temperature": algo.temperature, "top_p": algo.top_p}
         self.tokenizer = load_tokenizer(spec.model_path)
-        # The servers serving now (a scaled run's, generation/membership.py), followed as they change.
+        # The servers serving now (a scaled run's, generation/client/membership.py), followed as they change.
         names, urls = servers_of(spec.run_dir, spec.gen_names, spec.gen_urls)
         self.pool = ServerPool(urls, names, config=cfg.rollout, api_key=spec.api_key)
         self.run_dir = spec.run_dir

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from areal_flow.generation.membership import read_membership
+from areal_flow.generation.client.membership import read_membership
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes

@@ -1,6 +1,6 @@
 """Weights by broadcast over a process group of trainer rank 0 and every server (gloo on the CPU,
 NCCL on GPUs): SGLang's `/init_weights_update_group` and `/update_weights_from_distributed`.
-sender.py is rank 0's end, group.py the group itself; the server's end is in generation/server.py."""
+sender.py is rank 0's end, group.py the group itself; the server's end is in generation/http/weight_routes.py."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from areal_flow.generation.client import GenerationClient
-    from areal_flow.generation.router import Server, ServerPool
+    from areal_flow.generation.client.generation_client import GenerationClient
+    from areal_flow.generation.client.router import Server, ServerPool
     from areal_flow.training.engine import Engine
     from areal_flow.transport.messages import PublishWeights, WeightsPublished
 

@@ -15,8 +15,8 @@ from areal_flow.runtime.disk import write_atomic, writing
 from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
 
 if TYPE_CHECKING:
-    from areal_flow.generation.client import GenerationClient
-    from areal_flow.generation.router import Server, ServerPool
+    from areal_flow.generation.client.generation_client import GenerationClient
+    from areal_flow.generation.client.router import Server, ServerPool
     from areal_flow.training.engine import Engine
 
 

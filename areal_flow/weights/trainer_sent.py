@@ -12,8 +12,8 @@ from areal_flow.weights.sender import Server, WeightTransferError
 from areal_flow.weights.update import WeightUpdateError
 
 if TYPE_CHECKING:
-    from areal_flow.generation.router import Server as PoolServer
-    from areal_flow.generation.router import ServerPool
+    from areal_flow.generation.client.router import Server as PoolServer
+    from areal_flow.generation.client.router import ServerPool
     from areal_flow.training.engine import Engine
 
 log = logging.getLogger("areal_flow.weights")

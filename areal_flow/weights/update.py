@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
 
 if TYPE_CHECKING:
-    from areal_flow.generation.router import ServerPool
+    from areal_flow.generation.client.router import ServerPool
 
 
 class WeightUpdateError(RuntimeError):

@@ -10,7 +10,7 @@ import torch
 from generation_helpers import (ModelDirs, before_every_forward, load_reference, make_model_dirs, running_server,
                                 torch_threads)
 
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.http.server import GenerationServer, serve
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from areal_flow.generation.client import wait_healthy
-from areal_flow.generation.engine import GenerationEngine
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.client.generation_client import wait_healthy
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.http.server import GenerationServer, serve
 
 VOCAB_SIZE = 18
 EOS_ID = 1

@@ -12,7 +12,7 @@ import time
 import pytest
 from generation_helpers import running_server, save_chat_model
 
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.rollout.agent import AgentFailed, AgentRunner
 
 pytest.importorskip("openai")  # the agents extra's; not on the GPU image

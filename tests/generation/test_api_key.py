@@ -10,8 +10,8 @@ import secrets
 import pytest
 from generation_helpers import ModelDirs, http_call, server_process
 
-from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.runtime.security import host_address
 
 # A server process of its own: the full suite runs these, the fast tier does not.

@@ -10,8 +10,8 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, generate_ok, running_server, torch_threads, two_prompts_together
 
-from areal_flow.generation.engine import GenerationEngine
-from areal_flow.generation.sampling import sample_next_tokens, seeded_uniforms
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.engine.sampling import sample_next_tokens, seeded_uniforms
 
 PROMPTS = [[2, 7, 3, 9], [5, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 2], [4, 4, 4, 4, 4, 4, 4]]
 SAMPLED = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)

@@ -18,9 +18,9 @@ from generation_helpers import (
     running_server, wait_until,
 )
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.router import ServerPool
-from areal_flow.generation.server import GenerationServer
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.client.router import ServerPool
+from areal_flow.generation.http.server import GenerationServer
 from areal_flow.rollout.requests import generate_group, generate_sample
 
 PROMPT = [2, 7, 3, 9]
@@ -206,7 +206,7 @@ def test_a_retracting_pause_keeps_the_answer_whole_across_a_weight_update(server
 
 def test_health_generate_runs_a_one_token_request_and_fails_when_the_engine_does_not_answer(
         model_dirs: ModelDirs, monkeypatch):
-    from areal_flow.generation import server as server_module
+    from areal_flow.generation.http import routes
 
     with running_server(model_dirs.a, max_batch_size=8) as server:
         finished = server.engine.stats()["num_finished_reqs"]
@@ -218,7 +218,7 @@ def test_health_generate_runs_a_one_token_request_and_fails_when_the_engine_does
         assert time.monotonic() - started < 5
         server.engine.continue_generation()
         # An engine too slow to answer within the timeout: 503, and the probe is aborted.
-        monkeypatch.setattr(server_module, "HEALTH_GENERATE_TIMEOUT", 0.2)
+        monkeypatch.setattr(routes, "HEALTH_GENERATE_TIMEOUT", 0.2)
         before_every_forward(server.engine, lambda *_: time.sleep(0.5))
         assert http_call(server.url, "GET", "/health_generate")[0] == 503
         wait_until(server.engine.is_idle, "the probe to be aborted")

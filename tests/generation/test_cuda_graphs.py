@@ -1,4 +1,4 @@
-"""Decode steps padded to CUDA-graph buckets (generation/cuda_graphs.py): on the CPU the padding
+"""Decode steps padded to CUDA-graph buckets (generation/engine/cuda_graphs.py): on the CPU the padding
 runs eagerly (`capture=False`) and must change no row's logits nor any row's cache; on a GPU the
 captured graphs must give the eager logits."""
 
@@ -12,12 +12,12 @@ import torch
 from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference, tiny_config
 from transformers import Qwen2ForCausalLM
 
-from areal_flow.generation.cuda_graphs import GraphRunner, _width_bucket
-from areal_flow.generation.decode import DecodeStep
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_batch import PagedBatch
+from areal_flow.generation.engine.cuda_graphs import GraphRunner, _width_bucket
+from areal_flow.generation.engine.decode import DecodeStep
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.paged_batch import PagedBatch
 
 
 def test_widths_round_up_by_at_most_a_quarter():

@@ -1,4 +1,4 @@
-"""The host side of a decode step (generation/paged_batch.py, engine.py): the block table kept
+"""The host side of a decode step (generation/engine/paged_batch.py, engine.py): the block table kept
 across steps and the inputs built from it in numpy equal what the rows' block lists say, through
 joins, forks, finished rows, retractions and chunked prefill; the sampled tokens and logprobs
 come back from the device bit for bit in one copy; and the step timer splits steps when asked."""
@@ -15,12 +15,13 @@ import torch
 from generation_helpers import VOCAB_SIZE, tiny_config
 from transformers import Qwen2ForCausalLM
 
-from areal_flow.generation.decode import DecodeStep, Forward
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams, _Drawn
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool, block_table
-from areal_flow.generation.paged_batch import PagedBatch
-from areal_flow.generation.step_timing import PARTS, per_step_ms
+from areal_flow.generation.engine.decode import DecodeStep, Forward
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool, block_table
+from areal_flow.generation.engine.paged_batch import PagedBatch
+from areal_flow.generation.engine.sampler import Drawn
+from areal_flow.generation.engine.step_timing import PARTS, per_step_ms
 
 
 def _batch(num_blocks: int | None, chunk: int | None) -> PagedBatch:
@@ -84,11 +85,11 @@ def test_every_forward_gets_the_inputs_the_rows_block_lists_say(num_blocks, chun
 def test_tokens_and_logprobs_come_back_bit_for_bit_in_one_copy():
     tokens = torch.tensor([0, 5, 2**40, 151935], dtype=torch.int64)
     logprobs = torch.tensor([-0.0, -1e-30, -math.inf, math.nan], dtype=torch.float32)
-    got_tokens, got = _Drawn.launch([], tokens, logprobs).read()
+    got_tokens, got = Drawn.launch([], tokens, logprobs).read()
     assert got_tokens == [0, 5, 2**40, 151935] and got.dtype == np.float32
     assert got.view(np.int32).tolist() == logprobs.view(torch.int32).tolist()  # the bits, -0.0 and NaN too
     lp = torch.randn(300).log_softmax(0)
-    assert _Drawn.launch([], torch.arange(300), lp).read()[1].tolist() == lp.tolist()
+    assert Drawn.launch([], torch.arange(300), lp).read()[1].tolist() == lp.tolist()
 
 
 def test_the_step_timer_splits_decode_steps_when_asked_and_is_off_by_default(model_dirs):

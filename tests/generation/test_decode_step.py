@@ -1,4 +1,4 @@
-"""The engine's own forward over the paged cache (generation/decode.py, paged_batch.py) against the
+"""The engine's own forward over the paged cache (generation/engine/decode.py, paged_batch.py) against the
 transformers forward it replaces."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 from generation_helpers import VOCAB_SIZE, before_every_forward, greedy_reference, save_model_dir, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2ForCausalLM
 
-from areal_flow.generation.decode import DecodeStep
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.paged_batch import PagedBatch
+from areal_flow.generation.engine.decode import DecodeStep
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.paged_batch import PagedBatch
 
 SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              max_position_embeddings=128, eos_token_id=1, pad_token_id=0)
@@ -132,7 +132,7 @@ def test_the_engine_decodes_an_unsupported_architecture_through_transformers(tmp
                                                                 ignore_eos=True) for p in prompts]]
     finally:
         engine.shutdown()
-    assert engine._decode_step is None
+    assert engine.page_size is None  # the dense backend: the transformers forward over a left-padded cache
     assert [r.output_ids for r in results] == [greedy_reference(model, list(p), 8, stop_ids=()) for p in prompts]
     assert (2, 1) in forwards  # decode steps ran, through the model's forward
 
@@ -141,7 +141,7 @@ KERNEL_CHECK = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from test_decode_step import qwen2_gqa, reference_logits, rows, paged
-from areal_flow.generation.decode import DecodeStep
+from areal_flow.generation.engine.decode import DecodeStep
 torch.manual_seed(0)
 model, reference = qwen2_gqa().eval(), qwen2_gqa().eval()
 reference.load_state_dict(model.state_dict())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from areal_flow.generation.sampling import (
+from areal_flow.generation.engine.sampling import (
     RowSampling,
     SamplingParams,
     device_seeded_uniforms,

@@ -8,7 +8,8 @@ import torch
 from generation_helpers import ModelDirs, full_forward_logprobs, load_reference
 from transformers import AutoConfig
 
-from areal_flow.generation.engine import GenerationEngine, kv_budget_tokens, kv_bytes_per_token
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.engine.kv_budget import kv_budget_tokens, kv_bytes_per_token
 
 
 def test_kv_bytes_per_token_count_keys_and_values_of_every_kv_head_in_every_layer():

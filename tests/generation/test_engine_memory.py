@@ -10,7 +10,7 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, before_every_forward, full_forward_logprobs, greedy_reference, load_reference
 
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
 
 PROMPT = (2, 7, 3, 9, 4)
 

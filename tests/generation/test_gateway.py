@@ -13,7 +13,7 @@ import pytest
 from generation_helpers import running_server, save_chat_model
 
 from areal_flow.agents.gateway import Gateway
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 
 openai = pytest.importorskip("openai")  # the dev extra's; not on the GPU image
 

@@ -12,8 +12,8 @@ from generation_helpers import async_wait_until, running_server, save_chat_model
 
 from areal_flow.agents import resume
 from areal_flow.agents.gateway import Gateway
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.client.router import ServerPool
 
 openai = pytest.importorskip("openai")  # the dev extra's; not on the GPU image
 

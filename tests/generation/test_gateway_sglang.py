@@ -17,8 +17,8 @@ from generation_helpers import running_server, save_chat_model
 
 from areal_flow.agents import sglang_wire
 from areal_flow.agents.gateway import Gateway
-from areal_flow.generation.client import wait_healthy
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.generation_client import wait_healthy
+from areal_flow.generation.client.router import ServerPool
 
 openai = pytest.importorskip("openai")
 

@@ -10,8 +10,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from areal_flow.generation.engine import EngineShutdownError
-from areal_flow.generation.server import gather_threadsafe
+from areal_flow.generation.engine.generation_engine import EngineShutdownError
+from areal_flow.generation.http.routes import gather_threadsafe
 
 
 def finish_later(futures: list[Future], outcomes: list, delay: float = 0.01) -> threading.Thread:

@@ -12,7 +12,7 @@ from generation_helpers import (
     greedy_reference, http_call, running_server,
 )
 
-from areal_flow.generation.client import GenerationClient, GenerationError
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
 
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 6], [11], [4, 4, 4, 4, 12, 13], [17, 16, 15, 14]]
 

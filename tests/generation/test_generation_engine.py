@@ -9,7 +9,8 @@ import pytest
 import torch
 from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, load_reference, two_prompts_together
 
-from areal_flow.generation.engine import EngineShutdownError, GenerationEngine, sample_next_tokens
+from areal_flow.generation.engine.generation_engine import EngineShutdownError, GenerationEngine
+from areal_flow.generation.engine.sampling import sample_next_tokens
 
 
 def test_sampling_respects_top_k_and_top_p_but_reports_the_full_vocab_logprob():

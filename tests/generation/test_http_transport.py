@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from generation_helpers import ModelDirs, http_call, wait_until
 
-from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.bodies import MAX_REQUEST_BYTES as MAX_BODY_BYTES
-from areal_flow.generation.server import serve
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
+from areal_flow.generation.http.bodies import MAX_REQUEST_BYTES as MAX_BODY_BYTES
+from areal_flow.generation.http.server import serve
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
@@ -172,7 +172,7 @@ def test_client_error_carries_status_decoded_body_and_url(server_a):
 
 
 def test_the_client_module_imports_neither_torch_nor_the_engine():
-    code = ("import sys, areal_flow.generation.client; "
+    code = ("import sys, areal_flow.generation.client.generation_client; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('generation.engine')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -183,7 +183,7 @@ def test_a_client_never_closed_is_closed_quietly_when_its_loop_ends(server_a):
     Its idle pooled connection must not be reported as an unclosed session or connector."""
     code = textwrap.dedent("""
         import asyncio, sys
-        from areal_flow.generation.client import GenerationClient
+        from areal_flow.generation.client.generation_client import GenerationClient
 
         client = GenerationClient(sys.argv[1])
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, before_every_forward, full_forward_logprobs, load_reference, wait_until
 
-from areal_flow.generation.engine import GenerationEngine, GenerationResult
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationResult
 
 PROMPT = [2, 7, 3, 9]
 LONG = 200  # tokens; with the slowed forward a request runs for seconds

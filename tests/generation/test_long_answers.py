@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
 
 PROMPT = 64
 

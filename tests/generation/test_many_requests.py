@@ -11,8 +11,8 @@ import pytest
 import torch
 from generation_helpers import VOCAB_SIZE, ModelDirs, full_forward_logprobs, greedy_reference, load_reference
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import serve
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.http.server import serve
 
 LONGEST = 40
 

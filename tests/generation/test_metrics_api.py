@@ -10,8 +10,8 @@ import pytest
 from generation_helpers import ModelDirs, http_call, running_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import GenerationServer
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.http.server import GenerationServer
 
 PROMPT = [2, 7, 3, 9]
 

@@ -1,4 +1,4 @@
-"""OpenAI's wire format on the embedded server (generation/openai_api.py), driven by the official
+"""OpenAI's wire format on the embedded server (generation/http/openai_api.py), driven by the official
 `openai` client: /v1/models, /v1/completions and /v1/chat/completions, streamed or not, the exact
 tokens in the extension fields, tool definitions rendered and tool calls parsed, and every bad
 request a 4xx naming its field while the server goes on serving."""
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from generation_helpers import generate_ok, running_server, save_chat_model
 
-from areal_flow.generation.engine import GenerationResult
-from areal_flow.generation.openai_api import OpenAICall, build_response, parse_tool_calls
-from areal_flow.generation.sampling import SamplingParams
+from areal_flow.generation.engine.generation_engine import GenerationResult
+from areal_flow.generation.engine.sampling import SamplingParams
+from areal_flow.generation.http.openai_answers import build_response, parse_tool_calls
+from areal_flow.generation.http.openai_api import OpenAICall
 from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
 
 # The dev extra installs it; the GPU image does not carry it (`pytest -m gpu` collects this module).

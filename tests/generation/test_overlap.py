@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from generation_helpers import ModelDirs, torch_threads
 
-from areal_flow.generation import engine as engine_module
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.paged_batch import PagedBatch
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.paged_batch import PagedBatch
+from areal_flow.generation.engine.sampler import Drawn
 
 PROMPTS = [[2, 7, 3, 9], [5, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 2], [4, 4, 4, 4, 4, 4, 4], [9] * 20]
 
@@ -100,7 +100,7 @@ def test_the_forward_is_launched_before_the_tokens_it_feeds_are_read(model_dirs:
     """The order of a decode step's calls: with overlap the next forward comes between the
     sampling and the wait for its tokens; without, after the wait."""
     events: list[str] = []
-    forward, read = PagedBatch.forward, engine_module._Drawn.read
+    forward, read = PagedBatch.forward, Drawn.read
 
     def logged_forward(self, *args, **kwargs):
         events.append("forward")
@@ -111,7 +111,7 @@ def test_the_forward_is_launched_before_the_tokens_it_feeds_are_read(model_dirs:
         return read(self)
 
     monkeypatch.setattr(PagedBatch, "forward", logged_forward)
-    monkeypatch.setattr(engine_module._Drawn, "read", logged_read)
+    monkeypatch.setattr(Drawn, "read", logged_read)
     for overlap in (True, False):
         events.clear()
         engine = GenerationEngine(model_dirs.a, max_batch_size=4, num_threads=1, overlap=overlap)

@@ -1,4 +1,4 @@
-"""The paged KV cache (generation/paged.py) and the rows over it (generation/paged_batch.py): block
+"""The paged KV cache (generation/engine/paged.py) and the rows over it (generation/engine/paged_batch.py): block
 reference counts, copy-on-write forks, a pool that grows or refuses, retraction when blocks run out,
 and a leader whose followers inherit its prefill when it is aborted."""
 
@@ -11,11 +11,11 @@ import torch
 from generation_helpers import VOCAB_SIZE, tiny_config
 from transformers import Qwen2ForCausalLM
 
-from areal_flow.generation.decode import DecodeStep
-from areal_flow.generation.engine import GenerationRequest, SamplingParams
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool, OutOfBlocks, block_table, slots
-from areal_flow.generation.paged_batch import PagedBatch
+from areal_flow.generation.engine.decode import DecodeStep
+from areal_flow.generation.engine.generation_engine import GenerationRequest, SamplingParams
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool, OutOfBlocks, block_table, slots
+from areal_flow.generation.engine.paged_batch import PagedBatch
 
 
 def pool(num_blocks: int | None, block_size: int = 4) -> BlockPool:

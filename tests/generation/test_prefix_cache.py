@@ -1,4 +1,4 @@
-"""The prefix cache of the paged KV cache (generation/paged.py): full blocks of ended requests kept
+"""The prefix cache of the paged KV cache (generation/engine/paged.py): full blocks of ended requests kept
 under chained digests of their tokens and taken by later requests that start with the same tokens
 (a multi-turn rollout's next turn), never across a weight update, and off under deterministic
 decoding."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from generation_helpers import full_forward_logprobs, generate_ok, http_call, load_reference, running_server
 
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.paged import BlockPool, OutOfBlocks
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.paged import BlockPool, OutOfBlocks
 
 TOKENS = [2 + 5 * i % 15 for i in range(28)]  # 28 tokens of the 18-token vocabulary: 7 full blocks of 4
 

@@ -18,14 +18,14 @@ from generation_helpers import ModelDirs, async_wait_until, greedy_reference, lo
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.controller.publisher import WeightPublisher
-from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.router import ServerPool, ServerPoolError
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
+from areal_flow.generation.client.router import ServerPool, ServerPoolError
 from areal_flow.weights.broadcast import BroadcastChannel
 from areal_flow.weights.files import FileChannel
 from areal_flow.weights.update import WeightUpdateError, update_servers
 
 DISK = FileChannel("disk", "/unused")  # the controller's end: each server loads the directory it is given
-from areal_flow.generation.server import GenerationServer
+from areal_flow.generation.http.server import GenerationServer
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.transport.messages import Finish
 
@@ -270,7 +270,7 @@ def test_by_broadcast_the_weights_go_between_pause_and_continue_and_a_refusal_st
     when a server refuses a bucket."""
     import torch
 
-    from areal_flow.generation.engine import load_checkpoint
+    from areal_flow.generation.engine.checkpoint import load_checkpoint
     from areal_flow.training.engine import bucketed
     from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from generation_helpers import ModelDirs, async_wait_until, greedy_reference, load_reference
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.transport.messages import Finish
 from areal_flow.weights.files import FileChannel

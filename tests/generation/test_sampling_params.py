@@ -7,8 +7,9 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, greedy_reference, load_reference
 
-from areal_flow.generation.engine import GenerationEngine, sample_next_tokens
-from areal_flow.generation.server import optional_tokenizer
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.engine.sampling import sample_next_tokens
+from areal_flow.generation.http.server import optional_tokenizer
 
 PROMPT = [2, 7, 3, 9]
 

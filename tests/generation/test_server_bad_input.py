@@ -19,8 +19,8 @@ import torch
 from generation_helpers import before_every_forward, http_call, running_server, save_chat_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal_flow.generation.bodies import MAX_REQUEST_BYTES
-from areal_flow.generation.server import GenerationServer
+from areal_flow.generation.http.bodies import MAX_REQUEST_BYTES
+from areal_flow.generation.http.server import GenerationServer
 from areal_flow.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
 
 openai = pytest.importorskip("openai")

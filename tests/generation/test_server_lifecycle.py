@@ -11,9 +11,9 @@ import time
 import pytest
 from generation_helpers import ModelDirs, http_call, server_process, wait_until
 
-from areal_flow.generation.client import GenerationClient, wait_healthy
-from areal_flow.generation.engine import EngineShutdownError
-from areal_flow.generation.server import serve
+from areal_flow.generation.client.generation_client import GenerationClient, wait_healthy
+from areal_flow.generation.engine.generation_engine import EngineShutdownError
+from areal_flow.generation.http.server import serve
 
 
 

@@ -12,8 +12,8 @@ import torch
 from generation_helpers import ModelDirs, before_every_forward, full_forward_logprobs, load_reference
 from test_paged_cache import model_and_batch
 
-from areal_flow.generation.engine import GenerationEngine, GenerationRequest, SamplingParams
-from areal_flow.generation.kv_batch import Row
+from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
+from areal_flow.generation.engine.kv_batch import Row
 
 LONG = tuple(2 + (7 * i) % 16 for i in range(40))  # five chunks of 8
 SHORT = (2, 7, 3, 9, 4)

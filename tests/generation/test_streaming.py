@@ -14,8 +14,8 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, before_every_forward, http_call, load_reference, running_server, wait_until
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.http.server import GenerationServer, serve
 
 PROMPT = [2, 7, 3, 9]
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from generation_helpers import ModelDirs
 
-from areal_flow.generation.client import GenerationClient
-from areal_flow.generation.server import serve
+from areal_flow.generation.client.generation_client import GenerationClient
+from areal_flow.generation.http.server import serve
 from areal_flow.training.torch_engine import TorchEngine
 
 

@@ -1,4 +1,4 @@
-"""The Triton paged decode-attention kernel (generation/triton_decode.py) against a plain torch
+"""The Triton paged decode-attention kernel (generation/engine/triton_decode.py) against a plain torch
 reference: on the CPU through Triton's interpreter (in a subprocess, since TRITON_INTERPRET must be set
 before the kernels are jitted: this file run as a script), and on a GPU in fp32, bf16 and inside a
 CUDA graph replayed with new lengths and tables."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = ROOT / "areal_flow" / "generation" / "triton_decode.py"
+MODULE = ROOT / "areal_flow" / "generation" / "engine" / "triton_decode.py"
 GARBAGE = 1e4  # in block 0 (padded table columns) and in the unused tail of each row's last block
 
 
@@ -66,7 +66,7 @@ def reference(q, keys, values, table, lengths, block_size: int, scale: float) ->
 
 def interpreter_checks() -> int:
     """Run with TRITON_INTERPRET=1 (the subprocess of the test below); raises on a mismatch."""
-    from areal_flow.generation.triton_decode import available, paged_decode_attention
+    from areal_flow.generation.engine.triton_decode import available, paged_decode_attention
 
     assert available("cpu")
     checked = 0
@@ -125,7 +125,7 @@ def test_the_module_imports_without_triton(monkeypatch):
 
 def test_availability_follows_the_device_and_the_interpreter():
     pytest.importorskip("triton")
-    from areal_flow.generation import triton_decode
+    from areal_flow.generation.engine import triton_decode
 
     assert triton_decode.available("cuda")
     assert triton_decode.available("cpu") == (os.environ.get("TRITON_INTERPRET") == "1")
@@ -135,7 +135,7 @@ def test_availability_follows_the_device_and_the_interpreter():
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_on_the_gpu_it_matches_the_reference(dtype, tolerance):
     pytest.importorskip("triton")
-    from areal_flow.generation.triton_decode import paged_decode_attention
+    from areal_flow.generation.engine.triton_decode import paged_decode_attention
 
     cases = [
         ([1, 4, 13, 16, 40], dict(kv_heads=2, group=3, head_dim=16, block_size=4)),
@@ -158,7 +158,7 @@ def test_on_the_gpu_it_matches_the_reference(dtype, tolerance):
 @pytest.mark.parametrize("splits", [None, 1])
 def test_on_the_gpu_a_captured_graph_replays_with_new_lengths(splits):
     pytest.importorskip("triton")
-    from areal_flow.generation.triton_decode import paged_decode_attention
+    from areal_flow.generation.engine.triton_decode import paged_decode_attention
 
     shape = dict(kv_heads=2, group=4, head_dim=128, block_size=16)
     lengths = [40, 1, 700, 256]

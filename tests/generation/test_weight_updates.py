@@ -10,8 +10,8 @@ import json
 import pytest
 from generation_helpers import ModelDirs, async_wait_until, greedy_reference, http_call, load_reference, running_server
 
-from areal_flow.generation.client import GenerationClient, GenerationError
-from areal_flow.generation.server import GenerationServer, serve
+from areal_flow.generation.client.generation_client import GenerationClient, GenerationError
+from areal_flow.generation.http.server import GenerationServer, serve
 
 PROMPT = [2, 7, 3, 9]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -16,12 +16,12 @@ import pytest
 import torch
 from generation_helpers import ModelDirs, http_call
 
-from areal_flow.generation.client import wait_healthy
-from areal_flow.generation.engine import load_checkpoint
+from areal_flow.generation.client.generation_client import wait_healthy
+from areal_flow.generation.engine.checkpoint import load_checkpoint
 from areal_flow.runtime.spec import free_ports
 from areal_flow.training.engine import bucketed
-from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 from areal_flow.weights import group as weight_group
+from areal_flow.weights.sender import Server, WeightSender, WeightTransferError
 
 REPO = Path(__file__).resolve().parents[2]
 # Server processes of their own: the full suite runs these, the fast tier does not.

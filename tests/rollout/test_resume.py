@@ -9,7 +9,7 @@ import asyncio
 
 from sglang_standin import StandIn, serving
 
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.rollout.requests import generate_sample
 from areal_flow.transport.messages import Finish
 

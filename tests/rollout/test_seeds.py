@@ -5,7 +5,7 @@ import asyncio
 
 from sglang_standin import StandIn, serving
 
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.rollout.requests import SEED_LIMIT, generate_group, group_seed
 
 

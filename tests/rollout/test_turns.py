@@ -10,7 +10,7 @@ import pytest
 from sglang_standin import StandIn, serving
 
 from areal_flow.envs.base import Environment, Step
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.models.tokenizer import CODE_CHARS, build_char_tokenizer
 from areal_flow.rollout.turns import generate_trajectory, turn_seed
 from areal_flow.transport.messages import Finish

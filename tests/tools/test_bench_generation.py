@@ -38,7 +38,7 @@ def test_the_fixed_workload_prints_tokens_per_s_and_the_decode_step_against_the_
     assert line, out
     assert line.group(1) == speedup and line.group(4) == over and int(line.group(5)) >= 4
     assert "engine ≥ 10× generate, is for batch 256 on the 0.5b shape: not run here" in out
-    # The step's host/device split (generation/step_timing.py): its parts add up to the step; on
+    # The step's host/device split (generation/engine/step_timing.py): its parts add up to the step; on
     # the CPU no CUDA events nor graphs.
     split = re.search(r"^tiny, batch 2: engine step split, mean ms over (\d+) pure decode steps: host ([\d.]+) \+ "
                       r"forward call ([\d.]+) \+ sampling call ([\d.]+) \+ readback ([\d.]+) = ([\d.]+); "

@@ -23,9 +23,11 @@ import signal
 import sys
 import threading
 
-from areal_flow.generation import server as embedded
 from areal_flow.generation.compute_counts import COMPUTE_COUNTS
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
+from areal_flow.generation.http import routes
+from areal_flow.generation.http.context import Route
+from areal_flow.generation.http.server import GenerationServer, optional_tokenizer
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
@@ -60,7 +62,7 @@ def check_cpu_binding(args: argparse.Namespace) -> None:
         sys.exit(f"SGLANG_CPU_OMP_THREADS_BIND={bind!r} does not give each of the {args.tp_size} TP ranks its cores")
 
 
-def rewrite(route: embedded.Route, fix) -> embedded.Route:
+def rewrite(route: Route, fix) -> Route:
     """`route` with `fix` applied to every JSON object it answers."""
     async def wrapped(server, call):
         status, payload = await route(server, call)
@@ -84,7 +86,7 @@ def fix_server_info(answer: dict) -> None:
 EXTENSIONS = ("token_ids", "output_token_logprobs", "output_token_versions", "weight_version", "matched_stop")
 
 
-def openai_as_sglang(route: embedded.Route) -> embedded.Route:
+def openai_as_sglang(route: Route) -> Route:
     """An OpenAI route answering as SGLang's: its token fields only when asked, where SGLang puts them."""
     async def wrapped(server, call):
         body = json.loads(call.body)
@@ -123,23 +125,23 @@ def main(argv: list[str]) -> None:
 
     for path, fix in (("/generate", fix_generate), ("/server_info", fix_server_info),
                       ("/get_server_info", fix_server_info)):
-        methods, route = embedded.ROUTES[path]
-        embedded.ROUTES[path] = (methods, rewrite(route, fix))
+        methods, route = routes.ROUTES[path]
+        routes.ROUTES[path] = (methods, rewrite(route, fix))
     for path in ("/v1/chat/completions", "/v1/completions"):
-        methods, route = embedded.ROUTES[path]
-        embedded.ROUTES[path] = (methods, openai_as_sglang(route))
+        methods, route = routes.ROUTES[path]
+        routes.ROUTES[path] = (methods, openai_as_sglang(route))
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    tokenizer = None if args.skip_tokenizer_init else embedded.optional_tokenizer(args.model_path)
+    tokenizer = None if args.skip_tokenizer_init else optional_tokenizer(args.model_path)
     engine = GenerationEngine(args.model_path, tokenizer=tokenizer, max_batch_size=args.max_running_requests or 128,
                               seed=args.random_seed or 0, num_threads=args.tp_size,
                               max_total_tokens=args.max_total_tokens)
     if args.context_length is not None:
         engine.context_length = args.context_length
     # As SGLang: an empty key means none.
-    server = embedded.GenerationServer((args.host, args.port), engine, tokenizer, args.model_path, args.api_key or None)
+    server = GenerationServer((args.host, args.port), engine, tokenizer, args.model_path, args.api_key or None)
     server.start()
     print(f"The server is fired up and ready to roll! ({server.url})", flush=True)
     stop.wait()

@@ -9,16 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from areal_flow.generation.sampling import RowSampling
-
-if TYPE_CHECKING:
-    from areal_flow.generation.requests import GenerationRequest
+from areal_flow.generation.engine.requests import GenerationRequest, GenerationResult
+from areal_flow.generation.engine.sampling import RowSampling
 
 class GrowingLayer(DynamicLayer):
     """One layer's KV cache in a buffer with room to spare at the end.
@@ -103,7 +100,7 @@ class Row:
     # The weights that computed the logits this row samples from next: its next token's version.
     # (Held in place across an update, the first token after it still comes from the old weights.)
     logits_version: int = 0
-    # The paged cache (generation/paged_batch.py): the row's blocks, and how many of its sequence's
+    # The paged cache (generation/engine/paged_batch.py): the row's blocks, and how many of its sequence's
     # tokens have their keys and values there.
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
@@ -120,6 +117,18 @@ class Row:
             self.finish = ("stop", matched)
         elif len(self.output_ids) >= self.request.params.max_new_tokens:
             self.finish = ("length", None)
+
+    def result(self, finish: tuple[str | None, int | str | None], version: int, label: str) -> GenerationResult:
+        """The row's answer so far, finished by `finish` (reason, matched stop; (None, None) for a
+        partial one), under the weights of `version` and `label`. Its lists are the row's own."""
+        request = self.request
+        return GenerationResult(
+            rid=request.rid, prompt_tokens=len(request.input_ids), output_ids=self.output_ids,
+            output_logprobs=self.logprobs, output_versions=self.versions, finish_reason=finish[0],
+            matched_stop=finish[1], weight_version=version, retractions=self.retractions,
+            weight_label=label, output_top_logprobs=self.top_logprobs, input_logprobs=self.input_logprobs,
+            input_top_logprobs=self.input_top_logprobs, cached_tokens=self.cached_tokens,
+        )
 
     def _stop_string(self) -> str | None:
         """The first stop string in the decoded tail of the output. The tail is long enough to hold

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from areal_flow.generation.router import ServerPool
+from areal_flow.generation.client.router import ServerPool
 from areal_flow.runtime.disk import write_atomic
 
 log = logging.getLogger("areal_flow.membership")

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from areal_flow.generation.engine import GenerationEngine
+from areal_flow.generation.engine.generation_engine import GenerationEngine
 
 THROUGHPUT_WINDOW_SECONDS = 1.0
 """gen_throughput is measured over the time since the previous reading, once that is this long

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from areal_flow.generation.cuda_graphs import GraphRunner
-from areal_flow.generation.decode import Chunk, DecodeStep, Forward
-from areal_flow.generation.kv_batch import Row
-from areal_flow.generation.paged import BlockPool
-from areal_flow.generation.sampling import RowSampling
+from areal_flow.generation.engine.cuda_graphs import GraphRunner
+from areal_flow.generation.engine.decode import Chunk, DecodeStep, Forward
+from areal_flow.generation.engine.kv_batch import Row
+from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.sampling import RowSampling
+from areal_flow.generation.engine.step_timing import StepTimer
 from areal_flow.runtime.devices import to_device
-from areal_flow.generation.step_timing import StepTimer
 
 
 @dataclass
@@ -49,8 +49,8 @@ class PagedBatch:
     pending: list[Row] = field(default_factory=list)
     followers: dict[int, list[Row]] = field(default_factory=dict)  # id(leader) -> rows waiting for it
     sampling: RowSampling | None = None  # the ready rows' settings, kept while they stay the same rows
-    timer: StepTimer | None = None  # times the model's forward call (engine.py: time_steps)
-    cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache spared (engine.py moves them to its counts)
+    timer: StepTimer | None = None  # times the model's forward call (the engine's time_steps)
+    cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache spared (paged_stepper.py moves them to the counts)
     _prompt_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     # The block tables of ready[:len(_table)] on the host, padded with the null block 0 and with
     # spare columns: kept across steps (a decode step writes only the rows that took a block) so
@@ -209,78 +209,64 @@ class PagedBatch:
         output. Sets `logits`; returns the decode rows' and the prefill chunks' token counts, and
         the rows whose prefill completed."""
         chunks, _ = self._plan()
-        pool, size, device = self.pool, self.pool.block_size, self.pool.device
-        ready, decode = self.ready, len(self.ready)
+        decode, size = len(self.ready), self.pool.block_size
+        grown = self._take_blocks(chunks)
         # The decode rows' inputs, on the host in numpy (one pass over the rows, none over their
         # blocks): each feeds its newest token (the last output: a ready row has sampled one) at
         # position `computed`, its context's length.
-        grown = []  # the ready rows that take a block: their newest token starts one
-        for i, row in enumerate(ready):
-            if len(row.blocks) * size <= row.computed:
-                row.blocks += pool.allocate(1)
-                grown.append(i)
-        for row, n in chunks:
-            row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
-        lengths = np.fromiter((row.computed + 1 for row in ready), np.int64, decode)
+        lengths = np.fromiter((row.computed + 1 for row in self.ready), np.int64, decode)
         feed = (np.zeros(decode, np.int64) if fed is not None  # written on the device below
-                else np.fromiter((row.output_ids[-1] for row in ready), np.int64, decode))
+                else np.fromiter((row.output_ids[-1] for row in self.ready), np.int64, decode))
         width = int(lengths.max()) if decode else 0
-        table = self._decode_table(grown, pool.blocks_for(width))
+        table = self._decode_table(grown, self.pool.blocks_for(width))
         position = lengths - 1
         into = table[np.arange(decode), position // size] * size + position % size
-        tokens, positions, write = [], [], []  # the prefill chunks'
-        logits_at, wanted, chunk_list = list(range(decode)), [], []
-        for row, n in chunks:
-            start, first = decode + len(tokens), row.computed
-            tokens += row.sequence[first: first + n]
-            positions += range(first, first + n)
-            context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
-            write += context[first:]
-            mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
-            chunk_list.append(Chunk(start, n, to_device(context, device, torch.int64), mask))
-            # Logits of the positions a prompt's logprobs need; the last one's if it completes.
-            total, last_kept = len(row.sequence), keep.get(id(row), 0)
-            scored = [p for p in range(max(first, total - last_kept), first + n)]
-            if scored:
-                wanted.append((row, len(logits_at), len(scored)))
-                logits_at += [start + p - first for p in scored]
-            if first + n == total and total - 1 not in scored:
-                wanted.append((row, len(logits_at), 0))
-                logits_at.append(start + n - 1)
-        # Every integer input in one buffer, copied to the device at once (one transfer, from
-        # pinned memory without waiting for the device, instead of one blocking copy each).
-        parts = [feed, np.asarray(tokens, dtype=np.int64), position, np.asarray(positions, dtype=np.int64),
-                 into, np.asarray(write, dtype=np.int64), lengths, table.reshape(-1),
-                 np.asarray(logits_at, dtype=np.int64)]
-        n_tokens = decode + len(tokens)
-        sizes = [n_tokens, n_tokens, n_tokens, decode, table.size, len(logits_at)]
-        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-        np.concatenate(parts, out=host.numpy())
-        (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = \
-            host.to(device, non_blocking=True).split(sizes)
+        prefill = _PrefillInputs.of(chunks, keep, decode, size, self.pool.device)
+        (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = _upload(
+            [feed, prefill.tokens], [position, prefill.positions], [into, prefill.write], lengths,
+            table.reshape(-1), prefill.logits_at, self.pool.device)
         if fed is not None:
             step_tokens[:decode].copy_(fed)
         step = Forward(
             tokens=step_tokens, positions=step_positions, write=step_write,
             decode=decode, decode_table=step_table.view(table.shape), decode_lengths=step_lengths,
             decode_width=width, block_size=size,
-            spans=_spans(lengths.tolist()) if self.model.batch_invariant else None, chunks=chunk_list,
+            spans=_spans(lengths.tolist()) if self.model.batch_invariant else None, chunks=prefill.chunks,
             logits_at=step_logits_at)
-        if self.timer is not None:
-            self.timer.forward_launching()
-        logits = (self.runner or self.model).forward(step, pool)
-        if self.timer is not None:
-            self.timer.forward_launched()
+        logits = self._run(step)
         for row in self.ready:
             row.computed += 1
         for row, n in chunks:
             row.computed += n
-        for row, at, count in wanted:
+        for row, at, count in prefill.wanted:
             if count:
                 self._prompt_logits.setdefault(id(row), []).append(logits[at: at + count])
-        completed = self._complete(logits[:decode], {id(row): logits[at + max(count - 1, 0)] for row, at, count in wanted},
+        completed = self._complete(logits[:decode],
+                                   {id(row): logits[at + max(count - 1, 0)] for row, at, count in prefill.wanted},
                                    [row for row, _ in chunks if row.computed == len(row.sequence)])
-        return decode, len(tokens), completed
+        return decode, len(prefill.tokens), completed
+
+    def _take_blocks(self, chunks: list[tuple[Row, int]]) -> list[int]:
+        """Give the rows the blocks this forward writes into; returns the ready rows that took one
+        (their newest token starts a block)."""
+        pool, size = self.pool, self.pool.block_size
+        grown = []
+        for i, row in enumerate(self.ready):
+            if len(row.blocks) * size <= row.computed:
+                row.blocks += pool.allocate(1)
+                grown.append(i)
+        for row, n in chunks:
+            row.blocks += pool.allocate(pool.blocks_for(row.computed + n) - len(row.blocks))
+        return grown
+
+    def _run(self, step: Forward) -> torch.Tensor:
+        """The model's forward (replayed as a CUDA graph where one fits), timed if asked."""
+        if self.timer is not None:
+            self.timer.forward_launching()
+        logits = (self.runner or self.model).forward(step, self.pool)
+        if self.timer is not None:
+            self.timer.forward_launched()
+        return logits
 
     def _decode_table(self, grown: list[int], columns: int) -> np.ndarray:
         """The ready rows' block tables [len(ready), columns] (padded with block 0), the rows
@@ -337,3 +323,51 @@ def _spans(contexts: list[int]) -> list[tuple[int, int, int]]:
             spans.append((first, row, contexts[first]))
             first = row
     return spans
+
+
+@dataclass
+class _PrefillInputs:
+    """The prefill chunks' share of a forward's inputs, after the `decode` rows' tokens."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    write: list[int] = field(default_factory=list)  # the slot of each token's keys and values
+    logits_at: list[int] = field(default_factory=list)  # the tokens whose logits are wanted, decode rows' first
+    wanted: list[tuple[Row, int, int]] = field(default_factory=list)  # (row, first in logits_at, prompt positions)
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, chunks: list[tuple[Row, int]], keep: dict[int, int], decode: int, size: int,
+           device: torch.device) -> _PrefillInputs:
+        inputs = cls(logits_at=list(range(decode)))
+        for row, n in chunks:
+            start, first = decode + len(inputs.tokens), row.computed
+            inputs.tokens += row.sequence[first: first + n]
+            inputs.positions += range(first, first + n)
+            context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
+            inputs.write += context[first:]
+            mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
+            inputs.chunks.append(Chunk(start, n, to_device(context, device, torch.int64), mask))
+            # Logits of the positions a prompt's logprobs need; the last one's if it completes.
+            total, last_kept = len(row.sequence), keep.get(id(row), 0)
+            scored = [p for p in range(max(first, total - last_kept), first + n)]
+            if scored:
+                inputs.wanted.append((row, len(inputs.logits_at), len(scored)))
+                inputs.logits_at += [start + p - first for p in scored]
+            if first + n == total and total - 1 not in scored:
+                inputs.wanted.append((row, len(inputs.logits_at), 0))
+                inputs.logits_at.append(start + n - 1)
+        return inputs
+
+
+def _upload(tokens: list, positions: list, write: list, lengths: np.ndarray, table: np.ndarray, logits_at: list,
+            device: torch.device) -> list[torch.Tensor]:
+    """Every integer input of a forward in one buffer, copied to the device at once (one transfer,
+    from pinned memory without waiting for the device, instead of one blocking copy each); each
+    of `tokens`, `positions` and `write` is the decode rows' part and the chunks' part."""
+    parts = [np.asarray(part, dtype=np.int64) for part in (*tokens, *positions, *write, lengths, table, logits_at)]
+    n_tokens = len(parts[0]) + len(parts[1])
+    sizes = [n_tokens, n_tokens, n_tokens, len(lengths), table.size, len(parts[-1])]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    np.concatenate(parts, out=host.numpy())
+    return list(host.to(device, non_blocking=True).split(sizes))

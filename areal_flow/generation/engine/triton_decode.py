@@ -52,6 +52,21 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or _INTERPRET
 
 
+def _check_inputs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                  lengths: torch.Tensor) -> None:
+    """Refuse shapes and dtypes `paged_decode_attention` cannot take, naming them."""
+    rows, heads, head_dim = q.shape
+    kv_heads = keys.shape[0]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if keys.shape != values.shape or keys.shape[2] != head_dim:
+        raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}")
+    if not q.dtype == keys.dtype == values.dtype:
+        raise ValueError(f"q, keys and values differ in dtype: {q.dtype}, {keys.dtype}, {values.dtype}")
+    if table.dim() != 2 or table.shape[0] != rows or lengths.shape != (rows,):
+        raise ValueError(f"table {tuple(table.shape)} / lengths {tuple(lengths.shape)} for {rows} rows")
+
+
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                            lengths: torch.Tensor, block_size: int, scale: float, *, splits: int | None = None,
                            tile: int | None = None) -> torch.Tensor:
@@ -66,16 +81,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     of two, at least 16, spanning blocks as needed; None: chosen from head_dim)."""
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
+    _check_inputs(q, keys, values, table, lengths)
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[0]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if keys.shape != values.shape or keys.shape[2] != head_dim:
-        raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}")
-    if not q.dtype == keys.dtype == values.dtype:
-        raise ValueError(f"q, keys and values differ in dtype: {q.dtype}, {keys.dtype}, {values.dtype}")
-    if table.dim() != 2 or table.shape[0] != rows or lengths.shape != (rows,):
-        raise ValueError(f"table {tuple(table.shape)} / lengths {tuple(lengths.shape)} for {rows} rows")
     group = heads // kv_heads
     head_dim_p = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     if tile is None:  # no register spills on sm_90 (checked with ptxas) for head_dim up to 256

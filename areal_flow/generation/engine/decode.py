@@ -6,14 +6,14 @@ into one [N] stream with no padding. Through `transformers` a decode step costs 
 overhead (mask building, output dataclasses, three projections where one would do); this computes
 the same step directly: fused q/k/v and gate/up projections over all N tokens at once, rotary
 embeddings from a table built once, each token's keys and values written to its slot of the paged
-cache (generation/paged.py), then attention: decode rows as two matmuls over their context's slots
+cache (generation/engine/paged.py), then attention: decode rows as two matmuls over their context's slots
 (grouped-query heads as the query rows of one matmul, padded columns masked), prefill chunks through
 SDPA with a causal mask offset by the tokens already cached. (`tools/bench_generation.py` measures
 the engine; docs/generation.md says what this is worth.)
 
 Only architectures whose forward this reproduces exactly are taken (`DecodeStep.for_model` returns
 None for the rest, and the engine keeps the `transformers` forward and a left-padded cache for them:
-generation/kv_batch.py).
+generation/engine/kv_batch.py).
 
 **Batch invariance** (`batch_invariant`: the server's --enable-deterministic-inference): a row's
 logits are then bit-identical whatever else is in the batch, so a seeded request draws the same
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areal_flow.generation import triton_decode
-from areal_flow.generation.paged import BlockPool, slots
+from areal_flow.generation.engine import triton_decode
+from areal_flow.generation.engine.paged import BlockPool, slots
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
 _STATIC_ROPE = frozenset({"default", "linear", "llama3"})  # cos/sin depend on the position only
@@ -94,7 +94,7 @@ class DecodeStep:
                     for layer in self.layers]
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
         # Decode attention through the Triton kernel on CUDA (each row's own blocks read once, no
-        # gathered copy nor padding: generation/triton_decode.py); torch's matmuls elsewhere.
+        # gathered copy nor padding: generation/engine/triton_decode.py); torch's matmuls elsewhere.
         device = self.embed.weight.device
         self.paged_kernel = device.type == "cuda" and triton_decode.available(device) and not batch_invariant
         positions = torch.arange(model.config.max_position_embeddings)[None]

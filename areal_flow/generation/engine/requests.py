@@ -1,5 +1,5 @@
 """What a request to the generation engine is and what it answers: the engine's public data,
-free of its decode thread (generation/engine.py), which the rows it decodes (kv_batch.Row) and the
+free of its decode thread (generation/engine/generation_engine.py), which the rows it decodes (kv_batch.Row) and the
 server's API build on."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from areal_flow.generation.sampling import SamplingParams
+from areal_flow.generation.engine.sampling import SamplingParams
 
 
 class EngineShutdownError(RuntimeError):

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from areal_flow.generation.generate_api import HTTPError, bad_request
+from areal_flow.generation.http.errors import HTTPError, bad_request
 
 MAX_REQUEST_BYTES = 16 << 20
 """The default limit on a request body (generation.max_request_bytes): a conversation filling a

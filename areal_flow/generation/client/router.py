@@ -39,9 +39,9 @@ import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.config.validate import check_ranges
-from areal_flow.generation.client import ClientClosed, GenerationClient, GenerationError, one_prompt
+from areal_flow.generation.client.generation_client import ClientClosed, GenerationClient, GenerationError, one_prompt
 
-log = logging.getLogger("areal_flow.generation.router")
+log = logging.getLogger("areal_flow.generation.client.router")
 
 AFFINITY_KEYS = 4096
 """Keys remembered for affinity, the least recently used forgotten first: well above the prompt
@@ -114,7 +114,7 @@ class ServerPool:
         self.updating = asyncio.Lock()
         self.on_up: Callable[[str], None] = lambda name: None
         """Called with a server's name when it is taken (back) into the pool (the controller tells the
-        rollout workers that a new server is current: generation/membership.py)."""
+        rollout workers that a new server is current: generation/client/membership.py)."""
 
     async def __aenter__(self) -> ServerPool:
         return self

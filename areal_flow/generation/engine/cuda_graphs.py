@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from areal_flow.generation.decode import DecodeStep, Forward
-from areal_flow.generation.paged import BlockPool
+from areal_flow.generation.engine.decode import DecodeStep, Forward
+from areal_flow.generation.engine.paged import BlockPool
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 """Decode batch sizes a graph is captured for (SGLang's --cuda-graph-bs are alike)."""
