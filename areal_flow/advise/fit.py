@@ -1,5 +1,5 @@
 """Costs fitted from what runs already record: `metrics.jsonl` (one row per train step, written by
-controller/main.py and run_metrics.py) and the resolved `config.yaml` of each run directory.
+controller/step_metrics.py and run_metrics.py) and the resolved `config.yaml` of each run directory.
 
 What a step row gives and what is fitted from it:
 

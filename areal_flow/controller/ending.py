@@ -13,13 +13,15 @@ on its dataset.
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING
 
 from areal_flow.checkpoint import store
 
 if TYPE_CHECKING:
     from areal_flow.config.schema import RunConfig
-    from areal_flow.controller.main import Controller
+    from areal_flow.controller.state import RunState
+    from areal_flow.metrics.writer import MetricsWriter
 
 STOP_KINDS = ("total_steps", "wall_time", "stop_request", "failure")
 
@@ -48,11 +50,12 @@ def failure(error: BaseException) -> dict[str, str]:
     return stop_reason("failure", f"{type(error).__name__}: {text}")
 
 
-def run_summary(c: Controller, steps: int, *, stopped: bool, accuracy: tuple[float | None, float | None],
-                train_wall: float, checkpoint: str | None, reason: dict[str, str]) -> dict:
-    """summary.json: what the run did, how it ended, where its checkpoints are. `stopped`: it ended
-    on a stop request before total_steps, without the end's evaluation and export."""
-    state = c.state
+def run_summary(state: RunState, group_size: int, run_dir: str, steps: int, *, stopped: bool,
+                accuracy: tuple[float | None, float | None], train_wall: float, checkpoint: str | None,
+                reason: dict[str, str]) -> dict:
+    """summary.json: what the run did (`state`, the run state at its end), how it ended, where its
+    checkpoints are. `stopped`: it ended on a stop request before total_steps, without the end's
+    evaluation and export."""
     trained = state.trained_groups()
     return {
         "steps": steps,
@@ -62,31 +65,32 @@ def run_summary(c: Controller, steps: int, *, stopped: bool, accuracy: tuple[flo
         "accuracy_start": accuracy[0],
         "accuracy_end": accuracy[1],
         "train_wall_seconds": train_wall,
-        "trained_samples": trained * c.G,
-        "samples_per_second": trained * c.G / train_wall if train_wall else 0.0,
+        "trained_samples": trained * group_size,
+        "samples_per_second": trained * group_size / train_wall if train_wall else 0.0,
         "trainer_busy_fraction": state.trainer_seconds / train_wall if train_wall else 0.0,
         "admitted_groups": state.next_group,
         "trained_groups": trained,
-        "running_groups_at_end": len(c.staleness.running),
-        "buffered_groups_at_end": len(c.intake),
-        "dropped_groups": c.intake.dropped,
+        "running_groups_at_end": len(state.staleness.running),
+        "buffered_groups_at_end": len(state.intake),
+        "dropped_groups": state.intake.dropped,
         "filtered_groups": state.filtered,
         "checkpoint": checkpoint,
-        "resumable_checkpoint": store.latest(c.spec.run_dir),
+        "resumable_checkpoint": store.latest(run_dir),
     }
 
 
-def record_failure(c: Controller, error: BaseException) -> dict[str, str]:
+def record_failure(metrics: MetricsWriter, error: BaseException) -> dict[str, str]:
     """Log the failure that ends the run as its `failure` row; its stop reason."""
     reason = failure(error)
     try:
-        c.metrics.log("failure", stop_reason=reason)
+        metrics.log("failure", stop_reason=reason)
     except ValueError:  # metrics.jsonl already closed: the run failed after its summary, in its shutdown
         pass
     return reason
 
 
-def write_summary(c: Controller, summary: dict) -> None:
-    c.metrics.log("summary", **summary)
-    with open(c.spec.path("summary.json"), "w") as f:
+def write_summary(metrics: MetricsWriter, run_dir: str, summary: dict) -> None:
+    """The summary as the `summary` row and as RUN_DIR/summary.json."""
+    metrics.log("summary", **summary)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

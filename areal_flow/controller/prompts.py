@@ -1,8 +1,31 @@
-"""The training prompts in a seeded order, epoch after epoch; the cursor is part of the run state."""
+"""The prompts the controller hands out: the datasets as it loads them, and the training prompts in a
+seeded order, epoch after epoch (the cursor is part of the run state)."""
 
 from __future__ import annotations
 
 import random
+
+from areal_flow.config.schema import RunConfig
+from areal_flow.data.dataset import load_rows
+from areal_flow.data.loading import load_prompts, prompt_room, row_format
+from areal_flow.runtime.spec import RunSpec
+
+
+def load_datasets(cfg: RunConfig, spec: RunSpec, graph, tokenizer) -> tuple[list[dict], list[dict], list[dict], list[str]]:
+    """The training rows, the held-out rows, and the training rows as in the data (before the
+    prompt templates, row by row as the first) with the fields the judges read, named last. The
+    templates are applied here only: rollout workers and the held-out evaluation read the prompt
+    field of these rows as it is. Prompts over the model's context were refused at launch, or are
+    left out here as they were counted there."""
+    ds, prompt_key = cfg.dataset, graph.dataset_input(graph.generate)
+    room, skipped = prompt_room(cfg, spec.model_path), []
+    train = load_prompts(ds, spec.train_path, ds.train_split, prompt_key, tokenizer, room, skipped)
+    held_out = load_prompts(ds, spec.eval_path, ds.eval_split, prompt_key, tokenizer, room)
+    judge_fields = sorted({k for j in graph.judges for k in graph.dataset_inputs(j)})
+    places: list[str] = []
+    raw = load_rows(spec.train_path, list(ds.fields), row_format(ds.name), ds.train_split, places) if judge_fields else []
+    left_out = set(skipped)
+    return train, held_out, [row for row, where in zip(raw, places) if where not in left_out], judge_fields
 
 
 class PromptStream:

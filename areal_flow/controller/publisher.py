@@ -38,16 +38,19 @@ async def server_counts(clients: list[GenerationClient]) -> dict[str, float]:
 class WeightPublisher:
     def __init__(self, urls: list[str], names: list[str], channel: WeightChannel, *, interrupt: bool = True,
                  pause_mode: str = "abort", config: RolloutConfig | None = None, api_key: str | None = None,
-                 trainers: SendByTrainers | None = None):
+                 trainers: SendByTrainers | None = None, colocated: bool = False):
         """`channel`: how the weights travel (areal_flow/weights/); `config`: the timeouts, retries
         and health interval of the servers' pool; `api_key`: the servers' (a secured run's);
-        `trainers`: has the trainer ranks send a version, for channels whose trainers send."""
+        `trainers`: has the trainer ranks send a version, for channels whose trainers send;
+        `colocated`: the servers share the trainer's devices and take turns with it
+        (docs/colocation.md)."""
         self.pool = ServerPool(urls, names, config, api_key=api_key)
         self.names = names  # process names, for error messages
         self.channel = channel
         self.interrupt = interrupt  # rollout.interrupt
         self.pause_mode = pause_mode  # rollout.pause_mode
         self.trainers = trainers
+        self.colocated = colocated
 
     @property
     def clients(self) -> list[GenerationClient]:
@@ -62,6 +65,12 @@ class WeightPublisher:
         await update_servers(self.pool, self.channel, location, version, interrupt=self.interrupt,
                              pause_mode=self.pause_mode, trainers=self.trainers)
         return time.perf_counter() - t0
+
+    @property
+    def overlaps_training(self) -> bool:
+        """Whether a version loads while the trainer trains the next step: not where the trainer
+        ranks send the weights themselves (the channel's `overlaps_training`), nor colocated."""
+        return self.channel.overlaps_training and not self.colocated
 
     async def trainers_turn(self) -> None:
         """Colocated: the servers free their KV cache and stay paused while the trainer steps."""

@@ -12,12 +12,15 @@ here: each trainer rank saves the ones it holds beside it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from areal_flow.checkpoint import store
+from areal_flow.config.schema import RunConfig
 from areal_flow.controller.intake import Intake
 from areal_flow.controller.staleness import StalenessManager
+from areal_flow.graph.keys import KEYS
 
 FILE = "run_state.json"
 
@@ -46,6 +49,27 @@ class RunState:
                 - self.filtered)
 
 
+def new_state(cfg: RunConfig, graph, n_trainers: int) -> RunState:
+    """A new run's state: nothing admitted, nothing scored; the intake checks the keys the graph's
+    generate node (and its judges) write."""
+    algo, gen = cfg.algorithm, graph.generate
+    keys = {graph.meaning[k]: k for k in gen.outputs}
+    return RunState(
+        staleness=StalenessManager(algo.batch_size, cfg.rollout.max_staleness, cfg.rollout.max_concurrent),
+        intake=Intake(
+            algo.group_size, n_trainers, token_keys=[*gen.outputs, *(k for j in graph.judges for k in j.outputs)],
+            output_keys=[keys["output_ids"]] + [k for m, k in keys.items() if KEYS[m].per == "output" and m != "output_ids"],
+            prompt_key=keys["prompt_ids"], reward_key=graph.input(graph.train, "rewards"),
+        ))
+
+
+def encode(state: RunState, readmit: list[int]) -> bytes:
+    """The state as a checkpoint saves it; `readmit`: groups a resumed run has yet to admit again,
+    still running as far as a later resume goes."""
+    running = {**state.staleness.running, **{g: state.staleness.version for g in readmit}}
+    return msgspec.json.encode(replace(state, staleness=replace(state.staleness, running=running)))
+
+
 def save(state: RunState, folder: str) -> None:
     with open(os.path.join(folder, FILE), "wb") as f:
         f.write(msgspec.json.encode(state))
@@ -54,6 +78,19 @@ def save(state: RunState, folder: str) -> None:
 def load(folder: str) -> RunState:
     with open(os.path.join(folder, FILE), "rb") as f:
         return msgspec.json.decode(f.read(), type=RunState)
+
+
+def resume(folder: str, n_trainers: int) -> tuple[RunState, list[int]]:
+    """The state of the resumable checkpoint `folder`, placed on `n_trainers` ranks, and the groups
+    that were generating, to admit again (their samples were lost with the processes; the launcher
+    has cut the ledger and the metrics back to what they held then: checkpoint/store.py `rewind`)."""
+    state = load(folder)
+    if store.read_manifest(folder)["n_trainers"] != n_trainers:
+        for_ranks(state, n_trainers)
+    readmit = sorted(state.staleness.running)
+    state.staleness.running = {}
+    state.resumes += 1
+    return state, readmit
 
 
 def for_ranks(state: RunState, n_ranks: int) -> None:

@@ -44,13 +44,13 @@ def make_controller(tmp_path):
 
     yield make
     for c in made:
-        c.socket.close(linger=0)
+        c.mailbox.close()
 
 
 def test_it_checkpoints_every_n_steps_and_a_stop_request_wakes_the_step_loop(make_controller):
     c = make_controller("checkpoint.every_steps=3", "algorithm.batch_size=4")
-    assert (c.B, c.state.step, c.state.resumes) == (4, 0, 0)
-    assert [s for s in range(1, 10) if c.checkpoint_due(s)] == [3, 6, 9]
+    assert (c.state.staleness.batch_size, c.state.step, c.state.resumes) == (4, 0, 0)
+    assert [s for s in range(1, 10) if c.checkpoints.due(s)] == [3, 6, 9]
     assert not c.stop_requested and not c.changed.is_set()
     c.request_stop()
     assert c.stop_requested and c.changed.is_set()
@@ -65,7 +65,7 @@ def test_a_resumed_controller_admits_again_the_groups_that_were_generating(make_
     run_state.save(first.state, tmp)
     folder = store.commit(tmp, 4, n_trainers=1)
     resumed = make_controller(resume=folder)
-    assert resumed.readmit == [2, 5, 9]  # in order, each regenerated from its prompt
+    assert resumed.admission.readmit == [2, 5, 9]  # in order, each regenerated from its prompt
     assert resumed.state.staleness.running == {} and resumed.state.step == 4 and resumed.state.resumes == 1
 
 
@@ -119,7 +119,7 @@ def test_the_controller_waits_for_each_inference_replica_and_names_the_one_missi
             asyncio.run(c.wait_for_processes())
         report("ref_infer1", Ready("ref_infer1"))
         asyncio.run(asyncio.wait_for(c.wait_for_processes(), 10))
-        assert c.replicas == {"ref_infer0", "ref_infer1"} and set(c.ranks) == {0}
+        assert c.peers.replicas == {"ref_infer0", "ref_infer1"} and set(c.peers.ranks) == {0}
     finally:
         for sock in socks:
             sock.close(linger=0)
@@ -137,12 +137,13 @@ def test_the_step_loop_stops_at_the_wall_time_limit_and_the_summary_says_so(make
     async def no_servers() -> dict[str, float]:
         return {}
 
-    c.server_counts = no_servers
+    c.step_metrics.counts = no_servers
     c.clock.start(already=541.0)  # training time so far, as a resumed run's: past the limit
     assert asyncio.run(c.train()) == 0 and c.wall_time_reached and not c.stop_requested
     reason = why_it_ended(c.cfg, 0, wall_time=c.wall_time_reached)
     assert reason == {"kind": "wall_time", "message": "max_wall_seconds=540 reached after 0 of 1000 steps"}
-    summary = run_summary(c, 0, stopped=False, accuracy=(None, None), train_wall=541.0, checkpoint=None, reason=reason)
+    summary = run_summary(c.state, c.cfg.algorithm.group_size, c.spec.run_dir, 0, stopped=False, accuracy=(None, None),
+                          train_wall=541.0, checkpoint=None, reason=reason)
     assert summary["stop_reason"] == reason and not summary["stopped"]
 
 
@@ -167,7 +168,7 @@ def test_a_group_scored_again_after_its_reward_worker_restarted_goes_to_its_rank
     keys = c.intake.token_keys
     lengths = {k: 4 if k == c.intake.prompt_key else 3 for k in keys}
     meta = GroupMeta(7, "reward0", [SampleMeta(f"g7-{i}", i, dict(lengths), {0: 3}, {c.intake.reward_key: float(i)},
-                                               Finish.STOP) for i in range(c.G)])
+                                               Finish.STOP) for i in range(c.cfg.algorithm.group_size)])
 
     def received(name: str) -> list:
         sock, got = peers[name], []
@@ -181,12 +182,12 @@ def test_a_group_scored_again_after_its_reward_worker_restarted_goes_to_its_rank
     async def greeted() -> None:  # the router sends only to peers it has heard from
         for sock in peers.values():
             sock.send(b"hello")
-            await c.socket.recv_multipart()
+            await c.mailbox.socket.recv_multipart()
 
     try:
         asyncio.run(greeted())
-        c.slots.offer(b"rollout0", 4)
-        c.slots.take(7)
+        c.admission.slots.offer(b"rollout0", 4)
+        c.admission.slots.take(7)
         c.staleness.admit(7)
         c.state.running_prompts[7] = 0
         asyncio.run(scored())
@@ -194,7 +195,7 @@ def test_a_group_scored_again_after_its_reward_worker_restarted_goes_to_its_rank
         assert received("rollout0") == []  # the copy is kept: the route may not take effect
         asyncio.run(scored())  # the reward worker restarted, the rollout worker sent its copy again
         assert received("reward0") == [Route(7, 0)]
-        asyncio.run(c.release(c.in_transit.trained([7])))  # a step trained it
+        asyncio.run(c.release(c.admission.in_transit.trained([7])))  # a step trained it
         assert received("rollout0") == [Released([7])]
         asyncio.run(scored())
         assert received("reward0") == [Route(7, DROP)]

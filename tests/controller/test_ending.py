@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_flow.controller.ending import failure, record_failure, why_it_ended
-from areal_flow.controller.main import StalledRun
+from areal_flow.controller.watchdog import StalledRun
 
 
 def cfg(total_steps=1000, max_wall_seconds=540.0):
@@ -36,13 +36,12 @@ def test_a_failure_is_logged_as_a_failure_row_even_when_the_metrics_file_is_clos
     from areal_flow.metrics.writer import MetricsWriter
 
     writer = MetricsWriter(str(tmp_path / "metrics.jsonl"))
-    c = SimpleNamespace(metrics=writer)
-    reason = record_failure(c, StalledRun("dynamic filtering dropped every group"))
+    reason = record_failure(writer, StalledRun("dynamic filtering dropped every group"))
     writer.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["event"], r["stop_reason"]) for r in rows] == [("failure", reason)]
     assert reason["message"] == "StalledRun: dynamic filtering dropped every group"
     # After the summary the file is closed: the reason is still returned (for the log), not raised over.
-    assert record_failure(c, ValueError("late"))["message"] == "ValueError: late"
+    assert record_failure(writer, ValueError("late"))["message"] == "ValueError: late"
     with pytest.raises(ValueError):
         writer.log("x")

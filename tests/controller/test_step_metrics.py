@@ -1,5 +1,9 @@
-"""A step row's length-bias and staleness metrics (controller/run_metrics.py): from the groups'
-metadata (batch_metrics) and from the trainer ranks' summed stats (train_metrics)."""
+"""A step's row: its length-bias and staleness metrics (controller/run_metrics.py), from the groups'
+metadata (batch_metrics) and from the trainer ranks' summed stats (train_metrics); and the step's
+window, the row as a whole and its alarms (controller/step_metrics.py)."""
+
+import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -85,3 +89,75 @@ def test_advantage_and_loss_share_by_length_are_finished_from_the_ranks_sums():
     total = 2 + 6 + 8  # Σ|A| over tokens under token-mean
     assert [row[f"by_length/loss_share/q{k}"] for k in range(1, 5)] == pytest.approx([2 / total, 6 / total, 0, 8 / total])
     assert not any(k.startswith("train/by_length") for k in row)  # the raw sums are not in the row
+
+
+# ---- the step's window and its row (step_metrics.py) ----------------------------------------
+
+def step_metrics(tmp_path, counts, **kw):
+    from areal_flow.config.schema import AlgorithmConfig
+    from areal_flow.controller.step_metrics import StepMetrics
+    from areal_flow.controller.watchdog import Progress
+    from areal_flow.metrics.writer import MetricsWriter
+
+    algo = AlgorithmConfig(max_new_tokens=40, **kw)
+    return StepMetrics(algo, MetricsWriter(str(tmp_path / "metrics.jsonl")), Progress(), counts, reward_key="rewards",
+                       output_key="output_ids", max_staleness=2, suspect_warn=0.05, judges=["judge"])
+
+
+def test_a_window_is_what_the_servers_counted_between_two_step_ends(tmp_path):
+    from areal_flow.controller.watchdog import Wait
+
+    readings = iter([{"busy_seconds": 1.0, "judge/busy_seconds": 0.5},
+                     {"busy_seconds": 3.0, "judge/busy_seconds": 2.0, "load_seconds": 9.0},  # new: no difference
+                     {"busy_seconds": 4.0}])
+
+    async def counts():
+        return next(readings)
+
+    metrics = step_metrics(tmp_path, counts)
+
+    async def scenario():
+        await metrics.restart()
+        first = await metrics.end()
+        assert str(metrics.progress.waiting) == str(Wait.SERVER_COUNTS.of())
+        return first, await metrics.end()
+
+    first, second = asyncio.run(scenario())
+    assert first.servers == {"busy_seconds": 2.0, "judge/busy_seconds": 1.5} and first.seconds > 0 and first.cpu >= 0
+    assert second.servers == {"busy_seconds": 1.0}  # the next window starts where the last ended
+
+
+def test_the_row_relates_the_step_to_its_window_and_ends_with_the_runs_own_figures(tmp_path):
+    from areal_flow.controller.step_metrics import Batch, Trained, Window
+
+    async def counts():
+        return {}
+
+    metrics = step_metrics(tmp_path, counts)
+    batch = Batch({g.group_id: (g, 0, 10) for g in GROUPS}, reward_wait=0.5)
+    done = Trained(5, batch, trainer_stats([], n_tokens=400.0), seconds=2.0, at=30.0,
+                   window=Window(10.0, {"busy_seconds": 8.0, "judge/busy_seconds": 4.0}, 1.0))
+    row = metrics.row(done, update_seconds=0.3, samples=5, generated_tokens=100, run={"elapsed": 31.0, "buffered": 2})
+    assert row["step"] == 6 and row["staleness_seq_hist"] == [2, 1, 1, 1]  # the groups' metrics, as above
+    assert (row["step_seconds"], row["train_seconds"], row["update_seconds"], row["trained_at"]) == (10.0, 2.0, 0.3, 30.0)
+    assert row["samples_per_second"] == 0.5 and row["gen_tokens_per_second"] == 10.0
+    assert row["train_tokens_per_second"] == 200.0 and row["trainer_idle"] == pytest.approx(0.8)
+    assert row["trainer_reward_wait"] == 0.05 and row["generator_idle"] == pytest.approx(0.2)
+    assert row["generator_load"] is None and row["judge_idle/judge"] == pytest.approx(0.6)
+    assert row["controller_cpu_fraction"] == 0.1 and "sent_bytes/controller" in row
+    assert list(row)[-2:] == ["elapsed", "buffered"]
+
+
+def test_a_row_past_the_suspect_share_is_logged_with_its_warning(tmp_path):
+    from areal_flow.controller.step_metrics import StepMetrics
+
+    async def counts():
+        return {}
+
+    metrics: StepMetrics = step_metrics(tmp_path, counts)
+    metrics.log({"step": 3, "reward/suspect": 0.5})
+    metrics.log({"step": 4, "reward/suspect": 0.5})  # said once
+    metrics.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("step", 3), ("warning", 3), ("step", 4)]
+    assert rows[1]["kind"] == "reward_hacking" and rows[0]["stale_trouble_steps"] == 0

@@ -24,7 +24,7 @@ def row(event, **values):
     return json.dumps({"event": event, "time": 1_700_000_000.0, **values}) + "\n"
 
 
-STEPS = [  # what the controller's log_step writes, the keys the view reads (others beside them)
+STEPS = [  # what the controller's step row holds (controller/step_metrics.py), the keys the view reads (others beside them)
     dict(step=1, reward=0.25, step_seconds=2.0, train_seconds=1.0, samples_per_second=32.0,
          gen_tokens_per_second=1000.0, train_tokens_per_second=2000.0, trainer_idle=0.5, generator_idle=0.1,
          **{"reward_busy/reward": 0.02, "train/n_valid_tokens": 100.0, "sent_bytes/controller": 10},
