@@ -44,8 +44,9 @@ from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_de
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.dumps import dump_due, dump_step, weights_path
-from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
+from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, budget_named
 from areal_flow.training.join import DuplicateResult, Join, Remote
+from areal_flow.training.step_stats import accumulate_stats
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.weights import make_channel
