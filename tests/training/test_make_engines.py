@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from areal_flow.graph import graph_from_config
 from areal_flow.launch import CONF_DIR
 from areal_flow.runtime.spec import RunSpec, typed
-from areal_flow.training.worker import make_engines
+from areal_flow.training.build import make_engines
 
 
 def rank_engines(model_dir: str, *overrides: str):
