@@ -30,10 +30,11 @@ from rich.console import Console  # noqa: E402
 
 from _bench import TRAINING_ONLY, machine, read_run_dir, run_recipe, save_plot, timed_steps  # noqa: E402
 
-from areal_flow.advise.costs import parse_costs  # noqa: E402
+from areal_flow.advise.cost_file import parse_costs  # noqa: E402
 from areal_flow.advise.fit import fit_runs  # noqa: E402
+from areal_flow.advise.prediction import Candidate  # noqa: E402
 from areal_flow.advise.report import costs_table  # noqa: E402
-from areal_flow.advise.simulate import Candidate, simulate  # noqa: E402
+from areal_flow.advise.simulate import simulate  # noqa: E402
 
 
 def measured(metrics: list[dict]) -> dict:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from areal_flow.advise.costs import AdviseError, Candidates, Costs, Lengths, load_cost_file, parse_costs, parse_split, \
-    read_lengths_file
+from areal_flow.advise.cost_file import load_cost_file, parse_costs, parse_split, read_lengths_file
+from areal_flow.advise.costs import AdviseError, Candidates, Costs, Lengths
 from areal_flow.advise.fit import fit_runs
+from areal_flow.advise.prediction import Candidate, Prediction
 from areal_flow.advise.report import costs_table, plot, predictions_table, recommend
-from areal_flow.advise.simulate import Candidate, Prediction, simulate
+from areal_flow.advise.simulate import simulate
 
 # An installed wheel holds conf/ inside the package; a checkout has it at the top of the repository.
 PRESET_DIRS = (Path(__file__).resolve().parents[1] / "conf" / "advise", Path(__file__).resolve().parents[2] / "conf" / "advise")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from areal_flow.advise.costs import Costs
-from areal_flow.advise.simulate import Prediction
+from areal_flow.advise.prediction import Prediction
 
 
 def recommend(preds: list[Prediction], tolerance: float = 0.01) -> Prediction:

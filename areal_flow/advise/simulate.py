@@ -29,112 +29,22 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
-from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any, Callable
 
 from areal_flow.advise.costs import AdviseError, Costs
+from areal_flow.advise.prediction import Candidate, Measured, Prediction, mean_prediction
+from areal_flow.advise.sim_state import SimGroup, SimSeq, SimServer
 from areal_flow.controller.staleness import StalenessManager
 
 UNBOUNDED = 1 << 40
 """max_concurrent when none is given: only the staleness bound limits admission."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One allocation to simulate."""
-
-    gen_devices: int
-    train_devices: int
-    eta: int
-    interrupt: bool = True
-    colocated: bool = False
-    """generation and training take turns on every device (`|` in an allocation): gen_devices =
-    train_devices = all of them; interrupt must be true (the servers retract their answers)."""
-
-    @property
-    def label(self) -> str:
-        if self.colocated:
-            return f"colocated ({self.gen_devices})"
-        return f"{self.gen_devices}:{self.train_devices}"
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What the simulation predicts for a candidate, over its measured steps."""
-
-    candidate: Candidate
-    samples_per_s: float
-    """trained answers per second."""
-    tokens_per_s: float
-    """trained tokens (prompt + answer) per second."""
-    gen_idle: float
-    """fraction of the time the mean generation server neither decodes nor prefills."""
-    train_idle: float
-    """fraction of the time the trainer does not train (waiting for a batch or for the weight update)."""
-    staleness_mean: float
-    """mean over trained tokens of step − version of the token."""
-    staleness_max: int
-    """largest step − version of any trained token, over every simulated step."""
-    step_s: float
-    """mean wall seconds of a step."""
-    gen_tokens_per_busy_s: float
-    """tokens a generation device decodes per second of decoding or prefilling (what a server's own
-    throughput counter says while it is busy)."""
-    steps: int
-
-
-@dataclass(eq=False)
-class _Group:
-    gid: int
-    left: int  # answers not finished yet
-    filtered: bool = False  # dynamic filtering drops it when it finishes
-    seqs: list[_Seq] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Seq:
-    group: _Group
-    index: int  # its place in the group: the order aborted answers go back in, the same in every run
-    length: int  # tokens it ends at
-    done: int = 0  # tokens generated before the current decode segment
-    start: int = 0  # its server's step counter when the current segment began
-    resumed: bool = False  # aborted by an update: prefilled again as prompt + tokens so far
-    versions: dict[int, int] = field(default_factory=dict)  # policy version -> tokens
-
-
-@dataclass(eq=False)
-class _Server:
-    index: int
-    version: int = 0
-    steps: int = 0  # decode steps done since the start
-    running: set[_Seq] = field(default_factory=set)
-    finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (step it finishes at, tiebreak, seq)
-    queue: deque[_Seq] = field(default_factory=deque)
-    op: str | None = None  # decode | prefill | answer | load | None (idle)
-    op_start: float = 0.0
-    op_end: float = 0.0
-    op_steps: int = 0
-    step_cost: float = 0.0  # seconds of the op's first decode step
-    step_growth: float = 0.0  # seconds each further step adds (the context grows by one token per answer)
-    context: int = 0  # Σ over running answers of prompt + done − start: their context is this + n · steps
-    admitting: list[_Seq] = field(default_factory=list)  # the answers being prefilled
-    answering: list[_Group] = field(default_factory=list)  # groups whose last answer is being handed back
-    wake: int = 0  # the current op's token: an earlier wake-up event is stale
-    busy: float = 0.0  # seconds of finished decode and prefill ops
-    decoded: int = 0  # tokens of finished decode ops
-    pause_wanted: bool = False
-    paused: bool = False
-    draining: bool = False
-    load: int = 0  # answers on it not finished: what the router's least-load choice counts
-
-    def busy_until(self, now: float) -> float:
-        """Busy seconds up to `now`, the op in progress included."""
-        return self.busy + (now - self.op_start if self.op in ("decode", "prefill") else 0.0)
-
-
 class _Simulation:
+    """One run of the event loop: the controller's rules, the servers and the trainer, until
+    `warmup` + `steps` updates have ended (`Measured` records what the prediction needs)."""
+
     def __init__(self, costs: Costs, cand: Candidate, steps: int, warmup: int, seed: int, trace: list | None):
         self.costs, self.cand = costs, cand
         self.gen, self.work = costs.gen, costs.workload
@@ -142,7 +52,7 @@ class _Simulation:
         if cand.gen_devices % per_server:
             raise AdviseError(f"--splits: {cand.gen_devices} generation devices are not a multiple of "
                               f"generation.devices_per_server={per_server}")
-        self.servers = [_Server(i) for i in range(cand.gen_devices // per_server)]
+        self.servers = [SimServer(i) for i in range(cand.gen_devices // per_server)]
         self.B, self.G = self.work.batch_size, self.work.group_size
         self.colocated = cand.colocated
         if self.colocated and not (cand.interrupt and self.work.interrupt):
@@ -159,7 +69,7 @@ class _Simulation:
         self.heap: list[tuple[float, int, Callable, tuple]] = []
         self.order = itertools.count()
         self.now = 0.0
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, SimGroup] = {}
         self.next_gid = 0
         self.step = 0  # the version the servers serve (steps whose update has ended)
         self.begun = 0  # train steps begun
@@ -172,11 +82,7 @@ class _Simulation:
         self.ahead = 0 if costs.update.trainer_waits or self.colocated else 1
         self.waiting_for = 0  # servers the update (or a colocated train step) still waits for
         self.on_stopped: Callable[[], None] = lambda: None  # what follows once every server has paused
-        self.step_ends: list[float] = []
-        self.train_spans: list[tuple[float, float]] = []
-        self.step_tokens: list[int] = []
-        self.hist: list[dict[int, int]] = []  # per step: staleness -> trained tokens
-        self.busy_marks: list[tuple[float, int]] = []  # (mean server busy seconds, tokens decoded) at the window's ends
+        self.measured = Measured()
 
     # ---- the event loop -------------------------------------------------------------------------
 
@@ -192,7 +98,7 @@ class _Simulation:
 
     def run(self) -> None:
         self.grant()
-        while len(self.step_ends) < self.total:
+        while len(self.measured.step_ends) < self.total:
             if not self.heap:
                 raise RuntimeError(f"the simulation stalled at step {self.step} ({self.cand.label}, η={self.cand.eta})")
             self.now, _, fn, args = heapq.heappop(self.heap)
@@ -206,8 +112,8 @@ class _Simulation:
             gid, self.next_gid = self.next_gid, self.next_gid + 1
             self.manager.admit(gid)
             # Its fate is drawn first: a group filtering will drop is drawn from the dropped ones' lengths.
-            group = _Group(gid, self.G, filtered=self.filter_draw() < self.work.filtered_fraction)
-            group.seqs = [_Seq(group, i, n) for i, n in enumerate(self.draw(group.filtered))]
+            group = SimGroup(gid, self.G, filtered=self.filter_draw() < self.work.filtered_fraction)
+            group.seqs = [SimSeq(group, i, n) for i, n in enumerate(self.draw(group.filtered))]
             self.groups[gid] = group
             server = min(self.servers, key=attrgetter("load"))  # the first of the least loaded
             server.load += self.G
@@ -216,7 +122,7 @@ class _Simulation:
                                    sum(g.left > 0 for g in self.groups.values())))
             self.after(self.costs.latency.admit_s, self.arrived, server, group)
 
-    def group_finished(self, group: _Group) -> None:
+    def group_finished(self, group: SimGroup) -> None:
         if group.filtered:
             # Dynamic filtering drops it, as the controller does: it leaves the running set unaccepted.
             self.manager.abandon(group.gid)
@@ -246,8 +152,8 @@ class _Simulation:
         stale = any(age > 0 and n for age, n in hist.items())  # the prox forward runs only then (training/worker.py)
         seconds = train.step_fixed_s + train.per_token_s * tokens * (1 + train.prox_fraction * stale) / (
             self.cand.train_devices * train.dp_efficiency)
-        self.hist.append(hist)
-        self.step_tokens.append(tokens)
+        self.measured.hist.append(hist)
+        self.measured.step_tokens.append(tokens)
         if self.colocated:  # the trainer's turn begins once every server has freed the devices
             self.trainer = "releasing"
             self.stop_servers(lambda: self.train(seconds))
@@ -257,7 +163,7 @@ class _Simulation:
     def train(self, seconds: float) -> None:
         if any(s.op in ("decode", "prefill") for s in self.servers):
             seconds *= 1 + self.costs.train.shared_slowdown
-        self.train_spans.append((self.now, self.now + seconds))
+        self.measured.train_spans.append((self.now, self.now + seconds))
         self.trainer = "training"
         self.sharing_changed()
         self.at(self.now + seconds, self.trained)
@@ -300,12 +206,12 @@ class _Simulation:
         """Every server serves the new version: set it, admit, look for the next batch."""
         self.step += 1
         self.manager.set_version(self.step)
-        self.step_ends.append(self.now)
-        if len(self.step_ends) in (self.warmup, self.total):
-            self.busy_marks.append((sum(s.busy_until(self.now) for s in self.servers) / len(self.servers),
+        self.measured.step_ends.append(self.now)
+        if len(self.measured.step_ends) in (self.warmup, self.total):
+            self.measured.busy_marks.append((sum(s.busy_until(self.now) for s in self.servers) / len(self.servers),
                                     sum(s.decoded for s in self.servers)))
         self.updating = False
-        if len(self.step_ends) == self.total:
+        if len(self.measured.step_ends) == self.total:
             return
         self.grant()
         if self.update_due:
@@ -323,7 +229,7 @@ class _Simulation:
 
     # ---- a generation server ---------------------------------------------------------------------
 
-    def arrived(self, s: _Server, group: _Group) -> None:
+    def arrived(self, s: SimServer, group: SimGroup) -> None:
         """A group's request reaches its server: it queues, and joins the batch at the next step."""
         s.queue.extend(group.seqs)
         if s.op is None:
@@ -331,21 +237,21 @@ class _Simulation:
         elif s.op == "decode" and not s.draining and self.room(s):
             self.cut(s)  # the new answers join at the next step boundary (continuous batching)
 
-    def room(self, s: _Server) -> int:
+    def room(self, s: SimServer) -> int:
         """How many queued answers may join now: up to max_running, and while answers run, none
         until at least min(join_group, queued) can (GenCosts.join_group)."""
         cap = self.gen.max_running
         room = UNBOUNDED if cap is None else cap - len(s.running)
         return room if room >= (min(self.gen.join_group, len(s.queue)) if s.running else 1) else 0
 
-    def begin(self, s: _Server, op: str, seconds: float, steps: int = 0, step_cost: float = 0.0,
+    def begin(self, s: SimServer, op: str, seconds: float, steps: int = 0, step_cost: float = 0.0,
               step_growth: float = 0.0) -> None:
         s.op, s.op_start, s.op_end, s.op_steps = op, self.now, self.now + seconds, steps
         s.step_cost, s.step_growth = step_cost, step_growth
         s.wake += 1
         self.at(s.op_end, self.woken, s, s.wake)
 
-    def cut(self, s: _Server) -> None:
+    def cut(self, s: SimServer) -> None:
         """End the decode op at the first step boundary from now on."""
         if self.now >= s.op_end:
             return
@@ -361,7 +267,7 @@ class _Simulation:
             s.wake += 1
             self.at(s.op_end, self.woken, s, s.wake)
 
-    def next_op(self, s: _Server) -> None:
+    def next_op(self, s: SimServer) -> None:
         if s.op is not None or s.paused:
             return
         if s.draining and not s.running and not s.admitting:
@@ -388,13 +294,13 @@ class _Simulation:
         """What a generation op costs now, relative to the generator running alone."""
         return 1 + self.gen.shared_slowdown if self.trainer == "training" else 1.0
 
-    def woken(self, s: _Server, token: int) -> None:
+    def woken(self, s: SimServer, token: int) -> None:
         if token != s.wake:
             return  # the op was cut; a later wake-up ends it
         op, s.op = s.op, None
         if op in ("decode", "prefill"):
             s.busy += s.op_end - s.op_start
-        done: list[_Group] = []
+        done: list[SimGroup] = []
         finished = 0
         if op == "decode":
             s.steps += s.op_steps
@@ -435,7 +341,7 @@ class _Simulation:
             self.after(self.costs.latency.deliver_s, self.group_finished, group)
         self.next_op(s)
 
-    def pause(self, s: _Server) -> None:
+    def pause(self, s: SimServer) -> None:
         """Abort the running answers; they come back, after the update, as prompt + tokens so far."""
         for q in s.running:
             n = s.steps - q.start
@@ -459,35 +365,9 @@ class _Simulation:
         for s in self.servers:
             self.next_op(s)
 
-    # ---- the result -------------------------------------------------------------------------------
-
     def prediction(self) -> Prediction:
-        t0 = self.step_ends[self.warmup - 1] if self.warmup else 0.0
-        t1 = self.step_ends[-1]
-        wall = t1 - t0
-        measured = self.total - self.warmup
-        train_busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self.train_spans)
-        (busy0, decoded0), (busy1, decoded1) = self.busy_marks[0] if self.warmup else (0.0, 0), self.busy_marks[-1]
-        gen_busy = busy1 - busy0
-        gen_devices = len(self.servers) * self.gen.devices_per_server
-        tokens = sum(self.step_tokens[self.warmup:self.total])  # not a step begun after the last one ended
-        window: dict[int, int] = {}
-        for hist in self.hist[self.warmup:self.total]:
-            for age, n in hist.items():
-                window[age] = window.get(age, 0) + n
-        trained = sum(window.values())
-        return Prediction(
-            candidate=self.cand,
-            samples_per_s=measured * self.B * self.G / wall if wall > 0 else math.inf,
-            tokens_per_s=tokens / wall if wall > 0 else math.inf,
-            gen_idle=1 - gen_busy / wall if wall > 0 else 0.0,
-            train_idle=1 - train_busy / wall if wall > 0 else 0.0,
-            staleness_mean=sum(a * n for a, n in window.items()) / trained if trained else 0.0,
-            staleness_max=max((a for h in self.hist for a, n in h.items() if n), default=0),
-            step_s=wall / measured,
-            gen_tokens_per_busy_s=(decoded1 - decoded0) / (gen_busy * gen_devices) if gen_busy > 0 else math.inf,
-            steps=measured,
-        )
+        return self.measured.prediction(self.cand, self.warmup, self.total,
+                                        len(self.servers) * self.gen.devices_per_server, self.B * self.G)
 
 
 def _decode_seconds(steps: int, first: float, growth: float) -> float:
@@ -514,12 +394,3 @@ def simulate(costs: Costs, cand: Candidate, *, steps: int = 20, warmup: int | No
         sim.run()
         preds.append(sim.prediction())
     return mean_prediction(preds)
-
-
-def mean_prediction(preds: list[Prediction]) -> Prediction:
-    """Each figure's mean over simulations of one candidate (the largest staleness: the largest)."""
-    if len(preds) == 1:
-        return preds[0]
-    means = {f.name: sum(getattr(p, f.name) for p in preds) / len(preds) for f in fields(Prediction)
-             if f.name not in ("candidate", "staleness_max", "steps")}
-    return replace(preds[0], **means, staleness_max=max(p.staleness_max for p in preds))

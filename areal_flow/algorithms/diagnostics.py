@@ -1,7 +1,7 @@
 """Per-step diagnostics of a train batch: length bias (Dr. GRPO) and the behaviour weight's spread.
 
 Pure functions on arrays and tensors, no I/O. Everything the trainer computes here is a sum or a
-count, so that micro-batches, minibatches and trainer ranks add them up (training/engine.py
+count, so that micro-batches, minibatches and trainer ranks add them up (training/step_stats.py
 `accumulate_stats`, the worker's all-reduce) and the controller forms the ratios and lists of a
 step's metrics row (controller/run_metrics.py `train_metrics`). This module imports no torch at
 module level: the controller reads its key names and histogram edges without it.

@@ -17,12 +17,10 @@ boundaries (`Packing`, built once per forward and shared by every layer) drive o
 - `sdpa`: the reference, one `scaled_dot_product_attention` with the explicit dense mask.
 
 Every implementation has one signature: q [T, H, D], k/v [T, KVH, D] (grouped-query attention:
-H a multiple of KVH, head h reading key/value head h // (H / KVH)), the `Packing` and the softmax
-scale (None: 1/sqrt(D)) -> [T, H, D]. `resolve` turns a configured name ("auto" included) into
-one of them for a device. The transformers integration registers them as attention
-implementations ("areal_varlen", "areal_flex") with a mask function that builds no mask; the
-model's forward then takes `packed_forward_kwargs(positions, ...)`, which carries the `Packing` to
-every layer. transformers is imported only there; megatron never.
+H a multiple of KVH, head h reading key/value head h // (H / KVH)), the `Packing` (documents.py)
+and the softmax scale (None: 1/sqrt(D)) -> [T, H, D]. `resolve` turns a configured name ("auto"
+included) into one of them for a device. hf_attention.py registers them with transformers;
+megatron's core attention calls them directly (megatron/model.py).
 """
 
 from __future__ import annotations
@@ -32,21 +30,18 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from areal_flow.training.engine import to_device
+from areal_flow.training.documents import Packing, document_groups, document_ids
 
 CHOICES = ("auto", "sdpa", "varlen", "flex")
 """What a configuration may name: "auto" picks the fastest available on the device."""
 ALIASES = {"flex_attention": "flex"}
 """Older names still accepted (the torch engine once passed transformers' flex_attention through)."""
-FLEX_BLOCK = 128
-"""FlexAttention's block size: the token count is padded to a multiple of it."""
 FLEX_CUDA_MIN_HEAD_DIM = 16
 """Compiled FlexAttention on CUDA refuses smaller heads ("embedding dimension ... must be at least 16",
 torch 2.11 on an H200): those run the per-document loop, which is exact."""
@@ -57,118 +52,6 @@ packed rows. In whole tiny_arith runs (η = 4, algorithm.ppo_epochs=2, 40 steps,
 the run trained 117.9-127.0 samples/s against 109.8-114.1: varlen's per-length document groups
 cost more than the small dense masks of 128-token rows. (An isolated benchmark of one step on a busy
 machine had put varlen over one row per micro-batch first, 0.231 s against sdpa's 0.251 s.)"""
-PACKING_KWARG = "packing"
-"""The forward keyword that carries the `Packing` to the registered transformers attention."""
-HF_NAMES = {"varlen": "areal_varlen", "flex": "areal_flex"}
-"""transformers attention-implementation names of the registered functions ("sdpa": its own)."""
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Where the documents of one packed forward start and end, shared by all its layers.
-
-    cu_seqlens: int32 [n_docs + 1] over the flattened tokens (rows concatenated), on the device;
-    max_len: the longest document; total: the token count (cu_seqlens[-1], kept on the host so that
-    no layer reads the device for it); block_mask: flex's block mask over the tokens padded to a
-    multiple of FLEX_BLOCK (flex only); groups: the documents batched by length for the
-    per-document path (varlen, and flex's backward, off CUDA only). Every field is an init field:
-    FSDP rebuilds dataclass inputs with `dataclasses.replace` when it casts them."""
-
-    cu_seqlens: torch.Tensor
-    max_len: int
-    total: int
-    block_mask: Any = None
-    groups: DocumentGroups | None = None
-
-
-# ---------------------------------------------------------------------------- packing metadata
-
-
-def cu_seqlens_from_positions(positions: np.ndarray | torch.Tensor) -> np.ndarray:
-    """int32 [n_docs + 1] over the flattened [rows, length] tokens: a document starts at each row's
-    start and wherever the position does not continue the previous one (restarts at 0 per
-    sequence; the same rule as transformers' packed-sequence detection)."""
-    pos = positions.detach().cpu().numpy() if torch.is_tensor(positions) else np.asarray(positions)
-    pos = pos.reshape(-1, pos.shape[-1]) if pos.ndim > 1 else pos[None]
-    starts = np.ones(pos.shape, bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    flat = np.flatnonzero(starts.reshape(-1))
-    return np.append(flat, pos.size).astype(np.int32)
-
-
-def packing_from_positions(positions: np.ndarray | torch.Tensor, implementation: str,
-                           device: torch.device | str) -> Packing:
-    """The `Packing` of packed rows [rows, length] whose positions restart per document."""
-    cu = cu_seqlens_from_positions(positions)
-    max_len = int(np.diff(cu).max()) if len(cu) > 1 else 0
-    return _packing(to_device(cu, device), max_len, int(cu[-1]), implementation, host_cu=cu)
-
-
-def packing_from_cu_seqlens(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str) -> Packing:
-    """The `Packing` of `total` tokens with documents at `cu_seqlens` (tokens past its last entry,
-    if any, form one more document); the block mask only where `implementation` is flex."""
-    cu = cu_seqlens.to(torch.int32)
-    if int(cu[-1]) != total:  # trailing tokens: a document of their own (megatron THD padding)
-        cu = torch.cat([cu, cu.new_tensor([total])])
-        max_len = max(max_len, total - int(cu[-2]))
-    return _packing(cu, max_len, total, implementation)
-
-
-def _packing(cu_seqlens: torch.Tensor, max_len: int, total: int, implementation: str,
-             host_cu: np.ndarray | None = None) -> Packing:
-    mask = document_block_mask(cu_seqlens, total, FLEX_BLOCK) if implementation == "flex" else None
-    # The per-document path's groups, once per forward, where it will run: off CUDA (varlen, and
-    # flex's CPU backward, which would otherwise read cu_seqlens back in every layer).
-    groups = None
-    if implementation in ("varlen", "flex") and cu_seqlens.device.type != "cuda":
-        groups = document_groups(host_cu if host_cu is not None else cu_seqlens.tolist())
-    return Packing(cu_seqlens=cu_seqlens, max_len=int(max_len), total=total, block_mask=mask, groups=groups)
-
-
-def document_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """int32 [length]: the document of each token; tokens past the last boundary (padding) get
-    one more id, so they form a document of their own."""
-    arange = torch.arange(length, device=cu_seqlens.device, dtype=torch.int32)
-    return torch.bucketize(arange, cu_seqlens[1:].to(torch.int32), right=True).to(torch.int32)
-
-
-def document_block_mask(cu_seqlens: torch.Tensor, total: int, block: int = FLEX_BLOCK):
-    """FlexAttention's BlockMask of document-causal attention over `total` tokens padded up to a
-    multiple of `block`, computed per block pair from each block's first and last document (the
-    documents are contiguous and in order), never as a [T, T] tensor.
-
-    For query block i and key block j <= i: the pair is needed iff some document spans both, i.e.
-    first_doc(i) <= last_doc(j); it is FULL (no mask_mod needed) iff j < i and both blocks lie in
-    one document (first_doc(j) == last_doc(i)); the diagonal is always partial."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    padded = _round_up(max(total, 1), block)
-    doc = document_ids(cu_seqlens, padded)
-    blocks = doc.view(-1, block)
-    first, last = blocks[:, 0], blocks[:, -1]
-    n = blocks.shape[0]
-    idx = torch.arange(n, device=doc.device)
-    lower = idx[None, :] <= idx[:, None]  # [q block, kv block]
-    touch = lower & (first[:, None] <= last[None, :])
-    full = (idx[None, :] < idx[:, None]) & (first[None, :] == last[:, None])
-    partial = touch & ~full
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
-
-    def as_blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Needed blocks first, in ascending order (a stable sort of "not needed").
-        order = torch.sort((~m).to(torch.int32), dim=-1, stable=True).indices
-        return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
-
-    kv_num, kv_idx = as_blocks(partial)
-    full_num, full_idx = as_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(padded, padded))
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
 
 
 # ---------------------------------------------------------------------------- implementations
@@ -220,44 +103,6 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out if groups.inverse is None else out[groups.inverse.to(q.device)]
 
-
-@dataclass(frozen=True)
-class DocumentGroups:
-    """Documents batched for `per_document_attention`: per group, `index` [docs, length] gathers
-    its tokens (T, one past the last token, for the padding) and `valid` picks its real rows from
-    the flattened result (None: no padding); `inverse` puts the groups' tokens back in order (None:
-    already in order)."""
-
-    index: tuple[torch.Tensor, ...]
-    valid: tuple[torch.Tensor | None, ...]
-    inverse: torch.Tensor | None
-
-
-GROUP_RATIO = 1.5
-"""Documents share one SDPA call when the longest is at most this many times the shortest."""
-
-
-def document_groups(cu_seqlens: list[int] | np.ndarray, ratio: float = GROUP_RATIO) -> DocumentGroups:
-    """Group the documents at `cu_seqlens` by length (sorted, longest first; a group's shortest
-    is at least 1/ratio of its longest): padding costs at most `ratio` times the attention work."""
-    cu = np.asarray(cu_seqlens, np.int64)
-    total = int(cu[-1])
-    lengths = np.diff(cu)
-    docs = [int(d) for d in np.argsort(-lengths, kind="stable") if lengths[d] > 0]
-    index, valid, order = [], [], []
-    while docs:
-        longest = int(lengths[docs[0]])
-        n = next((i for i, d in enumerate(docs) if lengths[d] * ratio < longest), len(docs))
-        group, docs = docs[:n], docs[n:]
-        steps = np.arange(longest)
-        idx = cu[group][:, None] + steps[None, :]
-        real = steps[None, :] < lengths[group][:, None]
-        index.append(torch.from_numpy(np.where(real, idx, total)))
-        valid.append(None if real.all() else torch.from_numpy(np.flatnonzero(real)))
-        order.append(idx[real])
-    order = np.concatenate(order) if order else np.zeros(0, np.int64)
-    inverse = None if np.array_equal(order, np.arange(total)) else torch.from_numpy(np.argsort(order))
-    return DocumentGroups(tuple(index), tuple(valid), inverse)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
@@ -458,97 +303,3 @@ def resolve(attention: str, device: torch.device | str) -> str:
     if device.type == "cuda":
         return "varlen" if varlen_kernel_works(device) else "flex"
     return CPU_AUTO
-
-
-# ---------------------------------------------------------------------------- transformers
-
-
-def _hf_attention(implementation: str) -> Callable:
-    """A transformers attention function (AttentionInterface) running `implementation` over the
-    `Packing` that the forward passed as `packing=` (or, without one, that of the layer's
-    position_ids: correct, but built again in every layer)."""
-    run = IMPLEMENTATIONS[implementation]
-
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                  sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-        b, h, length, d = query.shape
-        if key.shape[2] != length:
-            raise ValueError(f"packed attention ({implementation}) needs as many keys as queries (no KV cache), "
-                             f"got {key.shape[2]} keys for {length} queries")
-        if attention_mask is not None:
-            raise ValueError(f"packed attention ({implementation}) takes no attention mask")
-        if dropout or sliding_window:
-            raise ValueError(f"packed attention ({implementation}) supports neither attention dropout "
-                             f"({dropout}) nor a sliding window ({sliding_window})")
-        query, key, value = _autocast_inputs(query, key, value)
-        packing = kwargs.get(PACKING_KWARG)
-        if packing is None:
-            positions = kwargs.get("position_ids")
-            positions = (torch.arange(length) if positions is None else positions).expand(b, length)
-            packing = packing_from_positions(positions, implementation, query.device)
-        if packing.total != b * length:
-            raise ValueError(f"packed attention: the Packing covers {packing.total} tokens, "
-                             f"the forward has {b} x {length}")
-        flat = [x.transpose(1, 2).reshape(b * length, x.shape[1], d) for x in (query, key, value)]
-        return run(*flat, packing, scaling).view(b, length, h, d), None
-
-    return attention
-
-
-def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The attention's inputs in autocast's dtype when autocast is on for their device, as
-    autocast casts the inputs of `scaled_dot_product_attention` (transformers' own sdpa path).
-
-    Under autocast over fp32 weights transformers' rotary embedding returns q and k in the residual
-    stream's dtype, fp32 (its cos/sin take the dtype of the fp32 embeddings), while v is the
-    projection's bf16. These implementations are not autocast ops: `varlen_attention` saw an fp32 q
-    and took the per-document loop instead of the flash kernel on CUDA (the torch engine's bf16
-    train step ran at half the speed of a plain HF step on an H200), and flex got mixed dtypes.
-    The cast rounds q and k exactly as autocast's SDPA would."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
-
-
-def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """The mask function of the registered implementations: the `Packing` replaces the mask. A
-    padding mask cannot be honoured, so one that masks anything is refused."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError("packed attention takes no padding mask: pack the sequences instead")
-    return None
-
-
-@functools.cache
-def register_transformers() -> None:
-    """Register the packed implementations with transformers (once): attention function and a
-    mask function that builds no mask, under HF_NAMES."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    for implementation, name in HF_NAMES.items():
-        AttentionInterface.register(name, _hf_attention(implementation))
-        AttentionMaskInterface.register(name, _no_mask)
-
-
-def hf_implementation(implementation: str) -> str:
-    """The `attn_implementation` to load a transformers model with for a resolved implementation
-    ("sdpa": transformers' own, which builds the dense block-diagonal mask itself)."""
-    if implementation == "sdpa":
-        return "sdpa"
-    if implementation not in HF_NAMES:
-        raise ValueError(f"implementation must be one of sdpa, {', '.join(HF_NAMES)}, got {implementation!r}")
-    register_transformers()
-    return HF_NAMES[implementation]
-
-
-def packed_forward_kwargs(positions: np.ndarray | torch.Tensor, implementation: str,
-                          device: torch.device | str) -> dict[str, Packing]:
-    """Keyword arguments for a transformers forward over packed rows [rows, length] (positions
-    restarting per document) loaded with `hf_implementation(implementation)`: the `Packing`,
-    built once and passed to every layer; none for sdpa."""
-    if implementation == "sdpa":
-        return {}
-    return {PACKING_KWARG: packing_from_positions(positions, implementation, device)}

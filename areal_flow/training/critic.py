@@ -32,8 +32,9 @@ from areal_flow.algorithms import library
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.node import Node
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.training.build import CRITIC_DIR, configured
 from areal_flow.training.engine import Engine, budget_named
-from areal_flow.training.worker import CRITIC_DIR, configured, train_update
+from areal_flow.training.updates import train_update
 from areal_flow.transport.messages import CriticBatch, CriticSaved, CriticTrained, SaveCheckpoint
 
 log = logging.getLogger("areal_flow.critic")

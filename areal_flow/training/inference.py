@@ -29,9 +29,9 @@ from areal_flow.graph.placement import infer_name
 from areal_flow.runtime.devices import TRAINER_BACKENDS
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.training.build import node_outputs, optim_spec, torch_engine
 from areal_flow.training.critic import CriticTrainer
 from areal_flow.training.engine import budget_named
-from areal_flow.training.worker import node_outputs, optim_spec, torch_engine
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking
 from areal_flow.transport.messages import Array, CriticBatch, InferRequest, Inferred, Ready, SaveCheckpoint
 

@@ -14,45 +14,36 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property, partial
+from collections.abc import Callable
+from functools import partial
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 import zmq
 
 from areal_flow.algorithms import library
-from areal_flow.algorithms.diagnostics import length_bucket_sums, stalest_shares
 from areal_flow.algorithms.inputs import TrainInputs, train_inputs
 from areal_flow.algorithms.kl import behaviour_kl, kl_controller
-from areal_flow.algorithms.library import AllReduce
 from areal_flow.algorithms.prox import prox_source
-from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
-from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.runtime.child import torchrun_rank
-from areal_flow.runtime.disk import DiskFull, writing
-from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_device
-from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.training.build import configured, make_engines, node_outputs
+from areal_flow.training.critic_link import CriticLink
 from areal_flow.training.dumps import dump_due, dump_step, weights_path
-from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY, Engine, OptimSpec, accumulate_stats, budget_named
+from areal_flow.training.engine import Engine, budget_named
 from areal_flow.training.join import DuplicateResult, Join, Remote
-from areal_flow.training.torch_engine import TorchEngine
+from areal_flow.training.rank_checkpoint import RankCheckpoints
+from areal_flow.training.updates import all_reduce_over, engine_data, length_bias, train_update
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
     Array,
-    CriticBatch,
     CriticSaved,
     CriticTrained,
     Hello,
@@ -70,17 +61,12 @@ from areal_flow.transport.messages import (
 
 log = logging.getLogger("areal_flow.trainer")
 
-CRITIC_DIR = "critic"
-"""A checkpoint's sub-directory holding the critic (a Hugging Face token-classification model)."""
 
-HELD = "held-rank{rank}.msgpack"
-"""A resumable checkpoint's file of the scored groups a rank held, not yet trained."""
+class ModelWorker(RankCheckpoints):
+    """One trainer rank: holds scored groups, trains its share of each step on the graph's
+    trainer-mesh nodes, publishes the new weights, and writes and resumes its part of checkpoints
+    (rank_checkpoint.py)."""
 
-TRAINER_STATE = "trainer-rank{rank}.json"
-"""A resumable checkpoint's file of a rank's own state: its trained-samples log's length."""
-
-
-class ModelWorker:
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
@@ -109,12 +95,8 @@ class ModelWorker:
         self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
-        # A critic on a mesh of its own: its processes' inboxes (those its values are asked on), and
-        # what they have answered: the steps each trained, the checkpoints each wrote.
-        apart = self.graph.critic_apart
-        self.critic = self.replicas[self.critic_values.name] if apart is not None else []
-        self.critic_trained: dict[int, dict[str, CriticTrained]] = {}  # step -> process -> its answer
-        self.critic_saved: set[tuple[str, str]] = set()  # (checkpoint, process)
+        # A critic on a mesh of its own: its processes' inboxes are those its values are asked on.
+        self.critic = CriticLink(self.graph, self.replicas, rank) if self.graph.critic_apart is not None else None
         trained = self.engines[self.graph.train.role]
         if spec.resume:
             self.resume(spec.resume)
@@ -142,10 +124,9 @@ class ModelWorker:
     def receive(self) -> None:
         with self.phases("transport"):  # counted in the next step's profile, wherever it arrives
             msg = recv_blocking(self.inbox, f"{self.name} inbox")
-        if isinstance(msg, CriticTrained):
-            self.critic_trained.setdefault(msg.step, {})[msg.worker] = msg
-        elif isinstance(msg, CriticSaved):
-            self.critic_saved.add((msg.path, msg.worker))
+        if isinstance(msg, (CriticTrained, CriticSaved)):
+            if self.critic is not None:
+                self.critic.received(msg)
         elif isinstance(msg, Inferred):
             try:
                 self.hold(self.join.result(msg))
@@ -190,45 +171,21 @@ class ModelWorker:
                 self.receive()
             self.ask_again()
 
-    @property
-    def critic_values(self) -> Node:
-        """The critic's inference node, on the critic's mesh of its own with its train node."""
-        return next(n for n in self.graph.own_mesh_nodes if n.role == "critic")
-
-    def critic_workers(self) -> list[str]:
-        """The process names of the critic on a mesh of its own."""
-        return [infer_name(self.critic_values.name, i) for i in range(len(self.critic))]
-
     def send_critic_batch(self, step: int, samples: list[Sample], kl_coef: float, engine: Engine) -> None:
-        """This rank's share of the step to each of the critic's processes (the groups it values,
-        `replica_of`): the value loss's inputs, as train_critic would compute them here (batch
-        statistics over `engine`'s data-parallel ranks). A rank that is not its model-parallel
-        group's data leader sends empty shares (the leader sends the group's samples)."""
-        node = self.graph.critic_apart
+        """This rank's share of the step to the critic's processes: the value loss's inputs, as
+        train_critic would compute them here (batch statistics over `engine`'s data-parallel ranks)."""
         with self.phases("inputs"):
-            inputs = train_inputs(samples, partial(self.graph.input, node), self.cfg.algorithm, prox_source=None,
-                                  kl_coef=kl_coef, all_reduce=all_reduce_over(engine.data_parallel_group),
-                                  roles=self.roles)
+            inputs = train_inputs(samples, partial(self.graph.input, self.graph.critic_apart), self.cfg.algorithm,
+                                  prox_source=None, kl_coef=kl_coef,
+                                  all_reduce=all_reduce_over(engine.data_parallel_group), roles=self.roles)
             data = engine_data(inputs.without_aggregation())
         with self.phases("transport"):
-            for replica, socket in enumerate(self.critic):
-                mine = [i for i, s in enumerate(samples) if engine.data_leader
-                        and replica_of(s.group_id, len(self.critic)) == replica]
-                send_blocking(socket, CriticBatch(
-                    step, self.rank, [samples[i].group_id for i in mine], [Array.of(inputs.seqs[i][0]) for i in mine],
-                    [Array.of(inputs.seqs[i][1]) for i in mine],
-                    {k: [Array.of(v[i]) for i in mine] for k, v in data.items()}))
+            self.critic.send(step, samples, inputs.seqs, data, leader=engine.data_leader)
 
     def critic_step(self, step: int) -> dict[str, float]:
-        """Wait for every one of the critic's processes to train step `step`; their stats (reduced
-        over them already; rank 0 reports them)."""
-        def missing() -> list[str]:
-            done = self.critic_trained.get(step, {})
-            return [f"the critic's update of step {step + 1} from {w}" for w in self.critic_workers() if w not in done]
-
-        self.receive_until(missing, f"step {step}")
-        done = self.critic_trained.pop(step)
-        return {f"critic/{k}": v for k, v in done[self.critic_workers()[0]].stats.items()} if self.rank == 0 else {}
+        """Wait for every one of the critic's processes to train step `step`; their stats."""
+        self.receive_until(lambda: self.critic.update_missing(step), f"step {step}")
+        return self.critic.update_stats(step)
 
     def ask_again(self) -> None:
         """Ask a replica again for each result a held group has waited for longer than
@@ -243,14 +200,9 @@ class ModelWorker:
             send_blocking(replicas[i], InferRequest.for_group(group, self.rank, remote.node, node.inputs))
 
     def step(self, plan: RunStep) -> StepDone:
-        # A group routed here may still be on its way from the reward process when the plan moves
-        # it on: receive it first.
-        self.wait_for(list(plan.moves), f"step {plan.step}")
-        with self.phases("transport"):
-            for g, rank in plan.moves.items():
-                send_blocking(self.peers[rank], self.held.pop(g))
-        self.wait_for(plan.groups, f"step {plan.step}")
-        samples = [s for g in plan.groups for s in self.held.pop(g).samples]
+        """One train step: this rank's share of the batch, the trainer-mesh nodes in graph order on
+        it, the new version published; the stats go back to the controller."""
+        samples = self.take_share(plan)
         trained = self.engines[self.graph.train.role]
         if self.cfg.dump.weights:  # π_prox of this step, and what the servers load as this version
             with self.phases("dump"):
@@ -258,52 +210,84 @@ class ModelWorker:
         # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
         # union of what the controller gave each of them; one of them logs it.
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
+        reads_prox = self.graph.input(self.graph.train, "prox_logprobs") is not None
+        source = prox_source(self.cfg.algorithm, reads_prox=reads_prox, all_current=self.all_current(samples, trained.version))
+        self.policy_inputs = None
+        kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
+        if self.critic is not None:  # the critic trains on its own devices while the actor trains here
+            self.send_critic_batch(plan.step, samples, kl_coef, trained)
+        stats, ran = self.run_nodes(samples, source, trained.version, kl_coef)
+        if self.critic is not None:
+            stats.update(self.critic_step(plan.step))
+        for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
+            stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
+        weights = self.publish_step(plan.step, samples, trained)
+        stats.update(self.phases.reset())
+        if trained.data_leader:
+            self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
+                                               "nodes": ran}) + "\n")
+        return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+
+    def take_share(self, plan: RunStep) -> list[Sample]:
+        """Send on the groups the plan moves to other ranks, wait for this rank's share of the
+        batch, and take its samples."""
+        # A group routed here may still be on its way from the reward process when the plan moves
+        # it on: receive it first.
+        self.wait_for(list(plan.moves), f"step {plan.step}")
+        with self.phases("transport"):
+            for g, rank in plan.moves.items():
+                send_blocking(self.peers[rank], self.held.pop(g))
+        self.wait_for(plan.groups, f"step {plan.step}")
+        return [s for g in plan.groups for s in self.held.pop(g).samples]
+
+    def run_nodes(self, samples: list[Sample], source: str | None, prox_version: int,
+                  kl_coef: float) -> tuple[dict[str, float], list[str]]:
+        """The trainer-mesh nodes in graph order (prox/ref logprobs and values, then train) on
+        `samples`: their stats, and the names of those that ran (π_prox's forward only when this
+        step's `source` of it is the data)."""
         prox_key = self.graph.input(self.graph.train, "prox_logprobs")
-        source = prox_source(self.cfg.algorithm, reads_prox=prox_key is not None,
-                             all_current=self.all_current(samples, trained.version))
         stats: dict[str, float] = {}
         prox_seconds = 0.0
         ran = []
-        self.policy_inputs = None
-        kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
-        if self.critic:  # the critic trains on its own devices while the actor trains here
-            self.send_critic_batch(plan.step, samples, kl_coef, trained)
-        for node in self.graph.trainer_nodes:  # graph order: prox/ref logprobs and values, then train
+        for node in self.graph.trainer_nodes:
             is_prox = node.type != "train" and node.outputs[0] == prox_key
             if is_prox and source != "data":
                 continue  # π_prox needs no forward pass this step
             t0 = time.perf_counter()
             with budget_named(f"graph.{node.name}.micro_batch_tokens", node.micro_batch_tokens,
                               self.engines[node.role].device):
-                if node.type == "train" and node.role == "critic":
-                    stats.update({f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()})
-                elif node.type == "train":
-                    stats.update(self.train(node, samples, source, trained.version, kl_coef))
-                else:
-                    self.infer(node, samples)
+                stats.update(self.run_node(node, samples, source, prox_version, kl_coef))
             if is_prox:
                 prox_seconds = time.perf_counter() - t0
             ran.append(node.name)
         if prox_key is not None:
             stats["prox_seconds"] = prox_seconds
-        if self.critic:
-            stats.update(self.critic_step(plan.step))
-        for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
-            stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
-        version = plan.step + 1
+        return stats, ran
+
+    def run_node(self, node: Node, samples: list[Sample], source: str | None, prox_version: int,
+                 kl_coef: float) -> dict[str, float]:
+        """One trainer-mesh node: a train node's update (its stats), or an inference node's outputs
+        written into the samples."""
+        if node.type == "train" and node.role == "critic":
+            return {f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()}
+        if node.type == "train":
+            return self.train(node, samples, source, prox_version, kl_coef)
+        self.infer(node, samples)
+        return {}
+
+    def publish_step(self, step: int, samples: list[Sample], trained: Engine) -> str:
+        """The trained role becomes version step + 1 and goes out to the servers (its location, or
+        "" when the trainers send it later, once the servers are paused); the step's dump after."""
+        version = step + 1
         trained.version = version
-        with self.phases("publish"):  # "" when the trainers send it later, once the servers are paused
+        with self.phases("publish"):
             weights = self.weights.after_step(trained, version, self.rank)
-        if dump_due(self.cfg.dump.every_steps, plan.step) and trained.data_leader:  # once the weights are out
+        if dump_due(self.cfg.dump.every_steps, step) and trained.data_leader:  # once the weights are out
             with self.phases("dump"):
-                self.dump(plan.step, samples)
+                self.dump(step, samples)
         if self.graph.colocated and trained.device.type == "cuda":
             torch.cuda.empty_cache()  # the generation server on this GPU takes its turn next
-        stats.update(self.phases.reset())
-        if trained.data_leader:
-            self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
-                                               "nodes": ran}) + "\n")
-        return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+        return weights
 
     def all_current(self, samples: list[Sample], version: int) -> bool:
         """Whether every answer token of the step, on every trainer rank, was sampled by the weights
@@ -386,232 +370,15 @@ class ModelWorker:
         return train_update(engine, [s.group_id for s in samples], inputs.seqs, engine_data(inputs), loss_fn,
                             self.cfg.algorithm, skip, first_loss_fn)
 
-    def save_checkpoint(self, msg: SaveCheckpoint) -> None:
-        try:
-            with writing("the checkpoint", msg.path):
-                self._save_checkpoint(msg)
-        except DiskFull:
-            if msg.groups is not None:
-                # A temporary folder (store.begin) that nothing reads: its space is wanted for the
-                # log line that says what happened, on the same disk, and by the user.
-                shutil.rmtree(msg.path, ignore_errors=True)
-            raise
-
-    def _save_checkpoint(self, msg: SaveCheckpoint) -> None:
-        """The end of a run (`msg.groups` None): the trained role's Hugging Face directory at
-        `msg.path`, with its training state beside it, and a trained critic's in its `critic/`
-        folder. A resumable checkpoint: every trained role's `save_resumable` folder (Hugging Face
-        weights, sharded model and optimizer state) under `msg.path/<role>`, the
-        scored groups `msg.groups` this rank holds (waiting for any still on their way) and the
-        length of its trained-samples log. Collective: every rank takes part in saving the models."""
-        tokenizer = self.tokenizer
-        if msg.groups is None:
-            self.engines[self.graph.train.role].save(msg.path, tokenizer=tokenizer)
-            if "critic" in self.engines:
-                self.engines["critic"].save(os.path.join(msg.path, CRITIC_DIR))
-            self.save_critic_apart(msg)
-            return
-        self.wait_for(msg.groups, "the checkpoint")
-        with open(os.path.join(msg.path, HELD.format(rank=self.rank)), "wb") as f:
-            f.write(msgspec.msgpack.encode([self.held[g] for g in sorted(msg.groups)]))
-        self.trained_log.flush()
-        with open(os.path.join(msg.path, TRAINER_STATE.format(rank=self.rank)), "w") as f:
-            json.dump({"trained_log_bytes": self.trained_log.tell()}, f)
-        for node in self.graph.trainer_nodes:
-            if node.type == "train":  # sharded: each rank writes its own part of the optimizer state
-                role_tokenizer = tokenizer if node.role == self.graph.train.role else None
-                self.engines[node.role].save_resumable(os.path.join(msg.path, node.role), tokenizer=role_tokenizer)
-        self.save_critic_apart(msg)
-
     def save_critic_apart(self, msg: SaveCheckpoint) -> None:
         """Rank 0 has a critic on a mesh of its own write its part of the checkpoint (under
         `msg.path/critic`; each of its processes its shard) and waits for it, so that a checkpoint
         called saved holds it."""
-        if not self.critic or self.rank != 0:
+        if self.critic is None or self.rank != 0:
             return
-        for socket in self.critic:
-            send_blocking(socket, msg)
-        workers = self.critic_workers()
-        self.receive_until(lambda: [f"the critic's part from {w}" for w in workers if (msg.path, w) not in self.critic_saved],
-                           f"the checkpoint {msg.path}")
-        self.critic_saved -= {(msg.path, w) for w in workers}
-
-    @cached_property
-    def tokenizer(self):
-        """The run's tokenizer, saved beside the trained weights; read at the first checkpoint."""
-        return load_tokenizer(self.spec.model_path)
-
-    def resume(self, folder: str) -> None:
-        """Continue from the resumable checkpoint `folder`: every trained role's weights and training
-        state (optimizer, LR schedule, RNG, version), the scored groups this rank now holds (those of
-        each saved rank k with k mod ranks = this rank: controller/state.py `for_ranks`). The
-        launcher has cut its trained-samples log back to its length then (checkpoint/store.py `rewind`)."""
-        for node in self.graph.trainer_nodes:  # a critic on a mesh of its own loads its own (training/critic.py)
-            if node.type == "train":
-                self.engines[node.role].load_resumable(os.path.join(folder, node.role))
-        saved_ranks = store.read_manifest(folder)["n_trainers"]
-        for k in range(self.rank, saved_ranks, self.spec.n_trainers):
-            with open(os.path.join(folder, HELD.format(rank=k)), "rb") as f:
-                for group in msgspec.msgpack.decode(f.read(), type=list[ScoredGroup]):
-                    self.held[group.group_id] = group
-        log.info("%s: resumed from %s at version %d with %d scored groups", self.name, folder,
-                 self.engines[self.graph.train.role].version, len(self.held))
-
-
-def all_reduce_over(group: dist.ProcessGroup | None) -> AllReduce | None:
-    """A sum of a small tensor over `group` (every rank calls it at the same point), for the
-    batch-level statistics of advantages; None when the batch is on this rank alone."""
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    return reduce
-
-
-def length_bias(inputs: TrainInputs, max_new_tokens: int, reduce: AllReduce | None) -> dict[str, float]:
-    """The step's per-length-bucket sums of advantages and loss weights (diagnostics.length_bucket_sums)
-    over the data-parallel ranks (`reduce`: their sum; every rank calls it, with or without samples)."""
-    sums = length_bucket_sums([len(out) for _, out in inputs.seqs], inputs.advantages, inputs.valid_masks(),
-                              inputs.token_data.get("token_weights"), max_new_tokens)
-    if reduce is None:
-        return sums
-    total = reduce(torch.tensor(list(sums.values()), dtype=torch.float64))
-    return dict(zip(sums, total.tolist()))
-
-
-def train_update(engine: Engine, group_ids: list[int], seqs: list[tuple[np.ndarray, np.ndarray]],
-                 token_data: dict[str, list[np.ndarray]], loss_fn, algo, skip: list[bool] | None = None,
-                 first_loss_fn=None) -> dict[str, float]:
-    """n_minibatches optimizer steps per epoch over the batch (each sample's group in `group_ids`),
-    their stats added up; the sequences marked in `skip` are not run (Engine.train_step). The first
-    optimizer step runs `first_loss_fn` when given (the policy's own logprobs at the step's start)."""
-    stats: dict[str, float] = {}
-    each = []
-    for n, idx in enumerate(minibatches(group_ids, algo.n_minibatches, algo.ppo_epochs)):
-        each.append(engine.train_step(
-            [seqs[i] for i in idx], {k: [v[i] for i in idx] for k, v in token_data.items()},
-            first_loss_fn if n == 0 and first_loss_fn is not None else loss_fn,
-            skip=None if skip is None else [skip[i] for i in idx]))
-        accumulate_stats(stats, each[-1])
-    stats.update(stalest_shares(each))  # the stalest tokens' share of each minibatch's gradient
-    return stats
-
-
-def engine_data(inputs: TrainInputs) -> dict[str, list[np.ndarray]]:
-    """The per-token data Engine.train_step takes: the loss function's, and the loss mask and
-    denominator shares under the keys the engine reads them by."""
-    data = dict(inputs.token_data)
-    if inputs.loss_share is not None:
-        data[LOSS_SHARE_KEY] = inputs.loss_share
-    if inputs.loss_mask is not None:
-        data[LOSS_MASK_KEY] = inputs.loss_mask
-    return data
-
-
-def minibatches(group_ids: list[int], n_minibatches: int, epochs: int) -> list[list[int]]:
-    """Sample indices of each optimizer step: `epochs` passes over the batch, each split into
-    `n_minibatches` by whole groups (every group's advantages train in one update), in group order."""
-    groups = sorted(set(group_ids))
-    splits = [set(part.tolist()) for part in np.array_split(np.array(groups, dtype=np.int64), n_minibatches)]
-    one_pass = [[i for i, g in enumerate(group_ids) if g in members] for members in splits]
-    return one_pass * epochs
-
-
-def process_group_init(spec: RunSpec, rank: int) -> dict[str, object]:
-    """How this rank joins the trainers' process group: torchrun's rendezvous when torchrun started
-    it (launcher.type=slurm), else the store on trainer 0's node at the spec's dist_port."""
-    if (env_rank := torchrun_rank()) is not None:
-        world = int(os.environ["WORLD_SIZE"])
-        # torchrun numbers ranks node by node; the placement must agree, or groups would go to the
-        # wrong ranks' inboxes.
-        if world != spec.n_trainers or env_rank != rank:
-            raise RuntimeError(f"torchrun started rank {env_rank} of {world}, but the run spec has {spec.n_trainers} "
-                               f"trainer ranks and this process is trainer{rank}")
-        return {"init_method": "env://", "rank": env_rank, "world_size": world}
-    # Rank 0's node: its store listens there (on loopback when the run is on one host).
-    return {"init_method": f"tcp://{spec.hosts.get('trainer0', LOOPBACK)}:{spec.dist_port}", "rank": rank,
-            "world_size": spec.n_trainers}
-
-
-def make_engines(cfg: RunConfig, spec: RunSpec, graph: Graph, rank: int) -> dict[str, Engine]:
-    """One engine per model role on this trainer rank, as the graph's trainer-mesh nodes name them
-    (a node on a mesh of its own has its model in its inference processes)."""
-    nodes = {n.role: n for n in graph.trainer_nodes}
-    layout = graph.train.layout
-    megatron = any(n.engine == "megatron" for n in nodes.values())
-    device_type = cfg.cluster.device_type
-    # megatron's parallel state needs a process group even for one rank.
-    if spec.n_trainers > 1 or megatron:
-        dist.init_process_group(TRAINER_BACKENDS[device_type], **process_group_init(spec, rank))
-    engines: dict[str, Engine] = {}
-    trained = {n.role for n in graph.trainer_nodes if n.type == "train"}
-    training = cfg.training
-    for role, node in nodes.items():
-        optim = optim_spec(cfg, role) if role in trained else None
-        if node.engine == "megatron":
-            from areal_flow.training.megatron.engine import (
-                MegatronEngine,  # imports megatron-core (seconds)
-            )
-
-            engines[role] = MegatronEngine(spec.model_path, optim=optim, tp=layout.tp, pp=layout.pp,
-                                           distributed_optimizer=training.distributed_optimizer,
-                                           sequence_parallel=training.sequence_parallel,
-                                           **engine_options(cfg, trained=optim is not None))
-        else:
-            engines[role] = torch_engine(cfg, spec, role, optim,
-                                         process_group=dist.group.WORLD if spec.n_trainers > 1 else None)
-    return engines
-
-
-def engine_options(cfg: RunConfig, trained: bool) -> dict[str, object]:
-    """What every engine takes from the config: this process's device (the launcher made its GPU
-    the only one it sees), number format, attention, and the chunked logprobs' settings."""
-    training, device_type = cfg.training, cfg.cluster.device_type
-    return dict(temperature=cfg.algorithm.temperature, device=str(local_device(device_type)),
-                bf16=compute_dtype(training.dtype, device_type) == torch.bfloat16, attention=training.attention,
-                activation_checkpointing=training.activation_checkpointing,
-                logprob_chunk_tokens=training.logprob_chunk_tokens, entropy=training.entropy and trained)
-
-
-def torch_engine(cfg: RunConfig, spec: RunSpec, role: str, optim: OptimSpec | None,
-                 process_group: dist.ProcessGroup | None) -> TorchEngine:
-    """A role's torch engine from the run's model (`optim` None: frozen, logprobs only), over
-    `process_group`'s ranks, or alone (a trainer rank of one, an inference process's replica)."""
-    # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
-    critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
-    path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
-    return TorchEngine(path, optim=optim, process_group=process_group, head="value" if role == "critic" else "lm",
-                       **engine_options(cfg, trained=optim is not None))
-
-
-def configured(engine: Engine, node: Node) -> Engine:
-    """`engine` packing micro-batches under `node`'s own token budgets."""
-    engine.micro_batch_tokens = node.micro_batch_tokens
-    if node.engine == "torch":  # the megatron engine packs one THD row (the graph refuses row_tokens)
-        engine.row_tokens = node.row_tokens
-    return engine
-
-
-def node_outputs(engine: Engine, graph: Graph, node: Node, arrays: Sequence[Mapping[str, Array]]) -> list[np.ndarray]:
-    """An inference node's output for each sample (`arrays`: a sample's arrays by key): per-token
-    logprobs of its answer (values, for a critic) under `engine`, packed under the node's budgets."""
-    prompt, output = graph.input(node, "prompt_ids"), graph.input(node, "output_ids")
-    return configured(engine, node).logprobs([(a[prompt].numpy(), a[output].numpy()) for a in arrays])
-
-
-def optim_spec(cfg: RunConfig, role: str = "actor") -> OptimSpec:
-    """A trained role's optimizer settings (the critic's own LR); the LR schedule counts optimizer steps."""
-    algo = cfg.algorithm
-    decay = algo.lr_decay_steps if algo.lr_decay_steps is not None else cfg.total_steps * algo.n_minibatches * algo.ppo_epochs
-    lr = algo.critic_lr if role == "critic" and algo.critic_lr is not None else algo.lr
-    return OptimSpec(lr=lr, betas=tuple(algo.betas), weight_decay=algo.weight_decay, grad_clip=algo.grad_clip,
-                     schedule=algo.lr_schedule, warmup_steps=algo.lr_warmup_steps, decay_steps=decay,
-                     min_lr_ratio=algo.lr_min_ratio, max_nan_steps=algo.max_nan_steps)
-
+        self.critic.ask_save(msg)
+        self.receive_until(lambda: self.critic.save_missing(msg.path), f"the checkpoint {msg.path}")
+        self.critic.forget_save(msg.path)
 
 def main(cfg: RunConfig, spec: RunSpec, name: str, rank: int) -> None:
     torch.manual_seed(cfg.seed + rank)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from areal_flow.advise.__main__ import candidates, main, presets
+from areal_flow.advise.cost_file import load_cost_file
 from areal_flow.advise.costs import (
     AdviseError,
     Candidates,
@@ -24,13 +25,13 @@ from areal_flow.advise.costs import (
     TrainCosts,
     UpdateCosts,
     Workload,
-    load_cost_file,
     lognormal_from_max,
     lognormal_from_truncation,
 )
 from areal_flow.advise.fit import fit_runs
+from areal_flow.advise.prediction import Candidate, Prediction
 from areal_flow.advise.report import recommend
-from areal_flow.advise.simulate import Candidate, Prediction, simulate
+from areal_flow.advise.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -772,7 +773,7 @@ def test_colocated_needs_interrupting_updates():
 
 
 def test_a_run_with_a_judge_is_refused_by_name(tmp_path):
-    from areal_flow.advise.fit import read_run
+    from areal_flow.advise.runs import read_run
 
     write_run(tmp_path / "run")
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())

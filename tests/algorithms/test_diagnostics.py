@@ -99,7 +99,7 @@ def test_empty_buckets_and_a_batch_without_signal_give_none():
 
 
 def test_the_trainers_length_sums_add_up_over_ranks():
-    from areal_flow.training.worker import length_bias
+    from areal_flow.training.updates import length_bias
 
     inputs = TrainInputs([(np.zeros(2, np.int32), np.zeros(n, np.int32)) for n in LENGTHS],
                          {"advantages": ADVANTAGES, "behav_logprobs": [np.zeros(n) for n in LENGTHS]},

@@ -228,7 +228,7 @@ def test_the_job_stops_every_step_when_one_fails_and_exits_with_its_code(tmp_pat
 
 def test_a_trainer_started_by_torchrun_takes_its_rank_from_the_environment(monkeypatch):
     from areal_flow.runtime.child import torchrun_rank
-    from areal_flow.training.worker import process_group_init
+    from areal_flow.training.build import process_group_init
 
     spec = RunSpec(run_dir="/r", model_path="/m", train_path="/t", eval_path="/e", gen_ports=[1], controller_port=2,
                    rollout_ports=[3], trainer_ports=[4, 5, 6], dist_port=7, n_trainers=3, n_rollout=1,
@@ -256,7 +256,7 @@ def test_torchrun_ranks_join_one_gloo_group_and_log_under_their_names(tmp_path):
         "import os, sys, torch, torch.distributed as dist\n"
         "from areal_flow.runtime.child import torchrun_rank\n"
         "from areal_flow.runtime.spec import RunSpec\n"
-        "from areal_flow.training.worker import process_group_init\n"
+        "from areal_flow.training.build import process_group_init\n"
         "rank = torchrun_rank()\n"
         "spec = RunSpec(run_dir='/r', model_path='/m', train_path='/t', eval_path='/e', gen_ports=[], controller_port=1,\n"
         "               rollout_ports=[], trainer_ports=[2, 3], dist_port=4, n_trainers=2, n_rollout=0)\n"

@@ -10,6 +10,7 @@ from engine_helpers import EXACT, assert_all_close, assert_same_weights, full_we
     ppo_loss_fn, reference_logprobs, save_tiny_qwen2
 
 from areal_flow.training import attention as A
+from areal_flow.training import documents as D
 from areal_flow.training.torch_engine import TorchEngine
 
 CASES = {
@@ -33,7 +34,7 @@ def _qkv(total: int, dtype=torch.float32, device="cpu", heads=4, kv_heads=2, dim
 def _forward_and_grads(implementation: str, lengths, scale=None, dtype=torch.float32, device="cpu"):
     q, k, v = _qkv(sum(lengths), dtype, device)
     cu = _cu(lengths).to(device)
-    packing = A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), implementation)
+    packing = D.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), implementation)
     out = A.IMPLEMENTATIONS[implementation](q, k, v, packing, scale)
     weights = torch.linspace(-1, 1, out.numel(), device=device).view_as(out)  # every output counts differently
     grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
@@ -60,11 +61,11 @@ def test_the_flex_block_mask_marks_exactly_the_blocks_the_dense_mask_needs():
     is visible (the kernel skips the mask function there)."""
     for lengths in [*CASES.values(), [127, 1, 256, 3], [300]]:
         total = sum(lengths)
-        bm = A.document_block_mask(_cu(lengths), total)
+        bm = D.document_block_mask(_cu(lengths), total)
         padded = bm.seq_lengths[0]
-        assert padded % A.FLEX_BLOCK == 0 and padded - total < A.FLEX_BLOCK
-        n = padded // A.FLEX_BLOCK
-        blocks = A.dense_mask(_cu(lengths), padded).view(n, A.FLEX_BLOCK, n, A.FLEX_BLOCK).transpose(1, 2)
+        assert padded % D.FLEX_BLOCK == 0 and padded - total < D.FLEX_BLOCK
+        n = padded // D.FLEX_BLOCK
+        blocks = A.dense_mask(_cu(lengths), padded).view(n, D.FLEX_BLOCK, n, D.FLEX_BLOCK).transpose(1, 2)
         listed = {}
         for kind, num, idx in (("partial", bm.kv_num_blocks, bm.kv_indices),
                                ("full", bm.full_kv_num_blocks, bm.full_kv_indices)):
@@ -78,8 +79,8 @@ def test_the_flex_block_mask_marks_exactly_the_blocks_the_dense_mask_needs():
 
 def test_document_boundaries_come_from_restarting_positions_of_every_row():
     positions = np.array([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]])  # row 2 starts a document too
-    np.testing.assert_array_equal(A.cu_seqlens_from_positions(positions), [0, 3, 5, 6, 8, 12])
-    groups = A.document_groups([0, 3, 5, 6, 8, 12])
+    np.testing.assert_array_equal(D.cu_seqlens_from_positions(positions), [0, 3, 5, 6, 8, 12])
+    groups = D.document_groups([0, 3, 5, 6, 8, 12])
     assert len(groups.index) < 5  # documents of similar length share one SDPA call
 
 
@@ -154,8 +155,8 @@ def test_no_dense_mask_is_built_on_the_packed_paths(model_dir, monkeypatch, atte
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(A, "dense_mask", lambda *a: pytest.fail("the dense reference mask was built"))
     built = []
-    real = A.packing_from_positions
-    monkeypatch.setattr(A, "packing_from_positions", lambda *a: built.append(a) or real(*a))
+    real = D.packing_from_positions
+    monkeypatch.setattr(D, "packing_from_positions", lambda *a: built.append(a) or real(*a))
     seqs = _seqs()
     total = sum(len(p) + len(o) for p, o in seqs)
     TorchEngine(model_dir, micro_batch_tokens=10_000, attention=attention).logprobs(seqs)
@@ -199,8 +200,8 @@ def test_megatron_thd_core_attention_matches_the_dense_mask(attention, monkeypat
         return [out.detach(), *torch.autograd.grad((out * out).sum(), (q, k, v))]
 
     built = []
-    real = A.packing_from_cu_seqlens
-    monkeypatch.setattr(A, "packing_from_cu_seqlens", lambda *a: built.append(a) or real(*a))
+    real = D.packing_from_cu_seqlens
+    monkeypatch.setattr(D, "packing_from_cu_seqlens", lambda *a: built.append(a) or real(*a))
     got = run(attention)
     assert len(built) == 1  # once per forward, shared by the layers
     for g, w in zip(got, run("sdpa")):
@@ -228,7 +229,7 @@ def test_cuda_kernels_match_the_dense_mask(implementation, case, dtype, no_tf32)
     lengths = CASES[case]
     got = _forward_and_grads(implementation, lengths, dtype=dtype, device="cuda")
     q, k, v = (x.detach().float().requires_grad_() for x in _qkv(sum(lengths), dtype, "cuda"))
-    packing = A.packing_from_cu_seqlens(_cu(lengths).cuda(), max(lengths), sum(lengths), "sdpa")
+    packing = D.packing_from_cu_seqlens(_cu(lengths).cuda(), max(lengths), sum(lengths), "sdpa")
     out = A.sdpa_attention(q, k, v, packing)
     weights = torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)
     want = [out.detach(), *torch.autograd.grad((out * weights).sum(), (q, k, v))]
@@ -270,8 +271,8 @@ def test_flex_on_cuda_with_heads_narrower_than_compiled_flex_takes_matches_sdpa(
     lengths = CASES["short_and_long"]
     q, k, v = (x[..., :8].detach().requires_grad_() for x in _qkv(sum(lengths), device="cuda"))
     cu = _cu(lengths).cuda()
-    got = A.flex_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "flex"))
-    want = A.sdpa_attention(q, k, v, A.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "sdpa"))
+    got = A.flex_attention(q, k, v, D.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "flex"))
+    want = A.sdpa_attention(q, k, v, D.packing_from_cu_seqlens(cu, max(lengths), sum(lengths), "sdpa"))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -293,14 +294,14 @@ def test_varlen_without_enable_gqa_hands_the_kernel_kv_heads_as_they_are_where_i
                 raise RuntimeError("number of heads in key/value must equal the query's")
             if kernel_gqa == "misreads":
                 k, v = k.repeat(1, 2, 1), v.repeat(1, 2, 1)  # heads 0 1 0 1, not 0 0 1 1
-        return A.per_document_attention(q, k, v, A.Packing(cu_q, max_q, int(cu_q[-1])), scale)
+        return A.per_document_attention(q, k, v, D.Packing(cu_q, max_q, int(cu_q[-1])), scale)
 
     monkeypatch.setattr(A, "_varlen_kernel", lambda: (kernel, frozenset({"scale", "window_size"})))
     A._varlen_native_gqa.cache_clear()
     try:
         lengths = CASES["short_and_long"]
         q, k, v = _qkv(sum(lengths))
-        packing = A.Packing(_cu(lengths), max(lengths), sum(lengths))
+        packing = D.Packing(_cu(lengths), max(lengths), sum(lengths))
         out = A._varlen_kernel_call(q, k, v, packing, 0.3)
         native = kernel_gqa == "takes"
         assert heads_seen[-1] == (2 if native else 4)  # the layer's own call, after the probe's

@@ -11,9 +11,9 @@ from hydra import compose, initialize_config_dir
 from areal_flow.graph import graph_from_config
 from areal_flow.launch import CONF_DIR
 from areal_flow.runtime.spec import RunSpec, typed
+from areal_flow.training.build import optim_spec
 from areal_flow.training.critic import CRITIC_DIR, CriticTrainer
 from areal_flow.training.torch_engine import TorchEngine
-from areal_flow.training.worker import optim_spec
 from areal_flow.transport.messages import Array, CriticBatch, SaveCheckpoint
 
 pytestmark = pytest.mark.slow  # 3-4 s of engines; tests/training/test_inference_worker.py imports the module in the fast tier

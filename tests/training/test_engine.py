@@ -16,7 +16,8 @@ from areal_flow.algorithms.library import aggregation
 from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig
-from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec, saved_layout
+from areal_flow.training.checkpoint_files import saved_layout
+from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec
 from areal_flow.training.torch_engine import TorchEngine
 
 

@@ -14,7 +14,8 @@ from engine_helpers import (EXACT, assert_decayed_matrices_only, full_weights, m
                             neg_mean_logprob, ppo_loss_fn, save_tiny_qwen2, zero_loss)
 from safetensors.torch import load_file, save_file
 
-from areal_flow.training.engine import TRAIN_STATE, CheckpointError, NonFiniteLoss, OptimSpec
+from areal_flow.training.checkpoint_files import TRAIN_STATE
+from areal_flow.training.engine import CheckpointError, NonFiniteLoss, OptimSpec
 from areal_flow.training.schedule import lr_factor
 from areal_flow.training.torch_engine import TorchEngine
 

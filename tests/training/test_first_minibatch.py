@@ -18,7 +18,7 @@ from areal_flow.config.schema import AlgorithmConfig
 from areal_flow.launch import CONF_DIR
 from areal_flow.training.engine import LOSS_SHARE_KEY, OptimSpec
 from areal_flow.training.torch_engine import TorchEngine
-from areal_flow.training.worker import train_update
+from areal_flow.training.updates import train_update
 
 PRESETS = ("grpo", "ppo", "gspo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "cispo")
 TOKEN_LEVEL_PPO = ("grpo", "ppo", "dapo", "dr_grpo", "rloo", "reinforce_pp")

@@ -253,7 +253,7 @@ def test_a_model_that_transforms_its_logits_takes_the_full_path(tmp_path):
     engine = TorchEngine(model_dir)
     assert engine._routable_head
     engine._model.config.final_logit_softcapping = 30.0  # as Gemma's
-    from areal_flow.training.torch_engine import routable_lm_head
+    from areal_flow.training.hf_model import routable_lm_head
 
     assert not routable_lm_head(engine._model)
     with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 0"):

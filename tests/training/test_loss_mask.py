@@ -16,7 +16,7 @@ from areal_flow.algorithms.inputs import train_inputs
 from areal_flow.config.schema import AlgorithmConfig, NormConfig
 from areal_flow.graph import build_graph
 from areal_flow.training.torch_engine import TorchEngine
-from areal_flow.training.worker import engine_data
+from areal_flow.training.updates import engine_data
 from areal_flow.transport.messages import Array, Finish, Sample
 
 PER_TOKEN = ("behav_logprobs", "lp_prox", "lp_ref")

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from areal_flow.graph import graph_from_config
 from areal_flow.launch import CONF_DIR
 from areal_flow.runtime.spec import RunSpec, typed
-from areal_flow.training.worker import make_engines
+from areal_flow.training.build import make_engines
 
 
 def rank_engines(model_dir: str, *overrides: str):
@@ -24,9 +24,9 @@ def rank_engines(model_dir: str, *overrides: str):
 def test_the_cpu_default_computes_in_float32_and_the_config_turns_on_bfloat16_and_checkpointing(tmp_path):
     model_dir = save_tiny_qwen2(tmp_path / "m")
     plain = rank_engines(model_dir)["actor"]
-    assert plain.device == torch.device("cpu") and not plain.bf16 and not plain.activation_checkpointing
+    assert plain.device == torch.device("cpu") and not plain.options.bf16 and not plain.options.activation_checkpointing
     mixed = rank_engines(model_dir, "training.dtype=bfloat16", "training.activation_checkpointing=true")["actor"]
-    assert mixed.bf16 and mixed.activation_checkpointing
+    assert mixed.options.bf16 and mixed.options.activation_checkpointing
     seqs = make_seqs(0, 4)
     stats = mixed.train_step(seqs, {}, neg_mean_logprob)
     assert np.isfinite(stats["loss"])
@@ -38,7 +38,7 @@ def test_the_cpu_default_computes_in_float32_and_the_config_turns_on_bfloat16_an
 @pytest.mark.gpu
 def test_on_cuda_the_rank_places_its_weights_and_optimizer_state_on_its_gpu_in_bfloat16_compute(tmp_path):
     engine = rank_engines(save_tiny_qwen2(tmp_path / "m"), "cluster.device_type=cuda")["actor"]
-    assert engine.device == torch.device("cuda", 0) and engine.bf16
+    assert engine.device == torch.device("cuda", 0) and engine.options.bf16
     engine.train_step(make_seqs(0, 4), {}, neg_mean_logprob)
     state = engine._optimizer.state
     assert state and all(v.device.type == "cuda" for s in state.values() for v in s.values() if v.dim() > 0)

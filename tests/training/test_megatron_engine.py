@@ -17,7 +17,8 @@ from engine_helpers import (EXACT, assert_all_close, assert_decayed_matrices_onl
                             zero_loss)
 
 from areal_flow.graph.layout import Layout, layout_problems, parse_layout
-from areal_flow.training.engine import TRAIN_STATE, CheckpointError
+from areal_flow.training.checkpoint_files import TRAIN_STATE
+from areal_flow.training.engine import CheckpointError
 from areal_flow.training.megatron import convert
 from areal_flow.training.torch_engine import TorchEngine
 

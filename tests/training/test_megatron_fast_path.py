@@ -42,7 +42,9 @@ def _assert_same_training(got: list[dict], want: list[dict]) -> None:
 
 def _main_weights_numel(engine) -> int:
     """Elements of the weights this rank's optimizer updates (its fp32 main weights)."""
-    return sum(p.numel() for inner in engine._inner_optimizers() for group in inner.optimizer.param_groups
+    from areal_flow.training.megatron.optimizer import inner_optimizers
+
+    return sum(p.numel() for inner in inner_optimizers(engine._optimizer) for group in inner.optimizer.param_groups
                for p in group["params"])
 
 
@@ -51,6 +53,7 @@ def _main_weights_numel(engine) -> int:
 
 def _distributed_optimizer_rank(rank, model_dir, out_dir):
     from areal_flow.training.megatron.engine import MegatronEngine
+    from areal_flow.training.megatron.optimizer import inner_optimizers
 
     make = lambda **kw: MegatronEngine(model_dir, micro_batch_tokens=MBT, **CLIPPED, **kw)  # noqa: E731
     default, sharded = make(), make(distributed_optimizer=True)
@@ -66,7 +69,7 @@ def _distributed_optimizer_rank(rank, model_dir, out_dir):
     # weights sharded; near the fp32 path, and a non-finite step changes nothing on any rank.
     bf16 = make(distributed_optimizer=True, bf16=True)
     assert {p.dtype for p in bf16._gpt.parameters()} == {torch.bfloat16}
-    assert {p.dtype for inner in bf16._inner_optimizers() for g in inner.optimizer.param_groups
+    assert {p.dtype for inner in inner_optimizers(bf16._optimizer) for g in inner.optimizer.param_groups
             for p in g["params"]} == {torch.float32}
     low = _train(bf16)
     assert all(g["loss"] == pytest.approx(w["loss"], rel=0.02) for g, w in zip(low, want))

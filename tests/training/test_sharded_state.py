@@ -10,7 +10,8 @@ import torch.distributed as dist
 from engine_helpers import (EXACT, full_weights, make_seqs, make_token_data, ppo_loss_fn, run_ranks, save_tiny_qwen2,
                             tiny_tokenizer)
 
-from areal_flow.training.engine import RANK_RNG, RESUMABLE_META, SHARDED_STATE, TRAIN_STATE, CheckpointError
+from areal_flow.training.checkpoint_files import RANK_RNG, RESUMABLE_META, SHARDED_STATE, TRAIN_STATE
+from areal_flow.training.engine import CheckpointError
 from areal_flow.training.torch_engine import TorchEngine
 
 MBT = 32

@@ -5,8 +5,9 @@ import numpy as np
 
 from areal_flow.algorithms.inputs import TrainInputs
 from areal_flow.config.schema import AlgorithmConfig, RunConfig
+from areal_flow.training.build import optim_spec
 from areal_flow.training.engine import LOSS_MASK_KEY, LOSS_SHARE_KEY
-from areal_flow.training.worker import engine_data, minibatches, optim_spec
+from areal_flow.training.updates import engine_data, minibatches
 
 
 def algo(**changes) -> AlgorithmConfig:

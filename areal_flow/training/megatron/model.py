@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel for a Hugging Face Qwen2/Llama-family config, with a fast core attention.
+"""A megatron-core GPTModel for a Hugging Face Qwen2/Llama-family config, with a fast core attention,
+and megatron's process groups it is built in (`init_parallel`).
 
 The layer spec is megatron's local spec (no TransformerEngine) with one change: its core attention
 is `SDPACoreAttention`, which calls `F.scaled_dot_product_attention` (causal, grouped-query). The
@@ -15,7 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -25,10 +28,30 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from transformers import PretrainedConfig
 
+from areal_flow.graph.layout import Layout
 from areal_flow.training import attention as packed_attention
+from areal_flow.training import documents
 
 SUPPORTED = ("qwen2", "llama")
 """Hugging Face model_type values the converter knows (Qwen2: q/k/v biases; Llama: none)."""
+
+
+def init_parallel(tp: int, pp: int) -> Layout:
+    """Megatron's process groups over the default group (dp = world / (tp·pp)); once per process,
+    and a second call must ask for the same layout."""
+    if not dist.is_initialized():
+        raise RuntimeError("the megatron engine needs torch.distributed initialised first (every rank of the layout)")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"tp·pp = {tp}·{pp} does not divide the {world} ranks of the process group")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"this process already holds megatron layout tp={have[0]} pp={have[1]}; "
+                             f"every model role on one mesh must use one layout (asked tp={tp} pp={pp})")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return Layout(dp=world // (tp * pp), tp=tp, pp=pp)
 
 
 def check_hf_config(hf: PretrainedConfig, source: str) -> None:
@@ -151,7 +174,7 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [s, b, h*d]
 
 
-def thd_packing(params: PackedSeqParams, total: int, implementation: str) -> packed_attention.Packing:
+def thd_packing(params: PackedSeqParams, total: int, implementation: str) -> documents.Packing:
     """The `Packing` of a THD micro-batch, built by its first layer and kept on its PackedSeqParams
     (one object per micro-batch forward) for the others."""
     cache = params.__dict__.setdefault("_areal_packing", {})
@@ -160,7 +183,7 @@ def thd_packing(params: PackedSeqParams, total: int, implementation: str) -> pac
         max_len = params.max_seqlen_q
         if max_len is None:
             max_len = int((cu[1:] - cu[:-1]).max())
-        cache[implementation] = packed_attention.packing_from_cu_seqlens(cu, int(max_len), total, implementation)
+        cache[implementation] = documents.packing_from_cu_seqlens(cu, int(max_len), total, implementation)
     return cache[implementation]
 
 

@@ -1,0 +1,231 @@
+"""The torch engine's weights out and in: export to the generation servers, Hugging Face
+directories with or without training state, and resumable checkpoints of sharded state.
+
+Under FSDP2 the full weights are gathered onto rank 0 (which writes) while a resumable checkpoint
+has every rank write its own shards of the model and optimizer state with
+`torch.distributed.checkpoint`: no rank ever holds the whole optimizer state. checkpoint_files.py
+names the files; docs/architecture.md ("Training engines") has the contract.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
+
+from areal_flow.runtime.disk import torch_save
+from areal_flow.training.checkpoint_files import (
+    RANK_RNG,
+    RESUMABLE_META,
+    SavedLayout,
+    atomic_write_dir,
+    check_hf_checkpoint,
+    check_sharded_state,
+    read_rank_rng,
+    read_resumable_meta,
+    read_sharded_state,
+    read_train_state,
+    saved_layout,
+    write_hf_files,
+    write_like,
+    write_sharded_state,
+)
+from areal_flow.training.engine import CheckpointError, EngineBase, bucketed
+from areal_flow.training.hf_model import whole
+
+
+class TorchCheckpoints(EngineBase):
+    """The checkpoint half of TorchEngine, which sets what it reads: `_model` (FSDP2-sharded under a
+    process group), `_optimizer` and `_scheduler` (None: a frozen role), `_group`, `rank`, `device`,
+    and the two fields of the generation layout's cache."""
+
+    _model: torch.nn.Module
+    _optimizer: torch.optim.Optimizer | None
+    _scheduler: torch.optim.lr_scheduler.LambdaLR | None
+    _group: dist.ProcessGroup | None
+    _weight_names: list[str]  # tied weights once, as saved
+    _generation_layout: SavedLayout | None  # what the first save_weights wrote (rank 0)
+    _layout_checked: bool
+    device: torch.device
+    rank: int
+
+    # ------------------------------------------------------------------ weights out
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on the CPU under Hugging Face names; collective under FSDP, where only
+        rank 0 gets them (the others get {})."""
+        if self._group is None:
+            return {k: v.detach().cpu() for k, v in self._model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full weights under Hugging Face names (tied weights once), in buckets of at most
+        `bucket_bytes` (a larger tensor travels alone), on every rank: for in-memory transfer to
+        generation servers. Collective under FSDP: every rank must consume the whole iterator."""
+        return bucketed(((name, whole(p.detach())) for name, p in self._model.named_parameters()), bucket_bytes)
+
+    def save_weights(self, path: str) -> None:
+        """The current weights as a Hugging Face directory at `path` (atomically), for generation.
+        Collective: every rank calls it; rank 0 writes.
+
+        The first call writes through `save_pretrained`; the later ones write the same files again
+        from what it wrote (the config files' bytes, the same tensor names) with safetensors
+        directly. This runs on the trainer's path every step: `save_pretrained` spends 7 ms of a
+        600k-parameter model's 10 ms converting names and serialising the config each time
+        (docs/benchmarks.md). A model whose tensors `save_pretrained` renames keeps it."""
+        state = self._full_state_dict()
+        if self.rank == 0:
+            layout = self._generation_layout
+            if layout is not None:
+                atomic_write_dir(path, lambda tmp: write_like(tmp, layout, {n: state[n] for n in self._weight_names}))
+            else:
+                atomic_write_dir(path, lambda tmp: self._model.save_pretrained(tmp, state_dict=state))
+                if not self._layout_checked:
+                    self._generation_layout = saved_layout(path, self._weight_names)
+                    self._layout_checked = True
+        self._barrier()  # no rank goes on before the directory exists
+
+    def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A Hugging Face directory (weights, config, tokenizer) without training state."""
+        self._save(path, tokenizer, with_train_state=False)
+
+    def save(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A Hugging Face directory at `path` (atomically: a failure leaves the previous one) with
+        TRAIN_STATE beside the weights: optimizer, LR schedule, each rank's RNG state, version.
+        Collective: every rank calls it; rank 0 writes."""
+        self._save(path, tokenizer, with_train_state=self._optimizer is not None)
+
+    def _save(self, path: str, tokenizer: PreTrainedTokenizerBase | None, with_train_state: bool) -> None:
+        state = self._full_state_dict()
+        train_state = self._train_state() if with_train_state else None
+        if self.rank == 0:
+            atomic_write_dir(path, partial(write_hf_files, write_weights=self._weights_writer(state),
+                                           tokenizer=tokenizer, train_state=train_state))
+        self._barrier()  # no rank goes on before the checkpoint exists
+
+    def _weights_writer(self, state: dict[str, torch.Tensor]):
+        return lambda folder: self._model.save_pretrained(folder, state_dict=state)
+
+    def _train_state(self) -> dict:
+        rng = self._rng_state()
+        rngs = [rng]
+        if self._group is not None:
+            rngs = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(rngs, rng, group=self._group)
+        # cpu_offload gathers onto rank 0 only, which needs a process group.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self._group is not None)
+        optimizer = get_optimizer_state_dict(self._model, self._optimizer, options=options)
+        return {"optimizer": optimizer, "scheduler": self._scheduler.state_dict(), **self._counters(), "rng": rngs}
+
+    def _sharded_state(self) -> dict:
+        """Model and optimizer state under Hugging Face names, as this rank holds them (DTensor
+        shards under FSDP2): what `torch.distributed.checkpoint` saves and loads into, in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self._optimizer is None:
+            return {"model": get_model_state_dict(self._model)}
+        model, optimizer = get_state_dict(self._model, self._optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def _rng_state(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    def _set_rng_state(self, rng: dict) -> None:
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def save_resumable(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """A resumable checkpoint in the folder `path` (the caller's temporary one, renamed when
+        every rank is done, so it is written in place): the Hugging Face weights (and `tokenizer`)
+        by rank 0, for the generation servers; SHARDED_STATE, the model and optimizer state written
+        with `torch.distributed.checkpoint`, each rank its own shards (no rank holds the whole
+        optimizer state); RANK_RNG by each rank; RESUMABLE_META by rank 0. Collective: every rank
+        calls it and returns once all have written."""
+        weights = self._full_state_dict()  # rank 0 only: the weights, never the optimizer state
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            write_hf_files(path, self._weights_writer(weights), tokenizer)
+        del weights
+        write_sharded_state(path, self._sharded_state(), self._group, alone=self._group is None)
+        torch_save(self._rng_state(), os.path.join(path, RANK_RNG.format(rank=self.rank)))
+        if self.rank == 0:
+            torch_save({"engine": "torch", "world_size": self._world_size, **self._counters(),
+                        "scheduler": None if self._scheduler is None else self._scheduler.state_dict()},
+                       os.path.join(path, RESUMABLE_META))
+        self._barrier()  # no rank goes on before the checkpoint is whole
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._group is None else dist.get_world_size(self._group)
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    # ------------------------------------------------------------------ weights in
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by `save` (or any Hugging Face directory of this model's shape):
+        the weights, and the training state when the directory has one and this role trains.
+        Collective under FSDP. A missing or misshapen tensor fails naming it; nothing is changed then."""
+        check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in self._model.named_parameters()})
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            weights.update(load_file(os.path.join(path, name)))
+        train_state = read_train_state(path) if self._optimizer is not None else None
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        set_model_state_dict(self._model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        if train_state is not None:
+            set_optimizer_state_dict(self._model, self._optimizer, train_state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            self._scheduler.load_state_dict(train_state["scheduler"])
+            self._restore_counters(train_state)
+            rngs = train_state["rng"]
+            if len(rngs) == self._world_size:
+                self._set_rng_state(rngs[self.rank])
+
+    def load_resumable(self, path: str) -> None:
+        """Load a checkpoint written by `save_resumable`, at any number of ranks: the sharded
+        model and optimizer state (torch.distributed.checkpoint reshards it onto this data-parallel
+        size; each rank reads only what it holds), the LR schedule, version, non-finite count and
+        extra state, and this rank's RNG when the number of ranks is the saved one. Collective
+        under FSDP. A missing file or tensor, or a tensor of another shape, fails naming it
+        before anything is changed."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        meta = read_resumable_meta(path, "torch")
+        trains = self._optimizer is not None
+        if trains and meta.get("scheduler") is None:
+            raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: a frozen role's checkpoint has no "
+                                  "optimizer state to train on from")
+        rng = read_rank_rng(path, self.rank) if meta["world_size"] == self._world_size else None
+        state = self._sharded_state()  # for a fresh optimizer, its state initialised by a step at lr 0
+        check_sharded_state(path, state)
+        read_sharded_state(path, state, self._group, alone=self._group is None)
+        if trains:
+            set_state_dict(self._model, self._optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+            self._scheduler.load_state_dict(meta["scheduler"])
+            self._restore_counters(meta)
+        else:
+            set_model_state_dict(self._model, state["model"])
+            self.version = meta["version"]
+            self.extra_state = dict(meta.get("extra", {}))
+        if rng is not None:
+            self._set_rng_state(rng)
