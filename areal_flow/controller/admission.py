@@ -17,7 +17,7 @@ from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.state import RunState
-from areal_flow.transport.messages import AdmitRequest, PromptGroup
+from areal_flow.transport.messages import DROP, AdmitRequest, PromptGroup
 
 log = logging.getLogger("areal_flow.controller")
 
@@ -87,7 +87,13 @@ class Admission:
         state.running_prompts[gid] = self.prompts.next_index()
         return gid, staleness.admit(gid), {}
 
-    def release(self, group_id: int) -> bytes:
-        """A group is scored or dropped: its slot is free again. The worker that ran it."""
+    def routed(self, group_id: int, rank: int) -> dict[bytes, list[int]]:
+        """A group is scored and routed to `rank` (or DROP): its slot is free again. A dropped
+        group's copy may go (the worker that ran it -> [it]); a routed one's is kept until a step
+        trains it (in_transit.py)."""
         self.state.running_prompts.pop(group_id, None)
-        return self.slots.release(group_id)
+        owner = self.slots.release(group_id)
+        if rank == DROP:
+            return {owner: [group_id]}
+        self.in_transit.routed(group_id, rank, owner)
+        return {}

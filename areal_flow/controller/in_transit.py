@@ -12,7 +12,12 @@ group that arrives twice (training/worker.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+from areal_flow.transport.messages import DROP
+
+log = logging.getLogger("areal_flow.controller")
 
 
 @dataclass
@@ -24,10 +29,15 @@ class InTransit:
     def routed(self, group_id: int, rank: int, owner: bytes) -> None:
         self.routes[group_id] = (rank, owner)
 
-    def rank_again(self, group_id: int) -> int | None:
-        """The rank a second copy of `group_id` goes to, or None when it is not in transit."""
-        route = self.routes.get(group_id)
-        return None if route is None else route[0]
+    def again(self, group_id: int) -> int:
+        """Where a copy of a group no longer running goes: the rank it was routed to while it is in
+        transit, else nowhere (DROP: it was trained, or dropped, already)."""
+        if (route := self.routes.get(group_id)) is None:
+            log.error("controller: group %d is not running (a duplicate?), dropped", group_id)
+            return DROP
+        log.warning("controller: group %d scored again after a reward worker restarted: routed to trainer rank %d "
+                    "again (a rank holding it drops the copy)", group_id, route[0])
+        return route[0]
 
     def trained(self, group_ids) -> dict[bytes, list[int]]:
         """The groups a step trained leave transit: rollout worker -> the copies it may let go."""

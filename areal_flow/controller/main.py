@@ -54,7 +54,7 @@ from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rollout.agent import runner_of
 from areal_flow.runtime.spec import RunSpec, read_spec
 from areal_flow.transport.channels import make_socket, send_to
-from areal_flow.transport.messages import (DROP, AdmitRequest, Admitted, GroupMeta, Hello, Joined, Ready, Released, Resend,
+from areal_flow.transport.messages import (AdmitRequest, Admitted, GroupMeta, Hello, Joined, Ready, Released, Resend,
                                            Route, Saved, StepDone, WeightsPublished)
 from areal_flow.weights.files import record_loaded
 
@@ -152,22 +152,12 @@ class Controller:
             self.step_metrics.traffic.report(proc, n)
         if self.resize.hold(ident, meta):  # the trainer ranks are being resized: routed once they are
             return
-        if meta.group_id not in self.staleness.running:
-            if (rank := self.admission.in_transit.rank_again(meta.group_id)) is not None:
-                log.warning("controller: group %d scored again after a reward worker restarted: routed to trainer "
-                            "rank %d again (a rank holding it drops the copy)", meta.group_id, rank)
-                await self.mailbox.send(ident, Route(meta.group_id, rank))
-                return
-            log.error("controller: group %d is not running (a duplicate?), dropped", meta.group_id)
-            await self.mailbox.send(ident, Route(meta.group_id, -1))
+        if meta.group_id not in self.staleness.running:  # a copy, after a reward worker restarted
+            await self.mailbox.send(ident, Route(meta.group_id, self.admission.in_transit.again(meta.group_id)))
             return
         rank = self.outcomes.decide(meta)
-        owner = self.admission.release(meta.group_id)
         await self.mailbox.send(ident, Route(meta.group_id, rank))
-        if rank == DROP:
-            await self.mailbox.send(owner, Released([meta.group_id]))  # its copy is no longer needed
-        else:  # kept until a step trains it: its reward worker may die before it sends it on
-            self.admission.in_transit.routed(meta.group_id, rank, owner)
+        await self.release(self.admission.routed(meta.group_id, rank))
         self.changed.set()
 
     async def release(self, copies: dict[bytes, list[int]]) -> None:

@@ -9,7 +9,7 @@ from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.controller.state import RunState
-from areal_flow.transport.messages import AdmitRequest
+from areal_flow.transport.messages import DROP, AdmitRequest
 
 ROWS = [{"id": f"p{i}", "prompt": f"question {i}", "answer": str(i), "topic": f"t{i}"} for i in range(6)]
 
@@ -49,7 +49,7 @@ def test_a_restarted_workers_groups_go_first_then_a_resumed_runs_in_order(tmp_pa
     adm.joined(b"w0", AdmitRequest("rollout0", 2))
     assert [g.group_id for g in adm.grant()[b"w0"]] == [7, 5]  # resumed, in the order given
     adm.state.staleness.finish(7)  # 7 came back; 5 is still running on w0
-    adm.release(7)
+    adm.routed(7, 0)
     adm.joined(b"w0", AdmitRequest("rollout0", 2))  # w0 restarted: 5 is generated again, still admitted
     assert adm.regenerate == [5] and adm.slots.free == {b"w0": 2} and adm.slots.owner == {}
     granted = adm.grant()[b"w0"]
@@ -72,6 +72,18 @@ def test_judges_get_the_raw_fields_they_read_and_a_closing_run_admits_nothing(tm
     adm.joined(b"w0", AdmitRequest("rollout0", 1))
     (group,) = adm.grant()[b"w0"]
     assert group.raw == {"topic": f"raw{adm.state.running_prompts[group.group_id]}"}
-    assert adm.release(group.group_id) == b"w0" and group.group_id not in adm.state.running_prompts
+    assert adm.routed(group.group_id, DROP) == {b"w0": [group.group_id]}  # a dropped group's copy may go
+    assert group.group_id not in adm.state.running_prompts and adm.slots.free == {b"w0": 1}
     adm.closing = True
     assert adm.grant() == {}
+
+
+def test_a_routed_groups_copy_is_kept_until_a_step_trains_it(tmp_path):
+    adm, _ = admission(tmp_path)
+    adm.joined(b"w0", AdmitRequest("rollout0", 2))
+    (a, b) = adm.grant()[b"w0"]
+    assert adm.routed(a.group_id, 1) == {} and adm.in_transit.again(a.group_id) == 1  # a copy goes to rank 1
+    assert adm.routed(b.group_id, 0) == {}
+    assert adm.in_transit.trained([a.group_id]) == {b"w0": [a.group_id]}
+    assert adm.in_transit.again(a.group_id) == DROP  # trained: a copy is a duplicate
+    assert adm.in_transit.all_held() == {b"w0": [b.group_id]} and adm.in_transit.routes == {}
