@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slow
 
 def test_random_kills_lose_and_duplicate_nothing(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    # Two kills must land before the run ends: a kill every 1-2 s once the first checkpoint exists.
+    # Two kills must land before the run ends: a kill every 0.5-1.5 s once the first checkpoint
+    # exists (every 1-2 s, a run of 20 steps once ended after the first).
     steps = 20
-    figures = chaos.chaos(str(run_dir), kills=2, steps=steps, seed=3, every=(1.0, 2.0),
+    figures = chaos.chaos(str(run_dir), kills=2, steps=steps, seed=3, every=(0.5, 1.5),
                           overrides=[f"cache_dir={run_cache}", "model.bootstrap_steps=30"], timeout=300,
                           console=Console(quiet=True))
     out = (run_dir / "launcher.out").read_text()
