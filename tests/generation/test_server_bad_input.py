@@ -267,6 +267,7 @@ def test_the_limit_is_generation_max_request_bytes_through_the_server_command_li
         assert status == 200, answer
 
 
+@pytest.mark.slow  # tokenizing 10.5 MB takes seconds and some 4 GB
 def test_health_and_a_decoding_request_are_answered_while_huge_and_deep_bodies_are_handled(chat_server, client,
                                                                                              monkeypatch):
     """A 10.5 MB chat message is tokenized (and refused: over the context) while a body over the limit,
