@@ -134,8 +134,9 @@ class Controller:
 
     async def reward_joined(self, ident: bytes, msg: Joined) -> None:
         """A reward worker starts. Once the launcher restarted it, the groups it held are lost: every
-        rollout worker sends the generated groups it still keeps again (a copy scored twice is
-        refused the second time, as not running)."""
+        rollout worker sends the generated groups it still keeps again: a copy of a group routed but
+        not yet trained goes to its rank again, any other copy of a group no longer running is
+        dropped (in_transit.py)."""
         if self.peers.joined(msg):
             log.warning("controller: %s restarted; the rollout workers send their unrouted groups again", msg.worker)
             for worker in self.admission.slots.free:

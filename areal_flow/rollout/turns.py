@@ -96,7 +96,7 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
     rewards: list[float | None] = []  # each turn's reward from the environment (None: it gave none)
     try:
         while trajectory.calls < max_turns:
-            room = token_budget - len(trajectory.tokens)
+            room = token_budget - trajectory.n_tokens
             if room <= 0:
                 end = "budget"
                 break
@@ -120,7 +120,7 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
             if trajectory.calls == max_turns:
                 break  # no turn would read the observation
             observation = tokenizer.encode(step.observation, add_special_tokens=False) if step.observation else []
-            if len(trajectory.tokens) + len(observation) >= token_budget:
+            if trajectory.n_tokens + len(observation) >= token_budget:
                 end = "observation_too_long"
                 break
             trajectory.observe(observation)

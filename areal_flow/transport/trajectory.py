@@ -38,6 +38,12 @@ class Trajectory:
         return self.prompt_ids + self.output_ids
 
     @property
+    def n_tokens(self) -> int:
+        """Its tokens, prompt included, without building the list `tokens` is (a property, not
+        __len__: an empty trajectory stays truthy)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def calls(self) -> int:
         """The policy's answers in it: turns, or an agent's calls."""
         return len(self.answer_starts)
