@@ -19,6 +19,7 @@ from rich.console import Console
 
 from areal_flow.generation.client.membership import read_membership, servers_file
 from areal_flow.launchers.elastic import ScaleRefused, judge_of, parse_change, results, running, submit, target_size
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import read_spec
 
 
@@ -33,7 +34,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def request(run_dir: str, change: str) -> str:
     """Check the command and hand it to the launcher: its request id. ScaleRefused, run unchanged."""
-    if not os.path.isfile(os.path.join(run_dir, "spec.json")):
+    if not os.path.isfile(os.path.join(run_dir, rd.SPEC)):
         raise ScaleRefused(f"{run_dir} is not a run directory (it has no spec.json)")
     if not running(run_dir):
         raise ScaleRefused(f"the run in {run_dir} is not running (no launcher holds it): scale a live run, or "

@@ -22,6 +22,10 @@ def rows(cls, prefix: str = ""):
         args = typing.get_args(kind)
         # A dict of dataclasses: by its annotation, or by `element` where it is typed Any (the graph).
         element = f.metadata.get("element") or (args[1] if typing.get_origin(kind) is dict and args else None)
+        if isinstance(element, dict):  # a dict of configs typed by a key's value: the graph's nodes by type
+            yield key, "dict", {}, f.metadata.get("help", "")
+            yield from kind_rows(element, key + ".")
+            continue
         if dataclasses.is_dataclass(element):
             yield key, "dict", {}, f.metadata.get("help", "")
             yield from rows(element, key + ".<name>.")  # e.g. the graph's nodes
@@ -29,6 +33,20 @@ def rows(cls, prefix: str = ""):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         name = getattr(kind, "__name__", str(kind).replace("typing.", ""))
         yield key, name, default, f.metadata.get("help", "")
+
+
+def kind_rows(kinds: dict, prefix: str):
+    """The keys every kind has (`graph.<name>.type`: their common base), then each kind's own
+    (`graph.<reward>.fn`: the types that have it in place of <name>)."""
+    first = next(iter(kinds.values()))
+    base = next(c for c in first.__mro__ if all(issubclass(other, c) for other in kinds.values()))
+    yield from rows(base, prefix + "<name>.")
+    common = {f.name for f in dataclasses.fields(base)}
+    for cls in dict.fromkeys(kinds.values()):
+        types = "/".join(t for t, c in kinds.items() if c is cls)
+        for key, name, default, help_ in rows(cls, f"{prefix}<{types}>."):
+            if key.rsplit(".", 1)[1] not in common:
+                yield key, name, default, help_
 
 
 PROSE = """\

@@ -14,6 +14,7 @@ import yaml
 from areal_flow.advise.costs import AdviseError
 from areal_flow.graph.mesh import parse_mesh
 from areal_flow.metrics.writer import read_metrics
+from areal_flow.runtime import run_dir as rd
 
 EMBEDDED_MAX_BATCH = 128
 """The embedded engine's max_batch_size when generation.max_batch_size is null (generation/engine/options.py)."""
@@ -63,7 +64,7 @@ def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
 def read_run(path: str | Path) -> RunFacts:
     """The settings (config.yaml, else the metrics' start row) and step rows of one run directory."""
     path = Path(path)
-    metrics_file = path / "metrics.jsonl"
+    metrics_file = path / rd.METRICS
     if not metrics_file.is_file():
         raise AdviseError(f"--from-run: {str(path)!r} has no metrics.jsonl")
     try:
@@ -76,8 +77,8 @@ def read_run(path: str | Path) -> RunFacts:
         raise AdviseError(f"--from-run: {str(metrics_file)!r} has {len(steps) + 1 if steps else 0} step rows; "
                           "at least 3 are needed (the first includes start-up)")
     cfg: dict = {}
-    if (path / "config.yaml").is_file():
-        cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    if (path / rd.CONFIG).is_file():
+        cfg = yaml.safe_load((path / rd.CONFIG).read_text()) or {}
     nodes = _get(cfg, "graph", {}) or {}
     judges = [name for name, n in nodes.items() if isinstance(n, dict) and n.get("role") == "judge"]
     if judges:  # its group's deliver time would hold the judge's answers, which the model does not cost
@@ -107,7 +108,7 @@ def read_run(path: str | Path) -> RunFacts:
         ppo_epochs=int(_get(cfg, "algorithm.ppo_epochs", 1) or 1),
         trainer_waits=_get(cfg, "rollout.weight_update_mode", "disk") in ("distributed", "ipc"),  # the trainer sends
         colocated=bool(gen_placed) and gen_placed == train_placed,  # Graph.colocated's rule
-        **_read_ledger(path / "ledger.jsonl"),
+        **_read_ledger(path / rd.LEDGER),
     )
 
 

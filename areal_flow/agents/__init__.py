@@ -2,12 +2,13 @@
 
 - `gateway.py`: OpenAI's endpoints in front of the generation servers, one base URL per rollout,
   recording every call's exact tokens; `sse.py` streams a whole answer back to an agent that asked
-  for a stream, `resume.py` carries an answer a weight update cut on to its end, and
+  for a stream, `resume.py` is the OpenAI wire's side of carrying an answer a weight update cut on to its end
+  (generation/client/carry_on.py, the loop `/generate` samples use too), and
   `sglang_wire.py` asks SGLang for the same token fields the embedded server returns.
 - `trajectories.py`: the recorder that links a rollout's calls into trajectories, token for token,
   and counts drift.
 - `check_template.py`: does a model's chat template keep the tokens of a multi-turn conversation?
+- `runner.py`: the runner that calls an agent for each rollout, beside its gateway; the rollout
+  worker picks it (rollout/runners.py) for a generate node that names an agent.
 - `examples/`: agents the recipes name.
-
-The runner that calls an agent for each rollout is `rollout/agent.py`.
 """

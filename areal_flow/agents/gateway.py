@@ -19,7 +19,7 @@ policy's logprobs at the run's temperature, so an agent may not sample at anothe
 agent sets none, the answer budget and a seed of its own for each call.
 
 Starlette on uvicorn, served from the caller's event loop (`start`); the agent runner's clients
-call the app in process (rollout/agent.py).
+call the app in process (agents/runner.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from areal_flow.agents import resume, sglang_wire, sse
 from areal_flow.agents.trajectories import Recorder
+from areal_flow.generation.client.carry_on import Piece, carry_on
 from areal_flow.generation.client.generation_client import GenerationError
 from areal_flow.generation.client.router import ServerPool, ServerPoolError
 
@@ -199,21 +200,19 @@ class Gateway:
         whole = msgspec.json.decode(data)
         prompt = whole["prompt_token_ids"]
         for index, choice in enumerate(whole["choices"]):
-            resumes = 0
-            while resume.cut(choice) and resume.budget_left(body, choice) != 0 and resumes < resume.MAX_RESUMES:
-                if self.require_open and key not in self.sampling:
-                    break  # the rollout ended: nothing will read the rest
-                rest = resume.continuation(body, prompt, index, choice)
-                rest = msgspec.json.encode(sglang_wire.ask(rest) if self.sglang else rest)
-                more = await self._post("/v1/completions", rest, key, None)
-                resume.stitch(choice, msgspec.json.decode(more)["choices"][0])
-                resumes += 1
-            if resume.cut(choice) and resume.budget_left(body, choice) == 0:
-                choice["finish_reason"] = "length"  # cut at its last token: a truncation like any other
-            elif not resumes:
-                continue
-            whole["choices"][index] = {**resume.rederived(body, path.endswith("chat/completions"), index, choice,
-                                                          whole["model"], self.tokenizer), "resumes": resumes}
+            async def ask(so_far: Piece, left: int | None, index: int = index) -> Piece:
+                rest = resume.continuation(body, prompt, index, so_far.token_ids, left)
+                more = await self._post("/v1/completions", msgspec.json.encode(sglang_wire.ask(rest) if self.sglang
+                                                                               else rest), key, None)
+                return resume.piece(msgspec.json.decode(more)["choices"][0])
+
+            got, resumes = await carry_on(resume.piece(choice), resume.budget(body), ask, limit=resume.MAX_RESUMES,
+                                          going=lambda: not self.require_open or key in self.sampling)
+            if got.finish == choice["finish_reason"] and not resumes:
+                continue  # not cut, or cut and left so (the rollout ended)
+            whole["choices"][index] = {**resume.rederived(body, path.endswith("chat/completions"), index,
+                                                          resume.stitched(choice, got), whole["model"],
+                                                          self.tokenizer), "resumes": resumes}
             self.recorders.setdefault(key, Recorder()).resumes += resumes
         if isinstance(whole.get("usage"), dict):
             completion = sum(len(c["token_ids"]) for c in whole["choices"])

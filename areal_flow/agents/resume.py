@@ -1,5 +1,6 @@
-"""An agent's answer that a weight update cut short, carried on to its end: what the gateway does
-with a choice that comes back `finish_reason: abort` (an interruptible run's update, docs/agents.md).
+"""An agent's answer that a weight update cut short, carried on to its end: the OpenAI wire's side of
+generation/client/carry_on.py, for a choice that comes back `finish_reason: abort` (an interruptible
+run's update, docs/agents.md).
 
 The call cannot be sent again as it was: the tokens so far are the policy's, kept with their
 logprobs and versions, as the rollout worker keeps a `/generate` sample's (rollout/requests.py).
@@ -16,32 +17,42 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_flow.generation.client.carry_on import Piece
+
+END_FIELDS = ("matched_stop", "weight_version")
+"""A choice's fields that come from the piece that ended it."""
+
 MAX_RESUMES = 16
 """Continuations one choice may take; an answer cut more often than this stays cut (`abort`)."""
 
 
-def budget_left(body: dict, choice_: dict) -> int | None:
-    """Tokens the choice may still take (None: up to the model's context, the server's rule when
-    the call set no limit); 0 when it used its whole budget, so an abort there is a truncation."""
+def budget(body: dict) -> int | None:
+    """The call's token budget (None: up to the model's context, the server's rule when the call
+    set no limit)."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return None if limit is None else max(0, int(limit) - len(choice_["token_ids"]))
+    return None if limit is None else int(limit)
 
 
-def continuation(body: dict, prompt_ids: list[int], index: int, choice_: dict) -> dict:
-    """The `/v1/completions` body that asks for the rest of choice `index` of the call `body`."""
+def piece(choice_: dict) -> Piece:
+    """A choice of the embedded server's shape as a piece of an answer (generation/client/carry_on.py)."""
+    return Piece(list(choice_["token_ids"]), list(choice_["output_token_logprobs"]),
+                 list(choice_["output_token_versions"]), choice_["finish_reason"],
+                 {key: choice_.get(key) for key in END_FIELDS})
+
+
+def continuation(body: dict, prompt_ids: list[int], index: int, so_far: list[int], left: int | None) -> dict:
+    """The `/v1/completions` body that asks for the rest of choice `index` of the call `body`, the
+    tokens `so_far` generated and `left` tokens of budget left."""
     seed = body.get("seed")
-    return {"model": body["model"], "prompt": list(prompt_ids) + list(choice_["token_ids"]),
-            "max_tokens": budget_left(body, choice_), "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"), "stop": body.get("stop"), "n": 1,
+    return {"model": body["model"], "prompt": list(prompt_ids) + list(so_far), "max_tokens": left,
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stop": body.get("stop"), "n": 1,
             "seed": None if seed is None else seed + index}  # choice i of n draws from seed + i (the server's rule)
 
 
-def stitch(choice_: dict, more: dict) -> None:
-    """Append a continuation's tokens to the choice; its end becomes the choice's."""
-    for key in ("token_ids", "output_token_logprobs", "output_token_versions"):
-        choice_[key] = list(choice_[key]) + list(more[key])
-    for key in ("finish_reason", "matched_stop", "weight_version"):
-        choice_[key] = more.get(key)
+def stitched(choice_: dict, whole: Piece) -> dict:
+    """The choice with the whole answer's tokens and end in place of its own."""
+    return {**choice_, "token_ids": whole.token_ids, "output_token_logprobs": whole.logprobs,
+            "output_token_versions": whole.versions, "finish_reason": whole.finish, **whole.end}
 
 
 def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tokenizer: Any) -> dict:
@@ -66,8 +77,3 @@ def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tok
                       tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
                       echo_usage=False, skip_special_tokens=body.get("skip_special_tokens", True) is not False)
     return choice(call, index, result, tokenizer)
-
-
-def cut(choice_: dict) -> bool:
-    """Whether a choice was cut by an interruption (not ended by a stop, its length or a tool call)."""
-    return choice_.get("finish_reason") == "abort"

@@ -82,7 +82,7 @@ def train_inputs(samples: list[Sample], key: KeyOf, algo: AlgorithmConfig, *, pr
     0 too: every statistic of the pipeline is over the policy's tokens alone. prox_logprobs are
     passed on only when `prox_source` is 'data' (the prox node's output is this step's π_prox).
     With an agent's `roles` (graph.<generate>.agent_roles), a group is that many blocks of samples,
-    one a role (rollout/agent.py: run_group), each normalised apart: a role's samples are compared
+    one a role (agents/runner.py: run_group), each normalised apart: a role's samples are compared
     with its own, never with another role's."""
     seqs = [(s.array(key("prompt_ids")), s.array(key("output_ids"))) for s in samples]
     truncated = [s.finish != Finish.STOP for s in samples]

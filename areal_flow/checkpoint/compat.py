@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from areal_flow.checkpoint import store
 from areal_flow.config.schema import node_config
 from areal_flow.graph.mesh import parse_mesh
+from areal_flow.runtime import run_dir as rd
 
 SAME = ("seed", "model", "dataset", "graph", "algorithm", "training.dtype")
 """Config keys (and everything under them) that a resumed run keeps: they change the math."""
@@ -77,7 +78,7 @@ def lr_schedule_changed(saved: dict, now: dict) -> str | None:
 
 
 def with_typed_graph(conf: dict) -> dict:
-    """`conf` with each graph node given NodeConfig's defaults: the config holds nodes as written,
+    """`conf` with each graph node given its kind's defaults (config/nodes.py): the config holds nodes as written,
     so a key written out at its default and one left out are the same node."""
     graph = {name: dataclasses.asdict(node_config(name, node)) for name, node in (conf.get("graph") or {}).items()
              if node is not None}
@@ -104,7 +105,7 @@ def moved_off_trainer(saved: dict, now: dict) -> list[str]:
 def check(checkpoint: str, cfg: DictConfig) -> None:
     """Raise ResumeError naming every key of the math that this run changes from `checkpoint`'s, or
     a node it moves off the trainer mesh."""
-    saved = with_typed_graph(OmegaConf.to_container(OmegaConf.load(os.path.join(checkpoint, "config.yaml")), resolve=True))
+    saved = with_typed_graph(OmegaConf.to_container(OmegaConf.load(os.path.join(checkpoint, rd.CONFIG)), resolve=True))
     now = with_typed_graph(OmegaConf.to_container(cfg, resolve=True))
     problems = changed_keys(saved, now)
     if (why := lr_schedule_changed(saved, now)) is not None:

@@ -17,13 +17,11 @@ import os
 import shutil
 import time
 
+from areal_flow.runtime import run_dir as rd
+
 log = logging.getLogger("areal_flow.checkpoint")
 
-CHECKPOINTS = "checkpoints"
-"""The run directory's folder of resumable checkpoints."""
-
-MANIFEST = "manifest.json"
-"""Written last: a checkpoint without it was never completed."""
+CHECKPOINTS, MANIFEST = rd.CHECKPOINTS, rd.MANIFEST
 
 FORMAT = 1
 """The layout of a checkpoint directory; a checkpoint of another format is refused by name."""
@@ -158,12 +156,12 @@ def rewind(run_dir: str, checkpoint: str | None) -> None:
     run state) and each trainer rank's trained-samples log (in the rank's own file). What a resumed
     run redoes is then logged once; the cut lines are kept aside."""
     lengths = {name: 0 for name in os.listdir(run_dir)
-               if name in ("ledger.jsonl", "metrics.jsonl") or (name.startswith("trained-rank") and
+               if name in (rd.LEDGER, rd.METRICS) or (name.startswith("trained-rank") and
                                                                  name.endswith(".jsonl") and "discarded" not in name)}
     if checkpoint is not None:
-        with open(os.path.join(checkpoint, "run_state.json")) as f:
+        with open(os.path.join(checkpoint, rd.RUN_STATE)) as f:
             state = json.load(f)
-        lengths["ledger.jsonl"], lengths["metrics.jsonl"] = state["ledger_bytes"], state["metrics_bytes"]
+        lengths[rd.LEDGER], lengths[rd.METRICS] = state["ledger_bytes"], state["metrics_bytes"]
         for entry in os.listdir(checkpoint):
             if entry.startswith("trainer-rank") and entry.endswith(".json"):
                 with open(os.path.join(checkpoint, entry)) as f:

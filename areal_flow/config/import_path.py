@@ -2,7 +2,7 @@
 path, 'package.module:function'.
 
 Losses, estimators and shapers (algorithms/registry.py), reward functions (rewards/service.py),
-environments (envs/registry.py) and agents (rollout/agent.py) are all named so, and resolved by
+environments (envs/registry.py) and agents (agents/runner.py) are all named so, and resolved by
 `resolve_named`; each caller says what its built-ins are and how its errors begin (the config key).
 """
 

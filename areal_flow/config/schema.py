@@ -9,26 +9,14 @@ launcher (`run/checks.py`), and the graph's rules in `graph/` (`dag.py: build_gr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 
-from areal_flow.config.validate import ConfigError
-
-
-def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, *, ge: float | None = None,
-        gt: float | None = None, le: float | None = None, choices: tuple | None = None) -> Any:
-    """A dataclass field with a one-line help text (shown by `tools/config_reference.py`) and its
-    allowed values: `ge`/`gt`/`le` bounds and `choices`; a null value is never range-checked."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("choices", choices)) if v is not None}
-    meta = {"help": help, **bounds}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+from areal_flow.config.fields import doc
+from areal_flow.config.nodes import NODE_CONFIGS, NodeConfig, node_config  # noqa: F401 - NodeConfig: the schema's
 
 
 @dataclass
@@ -40,94 +28,6 @@ class ClusterConfig:
     n_devices: int = doc(2, "devices on each node that meshes may use; node k holds devices k·n_devices .. "
                          "(k+1)·n_devices-1", ge=1)
     n_nodes: int = doc(1, "nodes (hosts) of the cluster; more than 1 with launcher.type=ray or slurm (or dry_run=true)", ge=1)
-
-
-@dataclass
-class NodeConfig:
-    """One model function call (MFC) of the graph. Edges come from the keys it reads and writes."""
-
-    type: str = doc("", "generate | reward | combine | inference | train")
-    role: Optional[str] = doc(None, "model role: actor | ref | critic (a value head on the actor's architecture) | "
-                              "judge (a generate node serving a frozen model, docs/judge.md); none for reward/combine")
-    inputs: List[str] = doc(help="keys this node reads (from the dataset or from another node)", factory=list)
-    outputs: List[str] = doc(help="keys this node writes", factory=list)
-    keys: Dict[str, str] = doc(help="well-known key -> the name this node writes it under, e.g. {prox_logprobs: old_logp}",
-                               factory=dict)
-    mesh: Optional[str] = doc(None, "devices of this node, e.g. '0', '0-3' or '0,2'; none for reward/combine")
-    micro_batch_tokens: int = doc(8192, "token budget of one packed micro-batch (batch nodes)", ge=1)
-    row_tokens: Optional[int] = doc(None, "batch nodes, torch engine: split each micro-batch into packed rows of at most "
-                                    "this many tokens, run as one call (fast on CPU); none = one row", ge=1)
-    engine: str = doc("torch", "batch nodes: the engine of the node's role; torch = PyTorch with FSDP2 data parallel, "
-                      "megatron = megatron-core tensor/pipeline/data parallel", choices=("torch", "megatron"))
-    parallel: Any = doc(None, "batch nodes: layout on the mesh, {dp, tp, pp} or 'd2p2t2' (tp/pp need engine megatron); "
-                        "none = every device data parallel")
-    workers: int = doc(1, "reward nodes: worker processes that score samples in parallel", ge=1)
-    fn: str = doc("", "reward nodes: arith | arith_format | math | code | judge | judge_agree (a judge's answer as "
-                  "the reference), or 'module:function' of your own (docs/rewards.md has the signature)")
-    timeout: float = doc(30.0, "reward nodes: seconds to score one sample; past it the sample scores 0 and "
-                         "counts in reward/<node>_timeout", gt=0)
-    scale: float = doc(1.0, "reward nodes: shaping, reward = clip((r + bias) * scale, -clip, clip); "
-                       "AReaL's ±5 for right/wrong is bias -0.5, scale 10")
-    bias: float = doc(0.0, "reward nodes: added to the function's value before scaling")
-    clip: Optional[float] = doc(None, "reward nodes: bound of the shaped reward's magnitude; null = none", gt=0)
-    weights: Dict[str, float] = doc(help="combine nodes: input key -> weight; the output is the weighted sum",
-                                    factory=dict)
-    model: Optional[str] = doc(None, "generate nodes of role judge: the judge's Hugging Face dir (weights + "
-                               "tokenizer), never updated; null = the run's starting model, frozen")
-    template: Optional[str] = doc(None, "generate nodes of role judge: format string of the judge's prompt over the "
-                                  "dataset fields it reads (as in the data, before dataset.prompt_template) and "
-                                  "{response}, the policy's answer text")
-    chat_template: bool = doc(False, "generate nodes of role judge: wrap the judge's prompt in the judge tokenizer's "
-                              "chat template as one user message")
-    max_new_tokens: Optional[int] = doc(None, "generate nodes of role judge: the judge's answer budget; null = "
-                                        "algorithm.max_new_tokens", ge=1)
-    temperature: float = doc(0.0, "generate nodes of role judge: the judge's sampling temperature; 0 = greedy "
-                             "(reproducible verdicts)", ge=0)
-    env: Optional[str] = doc(None, "generate nodes of role actor: the environment that answers each policy turn "
-                             "(docs/agents.md): python_tool, or 'package.module:Class'; null = one turn a sample")
-    env_settings: Dict[str, Any] = doc(help="generate nodes with env: the environment's settings (python_tool: open, "
-                                       "close, wall_seconds, max_output_chars, ascii_only, concurrency)", factory=dict)
-    max_turns: int = doc(4, "generate nodes with env: policy turns a trajectory may take at most", ge=1)
-    max_trajectory_tokens: Optional[int] = doc(None, "generate nodes with env: token budget of a trajectory, its "
-                                               "prompt and every turn and observation; null = the model's context "
-                                               "(max_position_embeddings)", ge=1)
-    env_error_share: float = doc(0.5, "generate nodes with env: stop the run when the environment raised in more "
-                                 "than this share of the last 200 trajectories (each such trajectory's group is "
-                                 "dropped, counted in env/errors); 1 = never", ge=0, le=1)
-    agent: Optional[str] = doc(None, "generate nodes of role actor: 'package.module:function', an async function "
-                               "(client: openai.AsyncOpenAI, row: dict) -> reward that runs each rollout through the "
-                               "OpenAI gateway (docs/agents.md); null = none")
-    agent_wall_seconds: float = doc(120.0, "generate nodes with agent: wall time of one rollout; past it the agent is "
-                                    "cut off and the rollout failed", gt=0)
-    agent_roles: List[str] = doc(help="generate nodes with agent: the policy's roles in one rollout (e.g. [solver, "
-                                 "checker]); the agent is run(clients: {role: client}, row) -> {role: reward}, each "
-                                 "role's last trajectory a sample of its own, its advantages normalised among its "
-                                 "role's samples of the group (group_size / roles rollouts a group); empty = one role, "
-                                 "run(client, row) -> reward", factory=list)
-    agent_retries: int = doc(1, "generate nodes with agent: a failed rollout (the agent raised, timed out, made no "
-                             "call or returned no reward) runs again this many times, then its group is dropped "
-                             "(the ledger names the failure)", ge=0)
-
-
-def node_config(name: str, node: Any) -> NodeConfig:
-    """Node `name` of the graph as written (a mapping) typed as NodeConfig: NodeConfig's defaults
-    under it, each value converted to its field's type or refused by OmegaConf naming
-    `graph.<name>.<key>`. A key NodeConfig does not declare is kept as an extra attribute, as
-    OmegaConf keeps a key added with '+' anywhere in the config, for `config/validate.py:
-    check_known_keys` to name with the others."""
-    if isinstance(node, NodeConfig):
-        return node
-    if not isinstance(node, dict) and not OmegaConf.is_dict(node):
-        raise ConfigError([f"graph.{name}={node!r}: a node is a mapping of its keys (type, inputs, outputs, ...), "
-                           "or null to remove it"])
-    root = OmegaConf.create({"graph": {name: OmegaConf.structured(NodeConfig)}})  # errors name graph.<name>.<key>
-    typed = root.graph[name]
-    try:
-        with open_dict(typed):
-            typed.merge_with(node)
-    except OmegaConfBaseException as e:  # a value of the wrong type, as Hydra would have said while composing
-        raise ConfigError([f"{e.full_key}: {str(e).splitlines()[0]}"]) from None
-    return OmegaConf.to_object(typed)
 
 
 @dataclass
@@ -603,14 +503,15 @@ class RunConfig:
     cluster: ClusterConfig = doc(help="devices", factory=ClusterConfig)
     model: ModelConfig = doc(help="the starting model", factory=ModelConfig)
     dataset: DatasetConfig = doc(help="prompts", factory=DatasetConfig)
-    # Any, not NodeConfig: OmegaConf refuses to assign a dict to a NodeConfig-typed node, and Hydra's
-    # `+graph.<name>={...}` assigns one (a recipe's nodes are merged, which it allows). Each node gets
-    # NodeConfig's type, defaults and checks in __post_init__, whenever the config is typed
-    # (runtime/spec.py: typed); the composed config holds the nodes as written. `element` names the
-    # type for readers of the schema (tools/config_reference.py).
+    # Any, not a node config: OmegaConf refuses to assign a dict to a dataclass-typed node, and Hydra's
+    # `+graph.<name>={...}` assigns one (a recipe's nodes are merged, which it allows); nor could it
+    # pick a type by a key's value. Each node gets its kind's type, defaults and checks in
+    # __post_init__ (config/nodes.py: node_config), whenever the config is typed (runtime/spec.py:
+    # typed); the composed config holds the nodes as written. `element` names the types for readers
+    # of the schema (tools/config_reference.py).
     graph: Dict[str, Any] = field(default_factory=dict, metadata={
         "help": "the MFC nodes, by name; `+graph.<name>={...}` adds one, `~graph.<name>` (or null in a recipe) "
-                "removes one", "element": NodeConfig})
+                "removes one; each node's keys are its type's (config/nodes.py)", "element": NODE_CONFIGS})
     algorithm: AlgorithmConfig = doc(help="loss and advantages", factory=AlgorithmConfig)
     rollout: RolloutConfig = doc(help="asynchrony bounds and rollout workers", factory=RolloutConfig)
     generation: GenerationConfig = doc(help="generation servers: backend and SGLang flags", factory=GenerationConfig)
@@ -636,7 +537,7 @@ def register_configs() -> None:
     """Put the schema in Hydra's ConfigStore; conf/config.yaml extends it as `base_config`."""
     schema = OmegaConf.structured(RunConfig)
     # The composed nodes are untyped (RunConfig.graph): not in struct mode either, so that an
-    # `allocation` can write a node key the recipe left out. A key NodeConfig lacks is still named
+    # `allocation` can write a node key the recipe left out. A key its node's kind lacks is still named
     # when the config is typed (node_config) and checked (check_known_keys).
     OmegaConf.set_struct(schema.graph, False)
     ConfigStore.instance().store(name="base_config", node=schema)

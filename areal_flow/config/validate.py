@@ -95,8 +95,9 @@ def unknown_keys(obj: Any, prefix: str = "") -> list[str]:
     problems = []
     for name in vars(obj):
         if name not in declared:
-            problems.append(f"{prefix}{name}: unknown key, {where} has no field {name!r}"
-                            f"{did_you_mean(name, declared, prefix)}")
+            # A graph node names the kind that has the key (config/nodes.py), else the likely spelling.
+            hint = getattr(obj, "elsewhere", lambda _: "")(name) or did_you_mean(name, declared, prefix)
+            problems.append(f"{prefix}{name}: unknown key, {where} has no field {name!r}{hint}")
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

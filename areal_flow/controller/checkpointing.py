@@ -20,6 +20,7 @@ from areal_flow.controller.peers import Peers
 from areal_flow.controller.run_metrics import RunClock
 from areal_flow.controller.watchdog import Progress, Wait
 from areal_flow.metrics.writer import MetricsWriter
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import writing
 from areal_flow.transport.messages import SaveCheckpoint, Saved
 
@@ -57,7 +58,7 @@ class Checkpoints:
         with writing("the checkpoint", tmp):
             with open(os.path.join(tmp, run_state.FILE), "wb") as f:
                 f.write(encoded)
-            shutil.copy(os.path.join(self.run_dir, "config.yaml"), os.path.join(tmp, "config.yaml"))
+            shutil.copy(os.path.join(self.run_dir, rd.CONFIG), os.path.join(tmp, rd.CONFIG))
             path = store.commit(tmp, step, version=version, n_trainers=len(self.peers.ranks))
         removed = store.prune(self.run_dir, self.cfg.keep_last)
         self.saved, self.path = (step, self.clock.elapsed()), path

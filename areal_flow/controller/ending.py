@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING
 
 from areal_flow.checkpoint import store
+from areal_flow.runtime import run_dir as rd
 
 if TYPE_CHECKING:
     from areal_flow.config.schema import RunConfig
@@ -92,5 +93,5 @@ def record_failure(metrics: MetricsWriter, error: BaseException) -> dict[str, st
 def write_summary(metrics: MetricsWriter, run_dir: str, summary: dict) -> None:
     """The summary as the `summary` row and as RUN_DIR/summary.json."""
     metrics.log("summary", **summary)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    with open(os.path.join(run_dir, rd.SUMMARY), "w") as f:
         json.dump(summary, f, indent=2)

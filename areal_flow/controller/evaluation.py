@@ -22,6 +22,7 @@ import numpy as np
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.rollout.turns import ENV_ERROR, Turns
 from areal_flow.generation.client.router import ServerPool, version_number
+from areal_flow.runtime import run_dir as rd
 
 log = logging.getLogger("areal_flow.controller")
 
@@ -70,7 +71,7 @@ async def held_out_accuracy(
     by load over the servers, retried on another server when one fails (a server down at
     evaluation time does not fail the run). With `turns` (rollout/turns.py: Turns) each prompt is a
     trajectory with the environment, and its final turn is scored, as the reward node scores it; or
-    (rollout/agent.py: AgentRunner) an agent's rollout, scored by what the agent returned where
+    (agents/runner.py: AgentRunner) an agent's rollout, scored by what the agent returned where
     `agent_scores` (the reward node's fn is `agent`)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
     run = uuid.uuid4().hex[:8]  # request ids of this evaluation's own
@@ -115,8 +116,7 @@ async def answer(pool: ServerPool, tokenizer, prompt: str, row: dict, params: di
             {ENV_ERROR: 0.0, **got.scalars} if isinstance(turns, Turns) else got.scalars)  # env/error's mean: a share
 
 
-EVALS = "evals"
-"""The run directory's folder of held-out answers, one file an evaluation."""
+EVALS = rd.EVALS
 
 
 def answers_path(run_dir: str, version: int) -> str:

@@ -51,7 +51,8 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.placement import infer_name
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rollout.agent import runner_of
+from areal_flow.rollout.runners import runner_of
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec, read_spec
 from areal_flow.transport.channels import make_socket, send_to
 from areal_flow.transport.messages import (AdmitRequest, Admitted, GroupMeta, Hello, Joined, Ready, Released, Resend,
@@ -74,8 +75,8 @@ class Controller:
         train, held_out, raw_rows, judge_fields = load_datasets(cfg, spec, graph, tokenizer)
         prompts = PromptStream(train, cfg.dataset.seed)
         prompts.seek(self.state.epoch, self.state.cursor)
-        self.metrics = MetricsWriter(spec.path("metrics.jsonl"), cfg.metrics, run_name=cfg.recipe, config=asdict(cfg))
-        self.ledger = Ledger(spec.path("ledger.jsonl"))
+        self.metrics = MetricsWriter(spec.path(rd.METRICS), cfg.metrics, run_name=cfg.recipe, config=asdict(cfg))
+        self.ledger = Ledger(spec.path(rd.LEDGER))
         self.clock, self.progress = RunClock(), Progress()
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.stop_requested = False  # the launcher asked for a checkpoint and a clean stop (SIGUSR1)
@@ -370,7 +371,7 @@ class Controller:
         self.admission.closing = True  # no new admissions; running groups finish or stay accounted for
         stopped = self.stop_requested and steps < cfg.total_steps
         acc_end = await self.evaluator.at("end", steps) if cfg.eval_at_end and not stopped else None
-        checkpoint = None if stopped else await self.checkpoints.export(self.spec.path("checkpoint"))
+        checkpoint = None if stopped else await self.checkpoints.export(self.spec.path(rd.EXPORT))
         for task in background:
             task.cancel()
         reason = why_it_ended(cfg, steps, wall_time=self.wall_time_reached)

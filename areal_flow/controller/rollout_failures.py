@@ -2,7 +2,7 @@
 "When rollouts fail").
 
 A group the rollout worker could not generate comes back dropped by name (GroupMeta.problem): an
-agent whose every run of a rollout failed (rollout/agent.py), an environment that raised in one of
+agent whose every run of a rollout failed (agents/runner.py), an environment that raised in one of
 its trajectories (rollout/turns.py). Each scored group is observed here (`observe`), and the step
 loop asks before each batch whether the run must stop (`stopped`):
 

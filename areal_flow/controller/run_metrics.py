@@ -71,7 +71,7 @@ class Traffic:
 
 def _logged_name(scalar: str, judges: Sequence[str]) -> str:
     """The name a sample's scalar is logged under: a multi-turn trajectory's (env/..., rollout/turns.py)
-    and an agent's (agent/..., rollout/agent.py) as they are, a judge's under judge/, the reward
+    and an agent's (agent/..., agents/runner.py) as they are, a judge's under judge/, the reward
     nodes' under reward/."""
     if scalar.startswith(("env/", "agent/")):
         return scalar

@@ -21,8 +21,9 @@ from areal_flow.config.schema import RunConfig
 from areal_flow.controller.intake import Intake
 from areal_flow.controller.staleness import StalenessManager
 from areal_flow.graph.keys import KEYS
+from areal_flow.runtime import run_dir as rd
 
-FILE = "run_state.json"
+FILE = rd.RUN_STATE
 
 
 @dataclass

@@ -47,7 +47,7 @@ KEYS: dict[str, KeySpec] = {
 }
 
 AGENT_REWARD = "agent/reward"
-"""The sample scalar holding what a rollout's agent returned (rollout/agent.py); a reward node with
+"""The sample scalar holding what a rollout's agent returned (agents/runner.py); a reward node with
 `fn: agent` trains on it."""
 
 JUDGE_STATS = ("seconds", "tokens", "cut", "truncated")

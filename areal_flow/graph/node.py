@@ -199,7 +199,7 @@ def _layout(name: str, spec: Any, mesh_size: int, problems: list[str]) -> Layout
     return layout
 
 JUDGE_SETTINGS = {"template": None, "model": None, "chat_template": False, "max_new_tokens": None, "temperature": 0.0}
-"""The NodeConfig fields only a judge reads, with their defaults."""
+"""The generate node's fields only a judge reads (config/nodes.py: GenerateNodeConfig), with their defaults."""
 
 
 def _judge_setting_problems(n: Node, parallel: Any) -> list[str]:

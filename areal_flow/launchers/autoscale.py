@@ -21,8 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from areal_flow.config.schema import ElasticConfig
+from areal_flow.runtime import run_dir as rd
 
-DECISIONS = os.path.join("scale", "decisions.jsonl")
+DECISIONS = rd.SCALE_DECISIONS
 
 
 @dataclass
@@ -79,7 +80,7 @@ class AutoScaler:
 
     def _read(self) -> None:
         try:
-            with open(os.path.join(self.run_dir, "metrics.jsonl"), "rb") as f:
+            with open(os.path.join(self.run_dir, rd.METRICS), "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:

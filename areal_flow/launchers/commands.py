@@ -35,7 +35,7 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
         gen = dataclasses.replace(gen, tp_size=tp_size)
     if gen.backend == "sglang":
         # The policy's servers answer an agent's OpenAI calls (chat templates need the tokenizer).
-        agents = tp_size is None and any(node.agent is not None for node in cfg.graph.values())
+        agents = tp_size is None and any(getattr(node, "agent", None) is not None for node in cfg.graph.values())
         return (sglang_command(gen, model_path, port, seed, cfg.cluster.device_type, host=host, api_key=api_key,
                                version=version, tokenizer=agents),
                 sglang_env(proc.devices, gen.tp_size, cfg.cluster.device_type, cfg.launcher.pin_cpus))

@@ -45,13 +45,11 @@ from areal_flow.generation.client.membership import (ACKS, READY, Member, Member
 from areal_flow.graph.placement import Proc
 from areal_flow.launchers.autoscale import AutoScaler
 from areal_flow.runtime import resize
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import is_loopback
 from areal_flow.runtime.spec import read_spec, write_spec
 
-LOCK_FILE = "launcher.lock"
-"""The run directory's lock, held by its launcher for its whole life (run/lock.py)."""
-REQUEST = os.path.join("scale", "request.json")
-RESULTS = os.path.join("scale", "results.jsonl")
+LOCK_FILE, REQUEST, RESULTS = rd.LOCK, rd.SCALE_REQUEST, rd.SCALE_RESULTS
 ROLES = {"generate": "generation server(s)", "trainers": "trainer rank(s)", "judge": "judge server(s)"}
 """What a scale command may change: the policy's generation servers, the trainer's data-parallel
 ranks, a judge's servers (`judge`, or `judge:<node>` in a run with several judges)."""

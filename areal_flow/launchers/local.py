@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from areal_flow.graph.placement import Proc
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.child import ONE_LINE_ERROR
 from areal_flow.runtime.spec import free_ports
 from areal_flow.status.processes import ProcessTable
@@ -181,7 +182,7 @@ class LocalLauncher(Watching):
         self.run_dir, self.device_type, self.pin_cpus, self.stop_timeout = run_dir, device_type, pin_cpus, stop_timeout
         self.children: dict[str, Child] = {}
         self.provisional = set()
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        os.makedirs(os.path.join(run_dir, rd.LOGS), exist_ok=True)
         self.processes = ProcessTable(run_dir)  # processes.json, for `python -m areal_flow.status`
 
     def reserve(self, names: list[str], wildcard: bool = False) -> list[tuple[str, int]]:
@@ -203,7 +204,7 @@ class LocalLauncher(Watching):
             cores = proc.devices if self.pin_cpus and proc.devices else None
         elif proc.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.local_devices or proc.devices))
-        log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
+        log_path = os.path.join(self.run_dir, rd.log_of(proc.name))
         with open(log_path, "ab") as log:
             # A session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
             # the run in order (a checkpoint first), not every process at once.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from areal_flow.runtime import run_dir as rd
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -124,7 +126,7 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
 
 
 def print_summary(console: Console, run_dir: str, metrics: list[dict]) -> dict:
-    with open(os.path.join(run_dir, "summary.json")) as f:
+    with open(os.path.join(run_dir, rd.SUMMARY)) as f:
         summary = json.load(f)
     console.print(summary_table(summary, metrics))
     return summary

@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, Restart, Watching, child_preexec
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import free_ports
 
 
@@ -108,7 +109,7 @@ class RayLauncher(Watching):
                  start_timeout: float, stop_timeout: float):
         self.run_dir, self.stop_timeout, self.device_type = run_dir, stop_timeout, device_type
         self.sharers = _sharers(placement)
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        os.makedirs(os.path.join(run_dir, rd.LOGS), exist_ok=True)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         nodes = sorted({p.node for p in placement.procs if p.devices})
         self.groups: dict[int, PlacementGroup] = {}
@@ -186,11 +187,11 @@ class RayLauncher(Watching):
         env = {**(env or {}), "PYTHONUNBUFFERED": "1", "AREAL_FLOW_PROC": proc.name, "AREAL_FLOW_RUN": self.run_dir}
         if self.device_type == "cpu":  # as the local launcher: a process's threads are its cores, light ones 1
             env["OMP_NUM_THREADS"] = str(max(1, len(proc.devices)))
-        log_path = os.path.join(self.run_dir, "logs", f"{proc.name}.log")
+        log_path = os.path.join(self.run_dir, rd.log_of(proc.name))
         self.log_paths[proc.name] = log_path
         self.started[proc.name] = {"node": proc.node, **ray.get(self.actors[proc.name].start.remote(argv, env, log_path))}
         # Where each process runs (its Ray node, address, pid, GPUs), for the user and the tests.
-        with open(os.path.join(self.run_dir, "ray_placement.json"), "w") as f:
+        with open(os.path.join(self.run_dir, rd.RAY_PLACEMENT), "w") as f:
             json.dump(self.started, f, indent=1)
 
     def exited(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ from areal_flow.graph import graph_from_config, place
 from areal_flow.graph.mesh import parse_mesh
 from areal_flow.graph.placement import Placement
 from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import host_address, is_loopback
 from areal_flow.runtime.spec import reachable, read_run, write_spec
 
@@ -93,7 +94,7 @@ def prepare(run_dir: str, hostnames: list[str]) -> dict[str, str]:
     write_spec(run_dir, spec)
     where = {p.name: {"node": p.node, "hostname": hostnames[p.node], "address": addresses[p.node],
                       "devices": list(p.local_devices)} for p in placement.procs}
-    with open(os.path.join(run_dir, "slurm_hosts.json"), "w") as f:
+    with open(os.path.join(run_dir, rd.SLURM_HOSTS), "w") as f:
         json.dump(where, f, indent=1)
     return spec.hosts
 

@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_flow.runtime import run_dir as rd
+
 log = logging.getLogger(__name__)
 
 HIST_SUFFIX = "_hist"
@@ -200,7 +202,7 @@ class TensorBoardBackend(Backend):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch is there: tensorboard is the optional part
             raise ImportError("metrics.backends has tensorboard: pip install tensorboard (or -e '.[tensorboard]')") from e
-        self.dir = os.path.join(run_dir, "tensorboard")
+        self.dir = os.path.join(run_dir, rd.TENSORBOARD)
         # purge_step: a resumed run's events from the rewound steps on are dropped when read.
         self.writer = SummaryWriter(self.dir, purge_step=purge_step, flush_secs=10)
         self.last_step = 0

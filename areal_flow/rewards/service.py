@@ -52,7 +52,7 @@ class RewardPoolError(RuntimeError):
 
 
 AGENT_FN = "agent"
-"""`fn: agent`: the reward is what the rollout's agent returned (rollout/agent.py), shaped."""
+"""`fn: agent`: the reward is what the rollout's agent returned (agents/runner.py), shaped."""
 
 
 def builtin_names() -> list[str]:

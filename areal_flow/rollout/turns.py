@@ -29,7 +29,8 @@ from areal_flow.config.schema import RunConfig, SandboxConfig
 from areal_flow.config.validate import model_context
 from areal_flow.envs.base import Environment, Step
 from areal_flow.generation.client.router import ServerPool
-from areal_flow.rollout.requests import generate_group, generate_sample, turn_seed
+from areal_flow.generation.client.seeds import turn_seed
+from areal_flow.rollout.requests import generate_group, generate_sample
 from areal_flow.transport.messages import Finish
 from areal_flow.transport.trajectory import Trajectory
 

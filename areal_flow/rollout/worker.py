@@ -17,15 +17,17 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from areal_flow.agents.runner import AgentFailed
 from areal_flow.config.schema import RunConfig
 from areal_flow.generation.client.membership import follow, servers_of
 from areal_flow.generation.client.router import ServerPool
+from areal_flow.generation.client.seeds import group_seed
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
-from areal_flow.rollout.agent import AgentFailed, runner_of
 from areal_flow.rollout.judge import make_judge
-from areal_flow.rollout.requests import generate_group, group_seed
+from areal_flow.rollout.requests import generate_group
+from areal_flow.rollout.runners import runner_of
 from areal_flow.rollout.turns import Turns
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.transport.channels import make_socket, recv, send, sent_bytes

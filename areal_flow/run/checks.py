@@ -295,7 +295,7 @@ def check_agent(graph: Graph, group_size: int, console: Console) -> None:
             raise ConfigError([f"graph.{name}.fn=agent: the reward the agent returns, but graph.{node.name}.agent "
                                "names no agent" for name in takers])
         return
-    from areal_flow.rollout.agent import import_openai, load_agent
+    from areal_flow.agents.runner import import_openai, load_agent
 
     try:
         load_agent(node.agent, f"graph.{node.name}.agent")

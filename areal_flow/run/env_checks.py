@@ -29,7 +29,7 @@ def check_names(graph: Graph) -> None:
 
             resolve_env(node.env, f"graph.{node.name}.env")
         if node.agent is not None:
-            from areal_flow.rollout.agent import load_agent
+            from areal_flow.agents.runner import load_agent
 
             load_agent(node.agent, f"graph.{node.name}.agent")
     except ValueError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from areal_flow.launchers.elastic import LOCK_FILE  # the scale command tests it too
+from areal_flow.runtime.run_dir import LOCK as LOCK_FILE
 
 _held: dict[str, int] = {}  # the run directories this launcher holds -> the lock file's descriptor
 

@@ -30,6 +30,7 @@ from areal_flow.run.lock import hold_run_dir
 from areal_flow.run.ports import watched_spec
 from areal_flow.run.prepare import Prepared
 from areal_flow.run.stop import Terminated, interrupt, stop_with_checkpoint
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec, write_run
 from areal_flow.weights.files import last_loaded
 
@@ -152,7 +153,7 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
                       "servers take the run's API key (in spec.json, owner-only)", highlight=False)
     previous = signal.signal(signal.SIGTERM, interrupt)  # a scheduler's SIGTERM stops the run as Ctrl-C does
     # Made before any process starts: it shows the rows they add to metrics.jsonl, not a resumed run's earlier ones.
-    progress = RunProgress(spec.path("metrics.jsonl"), cfg.total_steps, console)
+    progress = RunProgress(spec.path(rd.METRICS), cfg.total_steps, console)
     try:
         # servers.json lists the placement's servers before any process reads it (an earlier launch's scale is gone).
         Scaler.reset(spec.run_dir, dict(zip(spec.gen_names, spec.gen_urls)),

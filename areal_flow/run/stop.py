@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.launchers.local import ChildFailed
+from areal_flow.runtime import run_dir as rd
 
 
 class Terminated(KeyboardInterrupt):
@@ -26,7 +27,7 @@ def interrupt(*_) -> None:
 def stopped_because(run_dir: str) -> str:
     """The sentence of summary.json's stop_reason, or "" where the run wrote none."""
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
+        with open(os.path.join(run_dir, rd.SUMMARY)) as f:
             return json.load(f)["stop_reason"]["message"]
     except (OSError, ValueError, KeyError, TypeError):
         return ""

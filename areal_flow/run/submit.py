@@ -14,6 +14,7 @@ from areal_flow.graph.placement import Placement
 from areal_flow.launchers.slurm import fixed_ports, sbatch_script, submit
 from areal_flow.run.ports import spec_with_ports
 from areal_flow.run.prepare import Prepared
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import Security
 from areal_flow.runtime.spec import write_run
 
@@ -30,8 +31,8 @@ def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared
                            eval_path=prepared.eval_path, judge_models=prepared.judge_models,
                            security=Security.new())  # a Slurm run spans hosts: always secured (security_needed)
     write_run(run_dir, raw, spec)
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    script = os.path.join(run_dir, "job.sbatch")
+    os.makedirs(os.path.join(run_dir, rd.LOGS), exist_ok=True)
+    script = os.path.join(run_dir, rd.SBATCH)
     with open(script, "w") as f:
         f.write(sbatch_script(cfg, placement, run_dir))
     job_id = submit(script)

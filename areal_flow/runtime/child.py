@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import DiskFull
 from areal_flow.runtime.spec import read_run
 
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> None:
         # each writes its own log, as every process does under the other launchers.
         rank, name = env_rank, f"trainer{env_rank}"
         os.environ["AREAL_FLOW_PROC"] = name
-        log_fd = os.open(os.path.join(run_dir, "logs", f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log_fd = os.open(os.path.join(run_dir, rd.log_of(name)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(log_fd, 1), os.dup2(log_fd, 2)
         os.close(log_fd)

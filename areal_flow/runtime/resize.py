@@ -20,11 +20,10 @@ import contextlib
 import json
 import os
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import write_atomic
 
-ASK = os.path.join("scale", "trainers.json")
-SAVED = os.path.join("scale", "trainers-saved.json")
-DONE = os.path.join("scale", "trainers-done.json")
+ASK, SAVED, DONE = rd.TRAINERS_ASK, rd.TRAINERS_SAVED, rd.TRAINERS_DONE
 
 
 def write_json(path: str, value: object) -> None:

@@ -16,6 +16,7 @@ import msgspec
 from omegaconf import DictConfig, OmegaConf
 
 from areal_flow.config.schema import RunConfig
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import LOOPBACK, Security
 
 
@@ -85,7 +86,7 @@ class RunSpec(msgspec.Struct, kw_only=True):
 
     def weights(self, *parts: str) -> str:
         """A path under the published weights' directory."""
-        return os.path.join(self.weights_dir or self.path("weights"), *parts)
+        return os.path.join(self.weights_dir or self.path(rd.WEIGHTS), *parts)
 
 
 def reachable(host: str) -> str:
@@ -110,13 +111,13 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
 
 def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
+    OmegaConf.save(cfg, os.path.join(run_dir, rd.CONFIG), resolve=True)
     write_spec(run_dir, spec)
 
 
 def write_spec(run_dir: str, spec: RunSpec) -> None:
     # Owner only, from the first byte: the spec may hold the run's secret.
-    fd = os.open(os.path.join(run_dir, "spec.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(os.path.join(run_dir, rd.SPEC), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(fd, 0o600)  # a spec.json left by an earlier run keeps its mode through O_CREAT
         f.write(msgspec.json.encode(spec))
@@ -129,8 +130,8 @@ def typed(cfg: DictConfig) -> RunConfig:
 
 def read_spec(run_dir: str) -> RunSpec:
     """The run's spec.json (rewritten by a trainer resize: its ranks' inboxes)."""
-    return msgspec.json.decode(Path(run_dir, "spec.json").read_bytes(), type=RunSpec)
+    return msgspec.json.decode(Path(run_dir, rd.SPEC).read_bytes(), type=RunSpec)
 
 
 def read_run(run_dir: str) -> tuple[RunConfig, RunSpec]:
-    return typed(OmegaConf.load(os.path.join(run_dir, "config.yaml"))), read_spec(run_dir)
+    return typed(OmegaConf.load(os.path.join(run_dir, rd.CONFIG))), read_spec(run_dir)

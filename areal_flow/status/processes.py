@@ -14,9 +14,10 @@ import os
 import socket
 import time
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import write_atomic
 
-PROCESSES = "processes.json"
+PROCESSES = rd.PROCESSES
 
 
 def write_processes(run_dir: str, table: dict[str, dict]) -> None:

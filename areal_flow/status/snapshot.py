@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from areal_flow.generation.client.membership import read_membership
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes
@@ -45,7 +46,7 @@ OPTIONAL_PREFIXES = ("by_length/", "train/stale/", "train/mismatch/")
 """Keys of a step row shown when the run writes them."""
 
 ROLES = ("controller", "gen_server", "rollout", "reward", "trainer", "inference", "judge_server")
-RUN_FILES = ("spec.json", "config.yaml", "metrics.jsonl", PROCESSES, os.path.join(".hydra", "config.yaml"))
+RUN_FILES = (rd.SPEC, rd.CONFIG, rd.METRICS, PROCESSES, rd.HYDRA_CONFIG)
 """A run directory holds at least one of these (the launcher writes .hydra/ first, the rest after
 it prepared the data and the model)."""
 
@@ -268,7 +269,7 @@ def config_total_steps(run_dir: str) -> int | None:
     """total_steps of the run's config.yaml, or of Hydra's composed config before it is written."""
     import yaml
 
-    for name in ("config.yaml", os.path.join(".hydra", "config.yaml")):
+    for name in (rd.CONFIG, rd.HYDRA_CONFIG):
         try:
             with open(os.path.join(run_dir, name)) as f:
                 steps = (yaml.safe_load(f) or {}).get("total_steps")
@@ -282,7 +283,7 @@ def config_total_steps(run_dir: str) -> int | None:
 def trained_version(run_dir: str) -> int | None:
     """The version the trainer holds: its last trained step (rank files count steps from 0) + 1."""
     versions = []
-    for path in glob.glob(os.path.join(run_dir, "trained-rank*.jsonl")):
+    for path in glob.glob(os.path.join(run_dir, rd.TRAINED.format(rank="*"))):
         if "discarded" in os.path.basename(path):  # what a resume cut away (checkpoint/store.py)
             continue
         for line in reversed(tail_lines(path, 1 << 16)):
@@ -356,7 +357,7 @@ class RunReader:
     def __init__(self, run_dir: str, *, window: int = WINDOW, probe: bool = True, timeout: float = 0.5):
         check_run_dir(run_dir)
         self.run_dir, self.probe, self.timeout = run_dir, probe, timeout
-        self.metrics = MetricsTail(self.path("metrics.jsonl"), window)
+        self.metrics = MetricsTail(self.path(rd.METRICS), window)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.run_dir, *parts)
@@ -368,8 +369,8 @@ class RunReader:
         m.read()
         rows = list(m.steps)
         last = rows[-1] if rows else {}
-        spec = read_spec(self.path("spec.json"))
-        summary = m.summary or read_json(self.path("summary.json"))
+        spec = read_spec(self.path(rd.SPEC))
+        summary = m.summary or read_json(self.path(rd.SUMMARY))
 
         snap = Snapshot(run_dir=self.run_dir, at=now, state="", live=False, note="", summary=summary,
                         window=len(rows), bad_lines=m.bad_lines)
@@ -395,10 +396,10 @@ class RunReader:
 
         known = [v for v in (trained_version(self.run_dir), snap.step if rows else None) if v is not None]
         snap.trained_version = max(known) if known else (snap.step if m.start is not None else None)
-        loaded = last_event(self.path("ledger.jsonl"), "loaded")
+        loaded = last_event(self.path(rd.LEDGER), "loaded")
         if loaded is not None:
             snap.loaded_version = loaded.get("version")
-        elif isinstance(w := read_json(self.path("weights_loaded.json")), dict):
+        elif isinstance(w := read_json(self.path(rd.WEIGHTS_LOADED)), dict):
             snap.loaded_version = w.get("version")
         elif m.start is not None:  # nothing loaded yet: the weights the servers started with
             snap.loaded_version = int((m.resume or {}).get("step", 0))
@@ -415,7 +416,7 @@ class RunReader:
 
     def processes(self, spec: RunSpec | None, now: float) -> list[ProcessStatus]:
         table = read_processes(self.run_dir)
-        placed = read_json(self.path("ray_placement.json")) if table is None else None
+        placed = read_json(self.path(rd.RAY_PLACEMENT)) if table is None else None
         found: dict[str, ProcessStatus] = {}
         for name, e in (table or {}).items():
             if isinstance(e, dict):
@@ -426,14 +427,14 @@ class RunReader:
         for name, e in (placed or {}).items() if isinstance(placed, dict) else ():
             if isinstance(e, dict):
                 found[name] = ProcessStatus(name, role_of(name), pid=e.get("pid"), host=e.get("address"))
-        for log in glob.glob(self.path("logs", "*.log")):
+        for log in glob.glob(self.path(rd.log_of("*"))):
             name = os.path.basename(log)[:-4]
             found.setdefault(name, ProcessStatus(name, role_of(name)))
         for name, url in server_urls(spec).items():
             found.setdefault(name, ProcessStatus(name, role_of(name))).url = url
         for p in found.values():
             try:
-                p.log_age = max(0.0, now - os.path.getmtime(self.path("logs", f"{p.name}.log")))
+                p.log_age = max(0.0, now - os.path.getmtime(self.path(rd.log_of(p.name))))
             except OSError:
                 pass
         return sorted(found.values(), key=order)
@@ -450,7 +451,7 @@ class RunReader:
             if isinstance(reason := snap.summary.get("stop_reason"), dict):  # older runs' summaries have none
                 snap.note += f": {reason.get('message')}"
             return
-        started = os.path.exists(self.path("spec.json"))
+        started = os.path.exists(self.path(rd.SPEC))
         here = socket.gethostname()
         local = [p for p in procs if p.state is not None and p.pid is not None and p.host == here]
         if local and self.probe:
@@ -471,8 +472,8 @@ class RunReader:
                 return
             snap.note = "its processes run (processes.json)"
         else:
-            newest = max((t for t in (self._mtime("metrics.jsonl"), self._mtime("ledger.jsonl"),
-                                      self._mtime("launch.log"), *(now - p.log_age for p in procs
+            newest = max((t for t in (self._mtime(rd.METRICS), self._mtime(rd.LEDGER),
+                                      self._mtime(rd.HYDRA_LOG), *(now - p.log_age for p in procs
                                                                    if p.log_age is not None)) if t), default=None)
             age = None if newest is None else now - newest
             snap.live = age is not None and age < LIVE_WITHOUT_TABLE

@@ -20,22 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import torch_save
 from areal_flow.training.engine import CheckpointError
 
-TRAIN_STATE = "train_state.pt"
-"""The file beside a checkpoint's Hugging Face files that holds what an exact resume needs."""
-
-SHARDED_STATE = "dcp"
-"""A resumable checkpoint's folder (beside its Hugging Face files) of model and optimizer state,
-written by `torch.distributed.checkpoint`: each rank writes its own shards (`__<rank>_0.distcp`)."""
-
-RESUMABLE_META = "meta.pt"
-"""A resumable checkpoint's small state, written by rank 0: the engine, its layout and world size,
-the LR schedule, the version, the non-finite step count and the caller's `extra_state`."""
-
-RANK_RNG = "rng-rank{rank}.pt"
-"""A resumable checkpoint's RNG state of one rank, written by that rank."""
+TRAIN_STATE, SHARDED_STATE, RESUMABLE_META, RANK_RNG = rd.TRAIN_STATE, rd.SHARDED_STATE, rd.RESUMABLE_META, rd.RANK_RNG
+"""A checkpoint's files beside its Hugging Face files (runtime/run_dir.py says what each holds)."""
 
 
 def read_train_state(path: str) -> dict | None:

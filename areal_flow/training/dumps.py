@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.transport.messages import Sample
 
-DUMPS = "dumps"
-"""The run directory's folder of sample dumps."""
+DUMPS = rd.DUMPS
 
 
 def weights_path(run_dir: str, version: int) -> str:

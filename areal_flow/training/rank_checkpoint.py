@@ -21,6 +21,7 @@ import msgspec
 from areal_flow.checkpoint import store
 from areal_flow.graph.dag import Graph
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import DiskFull, writing
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.build import CRITIC_DIR
@@ -29,11 +30,7 @@ from areal_flow.transport.messages import SaveCheckpoint, ScoredGroup
 
 log = logging.getLogger("areal_flow.trainer")
 
-HELD = "held-rank{rank}.msgpack"
-"""A resumable checkpoint's file of the scored groups a rank held, not yet trained."""
-
-TRAINER_STATE = "trainer-rank{rank}.json"
-"""A resumable checkpoint's file of a rank's own state: its trained-samples log's length."""
+HELD, TRAINER_STATE = rd.HELD, rd.TRAINER_STATE
 
 
 class RankCheckpoints:

@@ -32,6 +32,7 @@ from areal_flow.graph.dag import Graph, graph_from_config
 from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.build import configured, make_engines, node_outputs
 from areal_flow.training.critic_link import CriticLink
@@ -77,7 +78,7 @@ class ModelWorker(RankCheckpoints):
         # Groups waiting for the key of a node on a mesh of its own, and such keys waiting for their group.
         self.join = Join([Remote(n.name, n.outputs[0], self.graph.input(n, "output_ids"))
                           for n in self.graph.own_mesh_nodes])
-        self.trained_log = open(spec.path(f"trained-rank{rank}.jsonl"), "a", buffering=1)
+        self.trained_log = open(spec.path(rd.of_rank(rd.TRAINED, rank)), "a", buffering=1)
         ctx = zmq.Context()
         self.control = make_socket(ctx, zmq.DEALER, connect=spec.endpoint("controller", spec.controller_port), identity=name,
                                    security=spec.security)

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import write_atomic, writing
 from areal_flow.weights.channel import SendByTrainers, UpdateFlags, WeightChannel
 
@@ -51,8 +52,7 @@ class FileChannel(WeightChannel):
         return f"from {location}"
 
 
-LOADED = "weights_loaded.json"
-"""The run directory's record of the last version every server loaded as files: {path, version}."""
+LOADED = rd.WEIGHTS_LOADED
 
 
 def record_loaded(run_dir: str, path: str, version: int) -> None:

@@ -54,9 +54,9 @@ def test_a_node_key_written_at_its_default_is_the_node_that_leaves_it_out(tmp_pa
     tmp = store.begin(str(tmp_path), 2)
     OmegaConf.save(OmegaConf.create(SAVED), os.path.join(tmp, "config.yaml"))
     path = store.commit(tmp, 2)
-    compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"scale": 1.0, "inputs": []}}}))
-    with pytest.raises(compat.ResumeError, match=r"graph\.actor_train\.scale: 1\.0 -> 2\.0"):
-        compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"scale": 2.0}}}))
+    compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"keys": {}, "inputs": []}}}))
+    with pytest.raises(compat.ResumeError, match=r"graph\.actor_train\.outputs: \[\] -> \['x'\]"):
+        compat.check(path, OmegaConf.merge(SAVED, {"graph": {"actor_train": {"outputs": ["x"]}}}))
 
 
 def test_a_ref_node_moved_off_the_trainer_mesh_is_refused_since_the_saved_groups_lack_its_key(tmp_path):

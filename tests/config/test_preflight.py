@@ -27,15 +27,19 @@ def test_every_shipped_recipe_has_only_known_keys(tmp_path, recipe):
 def test_keys_added_with_plus_are_named_with_their_full_path(tmp_path):
     # typed() kept them (the merge checks no keys of a node that already has the schema's type);
     # every process, reading config.yaml back untyped, died of them with a traceback.
-    cfg = typed(composed(tmp_path, "+foo.bar=1", "+algorithm.eps_clp=0.1", "+graph.reward.wieght=2"))
+    cfg = typed(composed(tmp_path, "+foo.bar=1", "+algorithm.eps_clp=0.1", "+graph.reward.tiemout=2",
+                         "+graph.reward.weights={a: 1}"))
     with pytest.raises(ConfigError) as e:
         check_known_keys(cfg)
     assert sorted(e.value.problems) == sorted([
         "foo: unknown key, the config (RunConfig) has no field 'foo'",
         "algorithm.eps_clp: unknown key, 'algorithm' (AlgorithmConfig) has no field 'eps_clp'; "
         "did you mean algorithm.eps_clip?",
-        "graph.reward.wieght: unknown key, 'graph.reward' (NodeConfig) has no field 'wieght'; "
-        "did you mean graph.reward.weights?",
+        "graph.reward.tiemout: unknown key, 'graph.reward' (RewardNodeConfig) has no field 'tiemout'; "
+        "did you mean graph.reward.timeout?",
+        # A key of another kind of node is named as that kind's (config/nodes.py).
+        "graph.reward.weights: unknown key, 'graph.reward' (RewardNodeConfig) has no field 'weights'; "
+        "weights is a key of combine nodes, not of a reward node",
     ])
     check_known_keys(typed(composed(tmp_path, "algorithm.eps_clip=0.1")))  # a known key: nothing to say
 

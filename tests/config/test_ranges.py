@@ -1,6 +1,7 @@
 """Value ranges are declared on the schema's fields and checked by one generic checker."""
 
-from areal_flow.config.schema import NodeConfig, RunConfig
+from areal_flow.config.nodes import BatchNodeConfig, CombineNodeConfig, RewardNodeConfig
+from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import check_ranges
 
 
@@ -14,7 +15,7 @@ def test_every_broken_bound_is_named_with_its_full_key_nested_and_in_graph_nodes
     cfg.algorithm.temperature = 0.0
     cfg.rollout.max_staleness = -1
     cfg.dataset.name = "parquet"
-    cfg.graph = {"train": NodeConfig(type="train", micro_batch_tokens=0)}
+    cfg.graph = {"train": BatchNodeConfig(type="train", micro_batch_tokens=0)}
     assert sorted(check_ranges(cfg)) == sorted([
         "algorithm.top_p=1.5 must be ≤ 1",
         "algorithm.temperature=0.0 must be > 0",
@@ -45,8 +46,8 @@ def test_nan_and_inf_are_refused_in_every_float_field_nested_in_lists_and_dicts(
     cfg.algorithm.behav_weight_cap = None
     cfg.algorithm.reward_norm.eps = nan
     cfg.sandbox.wall_seconds = inf
-    cfg.graph = {"reward": NodeConfig(type="reward", scale=nan, timeout=inf),
-                 "total": NodeConfig(type="combine", weights={"a": 1.0, "b": nan})}
+    cfg.graph = {"reward": RewardNodeConfig(type="reward", scale=nan, timeout=inf),
+                 "total": CombineNodeConfig(type="combine", weights={"a": 1.0, "b": nan})}
     assert sorted(check_ranges(cfg)) == sorted([
         "algorithm.eps_clip=nan: must be a finite number",
         "algorithm.lr=-inf: must be a finite number",

@@ -1,4 +1,4 @@
-"""An agent's rollouts (rollout/agent.py) against a real server, through the runner's gateway: the
+"""An agent's rollouts (agents/runner.py) against a real server, through the runner's gateway: the
 agent's calls become one sample with what it added between them masked and its reward kept; the
 run's sampling is forced on every call; a drifting agent's sample is its last trajectory only; and
 an agent that raises, never returns, makes no call or returns no reward fails its rollout by name,
@@ -13,7 +13,7 @@ import pytest
 from generation_helpers import running_server, save_chat_model
 
 from areal_flow.generation.client.router import ServerPool
-from areal_flow.rollout.agent import AgentFailed, AgentRunner
+from areal_flow.agents.runner import AgentFailed, AgentRunner
 
 pytest.importorskip("openai")  # the agents extra's; not on the GPU image
 pytestmark = pytest.mark.slow  # a server and Hydra composes: 8-11 s; the fast tier keeps its 3 minutes

@@ -84,16 +84,18 @@ def test_a_stitched_choice_is_derived_again_from_all_its_tokens(tmp_path):
             "tools": [{"type": "function", "function": {"name": "python"}}]}
     first = {"token_ids": ids[:10], "output_token_logprobs": [-1.0] * 10, "output_token_versions": [3] * 10,
              "finish_reason": "abort", "matched_stop": None, "weight_version": "3"}
-    rest = resume.continuation(body, [1, 2], 1, first)
+    rest = resume.continuation(body, [1, 2], 1, first["token_ids"], resume.budget(body) - len(first["token_ids"]))
     assert rest == {"model": "m", "prompt": [1, 2, *ids[:10]], "max_tokens": 90, "temperature": 0.7, "top_p": None,
                     "stop": ["\n\n"], "n": 1, "seed": 6}  # choice 1 of the call draws from seed + 1
-    resume.stitch(first, {"token_ids": ids[10:] + [tokenizer.eos_token_id], "output_token_logprobs": [-2.0] * (len(ids) - 9),
-                          "output_token_versions": [4] * (len(ids) - 9), "finish_reason": "stop",
-                          "matched_stop": tokenizer.eos_token_id, "weight_version": "4"})
+    more = resume.piece({"token_ids": ids[10:] + [tokenizer.eos_token_id], "output_token_logprobs": [-2.0] * (len(ids) - 9),
+                         "output_token_versions": [4] * (len(ids) - 9), "finish_reason": "stop",
+                         "matched_stop": tokenizer.eos_token_id, "weight_version": "4"})
+    first = resume.stitched(first, resume.piece(first).then(more))
     assert first["token_ids"] == ids + [tokenizer.eos_token_id] and first["output_token_versions"][9:11] == [3, 4]
+    assert first["matched_stop"] == tokenizer.eos_token_id and first["weight_version"] == "4"  # the last piece's end
     whole = resume.rederived(body, True, 1, first, "m", tokenizer)
     assert whole["finish_reason"] == "tool_calls" and whole["index"] == 1
     (tool_call,) = whole["message"]["tool_calls"]
     assert tool_call["function"] == {"name": "python", "arguments": '{"code": "1"}'}
-    assert resume.budget_left(body, first) == 100 - len(first["token_ids"])
-    assert resume.budget_left({"model": "m"}, first) is None  # no limit: up to the context, the server's rule
+    assert resume.budget(body) == 100
+    assert resume.budget({"model": "m"}) is None  # no limit: up to the context, the server's rule

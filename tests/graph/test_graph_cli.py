@@ -7,7 +7,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from areal_flow.config.schema import NodeConfig
+from areal_flow.config.nodes import BatchNodeConfig
 from areal_flow.config.validate import ConfigError, check_known_keys
 from areal_flow.graph import GraphError, build_graph, graph_from_config, keys
 from areal_flow.graph.allocation import apply_allocation, parse_allocation
@@ -33,7 +33,7 @@ def graph_of(*overrides: str):
 def test_a_node_added_on_the_command_line_is_a_node_config_with_its_defaults():
     cfg = typed(composed(REF, TRAIN_READS_REF))
     ref = cfg.graph["ref"]
-    assert isinstance(ref, NodeConfig) and (ref.micro_batch_tokens, ref.engine, ref.mesh) == (8192, "torch", "1")
+    assert isinstance(ref, BatchNodeConfig) and (ref.micro_batch_tokens, ref.engine, ref.mesh) == (8192, "torch", "1")
     g = graph_from_config(cfg)
     assert [n.name for n in g.batch_nodes] == ["actor_prox", "ref", "actor_train"]
     assert ("ref", "actor_train", "ref_logprobs") in g.edges()
@@ -59,11 +59,11 @@ def test_a_typo_or_a_wrong_type_in_an_added_node_is_named_by_its_full_key():
     cfg = typed(composed(REF[:-1] + ", micro_batch_token: 4096}", TRAIN_READS_REF))
     with pytest.raises(ConfigError) as e:
         check_known_keys(cfg)
-    assert e.value.problems == ["graph.ref.micro_batch_token: unknown key, 'graph.ref' (NodeConfig) has no field "
+    assert e.value.problems == ["graph.ref.micro_batch_token: unknown key, 'graph.ref' (BatchNodeConfig) has no field "
                                 "'micro_batch_token'; did you mean graph.ref.micro_batch_tokens?"]
     with pytest.raises(ConfigError) as e:
-        typed(composed(REF[:-1] + ", workers: many}"))
-    assert e.value.problems == ["graph.ref.workers: Value 'many' of type 'str' could not be converted to Integer"]
+        typed(composed(REF[:-1] + ", row_tokens: many}"))
+    assert e.value.problems == ["graph.ref.row_tokens: Value 'many' of type 'str' could not be converted to Integer"]
 
 
 def test_a_recipe_adds_a_node_and_removes_one_by_setting_it_to_null(tmp_path):

@@ -6,7 +6,8 @@ import asyncio
 from sglang_standin import StandIn, serving
 
 from areal_flow.generation.client.router import ServerPool
-from areal_flow.rollout.requests import SEED_LIMIT, generate_group, group_seed
+from areal_flow.generation.client.seeds import SEED_LIMIT, group_seed
+from areal_flow.rollout.requests import generate_group
 
 
 def test_every_sample_of_a_run_has_its_own_seed_fixed_by_run_seed_group_and_index():

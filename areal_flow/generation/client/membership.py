@@ -31,14 +31,13 @@ from collections.abc import Callable
 import msgspec
 
 from areal_flow.generation.client.router import ServerPool
+from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import write_atomic
 
 log = logging.getLogger("areal_flow.membership")
 
-SERVERS = "servers.json"
-"""The policy's servers; a judge's are in `servers_file(judge)`."""
-ACKS = os.path.join("scale", "acks")
-READY = os.path.join("scale", "ready")
+SERVERS, ACKS, READY = rd.SERVERS, rd.SCALE_ACKS, rd.SCALE_READY
+"""The policy's servers (a judge's are in `servers_file(judge)`) and the scale handshake's folders."""
 FOLLOW_INTERVAL = 0.5
 """Seconds between a follower's looks at servers.json."""
 

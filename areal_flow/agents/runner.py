@@ -1,9 +1,10 @@
 """Rollouts run by an agent: any async function `run(client, row) -> reward` that talks to the
 policy through the official OpenAI client, trained on the exact tokens its calls sent and got.
 
-Each rollout opens a key on the worker's gateway (agents/gateway.py), hands the agent an
+The rollout worker (rollout/worker.py) runs it for a generate node that names an agent. Each
+rollout opens a key on the worker's gateway (gateway.py), hands the agent an
 `openai.AsyncOpenAI` client pointed at it and the dataset row, and waits for its reward within
-`agent_wall_seconds`. The gateway links the calls into trajectories (agents/trajectories.py); the
+`agent_wall_seconds`. The gateway links the calls into trajectories (trajectories.py); the
 rollout's sample is the trajectory of its last call, the one that ends with the final answer: its
 first prompt is the sample's prompt, what the agent added between calls (tool results) are
 observation tokens (loss mask 0). Other trajectories a rollout made (a drift's split, a second
@@ -35,9 +36,8 @@ from typing import Any, Callable
 from areal_flow.agents.gateway import Gateway, Sampling
 from areal_flow.config.import_path import resolve_named
 from areal_flow.generation.client.router import ServerPool
+from areal_flow.generation.client.seeds import turn_seed
 from areal_flow.graph.keys import AGENT_REWARD
-from areal_flow.rollout.requests import turn_seed
-from areal_flow.rollout.turns import Turns
 from areal_flow.transport.trajectory import Trajectory
 
 log = logging.getLogger("areal_flow.rollout")
@@ -57,12 +57,6 @@ def load_agent(path: str, where: str) -> Callable:
         raise ValueError(f"{where}: {path!r} is not an async function: an agent is "
                          "`async def run(client: openai.AsyncOpenAI, row: dict) -> float`")
     return fn
-
-
-def runner_of(node: Any, cfg: Any, model_path: str) -> "Turns | AgentRunner | None":
-    """How the policy's generate node runs a sample: an environment's turns (rollout/turns.py), an
-    agent's calls, or None (one turn a sample)."""
-    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path, cfg.generation.backend)
 
 
 def import_openai() -> Any:
