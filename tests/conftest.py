@@ -32,7 +32,13 @@ def one_thread_in_child_processes():
 
 @pytest.fixture(scope="session")
 def run_cache(tmp_path_factory):
-    """One cache of generated data and bootstrapped base model for every end-to-end run."""
+    """One cache of generated data and bootstrapped base model for every end-to-end run; one for
+    the whole session when pytest-xdist runs it in several workers (each worker is a session of its
+    own): the cache's writers take its locks and write each file whole, so they share it safely."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("cache")
 
 

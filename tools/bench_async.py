@@ -3,6 +3,11 @@
 Generation is pinned to core 0 and the trainer to core 1 by the recipe's meshes. Prints trained
 samples per second for both, the ratio, and each side's busy fraction, and writes a bar plot.
 
+With η = 0 among the runs it also prints the two-stage pipeline's bound, from the same runs: at
+η = 0 the sides take turns, each busy T_gen and T_train seconds a step; overlapped perfectly a step
+takes max(T_gen, T_train), so no η does better than (T_gen + T_train) / max(T_gen, T_train) × η = 0's
+busy time. The measured ratio's share of that bound is what asynchrony leaves on the table.
+
     python tools/bench_async.py [--steps 40] [--etas 0 4] [-- extra overrides]
 """
 
@@ -17,6 +22,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from _bench import TRAINING_ONLY, machine, run_recipe, save_plot, timed_steps  # noqa: E402
+
+
+def pipeline_bound(sync_runs: list[dict]) -> tuple[float, float, float]:
+    """(T_gen, T_train, bound) from η = 0 runs: each side's busy seconds a step (means over the runs)
+    and (T_gen + T_train) / max(T_gen, T_train), the most an overlapped pipeline can gain."""
+    t_gen = sum(r["gen_seconds"] for r in sync_runs) / len(sync_runs)
+    t_train = sum(r["train_seconds"] for r in sync_runs) / len(sync_runs)
+    return t_gen, t_train, (t_gen + t_train) / max(t_gen, t_train)
 
 
 def main() -> None:
@@ -40,6 +53,10 @@ def main() -> None:
                 "generator_busy": 1 - sum(gi * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / wall
                 if gen_idle else float("nan"),
                 "staleness_max": max(m["staleness_max"] for m in steps),
+                # Busy seconds a step of each side: the pipeline bound's terms (η = 0 runs).
+                "train_seconds": sum(m["train_seconds"] for m in steps) / len(steps),
+                "gen_seconds": sum((1 - gi) * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / len(steps)
+                if gen_idle else float("nan"),
                 "steps": len(steps),
             })
     print(f"\nmachine: {machine()}")
@@ -60,6 +77,13 @@ def main() -> None:
         busy = ", ".join(f"{100 * r['trainer_busy']:.0f}%/{100 * r['generator_busy']:.0f}%" for r in rs)
         ratio = "" if eta == first else f", {mean[eta] / mean[first]:.2f}× η={first}"
         print(f"η={eta}: {mean[eta]:.1f} trained samples/s (mean of {len(rs)}){ratio}; trainer/generator busy {busy}")
+    if 0 in by_eta and len(by_eta) > 1:
+        t_gen, t_train, bound = pipeline_bound(by_eta[0])
+        print(f"\ntwo-stage bound from η=0: T_gen {t_gen:.3f} s + T_train {t_train:.3f} s a step → {bound:.2f}×")
+        for eta in by_eta:
+            if eta != 0:
+                ratio = mean[eta] / mean[0]
+                print(f"η={eta}: {ratio:.2f}× η=0, {100 * ratio / bound:.0f}% of the bound")
     fig, ax = plt.subplots(figsize=(5, 3.5))
     # Bars by position: a repeated η would otherwise be one category, its bars drawn over each other.
     ax.bar(range(len(rows)), [r["samples_per_s"] for r in rows],

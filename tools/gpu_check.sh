@@ -181,7 +181,9 @@ smoke_run gpu_smoke gpu_smoke
 smoke_run gpu_smoke_code gpu_smoke_code
 
 # The smoke recipe's own test is the step above, run as a user runs it (its run folder comes back).
-run_step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider "--junitxml=$OUT/pytest_gpu.xml" \
+# In one process (-o addopts=: pyproject's two pytest-xdist workers would share the one GPU, and the
+# wheelhouse has no pytest-xdist).
+run_step pytest_gpu 240 "$PY" -m pytest -o addopts= -m gpu -q -p no:cacheprovider "--junitxml=$OUT/pytest_gpu.xml" \
   --deselect tests/test_gpu_smoke.py::test_the_gpu_smoke_recipe_runs_ten_steps_on_a_gpu
 
 # Long answers: 16 requests of 128 + 16,384 tokens at the 1.5B shape through the paged cache.

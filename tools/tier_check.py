@@ -46,7 +46,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=180.0, help="seconds the tier may take")
     args, rest = ap.parse_known_args()
     start = time.monotonic()
-    code = pytest.main(["-m", "not slow", "-q", "-p", "no:cacheprovider", str(ROOT / "tests"), *rest])
+    # -n 0: in this process (pyproject's addopts run the suite in pytest-xdist workers), so that
+    # sys.modules shows what the tier imported.
+    code = pytest.main(["-m", "not slow", "-q", "-n", "0", "-p", "no:cacheprovider", str(ROOT / "tests"), *rest])
     seconds = time.monotonic() - start
     missing = untouched(set(sys.modules))
     print(f"\nfast tier: {seconds:.0f} s (budget {args.budget:.0f} s); modules untouched: {len(missing)}")

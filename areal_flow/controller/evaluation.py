@@ -23,6 +23,7 @@ from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.rollout.turns import ENV_ERROR, Turns
 from areal_flow.generation.client.router import ServerPool, version_number
 from areal_flow.runtime import run_dir as rd
+from areal_flow.runtime.disk import write_atomic
 
 log = logging.getLogger("areal_flow.controller")
 
@@ -125,13 +126,10 @@ def answers_path(run_dir: str, version: int) -> str:
 
 
 def write_answers(run_dir: str, version: int, answers: list[dict]) -> None:
-    """Every answer of an evaluation, as JSON lines, written whole (a temporary file renamed)."""
+    """Every answer of an evaluation, as JSON lines, written whole (runtime/disk.py: write_atomic)."""
     path = answers_path(run_dir, version)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(a) + "\n" for a in answers)
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(a) + "\n" for a in answers))
 
 
 class VersionPin:

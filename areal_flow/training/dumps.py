@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from areal_flow.runtime import run_dir as rd
+from areal_flow.runtime.disk import write_atomic
 from areal_flow.transport.messages import Sample
 
 DUMPS = rd.DUMPS
@@ -103,20 +104,10 @@ def turn_parts(output: np.ndarray, written_by_policy: np.ndarray, decode: Callab
 
 
 def write_dump(path: str, records: Sequence[dict]) -> None:
-    """`records` as JSON lines at `path`, atomically: a temporary file in the same folder, renamed."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    # Hidden, and not named *.jsonl: a reader globbing the folder never picks it up.
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`records` as JSON lines at `path`, written whole (runtime/disk.py: write_atomic): a record
+    that cannot be serialised fails before anything is written."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def dump_step(run_dir: str, step: int, rank: int, samples: Sequence[Sample], *, prompt_key: str, output_key: str,
