@@ -83,7 +83,15 @@ def eta0_run(run_cache, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped, saying why."""
+    """Tests marked `slow` run one at a time, in one pytest-xdist group (pyproject's addopts: two
+    workers, `--dist loadgroup`): the other worker runs the fast tier beside them, but no two
+    end-to-end runs share the cores, whose timing some of them observe (an update cutting answers,
+    a restarted server noticed). Tests marked `gpu` run only where CUDA is available; elsewhere
+    they are skipped, saying why."""
+    group = pytest.mark.xdist_group("slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(group)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marker `gpu`)")
