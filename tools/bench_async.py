@@ -24,6 +24,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _bench import TRAINING_ONLY, machine, run_recipe, save_plot, timed_steps  # noqa: E402
 
 
+def _computing(step: dict) -> float:
+    """The trainer's seconds of a step at work: train_seconds less its wait for the step's groups."""
+    return step["train_seconds"] - (step.get("train/wait_seconds") or 0.0)
+
+
 def pipeline_bound(sync_runs: list[dict]) -> tuple[float, float, float]:
     """(T_gen, T_train, bound) from η = 0 runs: each side's busy seconds a step (means over the runs)
     and (T_gen + T_train) / max(T_gen, T_train), the most an overlapped pipeline can gain."""
@@ -49,12 +54,15 @@ def main() -> None:
             rows.append({
                 "eta": eta,
                 "samples_per_s": sum(m["samples_per_second"] * m["step_seconds"] for m in steps) / wall,
-                "trainer_busy": sum(m["train_seconds"] for m in steps) / wall,
+                # The trainer's step less its wait for the step's groups (train/wait_seconds), which
+                # train_seconds holds: at η > 0 the trainer may wait there for the generator.
+                "trainer_busy": sum(_computing(m) for m in steps) / wall,
+                "trainer_wait": sum(m.get("train/wait_seconds") or 0.0 for m in steps) / wall,
                 "generator_busy": 1 - sum(gi * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / wall
                 if gen_idle else float("nan"),
                 "staleness_max": max(m["staleness_max"] for m in steps),
                 # Busy seconds a step of each side: the pipeline bound's terms (η = 0 runs).
-                "train_seconds": sum(m["train_seconds"] for m in steps) / len(steps),
+                "train_seconds": sum(_computing(m) for m in steps) / len(steps),
                 "gen_seconds": sum((1 - gi) * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / len(steps)
                 if gen_idle else float("nan"),
                 "steps": len(steps),
@@ -62,11 +70,12 @@ def main() -> None:
     print(f"\nmachine: {machine()}")
     print(f"command: python tools/bench_async.py --steps {args.steps} --etas {' '.join(map(str, args.etas))} "
           f"{' '.join(args.overrides)}".rstrip())
-    print("\n| η | steps timed | trained samples/s | trainer busy | generator busy | max staleness |")
-    print("|---|---|---|---|---|---|")
+    print("\n| η | steps timed | trained samples/s | trainer busy | trainer waiting for groups | generator busy | "
+          "max staleness |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['eta']} | {r['steps']} | {r['samples_per_s']:.1f} | {100 * r['trainer_busy']:.0f}% | "
-              f"{100 * r['generator_busy']:.0f}% | {r['staleness_max']} |")
+              f"{100 * r['trainer_wait']:.0f}% | {100 * r['generator_busy']:.0f}% | {r['staleness_max']} |")
     # Repeated (alternated) runs of one η are averaged before the ratio: the runs of one η differ
     # by several percent on a shared machine, so one pair alone says little.
     by_eta = {eta: [r for r in rows if r["eta"] == eta] for eta in dict.fromkeys(args.etas)}
