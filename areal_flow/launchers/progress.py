@@ -113,9 +113,10 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
         if waits := [s["trainer_reward_wait"] for s in steps if "trainer_reward_wait" in s]:  # newer runs
             t.add_row("trainer waiting on rewards", pct(sum(waits) / len(waits)))
         # The weights' hand-over: the trainer writing them (disk, shm) and the servers' update after the step.
-        if updates := [(s.get("train/publish_seconds", 0.0) + s["update_seconds"], s["step_seconds"])
-                       for s in steps if s.get("update_seconds") is not None and s.get("step_seconds")]:
-            t.add_row("weight updates (of a step)", pct(sum(u for u, _ in updates) / sum(d for _, d in updates)))
+        timed = [s for s in steps if s.get("update_seconds") is not None and s.get("step_seconds")]
+        if timed:
+            for label, share in _update_shares(timed):
+                t.add_row(label, pct(share))
         if suspect := [s["reward/suspect"] for s in steps if "reward/suspect" in s]:  # code and math rewards
             t.add_row("suspect samples (gamed or hedged)", f"{pct(sum(suspect) / len(suspect))} (max {pct(max(suspect))})")
         for key in sorted({k for s in steps for k in s if k.startswith("reward_busy/")}):
@@ -123,6 +124,23 @@ def summary_table(summary: dict, metrics: list[dict]) -> Table:
             t.add_row(f"reward workers busy ({key.split('/', 1)[1]})", pct(sum(busy) / len(busy)))
     t.add_row("checkpoint", summary["checkpoint"])
     return t
+
+
+def _update_shares(steps: list[dict]) -> list[tuple[str, float]]:
+    """The weight hand-over's share of the steps, and, where the servers counted their load time
+    (generator_load, a share of each step), its parts: the trainer writing the weights, the servers
+    finishing or cutting the answers they run (a drain with rollout.interrupt=false, an abort with
+    true) and their load."""
+    wall = sum(s["step_seconds"] for s in steps)
+    publish = sum(s.get("train/publish_seconds", 0.0) for s in steps)
+    update = sum(s["update_seconds"] for s in steps)
+    rows = [("weight updates (of a step)", (publish + update) / wall)]
+    if all(s.get("generator_load") is not None for s in steps):
+        load = sum(s["generator_load"] * s["step_seconds"] for s in steps)
+        rows += [("  the trainer writing them", publish / wall),
+                 ("  the servers finishing or cutting answers", max(0.0, update - load) / wall),
+                 ("  the servers loading them", min(load, update) / wall)]
+    return rows
 
 
 def print_summary(console: Console, run_dir: str, metrics: list[dict]) -> dict:

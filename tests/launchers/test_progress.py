@@ -120,6 +120,15 @@ def test_the_summary_table_gives_the_weight_updates_share_of_the_steps():
     table = io.StringIO()
     Console(file=table, width=200).print(summary_table(summary, steps))
     assert "│ weight updates (of a step) │ 15.0% │" in table.getvalue()  # (1.2 + 0.3) / 10
+    # With the servers' own load time (a share of each step), the update splits into its parts.
+    steps[0]["generator_load"], steps[1]["generator_load"] = 0.01, 0.05  # 0.06 s and 0.2 s of loading
+    table = io.StringIO()
+    Console(file=table, width=200).print(summary_table(summary, steps))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table.getvalue().splitlines()
+            if line.count("│") == 3}
+    assert rows["weight updates (of a step)"] == "15.0%" and rows["the trainer writing them"] == "10.0%"
+    assert rows["the servers finishing or cutting answers"] == "2.4%"  # (0.5 - 0.26) / 10
+    assert rows["the servers loading them"] == "2.6%"
     # A run from before the figure existed shows no row rather than 0%.
     table = io.StringIO()
     Console(file=table, width=200).print(summary_table(summary, [{"event": "step", "staleness_max": 1}]))
