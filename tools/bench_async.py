@@ -5,8 +5,8 @@ samples per second for both, the ratio, and each side's busy fraction, and write
 
 With η = 0 among the runs it also prints the two-stage pipeline's bound, from the same runs: at
 η = 0 the sides take turns, each busy T_gen and T_train seconds a step; overlapped perfectly a step
-takes max(T_gen, T_train), so no η does better than (T_gen + T_train) / max(T_gen, T_train) × η = 0's
-busy time. The measured ratio's share of that bound is what asynchrony leaves on the table.
+takes max(T_gen, T_train), so no η trains faster than (T_gen + T_train) / max(T_gen, T_train) times
+η = 0. The measured ratio's share of that bound is what asynchrony leaves on the table.
 
     python tools/bench_async.py [--steps 40] [--etas 0 4] [-- extra overrides]
 """
@@ -51,18 +51,19 @@ def main() -> None:
             _, metrics = run_recipe(f"{tmp}/run{i}-eta{eta}", [*base, f"rollout.max_staleness={eta}"])
             steps, wall = timed_steps(metrics)
             gen_idle = [m["generator_idle"] for m in steps if m.get("generator_idle") is not None]
+            # The trainer's step less its wait for the step's groups (train/wait_seconds), which
+            # train_seconds holds: at η > 0 the trainer may wait there for the generator.
+            computing = sum(_computing(m) for m in steps)
             rows.append({
                 "eta": eta,
                 "samples_per_s": sum(m["samples_per_second"] * m["step_seconds"] for m in steps) / wall,
-                # The trainer's step less its wait for the step's groups (train/wait_seconds), which
-                # train_seconds holds: at η > 0 the trainer may wait there for the generator.
-                "trainer_busy": sum(_computing(m) for m in steps) / wall,
+                "trainer_busy": computing / wall,
                 "trainer_wait": sum(m.get("train/wait_seconds") or 0.0 for m in steps) / wall,
                 "generator_busy": 1 - sum(gi * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / wall
                 if gen_idle else float("nan"),
                 "staleness_max": max(m["staleness_max"] for m in steps),
                 # Busy seconds a step of each side: the pipeline bound's terms (η = 0 runs).
-                "train_seconds": sum(_computing(m) for m in steps) / len(steps),
+                "train_seconds": computing / len(steps),
                 "gen_seconds": sum((1 - gi) * m["step_seconds"] for gi, m in zip(gen_idle, steps)) / len(steps)
                 if gen_idle else float("nan"),
                 "steps": len(steps),

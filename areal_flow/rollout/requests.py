@@ -9,7 +9,6 @@ import itertools
 
 from areal_flow.generation.client.carry_on import CUT, Piece, carry_on
 from areal_flow.generation.client.router import ServerPool, token_versions
-
 from areal_flow.transport.messages import Finish
 
 
