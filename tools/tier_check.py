@@ -31,8 +31,9 @@ def all_modules() -> list[str]:
     return sorted(names)
 
 
-CHILD_PROGRAMS = {"areal_flow.sandbox.init": "the sandbox's first program, run by tests/sandbox/test_sandbox.py "
-                                                   "in the sandbox's child processes"}
+CHILD_PROGRAMS = {name: "the sandbox's init and the modules it imports beside it, run by tests/sandbox/test_sandbox.py "
+                        "in the sandbox's child processes"
+                  for name in ("areal_flow.sandbox.init", "areal_flow.sandbox.cases", "areal_flow.sandbox.program")}
 """Modules that run only as a child process's program, never imported by a test: not counted."""
 
 
