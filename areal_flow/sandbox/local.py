@@ -2,10 +2,10 @@
 printed, case by case.
 
 The program was written by a model under training: treat it as hostile. Each Sandbox keeps one
-`init.py` (stdlib only, beside it) resident in a session of its own and sends it one job per program;
-for each job it makes new PID, network and mount namespaces in which the program runs, chrooted into
-a root of read-only binds, as an unprivileged uid of its own, under resource limits, with a
-wall-clock deadline per case. The host keeps a deadline over the whole job and kills the init's
+`init.py` (stdlib only, beside it) resident in a session of its own, in PID, network, mount and IPC
+namespaces it makes once, and sends it one job per program; each job runs in a process of its own
+(new /tmp and /sandbox), chrooted into a root of read-only binds, each case forked from it as an
+unprivileged uid of its own, under resource limits, with a wall-clock deadline per case. The host keeps a deadline over the whole job and kills the init's
 process group when it passes (the next job starts a new init); the init dies with its parent
 (PR_SET_PDEATHSIG), and the kernel kills every process of a PID namespace whose init dies. What each
 layer stops is in docs/rewards.md.
@@ -54,9 +54,9 @@ LIMITS = ("wall_seconds", "cpu_seconds", "memory_mb", "file_size_mb", "disk_mb",
 # Seconds the host waits beyond the cases' own deadlines (start-up, namespace set-up, clean-up).
 HOST_SLACK = 10.0
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
-# A job's root directory is `{ROOT_PREFIX}{host pid}_...` in the temporary directory. The host removes
-# it after the job; a host killed mid-job (a reward worker replaced after a timeout) cannot, so the
-# next sandbox to start removes the roots of hosts that no longer run.
+# An init's root directory is `{ROOT_PREFIX}{host pid}_...` in the temporary directory, locked by its
+# host. The host removes it when it closes the sandbox; a host killed (a reward worker replaced after a
+# timeout) cannot, so the next sandbox to start removes the roots of hosts that no longer run.
 ROOT_PREFIX = "areal_flow_sandbox_"
 ROOT_LOCK_SECONDS = 60.0  # far more than a host takes from making its root to locking it
 WORKDIR = "/sandbox"  # a program's working directory in its namespace (init.py makes it)
@@ -119,6 +119,8 @@ class Sandbox:
         self._jobs = 0
         self._compiled: tuple[str, Any] = ("", None)  # the last program compiled here, and its code
         self._harnesses: dict[str, Any] = {}  # the code of each harness script
+        self._root_lock = -1  # a descriptor of the root, locked while the init runs
+
     def isolation(self) -> Isolation:
         """Probe: run a trivial program and report which isolation it had. Raises
         `SandboxUnavailable` where namespaces cannot be made and `allow_unsandboxed` is false."""
@@ -255,8 +257,8 @@ class Sandbox:
         # Each case is bounded inside; this bounds the whole job, namespace set-up and clean-up included.
         budget = len(inputs) * (limits["wall_seconds"] + 1.0) + HOST_SLACK
         deadline = time.monotonic() + budget
+        server = self._start(isolate)
         try:
-            server = self._start(isolate)
             server.stdin.write(_frame(job))
             server.stdin.flush()
             fd = server.stdout.fileno()
