@@ -1,15 +1,19 @@
-"""areal_flow against TRL's `GRPOTrainer` on tiny_arith, side by side, as a new user would run each.
+"""areal_flow against TRL's `GRPOTrainer`, side by side, as a new user would run each: on tiny_arith
+(`--task tiny_arith`, the default) or on tiny_code (`--task tiny_code`, the recipe code_tiny).
 
 Both start from the same supervised bootstrap (the recipe's own), train on the same problems for
 the same wall-time budget with the same batch (8 prompts x 8 answers, lr 1e-4 constant,
-temperature 1, no KL, one optimizer step per batch), and save checkpoints along the way; one
-greedy evaluator (`transformers` `generate`) then scores every checkpoint of both on the same
-held-out problems. Prints trained samples/s, accuracy over time, the time each needs to reach the
-peer's final accuracy and the ratios; plots both learning curves in one figure.
+temperature 1, no KL, one optimizer step per batch) and the same reward function (tiny_code: the
+project's code reward, each program in the code sandbox with the recipe's limits and partial-credit
+setting), and save checkpoints along the way; one greedy evaluator (`transformers` `generate`) then
+scores every checkpoint of both on the same held-out problems (tiny_code: pass@1 on all 8 tests of a
+problem, 5 of them never shown, as the recipe's own held-out figure). Prints trained samples/s,
+accuracy over time, the time each needs to reach the peer's final accuracy, the reward's seconds a
+sample on each side and the ratios; plots both learning curves in one figure.
 
     pip install -e '.[bench]'            # trl, accelerate (torch stays 2.13.0)
-    python tools/bench_peer.py [--budget 540] [--eval-n 1000] [--out DIR [--reuse]] [--peer-from DIR]
-                               [-- extra areal_flow overrides]
+    python tools/bench_peer.py [--task tiny_arith|tiny_code] [--budget S] [--eval-n N] [--out DIR [--reuse]]
+                               [--peer-from DIR] [-- extra areal_flow overrides]
 
 TRL runs in a child process with both cores (its generation and training alternate); areal_flow
 runs its recipe (generation on core 0, training on core 1). TRL's settings beyond the shared ones
@@ -35,8 +39,69 @@ from dataclasses import dataclass
 import yaml
 from _bench import machine, read_run_dir, run_recipe, save_plot
 
-GROUP, PROMPTS, LR, MAX_NEW = 8, 8, 1e-4, 96
-N_TRAIN, DATA_SEED, BOOTSTRAP_STEPS = 20000, 0, 250
+GROUP, PROMPTS, LR = 8, 8, 1e-4
+N_TRAIN, DATA_SEED, BOOTSTRAP_STEPS = 20000, 0, 250  # tiny_arith's; tiny_code's come from its recipe
+
+
+@dataclass(frozen=True)
+class Task:
+    """What differs between the tasks."""
+
+    recipe: str
+    max_new: int
+    """the answer budget, tokens (the recipe's max_new_tokens)."""
+    budget: float
+    """default training seconds of each side (the recipe's max_wall_seconds, tiny_arith 540)."""
+    eval_n: int
+    """default held-out problems."""
+    steps_per_s: float
+    """areal_flow's usual steps/s, to space its kept versions like TRL's checkpoints."""
+    score: str
+    """what the evaluator's figure is, for the report and plot."""
+
+
+TASKS = {"tiny_arith": Task("tiny_arith", 96, 540.0, 1000, 1.0, "accuracy"),
+         "tiny_code": Task("code_tiny", 128, 600.0, 200, 0.2, "pass@1")}
+
+
+def recipe_config(task: str, cache_dir: str, eval_n: int):
+    """The recipe's typed config, composed as the launcher would (its model, data and sandbox)."""
+    from hydra import compose, initialize_config_dir
+
+    from areal_flow.launch import CONF_DIR
+    from areal_flow.runtime.spec import typed
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        raw = compose("config", overrides=[f"recipe={TASKS[task].recipe}", f"cache_dir={cache_dir}",
+                                           "output_dir=/tmp/unused", f"dataset.n_eval={eval_n}"])
+    return typed(raw)
+
+
+def reward_function(task: str, cache_dir: str, eval_n: int):
+    """(completion, row) -> reward in [0, 1]: the task's own reward, as the recipe scores it."""
+    if task == "tiny_arith":
+        from areal_flow.data.arith import arith_reward
+
+        return lambda completion, row: arith_reward(completion, row["answer"])
+    from areal_flow.rewards.code import CodeReward
+
+    code = CodeReward(recipe_config(task, cache_dir, eval_n).sandbox)
+    return lambda completion, row: code(completion, json.dumps(row["input_output"]))["reward"]
+
+
+def task_inputs(task: str, cache_dir: str, eval_n: int) -> tuple[str, str, str]:
+    """(base model directory, training file, held-out file), made once in the cache."""
+    if task == "tiny_arith":
+        from areal_flow.data.arith import ensure_arith_data
+        from areal_flow.models.bootstrap import ensure_base_model
+
+        base = ensure_base_model(os.path.join(cache_dir, "models"), steps=BOOTSTRAP_STEPS)
+        return (base, *ensure_arith_data(os.path.join(cache_dir, "data"), N_TRAIN, eval_n, DATA_SEED))
+    from areal_flow.data.loading import dataset_paths
+    from areal_flow.run.prepare import prepare_model
+
+    cfg = recipe_config(task, cache_dir, eval_n)
+    return (prepare_model(cfg), *dataset_paths(cfg.dataset, cfg.cache_dir))
 
 
 @dataclass
@@ -53,6 +118,8 @@ class Curve:
     no_gradient: float | None = None
     """share of the generated groups whose answers all scored alike (GRPO advantages all 0, no
     gradient); None where the run does not say."""
+    reward_seconds: float | None = None
+    """seconds the reward function ran a sample (areal_flow: its reward workers' busy time)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -92,23 +159,30 @@ def late_mean(points: list[tuple[float, float]], budget: float) -> float:
 
 # ---- TRL, in its own process ------------------------------------------------------------------
 
-def run_trl(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int) -> None:
+def run_trl(task: str, out: str, base: str, train_file: str, budget: float, save_every: float, seed: int,
+            cache_dir: str, eval_n: int) -> None:
     """GRPOTrainer for `budget` seconds of training, a checkpoint every `save_every` seconds."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from areal_flow.data.arith import arith_reward
     from areal_flow.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
     with open(train_file) as f:
         rows = [json.loads(line) for line in f]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    # The row's reference as JSON text: Arrow wants one type per column, and tests mix them.
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "row": json.dumps(r)} for r in rows])
+    reward_of = reward_function(task, cache_dir, eval_n)
+    spent = {"seconds": 0.0, "samples": 0}
 
-    def arith(completions, answer, **_):
-        return [arith_reward(c, a) for c, a in zip(completions, answer)]
+    def reward(completions, row, **_):
+        t0 = time.perf_counter()
+        scores = [reward_of(c, json.loads(r)) for c, r in zip(completions, row)]
+        spent["seconds"] += time.perf_counter() - t0
+        spent["samples"] += len(scores)
+        return scores
 
     class Budget(TrainerCallback):
         """Training seconds exclude the checkpoint saves; stop once the budget is spent."""
@@ -136,11 +210,11 @@ def run_trl(out: str, base: str, train_file: str, budget: float, save_every: flo
 
     config = GRPOConfig(
         output_dir=out, per_device_train_batch_size=GROUP * PROMPTS, num_generations=GROUP,
-        max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
+        max_completion_length=TASKS[task].max_new, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
         beta=0.0, gradient_checkpointing=False, use_cpu=True, bf16=False, save_strategy="no",
         report_to="none", logging_steps=20, max_steps=10**6, seed=seed)
     budget_cb = Budget()
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(base), reward_funcs=arith, args=config,
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(base), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=load_tokenizer(base), callbacks=[budget_cb])
     trainer.train()
     t, _, steps = budget_cb.saved[-1]
@@ -149,13 +223,15 @@ def run_trl(out: str, base: str, train_file: str, budget: float, save_every: flo
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"checkpoints": [[when, path] for when, path, _ in budget_cb.saved],
                    "samples": steps * GROUP * PROMPTS, "seconds": t,
-                   "no_gradient": sum(zero_std) / len(zero_std) if zero_std else None}, f)
+                   "no_gradient": sum(zero_std) / len(zero_std) if zero_std else None,
+                   "reward_seconds": spent["seconds"] / max(spent["samples"], 1)}, f)
 
 
-def trl_curve(out: str, base: str, train_file: str, budget: float, save_every: float, seed: int,
-              reuse: bool = False) -> Curve:
+def trl_curve(task: str, out: str, base: str, train_file: str, budget: float, save_every: float, seed: int,
+              cache_dir: str, eval_n: int, reuse: bool = False) -> Curve:
     if not (reuse and os.path.isfile(os.path.join(out, "result.json"))):
-        cmd = [sys.executable, __file__, "_trl", out, base, train_file, str(budget), str(save_every), str(seed)]
+        cmd = [sys.executable, __file__, "_trl", task, out, base, train_file, str(budget), str(save_every), str(seed),
+               cache_dir, str(eval_n)]
         print("$ tools/bench_peer.py _trl ...  (TRL GRPOTrainer)", flush=True)
         subprocess.run(cmd, check=True)
     return read_trl(out)
@@ -167,12 +243,13 @@ def read_trl(out: str) -> Curve:
         raise SystemExit(f"{out!r} holds no finished TRL run of bench_peer (no result.json)")
     with open(os.path.join(out, "result.json")) as f:
         r = json.load(f)
-    return Curve("TRL", [tuple(c) for c in r["checkpoints"]], r["samples"], r["seconds"], no_gradient=r.get("no_gradient"))
+    return Curve("TRL", [tuple(c) for c in r["checkpoints"]], r["samples"], r["seconds"], no_gradient=r.get("no_gradient"),
+                 reward_seconds=r.get("reward_seconds"))
 
 
 # ---- areal_flow --------------------------------------------------------------------------------
 
-def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float, keep_every: int, seed: int,
+def areal_curve(task: str, out: str, base: str, eval_file: str, eval_n: int, budget: float, keep_every: int, seed: int,
                 overrides: list[str], reuse: bool = False) -> tuple[Curve, float | None]:
     """The recipe for `budget` seconds, keeping every `keep_every`-th published version; also
     returns the run's own end-of-run accuracy on the same held-out file (its engine, greedy)."""
@@ -182,7 +259,7 @@ def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float,
     else:
         # The budget alone ends the run: the recipe's total_steps (1000) is reached first at 2 steps/s.
         _, metrics = run_recipe(out, [
-            "recipe=tiny_arith", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000",
+            f"recipe={TASKS[task].recipe}", f"model.path={base}", f"max_wall_seconds={budget}", "total_steps=1000000",
             f"seed={seed}", f"dataset.n_eval={eval_n}", f"dataset.eval_path={eval_file}", "eval_at_start=false",
             "eval.every_versions=0", "eval_at_end=true", f"rollout.keep_weights_every={keep_every}", "metrics.plot=false",
             *overrides])
@@ -199,14 +276,17 @@ def areal_curve(out: str, base: str, eval_file: str, eval_n: int, budget: float,
     # the share without a gradient; other bounds filter some groups that have one.
     exact = bounds is not None and 0 < bounds[0] <= 1 / GROUP and 1 - 1 / GROUP <= bounds[1] < 1
     own = [m["accuracy"] for m in metrics if m["event"] == "eval"]
+    spent = [m["reward/reward_seconds"] for m in steps.values() if m.get("reward/reward_seconds") is not None]
     curve = Curve("areal_flow", checkpoints, samples, last["elapsed"], generated=samples + filtered * GROUP,
-                  no_gradient=filtered / (filtered + len(steps) * PROMPTS) if exact else None)
+                  no_gradient=filtered / (filtered + len(steps) * PROMPTS) if exact else None,
+                  reward_seconds=sum(spent) / len(spent) if spent else None)
     return curve, own[-1] if own else None
 
 
 # ---- one evaluator for both ----------------------------------------------------------------------
 
-def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict], task: str, cache_dir: str
+          ) -> dict[str, list[tuple[float, float]]]:
     """Greedy accuracy of the start and of every checkpoint, by side: [(seconds, accuracy)]. Each
     side's scores are kept in its run folder (`scores.json`: by checkpoint folder name, "start"
     for the start checkpoint, and the number of problems) and read from there when present."""
@@ -219,14 +299,14 @@ def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[
 
     def accuracy(path: str) -> float:
         nonlocal evaluate
-        evaluate = evaluate or _evaluator(base, rows)
+        evaluate = evaluate or _evaluator(base, rows, task, cache_dir)
         return evaluate(path)
 
     out = {}
     with Progress() as progress:
-        task = progress.add_task("scoring checkpoints", total=1 + sum(len(c.checkpoints) for c, _ in curves))
+        bar = progress.add_task("scoring checkpoints", total=1 + sum(len(c.checkpoints) for c, _ in curves))
         start = accuracy(base) if start is None else start
-        progress.advance(task)
+        progress.advance(bar)
         for c, run_dir in curves:
             scores = kept[run_dir]
             scores[start_key] = start
@@ -238,7 +318,7 @@ def score(curves: list[tuple[Curve, str]], base: str, rows: list[dict]) -> dict[
                 out[c.name].append((t, scores[key]))
                 with open(os.path.join(run_dir, "scores.json"), "w") as f:  # after each: an interrupted call loses one
                     json.dump(scores, f)
-                progress.advance(task)
+                progress.advance(bar)
     return out
 
 
@@ -250,24 +330,24 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _evaluator(base: str, rows: list[dict]):
+def _evaluator(base: str, rows: list[dict], task: str, cache_dir: str):
     """path -> greedy accuracy on `rows` (transformers generate, the same for both sides)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from areal_flow.data.arith import arith_reward
     from areal_flow.models.supervised import greedy_completions
     from areal_flow.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
     hf_logging.disable_progress_bar()  # one bar for all checkpoints, not one per load
     tokenizer = load_tokenizer(base)
+    reward_of = reward_function(task, cache_dir, len(rows))
 
     def accuracy(path: str) -> float:
         model = AutoModelForCausalLM.from_pretrained(path)
-        texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], MAX_NEW)
-        return sum(arith_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+        texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], TASKS[task].max_new)
+        return sum(reward_of(t, r) for t, r in zip(texts, rows)) / len(rows)
 
     return accuracy
 
@@ -278,10 +358,12 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     reach = time_to_reach(o, target)
     marks = [t for t in (budget / 4, budget / 2) if t <= min(peer.seconds, ours.seconds) + 1e-9]
     lines = [f"machine: {machine()}",
-             f"command: python tools/bench_peer.py --budget {args.budget:g} --eval-n {args.eval_n} --seed {args.seed}"
+             f"command: python tools/bench_peer.py --task {args.task} --budget {args.budget:g} --eval-n {args.eval_n} "
+             f"--seed {args.seed}"
              + (f" --peer-from {args.peer_from}" if args.peer_from else "")
              + (f" -- {' '.join(args.overrides)}" if args.overrides else ""),
-             f"held-out: {args.eval_n} problems, greedy, one evaluator (transformers generate) for both", "",
+             f"held-out: {args.eval_n} problems, greedy, one evaluator (transformers generate) for both; "
+             f"the figure: {TASKS[args.task].score}", "",
              f"| | {peer.name} 1.16 GRPOTrainer (sync) | {ours.name} | ratio |", "|---|---|---|---|",
              f"| generated samples/s | {peer.generated_per_s:.1f} | {ours.generated_per_s:.1f} | "
              f"{ours.generated_per_s / peer.generated_per_s:.2f}× |",
@@ -295,6 +377,10 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
             f"{100 * ours.no_gradient:.0f}% (filtered) | |",
             f"| generated samples/s in groups with a gradient | {peer.with_gradient_per_s:.1f} | "
             f"{ours.with_gradient_per_s:.1f} | {ours.with_gradient_per_s / peer.with_gradient_per_s:.2f}× |"]
+    if peer.reward_seconds is not None and ours.reward_seconds is not None:
+        lines.append(f"| reward's seconds a sample | {1000 * peer.reward_seconds:.1f} ms | "
+                     f"{1000 * ours.reward_seconds:.1f} ms (a worker's) | "
+                     f"{ours.reward_seconds / peer.reward_seconds:.2f}× |")
     for t in marks:
         a, b = accuracy_at(p, t), accuracy_at(o, t)
         lines.append(f"| accuracy at {t:.0f} s | {100 * a:.1f}% | {100 * b:.1f}% | {100 * (b - a):+.1f} points |")
@@ -312,7 +398,7 @@ def report(peer: Curve, ours: Curve, points: dict, budget: float, own_final: flo
     return "\n".join(lines)
 
 
-def plot(points: dict, path: str, budget: float) -> None:
+def plot(points: dict, path: str, budget: float, task: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,8 +409,8 @@ def plot(points: dict, path: str, budget: float) -> None:
         ax.plot([t for t, _ in pts], [100 * a for _, a in pts], marker="o", label=name)
     ax.set_xlim(0, budget * 1.02)
     ax.set_xlabel("training seconds (2 cores)")
-    ax.set_ylabel("held-out greedy accuracy, %")
-    ax.set_title("tiny_arith: areal_flow vs TRL GRPOTrainer, same start")
+    ax.set_ylabel(f"held-out greedy {TASKS[task].score}, %")
+    ax.set_title(f"{task}: areal_flow vs TRL GRPOTrainer, same start")
     ax.grid(alpha=0.3)
     ax.legend()
     save_plot(fig, path)
@@ -332,15 +418,19 @@ def plot(points: dict, path: str, budget: float) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_trl":
-        out, base, train, budget, every, seed = sys.argv[2:8]
-        run_trl(out, base, train, float(budget), float(every), int(seed))
+        task, out, base, train, budget, every, seed, cache_dir, eval_n = sys.argv[2:11]
+        run_trl(task, out, base, train, float(budget), float(every), int(seed), cache_dir, int(eval_n))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=540.0, help="training seconds for each side")
-    ap.add_argument("--eval-n", type=int, default=1000, help="held-out problems both sides are scored on")
+    ap.add_argument("--task", choices=list(TASKS), default="tiny_arith")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="training seconds for each side (default: tiny_arith 540, tiny_code 600)")
+    ap.add_argument("--eval-n", type=int, default=None,
+                    help="held-out problems both sides are scored on (default: tiny_arith 1000, tiny_code 200)")
     ap.add_argument("--points", type=int, default=12, help="checkpoints along each run")
-    ap.add_argument("--areal-steps-per-s", type=float, default=1.0,
-                    help="expected areal_flow steps/s, to space its kept versions like TRL's checkpoints")
+    ap.add_argument("--areal-steps-per-s", type=float, default=None,
+                    help="expected areal_flow steps/s, to space its kept versions like TRL's checkpoints "
+                         "(default: tiny_arith 1, tiny_code 0.2)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cache-dir", default=os.environ.get("AREAL_FLOW_CACHE", os.path.expanduser("~/.cache/areal_flow")))
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
@@ -348,9 +438,15 @@ def main() -> None:
                     help="with --out: read the runs (and scores) an earlier call left there instead of running them again")
     ap.add_argument("--peer-from", metavar="DIR",
                     help="TRL's run (and scores) from an earlier call's --out, instead of running TRL again")
-    ap.add_argument("--plot", default="docs/bench_peer.png")
+    ap.add_argument("--plot", default=None, help="the figure (default: docs/bench_peer.png, "
+                    "docs/bench_peer_code.png for tiny_code)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for the areal_flow run")
     args = ap.parse_args()
+    task = TASKS[args.task]
+    args.budget = task.budget if args.budget is None else args.budget
+    args.eval_n = task.eval_n if args.eval_n is None else args.eval_n
+    args.areal_steps_per_s = args.areal_steps_per_s or task.steps_per_s
+    args.plot = args.plot or ("docs/bench_peer.png" if args.task == "tiny_arith" else "docs/bench_peer_code.png")
     if args.reuse and not args.out:
         ap.error("--reuse needs --out DIR")
     try:
@@ -358,11 +454,7 @@ def main() -> None:
     except ImportError:
         sys.exit("bench_peer needs TRL, an optional extra: pip install -e '.[bench]'")
 
-    from areal_flow.data.arith import ensure_arith_data
-    from areal_flow.models.bootstrap import ensure_base_model
-
-    base = ensure_base_model(os.path.join(args.cache_dir, "models"), steps=BOOTSTRAP_STEPS)
-    train_file, eval_file = ensure_arith_data(os.path.join(args.cache_dir, "data"), N_TRAIN, args.eval_n, DATA_SEED)
+    base, train_file, eval_file = task_inputs(args.task, args.cache_dir, args.eval_n)
     with open(eval_file) as f:
         rows = [json.loads(line) for line in f]
     with tempfile.TemporaryDirectory() as tmp:
@@ -370,16 +462,17 @@ def main() -> None:
         os.makedirs(root, exist_ok=True)
         trl_dir = os.path.join(args.peer_from or root, "trl")
         peer = read_trl(trl_dir) if args.peer_from else trl_curve(
-            trl_dir, base, train_file, args.budget, args.budget / args.points, args.seed, args.reuse)
+            args.task, trl_dir, base, train_file, args.budget, args.budget / args.points, args.seed, args.cache_dir,
+            args.eval_n, args.reuse)
         keep = max(1, round(args.budget * args.areal_steps_per_s / args.points))
         ours_dir = os.path.join(root, "areal_flow")
-        ours, own_final = areal_curve(ours_dir, base, eval_file, args.eval_n, args.budget, keep, args.seed,
+        ours, own_final = areal_curve(args.task, ours_dir, base, eval_file, args.eval_n, args.budget, keep, args.seed,
                                       args.overrides, args.reuse)
-        points = score([(peer, trl_dir), (ours, ours_dir)], base, rows)
+        points = score([(peer, trl_dir), (ours, ours_dir)], base, rows, args.task, args.cache_dir)
     text = report(peer, ours, points, args.budget, own_final, args)
     print("\n" + text)
     print(json.dumps({k: [[round(t, 1), round(a, 4)] for t, a in v] for k, v in points.items()}))
-    plot(points, args.plot, args.budget)
+    plot(points, args.plot, args.budget, args.task)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import weakref
 from typing import Any
 
@@ -223,7 +224,9 @@ class Sandbox:
         if not self._same_grammar:
             return None
         try:
-            self._compiled = (program, compile(program, f"{WORKDIR}/solution.py", "exec", dont_inherit=True))
+            with warnings.catch_warnings():  # a SyntaxWarning is the program's business, not the worker's log's
+                warnings.simplefilter("ignore")
+                self._compiled = (program, compile(program, f"{WORKDIR}/solution.py", "exec", dont_inherit=True))
         except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte in the source
             return CaseResult("runtime_error", stderr="".join(traceback.format_exception_only(e)), exit_code=1)
         except (RecursionError, MemoryError):
