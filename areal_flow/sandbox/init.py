@@ -10,7 +10,7 @@ PID 1 never reads a job. For each job it forks a job process before the job come
 which mounts a new size-limited /tmp and /sandbox, reads the job and runs each test case as a
 process forked from itself that drops to an unprivileged uid, with resource limits, a scrubbed
 environment and no descriptors but its own, and runs the program in this interpreter
-(`_run_script`): started, and with what programs often use imported (PREIMPORTED), once. So a
+(program.py's `_run_script`): started, and with what programs often use imported (PREIMPORTED), once. So a
 program costs a fork, not an interpreter's start, and nothing a program must not see is ever in the
 process it is forked from: another job's data never (each job has a process of its own), expected
 outputs never (the host compares the outputs returned), and a checked job's tests only after the

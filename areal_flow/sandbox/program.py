@@ -3,7 +3,7 @@ job process, areal_flow/sandbox/cases.py) does to become the program and run it,
 process beside a checked program. Stdlib only: the init (areal_flow/sandbox/init.py) imports it from
 beside itself.
 
-The program runs in this interpreter, forked (`run_script`): it started, and imported what programs
+The program runs in this interpreter, forked (`_run_script`): it started, and imported what programs
 often use (PREIMPORTED), once; the host compiled the program. It runs as `python -I -S` would run it:
 `__main__`, `sys.argv`, its own streams, threads joined and `atexit` run at exit, the exit code and
 traceback the interpreter's.
@@ -84,10 +84,11 @@ def exec_case(job: dict, workdir: str, fds: dict, ready: tuple | None) -> None:
 
 
 def ready(job: dict, workdir: str) -> tuple | None:
-    """What each case's forked program needs that can be made once, before the forks: its code and
-    its standard streams (on descriptors 0-2, which are the case's once it is forked). Compiling here
-    spares each case's process the compiler's allocations, each page of which copy-on-write makes
-    a slow fault (1.2 of 1.3 ms for print(1+2)). None where the program is for another interpreter."""
+    """What each case's forked program needs that can be made once, before the forks: its code (the
+    host's, else compiled here) and its standard streams (on descriptors 0-2, which are the case's
+    once it is forked). Compiling in each case's process would cost it a copy-on-write fault for each
+    page the compiler writes (1.2 of 1.3 ms for print(1+2)). None where the program is for another
+    interpreter."""
     if not job["fork"]:
         return None
     path = os.path.join(workdir, "solution.py" if job["harness"] is None else "harness.py")
