@@ -183,18 +183,22 @@ def run_bare(python: str, program: str, tests: Tests) -> float:
     return 1.0
 
 
-# Scores the programs of code_problems (read as JSON from stdin) with the code reward of the tree it
-# runs in (its working directory, first on sys.path for `python -c`, and PYTHONPATH), and prints the seconds it took: the same script for this tree and an older one.
-TIMED = """
+# The sandbox of the tree a script runs in (argv[1]), whichever module holds it at that commit.
+TREE_SANDBOX = """
 import json, sys, time
-from areal_flow.config.schema import SandboxConfig
-from areal_flow.data.input_output import parse_tests
-from areal_flow.rewards.code import score_program
 try:  # before 2026-11-29 (4a1bbf4) the sandbox was areal_flow/rewards/sandbox.py
     from areal_flow.rewards.sandbox import Sandbox
 except ImportError:
     from areal_flow.sandbox.local import Sandbox
 assert sys.modules[Sandbox.__module__].__file__.startswith(sys.argv[1]), "not the tree's own sandbox"
+"""
+
+# Scores the programs of code_problems (read as JSON from stdin) with the code reward of the tree it
+# runs in (run_in), and prints the seconds it took: the same script for this tree and an older one.
+TIMED = TREE_SANDBOX + """
+from areal_flow.config.schema import SandboxConfig
+from areal_flow.data.input_output import parse_tests
+from areal_flow.rewards.code import score_program
 box = Sandbox(SandboxConfig())
 box.isolation()
 jobs = [(program, parse_tests(tests)) for program, tests in json.load(sys.stdin)]
@@ -209,12 +213,18 @@ def timed_in(tree: str, jobs: list) -> float:
     """Seconds the code reward of the package in `tree` takes to score `jobs`, in a child process."""
     payload = json.dumps([(program, {"inputs": [json.loads(a) for a in t.inputs] if t.fn_name else t.inputs,
                                      "outputs": t.outputs, "fn_name": t.fn_name}) for program, t in jobs])
-    p = subprocess.run([sys.executable, "-c", TIMED, tree], input=payload, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": tree}, cwd=tree, timeout=600, check=True)
-    out = json.loads(p.stdout.splitlines()[-1])
+    out = run_in(tree, TIMED, stdin=payload)
     if out["rewards"] != [1.0] * len(jobs):
         raise RuntimeError(f"{tree}: {out['rewards'].count(1.0)}/{len(jobs)} programs passed")
     return out["seconds"]
+
+
+def run_in(tree: str, script: str, *args: str, stdin: str | None = None) -> dict:
+    """The JSON line `script` prints last, run by `python -c` in `tree` (its working directory, first
+    on sys.path, and PYTHONPATH) with argv [tree, *args]."""
+    p = subprocess.run([sys.executable, "-c", script, tree, *args], input=stdin, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": tree}, cwd=tree, timeout=600, check=True)
+    return json.loads(p.stdout.splitlines()[-1])
 
 
 def worktree(rev: str) -> str:
@@ -306,14 +316,8 @@ def bench_humaneval(args, console: Console) -> None:
 
 
 # The mean seconds of --calls sandboxed tool calls (what envs/python_tool.py runs) with the sandbox of
-# the tree it runs in (as TIMED), one after another: the same script for this tree and an older one.
-TOOL_CALLS = """
-import json, sys, time
-try:  # before 2026-11-29 (4a1bbf4) the sandbox was areal_flow/rewards/sandbox.py
-    from areal_flow.rewards.sandbox import Sandbox
-except ImportError:
-    from areal_flow.sandbox.local import Sandbox
-assert sys.modules[Sandbox.__module__].__file__.startswith(sys.argv[1]), "not the tree's own sandbox"
+# the tree it runs in (run_in), one after another: the same script for this tree and an older one.
+TOOL_CALLS = TREE_SANDBOX + """
 box = Sandbox()
 box.isolation()
 calls = int(sys.argv[2])
@@ -330,9 +334,7 @@ def bench_tool(args, console: Console) -> None:
     means: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.repeats):
         for name, tree in trees.items():  # alternately, so the machine's load falls on both alike
-            p = subprocess.run([sys.executable, "-c", TOOL_CALLS, tree, str(args.calls)], capture_output=True, text=True,
-                               env={**os.environ, "PYTHONPATH": tree}, cwd=tree, timeout=600, check=True)
-            out = json.loads(p.stdout.splitlines()[-1])
+            out = run_in(tree, TOOL_CALLS, str(args.calls))
             if out["right"] != args.calls:
                 raise RuntimeError(f"{name}: {out['right']}/{args.calls} calls printed 3")
             means[name].append(out["seconds"])

@@ -181,8 +181,8 @@ def _one_job(setup: dict, isolation: dict, failed: str | None, done: int) -> int
 
 
 def _secret(job_id: int):
-    """The tests of checked job `job_id`, from the descriptor only a job's PID 1 reads (argv[1]): frames of
-    jobs that ended before reading theirs are passed over."""
+    """The tests of checked job `job_id`, from the descriptor (argv[1]) only a job process reads, once
+    it forked the program: frames of jobs that ended before reading theirs are passed over."""
     while True:
         frame = _read_frame(SECRETS)
         if frame is None:
