@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -34,15 +36,25 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
-def run_recipe(run_dir: str, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics)."""
+def run_recipe(run_dir: str, overrides: list[str], tree: str | None = None) -> tuple[dict, list[dict]]:
+    """Run `python -m areal_flow.launch` into run_dir; returns (summary, metrics). `tree`: run that
+    checkout's code (its folder the working directory, first on sys.path) instead of the installed one."""
     # Speed comparisons run every η with the same decoding: batch-invariant decoding, on by default
     # at η = 0 for reproducibility, costs about a fifth of the tokens/s (docs/generation.md).
     fixed = [] if any(o.startswith("generation.deterministic=") for o in overrides) else ["generation.deterministic=false"]
     cmd = [sys.executable, "-m", "areal_flow.launch", *fixed, *overrides, f"hydra.run.dir={run_dir}"]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True)
+    print("$", " ".join(cmd[1:]), f"(in {tree})" if tree else "", flush=True)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    subprocess.run(cmd, check=True, cwd=tree, env=env)
     return read_run_dir(run_dir)
+
+
+def worktree(rev: str, prefix: str = "bench_") -> str:
+    """A checkout of `rev` in a temporary folder (git worktree), removed at exit."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], capture_output=True)
+    return path
 
 
 def read_run_dir(run_dir: str) -> tuple[dict, list[dict]]:

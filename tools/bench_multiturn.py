@@ -10,13 +10,16 @@ the batch mixes trajectories at every turn, as in a run. A model of code_tiny's 
 
     python tools/bench_multiturn.py [--trajectories 64] [--turns 3]
 
-Prints each setting's tokens/s, its prefill and cached tokens, and the ratio to the first
-(no prefix cache: the engine before it). `--repeats` runs the pair again, alternating.
+Prints each setting's tokens/s, its prefill and cached tokens, and the ratio to the first (no
+prefix cache: the engine before it); the last two settings differ in the decode attention alone
+(torch's matmuls over a gathered copy of each row's context, or the C kernel reading the paged cache
+in place). `--repeats` runs the settings again, alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import threading
@@ -30,7 +33,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest, SamplingParams
 
-SETTINGS = (("no prefix cache", dict(prefix_cache=False)), ("prefix cache", dict(prefix_cache=True)))
+# (name, engine keywords, environment): the first is the engine before the prefix cache; the last
+# two differ in the decode attention only (AREAL_FLOW_CPU_KERNEL=0: torch's matmuls over each row's
+# gathered context instead of the C kernel reading the paged cache in place, cpu_decode.py).
+SETTINGS = (("no prefix cache, gathered attention", dict(prefix_cache=False), {"AREAL_FLOW_CPU_KERNEL": "0"}),
+            ("prefix cache, gathered attention", dict(prefix_cache=True), {"AREAL_FLOW_CPU_KERNEL": "0"}),
+            ("prefix cache, in-place attention", dict(prefix_cache=True), {"AREAL_FLOW_CPU_KERNEL": "1"}))
 
 
 def build_model(path: str, context: int) -> None:
@@ -111,8 +119,9 @@ def main() -> None:
         build_model(path, context)
         results = []
         for repeat in range(args.repeats):
-            for name, kw in SETTINGS:
+            for name, kw, env in SETTINGS:
                 with console.status(f"{name} (run {repeat + 1} of {args.repeats}) ..."):
+                    os.environ.update(env)  # read when the engine builds its decode step
                     results.append((name, run(path, args, **kw)))
     table = Table(title=f"{args.trajectories} trajectories ({args.concurrent} groups of {args.group} at once) × "
                         f"{args.turns} turns × up to {args.new_tokens} tokens (prompt {args.prompt_tokens}, "

@@ -53,7 +53,7 @@ from fractions import Fraction
 from rich.console import Console
 from rich.table import Table
 
-from _bench import machine
+from _bench import machine, worktree
 from areal_flow.config.schema import SandboxConfig
 from areal_flow.sandbox.asserts import SERVE
 from areal_flow.sandbox.checker import compare_call
@@ -227,15 +227,6 @@ def run_in(tree: str, script: str, *args: str, stdin: str | None = None) -> dict
     return json.loads(p.stdout.splitlines()[-1])
 
 
-def worktree(rev: str) -> str:
-    """A checkout of `rev` in a temporary folder (git worktree), removed at exit."""
-    import atexit
-    path = tempfile.mkdtemp(prefix="bench_rewards_")
-    subprocess.run(["git", "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
-    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], capture_output=True)
-    return path
-
-
 def bench_code(args, console: Console) -> None:
     box = Sandbox(SandboxConfig())
     console.print(f"sandbox: {box.describe()}")
@@ -246,7 +237,7 @@ def bench_code(args, console: Console) -> None:
     best: dict[str, float] = {}
     if args.against:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        trees = {"this tree": here, args.against: worktree(args.against)}
+        trees = {"this tree": here, args.against: worktree(args.against, "bench_rewards_")}
         for _ in range(args.repeats):
             for name, tree in trees.items():  # alternately, so the machine's load falls on both alike
                 best[name] = min(best.get(name, float("inf")), timed_in(tree, jobs))
@@ -330,7 +321,7 @@ print(json.dumps({"seconds": (time.perf_counter() - start) / calls, "right": out
 
 def bench_tool(args, console: Console) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = {"this tree": here, **({args.against: worktree(args.against)} if args.against else {})}
+    trees = {"this tree": here, **({args.against: worktree(args.against, "bench_rewards_")} if args.against else {})}
     means: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.repeats):
         for name, tree in trees.items():  # alternately, so the machine's load falls on both alike

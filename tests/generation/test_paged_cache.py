@@ -70,14 +70,15 @@ def rows(*prompts: tuple[int, ...]) -> list[Row]:
     return [Row(GenerationRequest(p, SamplingParams()), Future(), frozenset()) for p in prompts]
 
 
-def model_and_batch(num_blocks: int | None, chunk: int | None = None) -> tuple[torch.nn.Module, PagedBatch]:
+def model_and_batch(num_blocks: int | None, chunk: int | None = None,
+                    prefix_cache: bool = False) -> tuple[torch.nn.Module, PagedBatch]:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval()
     reference = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval()
     reference.load_state_dict(model.state_dict())
     step = DecodeStep.for_model(model)
     kv = BlockPool(layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=4,
-                   num_blocks=num_blocks, dtype=torch.float32, device=torch.device("cpu"))
+                   num_blocks=num_blocks, dtype=torch.float32, device=torch.device("cpu"), prefix_cache=prefix_cache)
     return reference, PagedBatch(kv, step, chunk)
 
 
@@ -119,6 +120,36 @@ def test_an_aborted_leader_hands_its_prefill_to_a_follower():
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     assert batch.pool.used_blocks == 4  # two shared full blocks, and a last block each
     assert max(prompt) < VOCAB_SIZE
+
+
+@pytest.mark.parametrize("leader_aborted", [False, True])
+@torch.inference_mode()
+def test_a_row_sharing_a_pending_prefills_blocks_waits_for_them_and_takes_them_from_the_cache(leader_aborted):
+    reference, batch = model_and_batch(num_blocks=None, chunk=4, prefix_cache=True)
+    prompt = tuple(range(2, 12))  # 10 tokens: with one more each, two full blocks shared
+    leader, waiting = rows((*prompt, 12), (*prompt, 13))
+    batch.add([leader, waiting])
+    assert batch.pending == [leader] and batch.waiting == {id(leader): [waiting]}
+    batch.make_room()
+    batch.forward({})  # the leader's first block: not yet both
+    assert batch.waiting and waiting.computed == 0
+    if leader_aborted:  # it goes on from what the leader computed (its first block, cached when freed)
+        leader.finish = ("abort", None)
+        batch.drop_finished()
+        assert batch.pending == [waiting] and not batch.waiting and waiting.computed == waiting.cached_tokens == 4
+    else:
+        batch.make_room()
+        batch.forward({})  # both blocks computed: the waiting row takes them
+        assert batch.pending == [leader, waiting] and waiting.computed == waiting.cached_tokens == 8
+        assert waiting.blocks[:2] == leader.blocks[:2]
+    while batch.pending:
+        for row, logits in zip(batch.ready, batch.logits):  # a ready row feeds what it sampled
+            row.output_ids.append(int(logits.argmax()))
+        batch.make_room()
+        batch.forward({})
+    assert batch.ready[-1] is waiting and not batch.waiting
+    expected = reference(input_ids=torch.tensor([(*prompt, 13)])).logits[0, -1]
+    torch.testing.assert_close(batch.logits[-1], expected, atol=1e-5, rtol=0)
 
 
 def test_the_cache_memory_is_given_back_and_taken_again_as_new_storage():

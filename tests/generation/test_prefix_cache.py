@@ -150,3 +150,25 @@ def test_deterministic_decoding_keeps_no_prefix_cache_and_the_server_reports_hit
         flushed = generate_ok(server, body)
     assert again["meta_info"]["cached_tokens"] == 24  # 27 of 28 tokens could come: 6 full blocks
     assert flushed["meta_info"]["cached_tokens"] == 0
+
+
+def test_requests_sharing_a_prompt_submitted_together_prefill_it_once(model_dirs):
+    """The answers of one prompt cut by a weight update come back at once, each with its own tokens
+    so far: one computes the prompt's full blocks, the others wait for them and take them from the
+    cache (with the cache off, each prefills the whole prompt), and every answer is as alone."""
+    tails = [[3, 4], [9, 9, 9, 2, 5], [6], [7, 8, 3]]
+    answers, stats = {}, {}
+    for cache in (True, False):
+        with engine_of(model_dirs.a, prefix_cache=cache) as engine:
+            futures = engine.submit_many([GenerationRequest(tuple(TOKENS + tail), GREEDY) for tail in tails])
+            answers[cache] = [f.result(timeout=60) for f in futures]
+            stats[cache] = engine.stats()
+    shared = len(TOKENS) // 4 * 4  # the prompt's full blocks: 7 of 4 tokens
+    assert [a.cached_tokens for a in answers[True]] == [0] + [shared] * 3
+    assert stats[True]["prefill_tokens"] == stats[False]["prefill_tokens"] - 3 * shared
+    reference = load_reference(model_dirs.a)
+    for tail, with_cache, without in zip(tails, answers[True], answers[False]):
+        assert with_cache.output_ids == without.output_ids
+        expected = full_forward_logprobs(reference, TOKENS + tail, with_cache.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(with_cache.output_logprobs), expected, atol=1e-4, rtol=0)
+

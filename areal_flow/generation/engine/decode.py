@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areal_flow.generation.engine import triton_decode
+from areal_flow.generation.engine import cpu_decode, triton_decode
 from areal_flow.generation.engine.paged import BlockPool, slots
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
@@ -93,10 +93,13 @@ class DecodeStep:
         self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                     for layer in self.layers]
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
-        # Decode attention through the Triton kernel on CUDA (each row's own blocks read once, no
-        # gathered copy nor padding: generation/engine/triton_decode.py); torch's matmuls elsewhere.
-        device = self.embed.weight.device
+        # Decode attention reading each row's own blocks once, in place (no gathered copy nor
+        # padding): the Triton kernel on CUDA (generation/engine/triton_decode.py), the C kernel on
+        # the CPU (generation/engine/cpu_decode.py, batch-invariant by construction); torch's
+        # matmuls over a gathered copy where neither runs.
+        device, dtype = self.embed.weight.device, self.embed.weight.dtype
         self.paged_kernel = device.type == "cuda" and triton_decode.available(device) and not batch_invariant
+        self.cpu_kernel = device.type == "cpu" and dtype == torch.float32 and cpu_decode.available()
         positions = torch.arange(model.config.max_position_embeddings)[None]
         probe = torch.zeros(1, dtype=self.embed.weight.dtype, device=self.embed.weight.device)
         cos, sin = inner.rotary_emb(probe, positions.to(probe.device))
@@ -120,8 +123,8 @@ class DecodeStep:
         cos, sin = self.cos[step.positions][:, None], self.sin[step.positions][:, None]  # [N, 1, head_dim]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # The decode rows' context slots and padding bias, for every layer's torch attention (the
-        # Triton kernel reads the block tables and lengths itself).
-        context = self._context(step) if step.decode and not self.paged_kernel else None
+        # kernels read the block tables and lengths themselves).
+        context = self._context(step) if step.decode and not (self.paged_kernel or self.cpu_kernel) else None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = self.linear(_rms_norm(hidden, layer.input_layernorm), *self.qkv[i])
@@ -161,6 +164,9 @@ class DecodeStep:
         if self.paged_kernel:
             return triton_decode.paged_decode_attention(q, keys, values, step.decode_table, step.decode_lengths,
                                                         step.block_size, self.scaling)
+        if self.cpu_kernel:
+            return cpu_decode.paged_decode_attention(q, keys, values, step.decode_table, step.decode_lengths,
+                                                     step.block_size, self.scaling)
         decode_slots, decode_bias = context
         rows = decode_slots.shape[0]
         # KV heads first, rows second: the gathered context is contiguous for the batched matmuls,

@@ -4,7 +4,11 @@ A row is either **ready** (its logits say what it samples next) or **pending** (
 being prefilled, a chunk per forward); a pending row may lead **followers**, rows of the same
 sequence (the G answers of a prompt) that wait for its prefill and then fork its blocks: one
 prefill per prompt (a row that arrives once the prefill has passed the prompt positions it wants
-logprobs of leads another: `add`). A forward feeds every ready row its newest token and the pending rows up to
+logprobs of leads another: `add`). A row whose sequence only begins like a pending row's (the answers of
+a prompt cut by a weight update, resubmitted with their tokens so far) **waits** for that prefill to
+pass their shared full blocks, then takes them from the prefix cache instead of computing them again:
+a leader's full blocks enter the cache as soon as they are computed (SGLang caches unfinished
+requests alike). A forward feeds every ready row its newest token and the pending rows up to
 `chunk_tokens` tokens of prompt, in order (SGLang's chunked prefill, mixed with the decode rows).
 
 Blocks are taken before each forward; when the pool has too few, the newest rows are retracted
@@ -21,9 +25,10 @@ import numpy as np
 import torch
 
 from areal_flow.generation.engine.cuda_graphs import GraphRunner
-from areal_flow.generation.engine.decode import Chunk, DecodeStep, Forward
+from areal_flow.generation.engine.decode import DecodeStep, Forward
 from areal_flow.generation.engine.kv_batch import Row
 from areal_flow.generation.engine.paged import BlockPool
+from areal_flow.generation.engine.paged_inputs import PrefillInputs, common_blocks, spans, upload
 from areal_flow.generation.engine.sampling import RowSampling
 from areal_flow.generation.engine.step_timing import StepTimer
 from areal_flow.runtime.devices import to_device
@@ -48,6 +53,8 @@ class PagedBatch:
     logits: torch.Tensor | None = None  # [len(ready), V] float32
     pending: list[Row] = field(default_factory=list)
     followers: dict[int, list[Row]] = field(default_factory=dict)  # id(leader) -> rows waiting for it
+    # id(leader) -> rows sharing its first full blocks, not yet taking them (`add`, `_release_waiting`)
+    waiting: dict[int, list[Row]] = field(default_factory=dict)
     sampling: RowSampling | None = None  # the ready rows' settings, kept while they stay the same rows
     timer: StepTimer | None = None  # times the model's forward call (the engine's time_steps)
     cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache spared (paged_stepper.py moves them to the counts)
@@ -61,7 +68,8 @@ class PagedBatch:
 
     @property
     def rows(self) -> list[Row]:
-        return [*self.ready, *self.pending, *(row for rows in self.followers.values() for row in rows)]
+        return [*self.ready, *self.pending, *(row for rows in self.followers.values() for row in rows),
+                *(row for rows in self.waiting.values() for row in rows)]
 
     def live(self) -> list[int]:
         return [i for i, row in enumerate(self.rows) if row.finish is None]
@@ -82,12 +90,62 @@ class PagedBatch:
             leader = next((lead for s, lead in reversed(leaders)
                            if s == sequence and can_follow(lead.computed, row)), None)
             if leader is None:
+                ahead = self._shared_prefill(row)
+                if ahead is not None:
+                    self.waiting.setdefault(id(ahead), []).append(row)
+                    continue
                 leaders.append((sequence, row))
                 self.pending.append(row)
                 self._reuse(row)
             else:
                 row.epoch = leader.epoch
                 self.followers.setdefault(id(leader), []).append(row)
+
+    def _shared_prefill(self, row: Row) -> Row | None:
+        """The pending leader whose prefill will compute full blocks `row` could take from the
+        prefix cache (the most such blocks), or None (also for a row that wants prompt logprobs). A leader that has computed them already puts
+        them in the cache now, and the row takes them at once (None)."""
+        if not self.pool.prefix_cache or row.prompt_positions:
+            # A row asking for prompt logprobs keeps to following or leading a prefill of its own:
+            # a prefix taken from the cache would leave a later row of its sequence nothing to follow.
+            return None
+        best, shared = None, 0
+        for lead in self.pending:
+            if lead.finish is None and lead.epoch == self.pool.epoch and (tokens := self._shared(row, lead)) > shared:
+                best, shared = lead, tokens
+        if best is None or best.computed >= shared:
+            if best is not None:
+                self._register(best)
+            return None
+        return best
+
+    def _shared(self, row: Row, lead: Row) -> int:
+        """The tokens of the first full blocks `row` shares with `lead` and may take from the cache:
+        none of the positions whose logits its prompt logprobs need, nor its last token."""
+        size = self.pool.block_size
+        return size * common_blocks(row.sequence, lead.sequence, size,
+                                     (len(row.sequence) - max(1, row.prompt_positions)) // size)
+
+    def _register(self, row: Row) -> None:
+        """Put a row's computed full blocks in the prefix cache while it runs (they never change)."""
+        self.pool.register(row.blocks, row.sequence[: row.computed], row.epoch)
+
+    def _release_waiting(self) -> None:
+        """The waiting rows whose leader has computed their shared blocks (registered now), or no
+        longer prefills, go on as rows added anew: they take those blocks from the cache."""
+        pending = {id(row): row for row in self.pending if row.finish is None}
+        released = []
+        for key, rows in list(self.waiting.items()):
+            lead = pending.get(key)
+            go = [row for row in rows if lead is None or lead.computed >= self._shared(row, lead)]
+            if go and lead is not None:
+                self._register(lead)
+            if len(go) == len(rows):
+                del self.waiting[key]
+            else:
+                self.waiting[key] = [row for row in rows if row not in go]
+            released += go
+        self.add([row for row in released if row.finish is None])
 
     def _reuse(self, row: Row) -> None:
         """Start a leader's prefill past the blocks of its sequence the prefix cache holds: all but
@@ -141,6 +199,8 @@ class PagedBatch:
                 self._free(leader)
                 self._prompt_logits.pop(id(leader), None)
         self.pending = pending
+        self.waiting = {key: live for key, rows in self.waiting.items() if (live := [r for r in rows if r.finish is None])}
+        self._release_waiting()  # those whose leader ended or left
 
     def release_all(self) -> list[Row]:
         """Free every block; returns the live rows (all without cache now), ready ones first."""
@@ -149,6 +209,7 @@ class PagedBatch:
             self._free(row)
         self.ready, self.pending, self.logits, self.sampling, self._table = [], [], None, None, None
         self.followers.clear()
+        self.waiting.clear()
         self._prompt_logits.clear()
         return rows
 
@@ -221,8 +282,8 @@ class PagedBatch:
         table = self._decode_table(grown, self.pool.blocks_for(width))
         position = lengths - 1
         into = table[np.arange(decode), position // size] * size + position % size
-        prefill = _PrefillInputs.of(chunks, keep, decode, size, self.pool.device)
-        (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = _upload(
+        prefill = PrefillInputs.of(chunks, keep, decode, size, self.pool.device)
+        (step_tokens, step_positions, step_write, step_lengths, step_table, step_logits_at) = upload(
             [feed, prefill.tokens], [position, prefill.positions], [into, prefill.write], lengths,
             table.reshape(-1), prefill.logits_at, self.pool.device)
         if fed is not None:
@@ -231,7 +292,7 @@ class PagedBatch:
             tokens=step_tokens, positions=step_positions, write=step_write,
             decode=decode, decode_table=step_table.view(table.shape), decode_lengths=step_lengths,
             decode_width=width, block_size=size,
-            spans=_spans(lengths.tolist()) if self.model.batch_invariant else None, chunks=prefill.chunks,
+            spans=spans(lengths.tolist()) if self.model.batch_invariant else None, chunks=prefill.chunks,
             logits_at=step_logits_at)
         logits = self._run(step)
         for row in self.ready:
@@ -241,9 +302,14 @@ class PagedBatch:
         for row, at, count in prefill.wanted:
             if count:
                 self._prompt_logits.setdefault(id(row), []).append(logits[at: at + count])
+        done = [row for row, _ in chunks if row.computed == len(row.sequence)]
+        if self.pool.prefix_cache:
+            for row in done:  # a later row of the same prefix takes its blocks (`_shared_prefill`)
+                self._register(row)
         completed = self._complete(logits[:decode],
-                                   {id(row): logits[at + max(count - 1, 0)] for row, at, count in prefill.wanted},
-                                   [row for row, _ in chunks if row.computed == len(row.sequence)])
+                                   {id(row): logits[at + max(count - 1, 0)] for row, at, count in prefill.wanted}, done)
+        if self.waiting:
+            self._release_waiting()
         return decode, len(prefill.tokens), completed
 
     def _take_blocks(self, chunks: list[tuple[Row, int]]) -> list[int]:
@@ -313,61 +379,3 @@ def can_follow(computed: int, row: Row) -> bool:
     tokens: the positions it needs logits of (`Row.prompt_positions`) are all still to come, so
     the forwards ahead keep them for it (the engine's keep counts its followers)."""
     return computed <= len(row.sequence) - row.prompt_positions
-
-
-def _spans(contexts: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive rows with the same context length: (first row, end row, length)."""
-    spans, first = [], 0
-    for row in range(1, len(contexts) + 1):
-        if row == len(contexts) or contexts[row] != contexts[first]:
-            spans.append((first, row, contexts[first]))
-            first = row
-    return spans
-
-
-@dataclass
-class _PrefillInputs:
-    """The prefill chunks' share of a forward's inputs, after the `decode` rows' tokens."""
-
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    write: list[int] = field(default_factory=list)  # the slot of each token's keys and values
-    logits_at: list[int] = field(default_factory=list)  # the tokens whose logits are wanted, decode rows' first
-    wanted: list[tuple[Row, int, int]] = field(default_factory=list)  # (row, first in logits_at, prompt positions)
-    chunks: list[Chunk] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, chunks: list[tuple[Row, int]], keep: dict[int, int], decode: int, size: int,
-           device: torch.device) -> _PrefillInputs:
-        inputs = cls(logits_at=list(range(decode)))
-        for row, n in chunks:
-            start, first = decode + len(inputs.tokens), row.computed
-            inputs.tokens += row.sequence[first: first + n]
-            inputs.positions += range(first, first + n)
-            context = [row.blocks[p // size] * size + p % size for p in range(first + n)]
-            inputs.write += context[first:]
-            mask = torch.ones(n, first + n, dtype=torch.bool, device=device).tril_(first)
-            inputs.chunks.append(Chunk(start, n, to_device(context, device, torch.int64), mask))
-            # Logits of the positions a prompt's logprobs need; the last one's if it completes.
-            total, last_kept = len(row.sequence), keep.get(id(row), 0)
-            scored = [p for p in range(max(first, total - last_kept), first + n)]
-            if scored:
-                inputs.wanted.append((row, len(inputs.logits_at), len(scored)))
-                inputs.logits_at += [start + p - first for p in scored]
-            if first + n == total and total - 1 not in scored:
-                inputs.wanted.append((row, len(inputs.logits_at), 0))
-                inputs.logits_at.append(start + n - 1)
-        return inputs
-
-
-def _upload(tokens: list, positions: list, write: list, lengths: np.ndarray, table: np.ndarray, logits_at: list,
-            device: torch.device) -> list[torch.Tensor]:
-    """Every integer input of a forward in one buffer, copied to the device at once (one transfer,
-    from pinned memory without waiting for the device, instead of one blocking copy each); each
-    of `tokens`, `positions` and `write` is the decode rows' part and the chunks' part."""
-    parts = [np.asarray(part, dtype=np.int64) for part in (*tokens, *positions, *write, lengths, table, logits_at)]
-    n_tokens = len(parts[0]) + len(parts[1])
-    sizes = [n_tokens, n_tokens, n_tokens, len(lengths), table.size, len(parts[-1])]
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    np.concatenate(parts, out=host.numpy())
-    return list(host.to(device, non_blocking=True).split(sizes))
