@@ -1,14 +1,16 @@
-"""Trained samples/s of recipes: this tree against commit REV, alternated in one run.
+"""Trained samples/s of recipes: this tree against commit REV, or against itself with other settings, alternated in one run.
 
 Each recipe runs --steps training steps (training only: no held-out evaluation, no wall limit) with
-this tree's code and with REV's (a git worktree of it), one after the other, --repeats times in
-alternating order, so the machine's load falls on both sides alike. Reported per recipe and side:
+this tree's code and with REV's (a git worktree of it), or with this tree and --versus's overrides
+(e.g. `--versus flight.record=false`), one after the other, --repeats times in alternating order,
+so the machine's load falls on both sides alike. Reported per recipe and side:
 trained samples/s over the timed steps (the first step, with start-up, left out; the mean over the
 repeats), the generator's and the trainer's busy shares, the generator's decode and prefill seconds
 a step, and the ratio this tree / REV with its spread over the repeats. A bar plot goes to --plot.
 
     python tools/bench_recipes.py --against REV [--recipes tiny_arith tiny_arith_tool code_tiny_feedback]
                                   [--steps 30] [--repeats 2] [-- extra overrides]
+    python tools/bench_recipes.py --versus flight.record=false --recipes tiny_arith
 """
 
 from __future__ import annotations
@@ -44,38 +46,45 @@ def measure(metrics: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--against", required=True, help="the commit to compare with (a git revision)")
+    side = ap.add_mutually_exclusive_group(required=True)
+    side.add_argument("--against", help="the commit to compare with (a git revision)")
+    side.add_argument("--versus", nargs="+", metavar="KEY=VALUE", help="this tree with these overrides instead")
     ap.add_argument("--recipes", nargs="+", default=["tiny_arith", "tiny_arith_tool", "code_tiny_feedback"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--plot", default="docs/bench_recipes.png")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    trees = {HERE: None, args.against: worktree(args.against, "bench_recipes_")}
+    other = args.against or " ".join(args.versus)
+    # side -> (checkout, extra overrides)
+    sides = {HERE: (None, []), other: (worktree(args.against, "bench_recipes_"), []) if args.against else
+             (None, args.versus)}
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for recipe in args.recipes:
-                order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
+                order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 for side in order:
-                    overrides = [f"recipe={recipe}", f"total_steps={args.steps}", *TRAINING_ONLY, *args.overrides]
-                    _, metrics = run_recipe(f"{tmp}/{recipe}-{repeat}-{len(runs)}", overrides, tree=trees[side])
+                    tree, extra = sides[side]
+                    overrides = [f"recipe={recipe}", f"total_steps={args.steps}", *TRAINING_ONLY, *args.overrides, *extra]
+                    _, metrics = run_recipe(f"{tmp}/{recipe}-{repeat}-{len(runs)}", overrides, tree=tree)
                     runs.setdefault((recipe, side), []).append(measure(metrics))
     console = Console(width=140)
     console.print(f"machine: {machine()}")
-    console.print(f"command: python tools/bench_recipes.py --against {args.against} --recipes {' '.join(args.recipes)} "
+    flag = f"--against {args.against}" if args.against else f"--versus {other}"
+    console.print(f"command: python tools/bench_recipes.py {flag} --recipes {' '.join(args.recipes)} "
                   f"--steps {args.steps} --repeats {args.repeats} {' '.join(args.overrides)}".rstrip())
     table = Table(title=f"trained samples/s, {args.steps} steps (first left out), mean of {args.repeats} alternated runs")
     for column in ("recipe", "side", "samples/s", "generator busy", "trainer busy", "decode s/step",
-                   "prefill s/step", "this tree / REV"):
+                   "prefill s/step", "this tree / other"):
         table.add_column(column)
     ratios = {}
     for recipe in args.recipes:
-        mine, theirs = runs[recipe, HERE], runs[recipe, args.against]
+        mine, theirs = runs[recipe, HERE], runs[recipe, other]
         each = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(mine, theirs)]
         ratios[recipe] = statistics.mean(r["samples_per_s"] for r in mine) / statistics.mean(
             r["samples_per_s"] for r in theirs)
-        for side, rows in ((HERE, mine), (args.against, theirs)):
+        for side, rows in ((HERE, mine), (other, theirs)):
             mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
             table.add_row(recipe, side, f"{mean['samples_per_s']:.1f}", f"{100 * mean['generator_busy']:.0f}%",
                           f"{100 * mean['trainer_busy']:.0f}%", f"{mean['decode_s']:.2f}", f"{mean['prefill_s']:.2f}",
@@ -83,12 +92,12 @@ def main() -> None:
     console.print(table)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.38
-    for i, side in enumerate((args.against, HERE)):
+    for i, side in enumerate((other, HERE)):
         means = [statistics.mean(r["samples_per_s"] for r in runs[recipe, side]) for recipe in args.recipes]
         ax.bar([x + (i - 0.5) * width for x in range(len(args.recipes))], means, width, label=side)
     ax.set_xticks(range(len(args.recipes)), args.recipes)
     ax.set_ylabel("trained samples/s")
-    ax.set_title(f"this tree against {args.against} ({args.steps} steps, {args.repeats} runs each)")
+    ax.set_title(f"this tree against {other} ({args.steps} steps, {args.repeats} runs each)")
     ax.legend()
     save_plot(fig, args.plot)
 

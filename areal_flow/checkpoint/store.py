@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 
@@ -153,8 +154,9 @@ def prune(run_dir: str, keep_last: int) -> list[str]:
 def rewind(run_dir: str, checkpoint: str | None) -> None:
     """Cut the run's logs back to what they held when `checkpoint` was saved (None: the run's start),
     before a resumed run's processes start: the ledger and the metrics (lengths in the controller's
-    run state) and each trainer rank's trained-samples log (in the rank's own file). What a resumed
-    run redoes is then logged once; the cut lines are kept aside."""
+    run state) and each trainer rank's trained-samples log (in the rank's own file), and the flight
+    record to the checkpoint's step. What a resumed run redoes is then logged once; the cut lines and
+    records are kept aside."""
     lengths = {name: 0 for name in os.listdir(run_dir)
                if name in (rd.LEDGER, rd.METRICS) or (name.startswith("trained-rank") and
                                                                  name.endswith(".jsonl") and "discarded" not in name)}
@@ -169,6 +171,23 @@ def rewind(run_dir: str, checkpoint: str | None) -> None:
                         json.load(f)["trained_log_bytes"]
     for name, length in lengths.items():
         truncate_log(os.path.join(run_dir, name), length)
+    discard_flight(run_dir, 0 if checkpoint is None else read_manifest(checkpoint)["step"])
+
+
+def discard_flight(run_dir: str, steps_done: int) -> list[str]:
+    """Move the flight records (training/flight.py) of steps `steps_done` and later, which a resume
+    redoes, to flight/discarded/ (an older copy there replaced); returns the names moved."""
+    moved = []
+    pattern = re.compile(re.escape(os.path.basename(rd.FLIGHT_STEP)).replace(r"\{step:08d\}", r"(\d{8})")
+                         .replace(r"\{rank\}", r"\d+") + "$")
+    folder = os.path.join(run_dir, rd.FLIGHT)
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        match = pattern.match(entry)
+        if match and int(match.group(1)) > steps_done:  # named from 1: step-00000001 is the first step
+            os.makedirs(os.path.join(run_dir, rd.FLIGHT_DISCARDED), exist_ok=True)
+            os.replace(os.path.join(folder, entry), os.path.join(run_dir, rd.FLIGHT_DISCARDED, entry))
+            moved.append(entry)
+    return moved
 
 
 def truncate_log(path: str, length: int) -> int:

@@ -482,6 +482,15 @@ class DumpConfig:
 
 
 @dataclass
+class FlightConfig:
+    """The flight record, for replaying the trainer's side of a run (`python -m areal_flow.replay`)."""
+
+    record: bool = doc(True, "each trainer rank writes what it trained each step, exactly (samples, versions, "
+                       "behaviour logprobs, rewards, generator states, a digest of the weights after it), to "
+                       "run_dir/flight/step-NNNNNNNN-rankR.msgpack (training/flight.py)")
+
+
+@dataclass
 class RunConfig:
     """One training run."""
 
@@ -521,6 +530,7 @@ class RunConfig:
     metrics: MetricsConfig = doc(help="metrics sinks", factory=MetricsConfig)
     eval: EvalConfig = doc(help="held-out evaluation beside training", factory=EvalConfig)
     dump: DumpConfig = doc(help="sample dumps", factory=DumpConfig)
+    flight: FlightConfig = doc(help="the flight record, for replay", factory=FlightConfig)
     checkpoint: CheckpointConfig = doc(help="resumable checkpoints", factory=CheckpointConfig)
     recover: RecoverConfig = doc(help="restarts after a fault", factory=RecoverConfig)
     elastic: ElasticConfig = doc(help="the generation servers' autoscaler", factory=ElasticConfig)

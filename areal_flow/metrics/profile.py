@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 # The trainer's phases in the order they run within a step.
 TRAINER_PHASES = ("wait", "transport", "inputs", "prox", "packing", "forward", "backward", "forward_backward",
-                  "optimizer", "publish")
+                  "optimizer", "publish", "flight")
 PHASE_HELP = {
     "wait": "waiting for the step's groups to arrive on the inbox",
     "transport": "receiving and decoding groups, and moving groups between ranks",
@@ -34,6 +34,7 @@ PHASE_HELP = {
     "forward_backward": "megatron's pipeline schedule: forward and backward passes interleaved, and the grad reduce",
     "optimizer": "gradient clipping and the optimizer step",
     "publish": "writing the new weights for the servers (disk/shm modes)",
+    "flight": "keeping the step's flight record (flight.record): its samples, generator states, weights digest",
     "other": "messages and Python between the timed phases",
     "idle": "waiting for work",
     "generate": "decoding or prefilling requests",
@@ -141,7 +142,7 @@ def plot_timeline(metrics: list[dict], path: str, last: int = 8, title: str = ""
     # No green among them: green marks the generator's work.
     colours = dict(zip((*TRAINER_PHASES, "other"), ("tab:grey", "tab:orange", "tab:cyan", "tab:purple", "gold",
                                                     "tab:blue", "tab:red", "tab:pink", "tab:brown", "navy",
-                                                    "lightgrey")))
+                                                    "olive", "lightgrey")))
     fig, ax = plt.subplots(figsize=(10, 2.8))
     t0 = _window_end(steps[0]) - steps[0]["step_seconds"] if steps else 0.0
     seen: set[str] = set()

@@ -47,6 +47,12 @@ EVALS = "evals"
 """Held-out answers, one file an evaluation: evals/version-<v>.jsonl (controller/evaluation.py)."""
 DUMPS = "dumps"
 """Sample dumps (dump.every_steps) and dumped weights (training/dumps.py)."""
+FLIGHT = "flight"
+"""The flight record: each trainer rank's step, exactly, for replay (training/flight.py)."""
+FLIGHT_STEP = os.path.join(FLIGHT, "step-{step:08d}-rank{rank}.msgpack")
+"""One step of one trainer rank's flight record (the step counted from 1, as the metrics rows)."""
+FLIGHT_DISCARDED = os.path.join(FLIGHT, "discarded")
+"""Where a resume moves the records of the steps it redoes (checkpoint/store.py `rewind`)."""
 SUMMARY = "summary.json"
 """The run's end: its figures and why it stopped (controller/ending.py)."""
 PROFILE = "profile.md"

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areal_flow.training.flight import weights_digest
+
 Seq = tuple[np.ndarray, np.ndarray]
 """(prompt_ids, output_ids), 1-D integer arrays."""
 
@@ -182,6 +184,9 @@ class Engine(Protocol):
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory, for the generation servers."""
 
+    def weights_digest(self) -> str:
+        """A digest of this rank's trained weights, equal iff they are bit for bit (training/flight.py)."""
+
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The full weights under Hugging Face names, in buckets of about `bucket_bytes`."""
 
@@ -208,6 +213,11 @@ class EngineBase:
         self.version = 0
         self.extra_state: dict = {}  # the caller's training state (e.g. an adaptive KL coefficient), saved with it
         self._nan_in_a_row = 0
+
+    def weights_digest(self) -> str:
+        """A digest of this rank's trained weights (its own shard), equal iff the weights are bit for
+        bit (training/flight.py)."""
+        return weights_digest(list(self._model.named_parameters()))  # (both engines keep their model there)
 
     def _count_non_finite(self) -> None:
         """One more skipped non-finite step; NonFiniteLoss when there were `optim.max_nan_steps` in a row."""

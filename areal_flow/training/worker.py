@@ -18,33 +18,29 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import zmq
 
-from areal_flow.algorithms import library
-from areal_flow.algorithms.inputs import TrainInputs, train_inputs
-from areal_flow.algorithms.kl import behaviour_kl, kl_controller
-from areal_flow.algorithms.prox import prox_source
+from areal_flow.algorithms.inputs import train_inputs
+from areal_flow.algorithms.kl import kl_controller
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph, graph_from_config
-from areal_flow.graph.node import Node
 from areal_flow.graph.placement import infer_name, replica_of
 from areal_flow.metrics.profile import Phases
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec
-from areal_flow.training.build import configured, make_engines, node_outputs
+from areal_flow.training import flight
+from areal_flow.training.build import make_engines
 from areal_flow.training.critic_link import CriticLink
 from areal_flow.training.dumps import dump_due, dump_step, weights_path
-from areal_flow.training.engine import Engine, budget_named
+from areal_flow.training.engine import Engine
 from areal_flow.training.join import DuplicateResult, Join, Remote
 from areal_flow.training.rank_checkpoint import RankCheckpoints
-from areal_flow.training.updates import all_reduce_over, engine_data, length_bias, train_update
+from areal_flow.training.step_runner import StepRunner
+from areal_flow.training.updates import all_reduce_over, engine_data
 from areal_flow.transport.channels import make_socket, recv_blocking, send_blocking, sent_bytes
 from areal_flow.weights import make_channel
 from areal_flow.transport.messages import (
-    Array,
     CriticSaved,
     CriticTrained,
     Hello,
@@ -74,7 +70,6 @@ class ModelWorker(RankCheckpoints):
         self.roles = len(self.graph.generate.agent_roles) or 1  # an agent's roles: blocks of a group, normalised apart
         self.engines = make_engines(cfg, spec, self.graph, rank)
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, complete, not yet trained
-        self.policy_inputs: TrainInputs | None = None  # the policy's loss inputs of the step (for its dump)
         # Groups waiting for the key of a node on a mesh of its own, and such keys waiting for their group.
         self.join = Join([Remote(n.name, n.outputs[0], self.graph.input(n, "output_ids"))
                           for n in self.graph.own_mesh_nodes])
@@ -96,6 +91,7 @@ class ModelWorker(RankCheckpoints):
         self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
+        self.runner = StepRunner(cfg, self.graph, self.engines, self.phases, self.kl, spec.n_trainers)
         # A critic on a mesh of its own: its processes' inboxes are those its values are asked on.
         self.critic = CriticLink(self.graph, self.replicas, rank) if self.graph.critic_apart is not None else None
         trained = self.engines[self.graph.train.role]
@@ -202,27 +198,30 @@ class ModelWorker(RankCheckpoints):
 
     def step(self, plan: RunStep) -> StepDone:
         """One train step: this rank's share of the batch, the trainer-mesh nodes in graph order on
-        it, the new version published; the stats go back to the controller."""
+        it (StepRunner), the new version published, the step's flight record written; the stats go
+        back to the controller."""
         samples = self.take_share(plan)
         trained = self.engines[self.graph.train.role]
         if self.cfg.dump.weights:  # π_prox of this step, and what the servers load as this version
             with self.phases("dump"):
                 trained.save_weights(weights_path(self.spec.run_dir, trained.version))
-        # With a model split over ranks (TP/PP) the ranks of one model-parallel group train the
-        # union of what the controller gave each of them; one of them logs it.
-        samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
-        reads_prox = self.graph.input(self.graph.train, "prox_logprobs") is not None
-        source = prox_source(self.cfg.algorithm, reads_prox=reads_prox, all_current=self.all_current(samples, trained.version))
-        self.policy_inputs = None
+        samples, source = self.runner.batch(samples)
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
+        record = None
+        if self.cfg.flight.record:
+            with self.phases("flight"):
+                record = flight.begin(plan.step, self.rank, samples, source, trained.version, kl_coef)
         if self.critic is not None:  # the critic trains on its own devices while the actor trains here
             self.send_critic_batch(plan.step, samples, kl_coef, trained)
-        stats, ran = self.run_nodes(samples, source, trained.version, kl_coef)
+        stats, ran = self.runner.run_nodes(samples, source, trained.version, kl_coef)
         if self.critic is not None:
             stats.update(self.critic_step(plan.step))
         for node in self.graph.own_mesh_nodes:  # the inference processes' seconds for this rank's groups
             stats[f"infer/{node.name}_seconds"] = sum(s.scalars.get(f"{node.name}_seconds", 0.0) for s in samples)
         weights = self.publish_step(plan.step, samples, trained)
+        if record is not None:
+            with self.phases("flight"):
+                stats["flight_bytes"] = flight.end(self.spec.run_dir, record, trained.weights_digest(), stats)
         stats.update(self.phases.reset())
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
@@ -241,41 +240,6 @@ class ModelWorker(RankCheckpoints):
         self.wait_for(plan.groups, f"step {plan.step}")
         return [s for g in plan.groups for s in self.held.pop(g).samples]
 
-    def run_nodes(self, samples: list[Sample], source: str | None, prox_version: int,
-                  kl_coef: float) -> tuple[dict[str, float], list[str]]:
-        """The trainer-mesh nodes in graph order (prox/ref logprobs and values, then train) on
-        `samples`: their stats, and the names of those that ran (π_prox's forward only when this
-        step's `source` of it is the data)."""
-        prox_key = self.graph.input(self.graph.train, "prox_logprobs")
-        stats: dict[str, float] = {}
-        prox_seconds = 0.0
-        ran = []
-        for node in self.graph.trainer_nodes:
-            is_prox = node.type != "train" and node.outputs[0] == prox_key
-            if is_prox and source != "data":
-                continue  # π_prox needs no forward pass this step
-            t0 = time.perf_counter()
-            with budget_named(f"graph.{node.name}.micro_batch_tokens", node.micro_batch_tokens,
-                              self.engines[node.role].device):
-                stats.update(self.run_node(node, samples, source, prox_version, kl_coef))
-            if is_prox:
-                prox_seconds = time.perf_counter() - t0
-            ran.append(node.name)
-        if prox_key is not None:
-            stats["prox_seconds"] = prox_seconds
-        return stats, ran
-
-    def run_node(self, node: Node, samples: list[Sample], source: str | None, prox_version: int,
-                 kl_coef: float) -> dict[str, float]:
-        """One trainer-mesh node: a train node's update (its stats), or an inference node's outputs
-        written into the samples."""
-        if node.type == "train" and node.role == "critic":
-            return {f"critic/{k}": v for k, v in self.train_critic(node, samples, kl_coef).items()}
-        if node.type == "train":
-            return self.train(node, samples, source, prox_version, kl_coef)
-        self.infer(node, samples)
-        return {}
-
     def publish_step(self, step: int, samples: list[Sample], trained: Engine) -> str:
         """The trained role becomes version step + 1 and goes out to the servers (its location, or
         "" when the trainers send it later, once the servers are paused); the step's dump after."""
@@ -290,60 +254,15 @@ class ModelWorker(RankCheckpoints):
             torch.cuda.empty_cache()  # the generation server on this GPU takes its turn next
         return weights
 
-    def all_current(self, samples: list[Sample], version: int) -> bool:
-        """Whether every answer token of the step, on every trainer rank, was sampled by the weights
-        at `version` (False when the train node reads no versions)."""
-        key = self.graph.input(self.graph.train, "versions")
-        mine = key is not None and all(np.all(s.array(key) == version) for s in samples)
-        if self.spec.n_trainers == 1 or not dist.is_initialized():
-            return mine
-        flag = torch.tensor([int(mine)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank runs the same nodes
-        return bool(flag.item())
-
     def publish(self, msg: PublishWeights) -> WeightsPublished:
         """Send the trained role's weights to the paused servers through the run's channel: every
         rank takes part in gathering them (a collective under FSDP and megatron), rank 0 sends."""
         return self.weights.send(self.engines[self.graph.train.role], msg, self.rank)
 
-    def engine(self, node: Node) -> Engine:
-        """The role's model, packing micro-batches under this node's own token budgets."""
-        return configured(self.engines[node.role], node)
-
-    def infer(self, node: Node, samples: list[Sample]) -> None:
-        """Write the node's output key into every sample: it stays on this rank."""
-        lps = node_outputs(self.engines[node.role], self.graph, node, [s.arrays for s in samples])
-        for s, lp in zip(samples, lps):
-            s.arrays[node.outputs[0]] = Array.of(lp)
-
-    def train(self, node: Node, samples: list[Sample], source: str | None, prox_version: int,
-              kl_coef: float) -> dict[str, float]:
-        algo = self.cfg.algorithm
-        engine = self.engine(node)
-        reduce = all_reduce_over(engine.data_parallel_group)
-        with self.phases("inputs"):
-            inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=source,
-                                  kl_coef=kl_coef, all_reduce=reduce, roles=self.roles)
-        loss_fn = partial(library.objective, algo=algo, prox_source=source, prox_version=prox_version, kl_coef=kl_coef)
-        has_ref = "ref_logprobs" in inputs.token_data
-        kl_in_loss = algo.kl_in == "loss" and bool(kl_coef) and has_ref
-        skip = library.zero_gradient(inputs.advantages, algo, kl_in_loss=kl_in_loss)
-        stats = self.update(engine, samples, inputs, loss_fn, skip, first_loss_fn=partial(loss_fn, at_start=True))
-        stats.update(length_bias(inputs, algo.max_new_tokens, reduce))
-        self.policy_inputs = inputs
-        if has_ref and algo.kl_coef:
-            kl = behaviour_kl(inputs.token_data["behav_logprobs"], inputs.token_data["ref_logprobs"],
-                              inputs.valid_masks(), algo.kl_estimator, algo.kl_clamp, reduce)
-            stats.update(kl_mean=kl, kl_coef=kl_coef)
-            group = engine.data_parallel_group
-            self.kl.update(kl, len(samples) * (dist.get_world_size(group) if group is not None else 1))
-            engine.extra_state["kl"] = self.kl.state_dict()
-        return stats
-
     def dump(self, step: int, samples: list[Sample]) -> None:
         """This rank's samples of step `step`, with the policy's advantages, to the run's dumps/ folder
         (training/dumps.py)."""
-        train, inputs = self.graph.train, self.policy_inputs
+        train, inputs = self.graph.train, self.runner.policy_inputs
         tokenizer = self.tokenizer
         try:
             dump_step(self.spec.run_dir, step, self.rank, samples,
@@ -357,19 +276,6 @@ class ModelWorker(RankCheckpoints):
                       arrays=self.cfg.dump.tokens)
         except OSError:  # a full disk loses the dump, not the run
             log.exception("%s: the sample dump of step %d was not written", self.name, step + 1)
-
-    def train_critic(self, node: Node, samples: list[Sample], kl_coef: float) -> dict[str, float]:
-        """The clipped value loss toward the estimator's targets (GAE: A + V), token mean."""
-        algo = self.cfg.algorithm
-        engine = self.engine(node)
-        inputs = train_inputs(samples, partial(self.graph.input, node), algo, prox_source=None, kl_coef=kl_coef,
-                              all_reduce=all_reduce_over(engine.data_parallel_group), roles=self.roles)
-        return self.update(engine, samples, inputs.without_aggregation(), partial(library.critic_objective, algo=algo))
-
-    def update(self, engine: Engine, samples: list[Sample], inputs: TrainInputs, loss_fn,
-               skip: list[bool] | None = None, first_loss_fn=None) -> dict[str, float]:
-        return train_update(engine, [s.group_id for s in samples], inputs.seqs, engine_data(inputs), loss_fn,
-                            self.cfg.algorithm, skip, first_loss_fn)
 
     def save_critic_apart(self, msg: SaveCheckpoint) -> None:
         """Rank 0 has a critic on a mesh of its own write its part of the checkpoint (under

@@ -128,8 +128,9 @@ def test_the_trainer_rank_dumps_with_its_graphs_keys_and_the_policys_advantages(
                     graph.output(graph.generate, "versions"): s.arrays["versions"]}
         s.scalars = {keys["rewards"]: 1.0}
     worker = object.__new__(ModelWorker)
+    inputs = TrainInputs([], {"advantages": ADVANTAGES[:1]}, loss_mask=[np.ones(1, bool)])
     worker.__dict__.update(cfg=cfg, graph=graph, rank=0, spec=SimpleNamespace(run_dir=str(tmp_path)), tokenizer=TOK,
-                           policy_inputs=TrainInputs([], {"advantages": ADVANTAGES[:1]}, loss_mask=[np.ones(1, bool)]))
+                           runner=SimpleNamespace(policy_inputs=inputs))  # the step's loss inputs (StepRunner)
     worker.dump(5, samples)
     (record,) = [json.loads(line) for line in open(tmp_path / "dumps" / "step-00000006-rank0.jsonl")]
     assert record["prompt"] == "2+3=" and record["answer"] == "5" and record["reward"] == 1.0

@@ -1,0 +1,99 @@
+"""`python -m areal_flow.replay RUN_DIR [--from-step A] [--to-step B] [--dump STEP]`: re-run the
+trainer of a finished (or stopped) run alone, on its flight record, and check that every step ends
+with the weights the run had, bit for bit (training/replay.py; docs/reliability.md, "Replay").
+
+Steps are counted from 1, as the metrics rows and the record's file names count them. The replay
+starts from the newest checkpoint saved before step A (or the run's base model) and replays every
+recorded step up to B (default: the last), printing each step's verdict and, at the end, the first
+step whose weights differ (if any) and the largest difference of the step losses. `--dump STEP`
+also writes that step's batch, the policy's logprobs before the update, the per-token ratios,
+behaviour weights and loss inputs, and the weights after it, to RUN_DIR/replay/step-NNNNNNNN/.
+
+Exit 0: every replayed step equal; 1: a step differs; 2: the run cannot be replayed as asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from areal_flow.training.replay import ReplayError, Replayer, StepResult
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m areal_flow.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (hydra.run.dir)")
+    p.add_argument("--from-step", type=int, default=1, metavar="A", help="the first step to replay (from 1)")
+    p.add_argument("--to-step", type=int, default=None, metavar="B", help="the last step to replay (default: the last recorded)")
+    p.add_argument("--dump", type=int, action="append", default=[], metavar="STEP",
+                   help="write this step's batch, logprobs, ratios and weights (repeatable)")
+    return p.parse_args(argv)
+
+
+def replay(args: argparse.Namespace, console: Console) -> list[StepResult]:
+    replayer = Replayer(args.run_dir)
+    last = replayer.steps[-1] + 1 if args.to_step is None else args.to_step
+    if args.from_step < 1 or last < args.from_step:
+        raise ReplayError(f"--from-step {args.from_step} --to-step {last}: steps are counted from 1, the first "
+                          "not after the last")
+    checkpoint = replayer.start(args.from_step - 1)
+    first = replayer.trained.version  # where the checkpoint (or the base model) stands
+    missing = sorted(set(range(first, last)) - set(replayer.steps))
+    if missing:
+        raise ReplayError(f"{args.run_dir}: the flight record has no step {missing[0] + 1} (it has "
+                          f"{replayer.steps[0] + 1}-{replayer.steps[-1] + 1}, {len(replayer.steps)} steps)")
+    console.print(f"replaying steps {first + 1}-{last} of {args.run_dir} from "
+                  f"{checkpoint or 'the base model'}" + (f" (steps {first + 1}-{args.from_step - 1} to get to "
+                                                         f"{args.from_step})" if first + 1 < args.from_step else ""))
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=last - first)
+        for step in range(first, last):
+            results.append(replayer.step(step, dump=step + 1 in args.dump))
+            progress.advance(task)
+    return results
+
+
+def report(results: list[StepResult], console: Console) -> int:
+    table = Table(title="replayed steps")
+    for column in ("step", "weights", "loss (run)", "loss (replay)"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(str(r.step + 1), "equal" if r.equal else f"[red]differ[/red] {r.digest[:8]} ≠ {r.recorded[:8]}",
+                      _fmt(r.recorded_loss), _fmt(r.loss))
+    console.print(table)
+    losses = [abs(r.loss - r.recorded_loss) for r in results if r.loss is not None and r.recorded_loss is not None]
+    largest = max(losses, default=0.0)
+    differ = [r for r in results if not r.equal]
+    if not differ:
+        console.print(f"[green]all {len(results)} steps equal[/green]: every step's weights bit for bit the run's "
+                      f"(largest |Δ loss| {largest:.3g})")
+        return 0
+    console.print(f"[red]{len(differ)} of {len(results)} steps differ[/red]: the first is step {differ[0].step + 1}; "
+                  f"largest |Δ loss| {largest:.3g}")
+    return 1
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    try:
+        results = replay(args, console)
+    except (ReplayError, FileNotFoundError) as e:
+        console.print(f"[red]cannot replay[/red]: {e}")
+        return 2
+    return report(results, console)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Replay (`python -m areal_flow.replay`): an asynchronous run (η = 4, updates cutting answers) whose
+trainer was killed (kill -9) and restarted from a checkpoint is replayed from its flight record alone,
+from the start and from the checkpoint, and every step ends with the run's weights bit for bit; a
+record with one logprob changed is caught at its step; `--dump` writes a step for inspection; a run
+that cannot be replayed is refused by name."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+from run_helpers import ANSWERS_SOME, run_processes, steps_of
+from test_resume_end_to_end import start
+
+from areal_flow.training import flight
+from areal_flow.transport.messages import Array
+
+pytestmark = pytest.mark.slow
+
+BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
+RUN = ("rollout.max_staleness=4", "total_steps=8", "eval_at_start=false", "eval_at_end=false", *ANSWERS_SOME,
+       "checkpoint.every_steps=3", "checkpoint.keep_last=3", "recover.retries=1")
+
+
+def replay(run_dir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_flow.replay", str(run_dir), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def killed_run(run_cache, tmp_path_factory):
+    """An η = 4 run whose trainer is killed once its checkpoint of step 3 is complete; the launcher
+    restarts the run from it (recover.retries) and it ends at step 8."""
+    run_dir = tmp_path_factory.mktemp("replay") / "run"
+    run_dir.mkdir()
+    proc = start(run_dir, run_cache, *RUN)
+    try:
+        checkpoint = run_dir / "checkpoints" / "step-00000003"
+        deadline = time.monotonic() + 240
+        while not (checkpoint / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint of step 3"
+            time.sleep(0.02)
+        os.kill(run_processes(run_dir)["trainer0"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "recover: restart 1 of 1" in out, out[-3000:]
+    return run_dir
+
+
+def test_an_async_run_killed_and_resumed_replays_bit_for_bit_from_the_start_and_from_its_checkpoint(killed_run):
+    steps = steps_of(killed_run)
+    assert len(steps) == 8 and max(s["staleness_max"] for s in steps) >= 1  # asynchronous: older samples trained
+    assert flight.recorded_steps(str(killed_run)) == list(range(8))
+    whole = replay(killed_run, "--dump", "2")
+    assert whole.returncode == 0 and "all 8 steps equal" in whole.stdout, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "from the base model" in whole.stdout
+    resumed = replay(killed_run, "--from-step", "5")
+    assert resumed.returncode == 0 and "all 5 steps equal" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "checkpoints/step-00000003" in resumed.stdout  # steps 4-8 from the checkpoint after step 3
+    # --dump 2: the step's batch, its tokens' logprobs before the update and ratios, the weights after.
+    folder = killed_run / "replay" / "step-00000002"
+    rows = [json.loads(line) for line in (folder / "tokens.jsonl").read_text().splitlines()]
+    assert len(rows) == len(flight.read(str(killed_run), 1).samples)
+    assert all(len(r["ratio"]) == len(r["logprobs_before"]) == len(r["advantages"]) for r in rows)
+    assert (folder / "weights" / "config.json").exists()
+
+
+def test_a_record_changed_by_one_logprob_is_caught_at_its_step(killed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs"))
+    # The first step from 5 on with a group whose rewards differ (a sample of it has a gradient).
+    for step in range(4, 8):
+        record = flight.read(str(run_dir), step)
+        rewards = {}
+        for s in record.samples:
+            rewards.setdefault(s.group_id, set()).add(s.scalars["rewards"])
+        varied = [s for s in record.samples if len(rewards[s.group_id]) > 1 and len(s.arrays["behav_logprobs"])]
+        if varied:
+            break
+    assert varied, "no step from 5 on trained a group whose answers scored differently"
+    behav = varied[0].array("behav_logprobs").copy()
+    behav[0] -= 1e-3
+    varied[0].arrays["behav_logprobs"] = Array.of(behav)
+    with open(flight.path_of(str(run_dir), step, 0), "wb") as f:
+        f.write(msgspec.msgpack.encode(record))
+    changed = replay(run_dir, "--from-step", "5")
+    assert changed.returncode == 1, changed.stdout[-3000:] + changed.stderr[-3000:]
+    assert f"the first is step {step + 1}" in changed.stdout
+
+
+def test_a_run_that_cannot_be_replayed_is_refused_naming_why(killed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs"))
+    os.remove(flight.path_of(str(run_dir), 6, 0))
+    gap = replay(run_dir)
+    assert gap.returncode == 2 and "has no step 7" in gap.stdout, gap.stdout[-2000:]
+    backwards = replay(run_dir, "--from-step", "4", "--to-step", "2")
+    assert backwards.returncode == 2 and "counted from 1" in backwards.stdout
+    shutil.rmtree(run_dir / "flight")
+    none = replay(run_dir)
+    assert none.returncode == 2 and "no flight record" in none.stdout and "flight.record=true" in none.stdout
