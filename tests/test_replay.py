@@ -24,8 +24,8 @@ from areal_flow.transport.messages import Array
 pytestmark = pytest.mark.slow
 
 BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
-RUN = ("rollout.max_staleness=4", "total_steps=8", "eval_at_start=false", "eval_at_end=false", *ANSWERS_SOME,
-       "checkpoint.every_steps=3", "checkpoint.keep_last=3", "recover.retries=1")
+RUN = ("rollout.max_staleness=4", "rollout.interrupt=true", "total_steps=8", "eval_at_start=false",
+       "eval_at_end=false", *ANSWERS_SOME, "checkpoint.every_steps=3", "checkpoint.keep_last=3", "recover.retries=1")
 
 
 def replay(run_dir, *args: str) -> subprocess.CompletedProcess:
@@ -58,6 +58,10 @@ def test_an_async_run_killed_and_resumed_replays_bit_for_bit_from_the_start_and_
     steps = steps_of(killed_run)
     assert len(steps) == 8 and max(s["staleness_max"] for s in steps) >= 1  # asynchronous: older samples trained
     assert flight.recorded_steps(str(killed_run)) == list(range(8))
+    records = [flight.read(str(killed_run), step) for step in range(8)]
+    versions = next(key for key in records[0].samples[0].arrays if "version" in key)
+    cut = [s for r in records for s in r.samples if len(np.unique(s.array(versions))) > 1]
+    assert cut, "no trained answer was cut by an update (its tokens from two versions)"
     whole = replay(killed_run, "--dump", "2")
     assert whole.returncode == 0 and "all 8 steps equal" in whole.stdout, whole.stdout[-3000:] + whole.stderr[-3000:]
     assert "from the base model" in whole.stdout
