@@ -9,7 +9,12 @@ step whose weights differ (if any) and the largest difference of the step losses
 also writes that step's batch, the policy's logprobs before the update, the per-token ratios,
 behaviour weights and loss inputs, and the weights after it, to RUN_DIR/replay/step-NNNNNNNN/.
 
-Exit 0: every replayed step equal; 1: a step differs; 2: the run cannot be replayed as asked.
+`--regenerate STEP:UID` instead regenerates one recorded answer, span by span, from the weights of
+the versions that made it (the run needs dump.weights=true and batch-invariant servers:
+training/regenerate.py), and compares its tokens and logprobs with the record's.
+
+Exit 0: every replayed step equal (the answer regenerated exactly); 1: a step differs (the answer
+does); 2: the run cannot be replayed as asked.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+import numpy as np
 
 from rich.console import Console
 from rich.progress import Progress
@@ -32,6 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--to-step", type=int, default=None, metavar="B", help="the last step to replay (default: the last recorded)")
     p.add_argument("--dump", type=int, action="append", default=[], metavar="STEP",
                    help="write this step's batch, logprobs, ratios and weights (repeatable)")
+    p.add_argument("--regenerate", metavar="STEP:UID", default=None,
+                   help="regenerate this recorded answer (its step from 1, its uid) and compare it with the record")
     return p.parse_args(argv)
 
 
@@ -79,6 +88,29 @@ def report(results: list[StepResult], console: Console) -> int:
     return 1
 
 
+def regenerate_one(args: argparse.Namespace, console: Console) -> int:
+    from areal_flow.training.regenerate import regenerate  # (loads the generation engine)
+
+    step, sep, uid = args.regenerate.partition(":")
+    if not sep or not step.isdigit() or int(step) < 1 or not uid:
+        raise ReplayError(f"--regenerate {args.regenerate!r}: expected STEP:UID, the step from 1")
+    got = regenerate(args.run_dir, int(step) - 1, uid)
+    spans = ", ".join(f"{n} tokens of version {v}" for v, n in got.spans)
+    console.print(f"regenerated {uid} of step {step} from {spans}")
+    if got.logprobs_equal:
+        console.print(f"[green]equal[/green]: the same {len(got.tokens)} tokens and behaviour logprobs, bit for bit")
+        return 0
+    first = next((i for i, (a, b) in enumerate(zip(got.tokens, got.recorded_tokens)) if a != b),
+                 min(len(got.tokens), len(got.recorded_tokens)))
+    if got.tokens_equal:
+        gap = float(np.max(np.abs(np.float32(got.logprobs) - np.float32(got.recorded_logprobs))))
+        console.print(f"[red]logprobs differ[/red]: the same tokens, largest |Δ logprob| {gap:.3g}")
+    else:
+        console.print(f"[red]tokens differ[/red] from token {first} on ({len(got.tokens)} regenerated, "
+                      f"{len(got.recorded_tokens)} recorded)")
+    return 1
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.6g}"
 
@@ -88,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     try:
+        if args.regenerate is not None:
+            return regenerate_one(args, console)
         results = replay(args, console)
     except (ReplayError, FileNotFoundError) as e:
         console.print(f"[red]cannot replay[/red]: {e}")

@@ -1,8 +1,9 @@
 """Replay (`python -m areal_flow.replay`): an asynchronous run (η = 4, updates cutting answers) whose
 trainer was killed (kill -9) and restarted from a checkpoint is replayed from its flight record alone,
 from the start and from the checkpoint, and every step ends with the run's weights bit for bit; a
-record with one logprob changed is caught at its step; `--dump` writes a step for inspection; a run
-that cannot be replayed is refused by name."""
+record with one logprob changed is caught at its step; `--dump` writes a step for inspection; an
+answer cut by an update regenerates to the same tokens and logprobs from the weights of its two
+versions; a run that cannot be replayed is refused by name."""
 
 import json
 import os
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.slow
 
 BASE_MODELS = [ANSWERS_SOME]  # bootstrapped ahead by conftest.py
 RUN = ("rollout.max_staleness=4", "rollout.interrupt=true", "total_steps=8", "eval_at_start=false",
-       "eval_at_end=false", *ANSWERS_SOME, "checkpoint.every_steps=3", "checkpoint.keep_last=3", "recover.retries=1")
+       "eval_at_end=false", *ANSWERS_SOME, "checkpoint.every_steps=3", "checkpoint.keep_last=3", "recover.retries=1",
+       # for regeneration: servers that decode batch-invariantly, and every version's weights kept
+       "generation.deterministic=true", "dump.weights=true")
 
 
 def replay(run_dir, *args: str) -> subprocess.CompletedProcess:
@@ -76,9 +79,20 @@ def test_an_async_run_killed_and_resumed_replays_bit_for_bit_from_the_start_and_
     assert (folder / "weights" / "config.json").exists()
 
 
+def test_an_answer_cut_by_an_update_regenerates_to_its_tokens_and_logprobs_bit_for_bit(killed_run):
+    records = [flight.read(str(killed_run), step) for step in range(8)]
+    versions = next(key for key in records[0].samples[0].arrays if "version" in key)
+    step, sample = next((r.step, s) for r in reversed(records) for s in r.samples
+                        if len(np.unique(s.array(versions))) > 1)
+    done = replay(killed_run, "--regenerate", f"{step + 1}:{sample.uid}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "equal: the same" in done.stdout
+    assert done.stdout.count("tokens of version") >= 2  # spans of two versions or more, each regenerated
+
+
 def test_a_record_changed_by_one_logprob_is_caught_at_its_step(killed_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs"))
+    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs", "dumps"))
     # The first step from 5 on with a group whose rewards differ (a sample of it has a gradient).
     for step in range(4, 8):
         record = flight.read(str(run_dir), step)
@@ -101,7 +115,7 @@ def test_a_record_changed_by_one_logprob_is_caught_at_its_step(killed_run, tmp_p
 
 def test_a_run_that_cannot_be_replayed_is_refused_naming_why(killed_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs"))
+    shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs", "dumps"))
     os.remove(flight.path_of(str(run_dir), 6, 0))
     gap = replay(run_dir)
     assert gap.returncode == 2 and "has no step 7" in gap.stdout, gap.stdout[-2000:]

@@ -65,7 +65,8 @@ def begin(step: int, rank: int, samples: list[Sample], prox_source: str | None, 
     """A step's record as the step starts: its samples encoded now (the step's nodes write their
     outputs into them), the generators' states before anything draws."""
     copied = msgspec.msgpack.decode(msgspec.msgpack.encode(samples), type=list[Sample])
-    cuda = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = torch.cuda.get_rng_state().numpy().tobytes() if on_cuda else None
     return FlightStep(step=step, rank=rank, samples=copied, prox_source=prox_source, prox_version=prox_version,
                       kl_coef=float(kl_coef), rng=torch.get_rng_state().numpy().tobytes(), cuda_rng=cuda,
                       threads=torch.get_num_threads())

@@ -103,8 +103,9 @@ class PagedBatch:
 
     def _shared_prefill(self, row: Row) -> Row | None:
         """The pending leader whose prefill will compute full blocks `row` could take from the
-        prefix cache (the most such blocks), or None (also for a row that wants prompt logprobs). A leader that has computed them already puts
-        them in the cache now, and the row takes them at once (None)."""
+        prefix cache (the most such blocks), or None (also for a row that wants prompt logprobs).
+        A leader that has computed them already puts them in the cache now, and the row takes them
+        at once (None)."""
         if not self.pool.prefix_cache or row.prompt_positions:
             # A row asking for prompt logprobs keeps to following or leading a prefill of its own:
             # a prefix taken from the cache would leave a later row of its sequence nothing to follow.
@@ -137,14 +138,14 @@ class PagedBatch:
         released = []
         for key, rows in list(self.waiting.items()):
             lead = pending.get(key)
-            go = [row for row in rows if lead is None or lead.computed >= self._shared(row, lead)]
+            go = {id(row) for row in rows if lead is None or lead.computed >= self._shared(row, lead)}
             if go and lead is not None:
                 self._register(lead)
-            if len(go) == len(rows):
-                del self.waiting[key]
+            released += [row for row in rows if id(row) in go]
+            if stay := [row for row in rows if id(row) not in go]:
+                self.waiting[key] = stay
             else:
-                self.waiting[key] = [row for row in rows if row not in go]
-            released += go
+                del self.waiting[key]
         self.add([row for row in released if row.finish is None])
 
     def _reuse(self, row: Row) -> None:
@@ -199,7 +200,8 @@ class PagedBatch:
                 self._free(leader)
                 self._prompt_logits.pop(id(leader), None)
         self.pending = pending
-        self.waiting = {key: live for key, rows in self.waiting.items() if (live := [r for r in rows if r.finish is None])}
+        self.waiting = {key: live for key, rows in self.waiting.items()
+                        if (live := [row for row in rows if row.finish is None])}
         self._release_waiting()  # those whose leader ended or left
 
     def release_all(self) -> list[Row]:
