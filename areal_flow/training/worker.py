@@ -221,12 +221,20 @@ class ModelWorker(RankCheckpoints):
         weights = self.publish_step(plan.step, samples, trained)
         if record is not None:
             with self.phases("flight"):
-                stats["flight_bytes"] = flight.end(self.spec.run_dir, record, trained.weights_digest(), stats)
+                self.record_flight(record, trained, stats)
         stats.update(self.phases.reset())
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": ran}) + "\n")
         return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+
+    def record_flight(self, record: flight.FlightStep, trained: Engine, stats: dict[str, float]) -> None:
+        """Write the step's flight record; a full disk loses it, not the run (the replay then names
+        the missing step)."""
+        try:
+            stats["flight_bytes"] = flight.end(self.spec.run_dir, record, trained.weights_digest(), stats)
+        except OSError:
+            log.exception("%s: the flight record of step %d was not written", self.name, record.step + 1)
 
     def take_share(self, plan: RunStep) -> list[Sample]:
         """Send on the groups the plan moves to other ranks, wait for this rank's share of the

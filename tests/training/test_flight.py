@@ -85,3 +85,20 @@ def test_an_answers_versions_split_into_the_spans_each_version_made():
 
     assert spans_of(np.array([3, 3, 4, 4, 4, 5])) == [(3, 2), (4, 3), (5, 1)]
     assert spans_of(np.array([7])) == [(7, 1)] and spans_of(np.array([], dtype=np.int64)) == []
+
+
+def test_a_record_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from areal_flow.training.worker import ModelWorker
+
+    blocked = tmp_path / "run"
+    blocked.mkdir()
+    (blocked / "flight").write_text("a file where the folder should be")  # the write fails (OSError)
+    worker = object.__new__(ModelWorker)
+    worker.__dict__.update(name="trainer0", spec=SimpleNamespace(run_dir=str(blocked)))
+    stats = {"loss": 0.5}
+    trained = SimpleNamespace(weights_digest=lambda: "d")
+    with caplog.at_level("ERROR"):
+        worker.record_flight(flight.begin(4, 0, samples(), None, 4, 0.0), trained, stats)
+    assert "flight record of step 5 was not written" in caplog.text and "flight_bytes" not in stats
