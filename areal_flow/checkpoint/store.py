@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 
@@ -178,11 +177,9 @@ def discard_flight(run_dir: str, steps_done: int) -> list[str]:
     """Move the flight records (training/flight.py) of steps `steps_done` and later, which a resume
     redoes, to flight/discarded/ (an older copy there replaced); returns the names moved."""
     moved = []
-    pattern = re.compile(re.escape(os.path.basename(rd.FLIGHT_STEP)).replace(r"\{step:08d\}", r"(\d{8})")
-                         .replace(r"\{rank\}", r"\d+") + "$")
     folder = os.path.join(run_dir, rd.FLIGHT)
     for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        match = pattern.match(entry)
+        match = rd.FLIGHT_STEP_NAME.match(entry)
         if match and int(match.group(1)) > steps_done:  # named from 1: step-00000001 is the first step
             os.makedirs(os.path.join(run_dir, rd.FLIGHT_DISCARDED), exist_ok=True)
             os.replace(os.path.join(folder, entry), os.path.join(run_dir, rd.FLIGHT_DISCARDED, entry))

@@ -11,6 +11,7 @@ tree.
 from __future__ import annotations
 
 import os
+import re
 
 # What the run is.
 CONFIG = "config.yaml"
@@ -51,6 +52,8 @@ FLIGHT = "flight"
 """The flight record: each trainer rank's step, exactly, for replay (training/flight.py)."""
 FLIGHT_STEP = os.path.join(FLIGHT, "step-{step:08d}-rank{rank}.msgpack")
 """One step of one trainer rank's flight record (the step counted from 1, as the metrics rows)."""
+FLIGHT_STEP_NAME = re.compile(r"step-(\d{8})-rank(\d+)\.msgpack$")
+"""FLIGHT_STEP's file name, read back: groups (step from 1, rank)."""
 FLIGHT_DISCARDED = os.path.join(FLIGHT, "discarded")
 """Where a resume moves the records of the steps it redoes (checkpoint/store.py `rewind`)."""
 SUMMARY = "summary.json"

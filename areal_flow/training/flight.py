@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import re
 
 import msgspec
 import torch
@@ -36,7 +35,6 @@ from areal_flow.runtime.disk import write_atomic
 from areal_flow.transport.messages import Sample
 
 FLIGHT = rd.FLIGHT
-_NAME = re.compile(r"step-(\d{8})-rank(\d+)\.msgpack$")
 
 
 class FlightStep(msgspec.Struct, kw_only=True):
@@ -99,7 +97,7 @@ def recorded_steps(run_dir: str, rank: int = 0) -> list[int]:
     """The steps (from 0) rank `rank` has records of, in order."""
     steps = []
     for path in glob.glob(os.path.join(run_dir, FLIGHT, "step-*.msgpack")):
-        match = _NAME.search(os.path.basename(path))
+        match = rd.FLIGHT_STEP_NAME.match(os.path.basename(path))
         if match and int(match.group(2)) == rank:
             steps.append(int(match.group(1)) - 1)
     return sorted(steps)

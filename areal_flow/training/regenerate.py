@@ -77,11 +77,10 @@ def regenerate(run_dir: str, step: int, uid: str) -> Regenerated:
     sample = next((s for s in record.samples if s.uid == uid), None)
     if sample is None:
         raise ReplayError(f"{flight.path_of(run_dir, step, 0)}: no sample {uid!r} in step {step + 1}")
-    key = graph.output
     prompt = sample.array(graph.input(graph.train, "prompt_ids")).tolist()
     output = sample.array(graph.input(graph.train, "output_ids")).tolist()
     behav = sample.array(graph.input(graph.train, "behav_logprobs")).tolist()
-    spans = spans_of(sample.array(key(graph.generate, "versions")))
+    spans = spans_of(sample.array(graph.output(graph.generate, "versions")))
     seed = group_seed(cfg.seed, sample.group_id, cfg.algorithm.group_size) + sample.index
     algo = cfg.algorithm
     tokens: list[int] = []

@@ -23,6 +23,7 @@ from areal_flow.algorithms.kl import kl_controller
 from areal_flow.checkpoint import store
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.metrics.profile import Phases
+from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.runtime.spec import read_run
 from areal_flow.training import flight
 from areal_flow.training.build import make_engines
@@ -115,13 +116,14 @@ class Replayer:
         folder = os.path.join(self.run_dir, REPLAY_DIR, f"step-{step + 1:08d}")
         os.makedirs(folder, exist_ok=True)
         graph, inputs = self.graph, self.runner.policy_inputs
+        tokenizer = load_tokenizer(self.spec.model_path)  # the run's, as the trainer's dumps decode
         dump_step(folder, step, 0, samples, prompt_key=graph.input(graph.train, "prompt_ids"),
                   output_key=graph.input(graph.train, "output_ids"), reward_key=graph.input(graph.train, "rewards"),
                   versions_key=graph.output(graph.generate, "versions"),
                   loss_mask_key=graph.output(graph.generate, "loss_mask"),
                   advantages=None if inputs is None else inputs.advantages,
-                  masks=None if inputs is None else inputs.valid_masks(), decode=lambda ids: str(ids.tolist()),
-                  arrays=True)
+                  masks=None if inputs is None else inputs.valid_masks(),
+                  decode=lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False), arrays=True)
         behav_key = graph.input(graph.train, "behav_logprobs")
         prox_key = graph.input(graph.train, "prox_logprobs")
         with open(os.path.join(folder, "tokens.jsonl"), "w") as f:

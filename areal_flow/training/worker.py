@@ -67,7 +67,6 @@ class ModelWorker(RankCheckpoints):
     def __init__(self, cfg: RunConfig, spec: RunSpec, name: str, rank: int):
         self.cfg, self.spec, self.name, self.rank = cfg, spec, name, rank
         self.graph: Graph = graph_from_config(cfg)
-        self.roles = len(self.graph.generate.agent_roles) or 1  # an agent's roles: blocks of a group, normalised apart
         self.engines = make_engines(cfg, spec, self.graph, rank)
         self.held: dict[int, ScoredGroup] = {}  # scored groups on this rank, complete, not yet trained
         # Groups waiting for the key of a node on a mesh of its own, and such keys waiting for their group.
@@ -174,7 +173,7 @@ class ModelWorker(RankCheckpoints):
         with self.phases("inputs"):
             inputs = train_inputs(samples, partial(self.graph.input, self.graph.critic_apart), self.cfg.algorithm,
                                   prox_source=None, kl_coef=kl_coef,
-                                  all_reduce=all_reduce_over(engine.data_parallel_group), roles=self.roles)
+                                  all_reduce=all_reduce_over(engine.data_parallel_group), roles=self.runner.roles)
             data = engine_data(inputs.without_aggregation())
         with self.phases("transport"):
             self.critic.send(step, samples, inputs.seqs, data, leader=engine.data_leader)

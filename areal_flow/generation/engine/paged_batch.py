@@ -200,9 +200,10 @@ class PagedBatch:
                 self._free(leader)
                 self._prompt_logits.pop(id(leader), None)
         self.pending = pending
-        self.waiting = {key: live for key, rows in self.waiting.items()
-                        if (live := [row for row in rows if row.finish is None])}
-        self._release_waiting()  # those whose leader ended or left
+        if self.waiting:
+            self.waiting = {key: live for key, rows in self.waiting.items()
+                            if (live := [row for row in rows if row.finish is None])}
+            self._release_waiting()  # those whose leader ended or left
 
     def release_all(self) -> list[Row]:
         """Free every block; returns the live rows (all without cache now), ready ones first."""
