@@ -11,6 +11,11 @@ a step, and the ratio this tree / REV with its spread over the repeats. A bar pl
     python tools/bench_recipes.py --against REV [--recipes tiny_arith tiny_arith_tool code_tiny_feedback]
                                   [--steps 30] [--repeats 2] [-- extra overrides]
     python tools/bench_recipes.py --versus flight.record=false --recipes tiny_arith
+    python tools/bench_recipes.py --versus training.zero_mismatch=true --recipes tiny_arith --steps 40 \
+        -- rollout.max_staleness=0 generation.deterministic=true
+
+The max |Δ log p| column is the largest behaviour/trainer mismatch of any step's trained tokens
+(train/mismatch/abs_max, where a step measures it), with the tokens it covers, over all its runs.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ HERE = "this tree"
 def measure(metrics: list[dict]) -> dict[str, float]:
     """A run's figures over its timed steps."""
     steps, wall = timed_steps(metrics)
+    every = [m for m in metrics if m["event"] == "step"]
     idle = [m.get("generator_idle") for m in steps]
     return {
         "samples_per_s": sum(m["samples_per_second"] * m["step_seconds"] for m in steps) / wall,
@@ -41,6 +47,10 @@ def measure(metrics: list[dict]) -> dict[str, float]:
         "trainer_busy": sum(m["train_seconds"] - (m.get("train/wait_seconds") or 0.0) for m in steps) / wall,
         "decode_s": statistics.mean(m.get("gen/decode_seconds") or 0.0 for m in steps),
         "prefill_s": statistics.mean(m.get("gen/prefill_seconds") or 0.0 for m in steps),
+        # The trainer/server mismatch over every step's trained tokens (where the step measured it:
+        # train/mismatch/*), max |log π_start − log π_behav|, and the tokens it covers.
+        "mismatch_max": max((m.get("train/mismatch/abs_max") or 0.0 for m in every), default=0.0),
+        "mismatch_tokens": sum(m.get("train/mismatch/tokens") or 0.0 for m in every),
     }
 
 
@@ -76,7 +86,7 @@ def main() -> None:
                   f"--steps {args.steps} --repeats {args.repeats} {' '.join(args.overrides)}".rstrip())
     table = Table(title=f"trained samples/s, {args.steps} steps (first left out), mean of {args.repeats} alternated runs")
     for column in ("recipe", "side", "samples/s", "generator busy", "trainer busy", "decode s/step",
-                   "prefill s/step", "this tree / other"):
+                   "prefill s/step", "max |Δ log p| (tokens)", "this tree / other"):
         table.add_column(column)
     ratios = {}
     for recipe in args.recipes:
@@ -88,6 +98,7 @@ def main() -> None:
             mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
             table.add_row(recipe, side, f"{mean['samples_per_s']:.1f}", f"{100 * mean['generator_busy']:.0f}%",
                           f"{100 * mean['trainer_busy']:.0f}%", f"{mean['decode_s']:.2f}", f"{mean['prefill_s']:.2f}",
+                          f"{max(r['mismatch_max'] for r in rows):.2g} ({sum(r['mismatch_tokens'] for r in rows):,.0f})",
                           f"{ratios[recipe]:.2f}× ({min(each):.2f}–{max(each):.2f})" if side == HERE else "")
     console.print(table)
     fig, ax = plt.subplots(figsize=(7, 3.5))

@@ -52,16 +52,19 @@ def prox_is_behav(versions: torch.Tensor, mask: torch.Tensor, prox_version: int)
     return bool(((versions == prox_version) | ~mask.bool()).all())
 
 
-def prox_source(algo: AlgorithmConfig, *, reads_prox: bool, all_current: bool) -> str | None:
+def prox_source(algo: AlgorithmConfig, *, reads_prox: bool, all_current: bool, exact: bool = False) -> str | None:
     """Where this step's π_prox comes from (library.PROX_SOURCES); None: the train node reads no
     prox_logprobs (`reads_prox` false) or algorithm.decoupled is false, and the loss is naive PPO
-    against π_behav.
+    against π_behav. `exact` (training.zero_mismatch): always the prox node's forward, which is the
+    point of the mode, shortcuts or not.
 
     The shortcuts are exact: an update of one optimizer step runs its every forward with the
     weights from before it, which are π_prox; tokens all sampled by those weights (`all_current`,
     which every trainer rank must agree on: the prox forward is collective) have π_behav = π_prox."""
     if not reads_prox or not algo.decoupled:
         return None
+    if exact:
+        return "data"
     if algo.prox_shortcut and algo.n_minibatches * algo.ppo_epochs == 1:
         return "current"
     if algo.prox_shortcut and all_current:

@@ -328,6 +328,10 @@ class TrainingConfig:
                                       "(megatron's DistributedOptimizer)")
     sequence_parallel: bool = doc(False, "megatron engine, tp > 1: split the activations outside attention and MLP "
                                   "over the tensor-parallel ranks along the sequence (less memory)")
+    zero_mismatch: bool = doc(False, "compute π_prox as the servers computed π_behav (their own batch-invariant forward, "
+                              "decode step by decode step, on a copy of the weights), so that a token the current "
+                              "weights sampled has log π_prox = log π_behav bit for bit; needs generation.deterministic "
+                              "and the embedded engine; costs a decode step per answer token (docs/algorithms.md)")
 
 
 @dataclass
@@ -537,6 +541,12 @@ class RunConfig:
     resume: Optional[str] = doc(None, "'auto': continue this run (output_dir) from its latest complete checkpoint, or "
                                 "start it when it has none; a checkpoint's path: continue that checkpoint's run, in "
                                 "its directory; null = a new run")
+
+    @property
+    def batch_invariant_servers(self) -> bool:
+        """Whether the embedded servers decode batch-invariantly (generation.deterministic; null: at η = 0)."""
+        deterministic = self.generation.deterministic
+        return bool(deterministic) if deterministic is not None else self.rollout.max_staleness == 0
 
     def __post_init__(self) -> None:
         # A node set to null is removed: the way a recipe drops a node of the recipe it extends.

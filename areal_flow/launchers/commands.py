@@ -45,7 +45,7 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
             "--device", device, "--dtype", gen.dtype or "auto"]
     if device == "cpu":  # a CPU server computes on its mesh's cores; a GPU server's threads only feed the GPU
         argv += ["--num-threads", str(max(1, len(proc.devices)))]
-    if gen.deterministic or (gen.deterministic is None and cfg.rollout.max_staleness == 0):
+    if cfg.batch_invariant_servers:
         argv += ["--enable-deterministic-inference"]  # synchronous runs reproduce bit for bit
     if gen.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(gen.mem_fraction_static)]

@@ -144,7 +144,30 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
             if graph.input(graph.train, meaning) is None:
                 problems.append(f"algorithm.prox_logp=loglinear needs the train node '{graph.train.name}' to read "
                                 f"{meaning} (without prox_logprobs the loss is naive PPO, with no π_prox to approximate)")
-    return problems + judge_problems(cfg, graph) + algorithm_problems(cfg)
+    return problems + judge_problems(cfg, graph) + algorithm_problems(cfg) + zero_mismatch_problems(cfg, graph)
+
+
+def zero_mismatch_problems(cfg: RunConfig, graph: Graph) -> list[str]:
+    """training.zero_mismatch computes π_prox as the embedded servers' batch-invariant decoding
+    computed π_behav (training/exact_prox.py): refused, by key, where that is not what sampled the
+    tokens or where there is no π_prox."""
+    if not cfg.training.zero_mismatch:
+        return []
+    algo, train = cfg.algorithm, graph.train.name
+    refusals = [
+        (cfg.generation.backend != "embedded", f"generation.backend={cfg.generation.backend}: the servers' kernels are "
+                                               "not areal_flow's own, whose forward the trainer reproduces"),
+        (not cfg.batch_invariant_servers, f"generation.deterministic={cfg.generation.deterministic} at "
+                                          f"rollout.max_staleness={cfg.rollout.max_staleness}: an answer's logprobs "
+                                          "then depend on its batch; set generation.deterministic=true"),
+        (graph.input(graph.train, "prox_logprobs") is None, f"the train node '{train}' reads no prox_logprobs"),
+        (not algo.decoupled, "algorithm.decoupled=false has no π_prox"),
+        (algo.prox_logp != "recompute", f"algorithm.prox_logp={algo.prox_logp}: π_prox is then approximated"),
+        (graph.input(graph.train, "versions") is None, f"the train node '{train}' reads no versions (which request "
+                                                       "sampled each token)"),
+        (graph.generate.takes_turns, f"graph.{graph.generate.name} rolls out through an environment or an agent; "
+                                     "one-turn answers only")]
+    return [f"training.zero_mismatch=true: {why}" for refused, why in refusals if refused]
 
 
 def judge_problems(cfg: RunConfig, graph: Graph) -> list[str]:
@@ -225,12 +248,13 @@ def correction_problems(algo) -> list[str]:
     return problems
 
 
-def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
+def check_model(graph: Graph, model_path: str, gen_tp: int = 1, zero_mismatch: bool = False) -> None:
     """Raise ConfigError when the batch nodes' layout cannot split this model (TP must divide its
-    heads, PP its layers), or generation's tensor parallel its attention heads: found before any
-    process starts, not in a trainer rank's or a server's log."""
+    heads, PP its layers), generation's tensor parallel its attention heads, or training.zero_mismatch
+    needs the servers' own forward for a model it does not compute: found before any process starts,
+    not in a trainer rank's or a server's log."""
     layout = graph.train.layout  # the trainer nodes' one layout; a node on a mesh of its own is data parallel
-    if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1:
+    if (layout is None or (layout.tp == 1 and layout.pp == 1)) and gen_tp == 1 and not zero_mismatch:
         return
     model = load_model_config(model_path)
     problems = []
@@ -240,6 +264,12 @@ def check_model(graph: Graph, model_path: str, gen_tp: int = 1) -> None:
     if model.num_attention_heads % gen_tp:
         problems.append(f"generation.tp_size={gen_tp} with model {model_path}: does not divide the model's "
                         f"{model.num_attention_heads} attention heads")
+    if zero_mismatch:
+        from areal_flow.generation.engine.decode import unsupported  # (torch: only where asked)
+
+        if why := unsupported(model):
+            problems.append(f"training.zero_mismatch=true with model {model_path}: the generation engine's own "
+                            f"forward, which it reproduces, does not compute this model ({why})")
     if problems:
         raise ConfigError(problems)
 

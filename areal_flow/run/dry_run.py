@@ -40,7 +40,7 @@ def dry_run(cfg: RunConfig, graph: Graph, placement: Placement, console: Console
     """Print the graph, its placement, the servers' commands (and a Slurm run's job script); check
     the layouts against model.path when it is on this machine. Exit code 0."""
     if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        check_model(graph, cfg.model.path, cfg.generation.tp_size)
+        check_model(graph, cfg.model.path, cfg.generation.tp_size, cfg.training.zero_mismatch)
     elif cfg.model.path:  # a cluster's model need not be on the machine that plans the run
         console.print(f"model.path={cfg.model.path} is not here: the layouts were not checked against it",
                       highlight=False, markup=False)

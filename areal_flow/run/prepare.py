@@ -69,7 +69,7 @@ def prepare(cfg: RunConfig, graph: Graph, console: Console) -> Prepared:
     train_path, eval_path = prepare_data(cfg, prompt_key)
     model_path = prepare_model(cfg)
     check_model_config(cfg.model.path)
-    check_model(graph, model_path, cfg.generation.tp_size)
+    check_model(graph, model_path, cfg.generation.tp_size, cfg.training.zero_mismatch)
     check_tokenizer(cfg, model_path)
     check_env(cfg, graph, model_path, console, train_path)
     check_agent(graph, cfg.algorithm.group_size, console)

@@ -26,6 +26,7 @@ import numpy as np
 from areal_flow.generation.client.seeds import group_seed
 from areal_flow.generation.engine.generation_engine import GenerationEngine, GenerationRequest
 from areal_flow.generation.engine.sampling import SamplingParams
+from areal_flow.generation.engine.scoring import spans_of
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.runtime.devices import compute_dtype
 from areal_flow.runtime.spec import read_run
@@ -51,23 +52,12 @@ class Regenerated:
         return self.tokens_equal and np.array_equal(np.float32(self.logprobs), np.float32(self.recorded_logprobs))
 
 
-def spans_of(versions: np.ndarray) -> list[tuple[int, int]]:
-    """Runs of equal versions: (version, length), in order."""
-    spans: list[tuple[int, int]] = []
-    for v in versions.tolist():
-        if spans and spans[-1][0] == v:
-            spans[-1] = (v, spans[-1][1] + 1)
-        else:
-            spans.append((v, 1))
-    return spans
-
-
 def regenerate(run_dir: str, step: int, uid: str) -> Regenerated:
     """Regenerate sample `uid` of step `step` (from 0) of the run's flight record (rank 0's)."""
     cfg, _ = read_run(run_dir)
     graph = graph_from_config(cfg)
     gen = cfg.generation
-    if not (gen.deterministic or (gen.deterministic is None and cfg.rollout.max_staleness == 0)):
+    if not cfg.batch_invariant_servers:
         raise ReplayError(f"{run_dir}: the run's servers did not decode batch-invariantly (generation.deterministic), "
                           "so an answer's tokens depended on its batch: it cannot be regenerated")
     if graph.generate.takes_turns:

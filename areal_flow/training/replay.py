@@ -69,7 +69,7 @@ class Replayer:
         torch.manual_seed(self.cfg.seed)  # as the trainer's rank 0 before building its engines
         self.engines = make_engines(self.cfg, self.spec, self.graph, 0)
         self.kl = kl_controller(self.cfg.algorithm)
-        self.runner = StepRunner(self.cfg, self.graph, self.engines, Phases(), self.kl, 1)
+        self.runner = StepRunner(self.cfg, self.graph, self.engines, Phases(), self.kl, 1, self.spec.model_path)
 
     @property
     def trained(self):

@@ -22,6 +22,7 @@ from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import Graph
 from areal_flow.graph.node import Node
 from areal_flow.metrics.profile import Phases
+from areal_flow.training import exact_prox
 from areal_flow.training.build import configured, node_outputs
 from areal_flow.training.engine import Engine, budget_named
 from areal_flow.training.updates import all_reduce_over, engine_data, length_bias, train_update
@@ -32,9 +33,12 @@ class StepRunner:
     """`engines`: the rank's model per role; `kl`: the KL controller (β toward the ref model), which
     the caller saves and restores; `n_trainers`: the ranks that agree on the step's π_prox source."""
 
-    def __init__(self, cfg: RunConfig, graph: Graph, engines: dict[str, Engine], phases: Phases, kl, n_trainers: int):
+    def __init__(self, cfg: RunConfig, graph: Graph, engines: dict[str, Engine], phases: Phases, kl, n_trainers: int,
+                 model_path: str):
         self.cfg, self.graph, self.engines, self.phases, self.kl = cfg, graph, engines, phases, kl
         self.n_trainers = n_trainers
+        # training.zero_mismatch: π_prox through the servers' own forward (training/exact_prox.py).
+        self.exact = exact_prox.for_run(cfg, model_path, self.trained.device) if cfg.training.zero_mismatch else None
         self.roles = len(graph.generate.agent_roles) or 1  # an agent's roles: blocks of a group, normalised apart
         self.policy_inputs: TrainInputs | None = None  # the policy's loss inputs of the last step (for its dump)
 
@@ -50,7 +54,7 @@ class StepRunner:
         samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
         reads_prox = self.graph.input(self.graph.train, "prox_logprobs") is not None
         source = prox_source(self.cfg.algorithm, reads_prox=reads_prox,
-                             all_current=self.all_current(samples, trained.version))
+                             all_current=self.all_current(samples, trained.version), exact=self.exact is not None)
         self.policy_inputs = None
         return samples, source
 
@@ -106,9 +110,20 @@ class StepRunner:
 
     def infer(self, node: Node, samples: list[Sample]) -> None:
         """Write the node's output key into every sample: it stays on this rank."""
-        lps = node_outputs(self.engines[node.role], self.graph, node, [s.arrays for s in samples])
+        if self.exact is not None and node.outputs[0] == self.graph.input(self.graph.train, "prox_logprobs"):
+            lps = self.exact_prox(node, samples)
+        else:
+            lps = node_outputs(self.engines[node.role], self.graph, node, [s.arrays for s in samples])
         for s, lp in zip(samples, lps):
             s.arrays[node.outputs[0]] = Array.of(lp)
+
+    def exact_prox(self, node: Node, samples: list[Sample]) -> list[np.ndarray]:
+        """log π_prox of the samples' answers as the servers computed them (training.zero_mismatch)."""
+        self.exact.load(self.engines[node.role])
+        key = partial(self.graph.input, node)
+        versions = self.graph.input(self.graph.train, "versions")
+        return self.exact.logprobs([s.array(key("prompt_ids")) for s in samples],
+                                   [s.array(key("output_ids")) for s in samples], [s.array(versions) for s in samples])
 
     def train(self, node: Node, samples: list[Sample], source: str | None, prox_version: int,
               kl_coef: float) -> dict[str, float]:

@@ -90,7 +90,8 @@ class ModelWorker(RankCheckpoints):
         self.weights = make_channel(cfg, spec)  # how each version reaches the servers (areal_flow/weights/)
         self.phases = Phases()  # wait, transport, inputs, publish: the step's profile beside the engine's
         self.kl = kl_controller(cfg.algorithm)  # β toward the ref model; adaptive with kl_target
-        self.runner = StepRunner(cfg, self.graph, self.engines, self.phases, self.kl, spec.n_trainers)
+        self.runner = StepRunner(cfg, self.graph, self.engines, self.phases, self.kl, spec.n_trainers,
+                                 spec.model_path)
         # A critic on a mesh of its own: its processes' inboxes are those its values are asked on.
         self.critic = CriticLink(self.graph, self.replicas, rank) if self.graph.critic_apart is not None else None
         trained = self.engines[self.graph.train.role]

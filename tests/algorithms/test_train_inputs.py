@@ -114,6 +114,10 @@ def test_prox_comes_without_a_forward_pass_only_where_that_is_exact():
     assert prox_source(algo(prox_shortcut=False), reads_prox=True, all_current=True) == "data"
     assert prox_source(algo(decoupled=False), reads_prox=True, all_current=False) is None  # naive PPO
     assert prox_source(two_steps, reads_prox=False, all_current=False) is None  # no prox node: naive PPO
+    # training.zero_mismatch: the prox node's forward every step, though a shortcut would be exact.
+    assert prox_source(algo(), reads_prox=True, all_current=True, exact=True) == "data"
+    assert prox_source(two_steps, reads_prox=True, all_current=True, exact=True) == "data"
+    assert prox_source(algo(decoupled=False), reads_prox=True, all_current=True, exact=True) is None
 
 
 def test_the_prox_node_output_is_passed_on_only_when_the_step_uses_it():

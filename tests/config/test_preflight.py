@@ -100,3 +100,36 @@ def test_the_context_length_is_read_from_config_json_without_transformers(tmp_pa
     (bare / "config.json").write_text("[1]")
     with pytest.raises(ConfigError, match=r"graph.judge.model: .*config.json is not a JSON object"):
         model_context(str(bare), "graph.judge.model")
+
+
+def test_zero_mismatch_is_refused_by_key_where_the_servers_forward_did_not_sample_the_tokens(tmp_path):
+    from areal_flow.run.checks import validate
+
+    validate(typed(composed(tmp_path, "training.zero_mismatch=true", "rollout.max_staleness=0")))  # deterministic
+    validate(typed(composed(tmp_path, "training.zero_mismatch=true", "generation.deterministic=true")))
+    with pytest.raises(ConfigError) as e:
+        validate(typed(composed(tmp_path, "training.zero_mismatch=true", "rollout.max_staleness=2",
+                                "algorithm.prox_logp=loglinear", "algorithm.decoupled=false")))
+    assert sorted(e.value.problems) == sorted([
+        "training.zero_mismatch=true: generation.deterministic=None at rollout.max_staleness=2: an answer's logprobs "
+        "then depend on its batch; set generation.deterministic=true",
+        "training.zero_mismatch=true: algorithm.decoupled=false has no π_prox",
+        "training.zero_mismatch=true: algorithm.prox_logp=loglinear: π_prox is then approximated"])
+    with pytest.raises(ConfigError) as e:
+        validate(typed(composed(tmp_path, "recipe=tiny_arith_tool", "training.zero_mismatch=true",
+                                "generation.deterministic=true")))
+    assert e.value.problems == ["training.zero_mismatch=true: graph.generate rolls out through an environment or an "
+                                "agent; one-turn answers only"]
+
+
+def test_zero_mismatch_is_refused_for_a_model_the_engines_own_forward_does_not_compute(tmp_path):
+    from areal_flow.run.checks import check_model
+    from areal_flow.graph.dag import graph_from_config
+
+    graph = graph_from_config(typed(composed(tmp_path)))
+    model = model_dir(tmp_path, json.dumps({"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2}))
+    check_model(graph, str(model))  # nothing asks for the engine's forward
+    with pytest.raises(ConfigError) as e:
+        check_model(graph, str(model), zero_mismatch=True)
+    assert e.value.problems == [f"training.zero_mismatch=true with model {model}: the generation engine's own forward, "
+                                "which it reproduces, does not compute this model (model_type gpt2 (not llama, qwen2))"]

@@ -81,7 +81,7 @@ def test_a_resume_moves_the_records_of_the_steps_it_redoes_aside(tmp_path):
 
 
 def test_an_answers_versions_split_into_the_spans_each_version_made():
-    from areal_flow.training.regenerate import spans_of
+    from areal_flow.generation.engine.scoring import spans_of
 
     assert spans_of(np.array([3, 3, 4, 4, 4, 5])) == [(3, 2), (4, 3), (5, 1)]
     assert spans_of(np.array([7])) == [(7, 1)] and spans_of(np.array([], dtype=np.int64)) == []

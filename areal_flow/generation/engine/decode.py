@@ -108,12 +108,7 @@ class DecodeStep:
     @classmethod
     def for_model(cls, model: nn.Module, *, batch_invariant: bool = False) -> DecodeStep | None:
         """A DecodeStep for `model`, or None where its decode differs from what this computes."""
-        config = model.config
-        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-        if (config.model_type not in _MODEL_TYPES or config.hidden_act != "silu" or rope not in _STATIC_ROPE
-                or getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1):
-            return None
-        return cls(model, batch_invariant=batch_invariant)
+        return None if unsupported(model.config) else cls(model, batch_invariant=batch_invariant)
 
     def forward(self, step: Forward, pool: BlockPool) -> torch.Tensor:
         """Feed `step`'s tokens: write their keys and values into `pool` and return the logits
@@ -205,6 +200,17 @@ class DecodeStep:
         if pad == 0:
             return F.linear(x, weight, bias)
         return F.linear(F.pad(x, (0, 0, 0, pad)), weight, bias)[:rows]
+
+
+def unsupported(config) -> str | None:
+    """Why a model of this (transformers) config is not one DecodeStep computes exactly; None if it is."""
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    why = [(config.model_type not in _MODEL_TYPES, f"model_type {config.model_type} (not {', '.join(sorted(_MODEL_TYPES))})"),
+           (getattr(config, "hidden_act", None) != "silu", f"hidden_act {getattr(config, 'hidden_act', None)}"),
+           (rope not in _STATIC_ROPE, f"rope_type {rope}"),
+           (bool(getattr(config, "use_sliding_window", False)), "sliding-window attention"),
+           (getattr(config, "pretraining_tp", 1) != 1, "pretraining_tp != 1")]
+    return next((reason for refused, reason in why if refused), None)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
