@@ -307,6 +307,26 @@ class GenerationConfig:
                                 "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the trained model (training/lora.py, through peft; docs/lora.md)."""
+
+    rank: int = doc(0, "the adapters' rank r; 0 = no LoRA, every weight trains", ge=0)
+    alpha: float = doc(16.0, "the adapters' output is scaled by alpha / rank (alpha / √rank with rslora)", gt=0)
+    dropout: float = doc(0.0, "dropout on an adapter's input in the train step's forward (not in logprobs: π_prox "
+                         "and the reported logprobs stay deterministic)", ge=0, le=0.9)
+    target_modules: List[str] = doc(help="the Linear layers adapted, by name (every layer whose name ends with one)",
+                                    factory=lambda: list(LORA_TARGETS))
+    target_regex: Optional[str] = doc(None, "instead of target_modules: a regex that a module's full name must match "
+                                      "(peft's), e.g. '.*layers\\.[0-3]\\..*(q|v)_proj'")
+    init: str = doc("default", "peft's init_lora_weights: default (B = 0, A Kaiming-uniform: training starts at the "
+                    "base model) | gaussian", choices=("default", "gaussian"))
+    rslora: bool = doc(False, "rank-stabilised scaling alpha / √rank instead of alpha / rank")
+
+
 @dataclass
 class TrainingConfig:
     """How the trainer ranks compute (engines: graph nodes' `engine`; number formats: runtime/devices.py)."""
@@ -328,6 +348,7 @@ class TrainingConfig:
                                       "(megatron's DistributedOptimizer)")
     sequence_parallel: bool = doc(False, "megatron engine, tp > 1: split the activations outside attention and MLP "
                                   "over the tensor-parallel ranks along the sequence (less memory)")
+    lora: LoraConfig = doc(help="train low-rank adapters instead of every weight (rank 0: off)", factory=LoraConfig)
     zero_mismatch: bool = doc(False, "compute π_prox as the servers computed π_behav (their own batch-invariant forward, "
                               "decode step by decode step, on a copy of the weights), so that a token the current "
                               "weights sampled has log π_prox = log π_behav bit for bit; needs generation.deterministic "

@@ -20,6 +20,7 @@ from areal_flow.runtime.devices import TRAINER_BACKENDS, compute_dtype, local_de
 from areal_flow.runtime.security import LOOPBACK
 from areal_flow.runtime.spec import RunSpec
 from areal_flow.training.engine import Engine, OptimSpec
+from areal_flow.training.lora import LoraSpec
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.messages import Array
 
@@ -90,8 +91,10 @@ def torch_engine(cfg: RunConfig, spec: RunSpec, role: str, optim: OptimSpec | No
     # The critic: the actor's backbone with a value head, or a critic saved beside a checkpoint.
     critic_dir = os.path.join(spec.model_path, CRITIC_DIR)
     path = critic_dir if role == "critic" and os.path.isdir(critic_dir) else spec.model_path
+    # training.lora adapts the trained policy; a critic and the frozen roles keep every weight.
+    adapted = LoraSpec.of(cfg.training.lora) if role != "critic" and optim is not None else None
     return TorchEngine(path, optim=optim, process_group=process_group, head="value" if role == "critic" else "lm",
-                       **engine_options(cfg, trained=optim is not None))
+                       lora=adapted, **engine_options(cfg, trained=optim is not None))
 
 
 def configured(engine: Engine, node: Node) -> Engine:

@@ -34,8 +34,13 @@ from areal_flow.training.checkpoint_files import (
     write_like,
     write_sharded_state,
 )
+from areal_flow.training import lora
 from areal_flow.training.engine import CheckpointError, EngineBase, bucketed
 from areal_flow.training.hf_model import whole
+from areal_flow.training.lora import LoraSpec
+
+LORA_DIR = "adapter"
+"""Beside a checkpoint's merged Hugging Face weights: the trained adapters as a PEFT adapter directory."""
 
 
 class TorchCheckpoints(EngineBase):
@@ -47,7 +52,8 @@ class TorchCheckpoints(EngineBase):
     _optimizer: torch.optim.Optimizer | None
     _scheduler: torch.optim.lr_scheduler.LambdaLR | None
     _group: dist.ProcessGroup | None
-    _weight_names: list[str]  # tied weights once, as saved
+    _weight_names: list[str]  # tied weights once, as saved (with adapters: the merged model's)
+    _lora: LoraSpec | None  # the trained adapters (training/lora.py), or None
     _generation_layout: SavedLayout | None  # what the first save_weights wrote (rank 0)
     _layout_checked: bool
     device: torch.device
@@ -64,11 +70,22 @@ class TorchCheckpoints(EngineBase):
 
         return get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def _hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """`_full_state_dict` under the names of the model without adapters: with LoRA, every
+        adapter merged into its base weight in fp32 (what the servers and `from_pretrained` load)."""
+        state = self._full_state_dict()
+        return dict(lora.merged(iter(state.items()), self._lora)) if self._lora is not None and state else state
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapters' full tensors on the CPU (collective under FSDP: every rank gathers them)."""
+        return {name: whole(p.detach()).cpu() for name, p in self._model.named_parameters() if lora.is_adapter(name)}
+
     def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The full weights under Hugging Face names (tied weights once), in buckets of at most
         `bucket_bytes` (a larger tensor travels alone), on every rank: for in-memory transfer to
         generation servers. Collective under FSDP: every rank must consume the whole iterator."""
-        return bucketed(((name, whole(p.detach())) for name, p in self._model.named_parameters()), bucket_bytes)
+        named = ((name, whole(p.detach())) for name, p in self._model.named_parameters())
+        return bucketed(lora.merged(named, self._lora) if self._lora is not None else named, bucket_bytes)
 
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory at `path` (atomically), for generation.
@@ -79,7 +96,7 @@ class TorchCheckpoints(EngineBase):
         directly. This runs on the trainer's path every step: `save_pretrained` spends 7 ms of a
         600k-parameter model's 10 ms converting names and serialising the config each time
         (docs/benchmarks.md). A model whose tensors `save_pretrained` renames keeps it."""
-        state = self._full_state_dict()
+        state = self._hf_state_dict()
         if self.rank == 0:
             layout = self._generation_layout
             if layout is not None:
@@ -102,15 +119,24 @@ class TorchCheckpoints(EngineBase):
         self._save(path, tokenizer, with_train_state=self._optimizer is not None)
 
     def _save(self, path: str, tokenizer: PreTrainedTokenizerBase | None, with_train_state: bool) -> None:
-        state = self._full_state_dict()
+        state = self._hf_state_dict()
         train_state = self._train_state() if with_train_state else None
+        adapter = self._adapter_state() if self._lora is not None else None
         if self.rank == 0:
-            atomic_write_dir(path, partial(write_hf_files, write_weights=self._weights_writer(state),
+            atomic_write_dir(path, partial(write_hf_files, write_weights=self._weights_writer(state, adapter),
                                            tokenizer=tokenizer, train_state=train_state))
         self._barrier()  # no rank goes on before the checkpoint exists
 
-    def _weights_writer(self, state: dict[str, torch.Tensor]):
-        return lambda folder: self._model.save_pretrained(folder, state_dict=state)
+    def _weights_writer(self, state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor] | None = None):
+        """Writes the Hugging Face weights `state` into a folder, and with `adapter` the PEFT adapter
+        directory LORA_DIR beside them."""
+        def write(folder: str) -> None:
+            self._model.save_pretrained(folder, state_dict=state)
+            if adapter is not None:
+                os.makedirs(os.path.join(folder, LORA_DIR))
+                lora.write_adapter_dir(os.path.join(folder, LORA_DIR), adapter, self._lora,
+                                       base=getattr(self._model, "name_or_path", None))
+        return write
 
     def _train_state(self) -> dict:
         rng = self._rng_state()
@@ -153,11 +179,12 @@ class TorchCheckpoints(EngineBase):
         with `torch.distributed.checkpoint`, each rank its own shards (no rank holds the whole
         optimizer state); RANK_RNG by each rank; RESUMABLE_META by rank 0. Collective: every rank
         calls it and returns once all have written."""
-        weights = self._full_state_dict()  # rank 0 only: the weights, never the optimizer state
+        weights = self._hf_state_dict()  # rank 0 only: the weights, never the optimizer state
+        adapter = self._adapter_state() if self._lora is not None else None
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            write_hf_files(path, self._weights_writer(weights), tokenizer)
-        del weights
+            write_hf_files(path, self._weights_writer(weights, adapter), tokenizer)
+        del weights, adapter
         write_sharded_state(path, self._sharded_state(), self._group, alone=self._group is None)
         torch_save(self._rng_state(), os.path.join(path, RANK_RNG.format(rank=self.rank)))
         if self.rank == 0:
@@ -179,7 +206,12 @@ class TorchCheckpoints(EngineBase):
     def load(self, path: str) -> None:
         """Load a checkpoint written by `save` (or any Hugging Face directory of this model's shape):
         the weights, and the training state when the directory has one and this role trains.
-        Collective under FSDP. A missing or misshapen tensor fails naming it; nothing is changed then."""
+        Collective under FSDP. A missing or misshapen tensor fails naming it; nothing is changed then.
+        Not with adapters: their merged weights cannot be split back (resume from `save_resumable`)."""
+        if self._lora is not None:
+            raise CheckpointError(f"{path}: an engine training LoRA adapters loads resumable checkpoints only "
+                                  "(load_resumable): the merged weights of a Hugging Face directory cannot be split "
+                                  "back into base and adapters")
         check_hf_checkpoint(path, {k: tuple(v.shape) for k, v in self._model.named_parameters()})
         from safetensors.torch import load_file
 

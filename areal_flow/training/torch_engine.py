@@ -33,7 +33,7 @@ from areal_flow.algorithms.packing import ffd_allocate
 from areal_flow.metrics.profile import Phases
 from areal_flow.runtime.devices import to_device
 from areal_flow.training import attention as attention_impl
-from areal_flow.training import hf_attention
+from areal_flow.training import hf_attention, lora
 from areal_flow.training.engine import EngineOptions, LossFn, OptimSpec, Seq, routed_forward
 from areal_flow.training.hf_model import HEADS, build_optimizer, load_model, routable_lm_head, shard, whole
 from areal_flow.training.logprobs import chunked_logprobs, full_logprobs
@@ -46,6 +46,7 @@ from areal_flow.training.micro_batches import (
     seq_lengths,
     step_batch,
 )
+from areal_flow.training.lora import LoraSpec
 from areal_flow.training.step_stats import accumulate_all_stats, merge_stats, step_report
 from areal_flow.training.torch_checkpoint import TorchCheckpoints
 
@@ -59,6 +60,8 @@ class TorchOptions(EngineOptions):
     (None: one row per micro-batch; see `TorchEngine._packed_logprobs`)."""
     head: str = "lm"
     """lm: the causal LM; value: the same backbone with a value head (a critic)."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters (training/lora.py) instead of every weight; None: every weight."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,6 +86,12 @@ class TorchEngine(TorchCheckpoints):
         self.attention = attention_impl.resolve(opts.attention, opts.device)
         model = load_model(model_path, opts.head, hf_attention.hf_implementation(self.attention), opts.device,
                            trains=optim is not None, activation_checkpointing=opts.activation_checkpointing)
+        self._lora = opts.lora if optim is not None else None  # a frozen role has nothing to adapt
+        if self._lora is not None:
+            lora.inject(model, self._lora)  # before sharding: FSDP2 shards the adapters with their layers
+        # Dropout on the adapters' input in the train step's forwards only (the model runs in eval mode).
+        self._lora_dropouts = [m for n, m in model.named_modules() if ".lora_dropout." in f".{n}."
+                               and isinstance(m, torch.nn.Dropout)]
         self._routable_head = opts.head == "lm" and routable_lm_head(model)
         self.row_tokens = opts.row_tokens  # like micro_batch_tokens, a graph node may change it
         self.device = torch.device(opts.device)
@@ -91,7 +100,8 @@ class TorchEngine(TorchCheckpoints):
         if self._group is not None:
             shard(model, self._group, self.device.type, opts.bf16)
         self._model = model
-        self._weight_names = [name for name, _ in model.named_parameters()]  # tied weights once, as saved
+        # Tied weights once, as saved; with adapters, the names of the model they merge into.
+        self._weight_names = [lora.hf_name(name) for name, _ in model.named_parameters() if not lora.is_adapter(name)]
         self._generation_layout = None  # what the first save_weights wrote (rank 0)
         self._layout_checked = False
         self._optimizer, self._scheduler = build_optimizer(model, optim) if optim is not None else (None, None)
@@ -220,6 +230,8 @@ class TorchEngine(TorchCheckpoints):
         as_tensor = functools.partial(to_device, device=self.device)  # no synchronisation on CUDA
         # Activation checkpointing in transformers works in train mode only (no dropout here).
         self._model.train(self.options.activation_checkpointing and torch.is_grad_enabled())
+        for dropout in self._lora_dropouts:
+            dropout.train(torch.is_grad_enabled())
         # With FSDP, bf16 is its mixed-precision policy; unsharded, autocast does the same.
         autocast = self.options.bf16 and self._group is None
         routed = contextlib.nullcontext() if head is None else routed_forward(self._model.lm_head, head)
@@ -249,9 +261,6 @@ class TorchEngine(TorchCheckpoints):
         logits = self._forward(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), None)
         if backward:
             (logits.float().sum() * 0.0).backward()
-
-    # ------------------------------------------------------------------ train
-
 
     # ------------------------------------------------------------------ train
 

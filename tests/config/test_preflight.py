@@ -133,3 +133,13 @@ def test_zero_mismatch_is_refused_for_a_model_the_engines_own_forward_does_not_c
         check_model(graph, str(model), zero_mismatch=True)
     assert e.value.problems == [f"training.zero_mismatch=true with model {model}: the generation engine's own forward, "
                                 "which it reproduces, does not compute this model (model_type gpt2 (not llama, qwen2))"]
+
+
+def test_lora_on_the_megatron_engine_is_refused_by_key(tmp_path):
+    from areal_flow.run.checks import validate
+
+    validate(typed(composed(tmp_path, "training.lora.rank=8")))  # the torch engine: taken
+    with pytest.raises(ConfigError) as e:
+        validate(typed(composed(tmp_path, "recipe=tiny_arith_megatron", "training.lora.rank=8")))
+    assert e.value.problems == ["training.lora.rank=8: LoRA trains on engine torch only in this version "
+                                "(graph.actor_prox.engine=megatron); megatron-core's own LoRA is not wired in"]
