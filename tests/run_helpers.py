@@ -87,6 +87,26 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise TimeoutError(f"step {step} not reached")
 
 
+def kill_trainer_after_checkpoint(run_dir: Path, proc: subprocess.Popen, step: int) -> str:
+    """kill -9 the trainer of a run started with Popen (`proc`, its output piped) as soon as its
+    checkpoint of `step` is complete, then wait for the run to end (it restarts itself from the
+    checkpoint: recover.retries); returns its output. A kill any later could land after the next
+    step's row (steps take a fraction of a second)."""
+    import signal
+
+    try:
+        checkpoint = run_dir / "checkpoints" / f"step-{step:08d}"
+        deadline = time.monotonic() + 240
+        while not (checkpoint / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no checkpoint of step {step}"
+            time.sleep(0.02)
+        os.kill(run_processes(run_dir)["trainer0"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return out
+
+
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -8,15 +8,13 @@ versions; a run that cannot be replayed is refused by name."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import msgspec
 import numpy as np
 import pytest
-from run_helpers import ANSWERS_SOME, run_processes, steps_of
+from run_helpers import ANSWERS_SOME, kill_trainer_after_checkpoint, steps_of
 from test_resume_end_to_end import start
 
 from areal_flow.training import flight
@@ -43,16 +41,7 @@ def killed_run(run_cache, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("replay") / "run"
     run_dir.mkdir()
     proc = start(run_dir, run_cache, *RUN)
-    try:
-        checkpoint = run_dir / "checkpoints" / "step-00000003"
-        deadline = time.monotonic() + 240
-        while not (checkpoint / "manifest.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint of step 3"
-            time.sleep(0.02)
-        os.kill(run_processes(run_dir)["trainer0"], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    out = kill_trainer_after_checkpoint(run_dir, proc, 3)
     assert proc.returncode == 0 and "recover: restart 1 of 1" in out, out[-3000:]
     return run_dir
 

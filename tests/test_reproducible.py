@@ -5,15 +5,12 @@ its own seed (rollout/requests.py: group_seed), and the servers decode batch-inv
 sample's tokens and behaviour logprobs do not depend on which requests it was batched with."""
 
 import json
-import os
-import signal
-import time
 
 import pytest
 import torch
-from run_helpers import ANSWERS_SOME, ETA0_RUN, jsonl
+from run_helpers import ANSWERS_SOME, ETA0_RUN, jsonl, kill_trainer_after_checkpoint
 from safetensors.torch import load_file
-from test_resume_end_to_end import run_processes, start
+from test_resume_end_to_end import start
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +36,7 @@ def test_a_run_killed_and_resumed_at_eta_0_trains_the_weights_of_one_never_stopp
     runs = [eta0_run, tmp_path / "b"]
     runs[1].mkdir()
     proc = start(runs[1], run_cache, *ETA0_RUN)
-    try:
-        # Killed as soon as the checkpoint of step 2 is complete, before the one of step 4 (steps
-        # take a fraction of a second: a kill after the step-3 row could land after it).
-        checkpoint = runs[1] / "checkpoints" / "step-00000002"
-        deadline = time.monotonic() + 240
-        while not (checkpoint / "manifest.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint of step 2"
-            time.sleep(0.02)
-        os.kill(run_processes(str(runs[1]))["trainer0"], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    out = kill_trainer_after_checkpoint(runs[1], proc, 2)  # before the checkpoint of step 4
     assert proc.returncode == 0 and "recover: restart 1 of 1" in out, out[-3000:]
     a, b = (load_file(run_dir / "checkpoint" / "model.safetensors") for run_dir in runs)
     assert a.keys() == b.keys()

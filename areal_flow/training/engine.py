@@ -184,6 +184,11 @@ class Engine(Protocol):
     def save_weights(self, path: str) -> None:
         """The current weights as a Hugging Face directory, for the generation servers."""
 
+    def save_update(self, path: str) -> str | None:
+        """What a weight update carries, as a directory at `path`: the weights (`save_weights`), or
+        with LoRA the adapters alone (a PEFT adapter directory), whose digest it returns (None
+        without LoRA: the servers report none to check)."""
+
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights, equal iff they are bit for bit (training/flight.py)."""
 
@@ -213,6 +218,11 @@ class EngineBase:
         self.version = 0
         self.extra_state: dict = {}  # the caller's training state (e.g. an adaptive KL coefficient), saved with it
         self._nan_in_a_row = 0
+
+    def save_update(self, path: str) -> str | None:
+        """The weights as `save_weights` writes them; an engine training adapters writes those alone."""
+        self.save_weights(path)  # (both engines have it)
+        return None
 
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights (its own shard), equal iff the weights are bit for

@@ -14,7 +14,6 @@ What leaves the trainer:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,10 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-"""What `PeftModel` puts before the model's own names in an adapter file."""
+from areal_flow.weights import adapter as adapter_files
+
 ADAPTER = "default"
 """peft's name of the one adapter the engine trains."""
 
@@ -105,8 +102,8 @@ def adapter_name(name: str) -> str:
 
 def merged(named: Iterator[tuple[str, torch.Tensor]], spec: LoraSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of the model without adapters, each adapted base weight merged with its adapter
-    in fp32 (W + scaling · B·A, then cast to W's dtype once), from the adapted model's named
-    parameters in order (full tensors: the caller gathers shards)."""
+    in fp32 (weights/adapter.py `merge`), from the adapted model's named parameters in order (full
+    tensors: the caller gathers shards)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
         if not (is_adapter(name) or ".base_layer.weight" in name):
@@ -117,22 +114,17 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], spec: LoraSpec) -> Iterato
         parts["A" if ".lora_A." in name else "B" if ".lora_B." in name else "W"] = tensor
         if len(parts) == 3:
             del pending[module]
-            w, a, b = parts["W"], parts["A"], parts["B"]
-            yield f"{module}.weight", (w.float() + spec.scaling * (b.float() @ a.float())).to(w.dtype)
+            yield f"{module}.weight", adapter_files.merge(parts["W"], parts["A"], parts["B"], spec.scaling)
     if pending:
         raise RuntimeError(f"adapted layers without their three tensors: {sorted(pending)[:3]}")
 
 
-def write_adapter_dir(path: str, adapter: dict[str, torch.Tensor], spec: LoraSpec, base: str | None) -> None:
+def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], spec: LoraSpec, base: str | None) -> None:
     """A PEFT adapter directory at `path` (an existing folder): adapter_config.json and the
-    adapters' tensors under PeftModel's names, which `PeftModel.from_pretrained` loads."""
+    adapters' tensors (`tensors`, under their file names: `adapter_name`) as PeftModel names them,
+    which `PeftModel.from_pretrained` loads and a server merges (weights/adapter.py)."""
     from safetensors.torch import save_file
 
     spec.peft_config(base).save_pretrained(path)
-    save_file({PEFT_PREFIX + adapter_name(k): v.contiguous() for k, v in adapter.items()},
-              os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-
-
-def read_adapter_config(path: str) -> dict:
-    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-        return json.load(f)
+    save_file({adapter_files.PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(path, adapter_files.WEIGHTS), metadata={"format": "pt"})

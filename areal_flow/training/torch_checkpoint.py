@@ -38,6 +38,7 @@ from areal_flow.training import lora
 from areal_flow.training.engine import CheckpointError, EngineBase, bucketed
 from areal_flow.training.hf_model import whole
 from areal_flow.training.lora import LoraSpec
+from areal_flow.weights import adapter as adapter_files
 
 LORA_DIR = "adapter"
 """Beside a checkpoint's merged Hugging Face weights: the trained adapters as a PEFT adapter directory."""
@@ -54,6 +55,7 @@ class TorchCheckpoints(EngineBase):
     _group: dist.ProcessGroup | None
     _weight_names: list[str]  # tied weights once, as saved (with adapters: the merged model's)
     _lora: LoraSpec | None  # the trained adapters (training/lora.py), or None
+    _model_path: str  # the model it was built from: the base the adapters merge into
     _generation_layout: SavedLayout | None  # what the first save_weights wrote (rank 0)
     _layout_checked: bool
     device: torch.device
@@ -77,8 +79,10 @@ class TorchCheckpoints(EngineBase):
         return dict(lora.merged(iter(state.items()), self._lora)) if self._lora is not None and state else state
 
     def _adapter_state(self) -> dict[str, torch.Tensor]:
-        """The adapters' full tensors on the CPU (collective under FSDP: every rank gathers them)."""
-        return {name: whole(p.detach()).cpu() for name, p in self._model.named_parameters() if lora.is_adapter(name)}
+        """The adapters' full tensors on the CPU under their file names (`lora.adapter_name`);
+        collective under FSDP: every rank gathers them."""
+        return {lora.adapter_name(name): whole(p.detach()).cpu() for name, p in self._model.named_parameters()
+                if lora.is_adapter(name)}
 
     def export_weights(self, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The full weights under Hugging Face names (tied weights once), in buckets of at most
@@ -108,6 +112,18 @@ class TorchCheckpoints(EngineBase):
                     self._layout_checked = True
         self._barrier()  # no rank goes on before the directory exists
 
+    def save_update(self, path: str) -> str | None:
+        """With LoRA, the adapters alone as a PEFT adapter directory at `path` (atomically; rank 0
+        writes), naming the base they merge into; their digest (weights/adapter.py), on every rank.
+        Without, the weights (`save_weights`) and None. Collective."""
+        if self._lora is None:
+            return super().save_update(path)
+        tensors = self._adapter_state()
+        if self.rank == 0:
+            atomic_write_dir(path, lambda tmp: lora.write_adapter_dir(tmp, tensors, self._lora, base=self._model_path))
+        self._barrier()
+        return adapter_files.digest(tensors)
+
     def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """A Hugging Face directory (weights, config, tokenizer) without training state."""
         self._save(path, tokenizer, with_train_state=False)
@@ -134,8 +150,7 @@ class TorchCheckpoints(EngineBase):
             self._model.save_pretrained(folder, state_dict=state)
             if adapter is not None:
                 os.makedirs(os.path.join(folder, LORA_DIR))
-                lora.write_adapter_dir(os.path.join(folder, LORA_DIR), adapter, self._lora,
-                                       base=getattr(self._model, "name_or_path", None))
+                lora.write_adapter_dir(os.path.join(folder, LORA_DIR), adapter, self._lora, base=self._model_path)
         return write
 
     def _train_state(self) -> dict:

@@ -86,6 +86,7 @@ class TorchEngine(TorchCheckpoints):
         self.attention = attention_impl.resolve(opts.attention, opts.device)
         model = load_model(model_path, opts.head, hf_attention.hf_implementation(self.attention), opts.device,
                            trains=optim is not None, activation_checkpointing=opts.activation_checkpointing)
+        self._model_path = model_path
         self._lora = opts.lora if optim is not None else None  # a frozen role has nothing to adapt
         if self._lora is not None:
             lora.inject(model, self._lora)  # before sharding: FSDP2 shards the adapters with their layers

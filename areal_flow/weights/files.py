@@ -33,26 +33,43 @@ class FileChannel(WeightChannel):
     def after_step(self, engine: Engine, version: int, rank: int) -> str:
         path = os.path.join(self.root, f"v{version}")
         with writing("the weights", path):
-            engine.save_weights(path)  # every rank takes part; rank 0 writes
+            digest = engine.save_update(path)  # every rank takes part; rank 0 writes
+            if digest is not None and rank == 0:  # LoRA: what each server must report having merged
+                write_atomic(os.path.join(path, DIGEST), digest)
         if rank == 0:
             prune(self.root, keep=version, every=self.keep_every)
         return path
 
     async def deliver(self, pool: ServerPool, servers: list[Server], location: str, version: int,
                       flags: UpdateFlags, trainers: SendByTrainers) -> list[str]:
+        expected = sent_digest(location)
+
         _, refusals = await pool.call_each("load the weights", servers, lambda c: c.update_weights_from_disk(
-            location, version, abort_all_requests=flags.abort_all_requests, flush_cache=not flags.keep_cache))
+            location, version, abort_all_requests=flags.abort_all_requests, flush_cache=not flags.keep_cache,
+            adapter_digest=expected))
         return refusals
 
     def reload(self, location: str, version: int) -> Callable[[GenerationClient], Awaitable[Any]]:
         # Requests another pool routed to it meanwhile come back aborted, for resubmission.
-        return lambda client: client.update_weights_from_disk(location, version, abort_all_requests=True)
+        return lambda client: client.update_weights_from_disk(location, version, abort_all_requests=True,
+                                                              adapter_digest=sent_digest(location))
 
     def source(self, location: str) -> str:
         return f"from {location}"
 
 
 LOADED = rd.WEIGHTS_LOADED
+DIGEST = "sent_digest"
+"""Beside a LoRA update's adapters: the digest of those the trainer sent (weights/adapter.py)."""
+
+
+def sent_digest(location: str) -> str | None:
+    """The digest of the adapters the trainer wrote at `location` (None: not a LoRA update)."""
+    try:
+        with open(os.path.join(location, DIGEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def record_loaded(run_dir: str, path: str, version: int) -> None:

@@ -148,15 +148,24 @@ class GenerationClient:
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int | str | None = None, *, abort_all_requests: bool = False,
-        flush_cache: bool = True,
+        flush_cache: bool = True, adapter_digest: str | None = None,
     ) -> dict:
-        """Load new weights from an HF directory; raises GenerationError (400) when that fails.
-        `flush_cache=False` while requests are held in place (SGLang refuses to flush then)."""
+        """Load new weights from an HF directory (or a PEFT adapter directory, for LoRA updates);
+        raises GenerationError (400) when that fails. `flush_cache=False` while requests are held
+        in place (SGLang refuses to flush then). `adapter_digest`: the digest of the adapters sent
+        (weights/adapter.py), which the server must report having merged; else GenerationError,
+        naming the version: the adapter did not arrive as sent."""
         payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests,
                                    "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)  # SGLang declares it a string
-        return await self._call("POST", "/update_weights_from_disk", payload)
+        answer = await self._call("POST", "/update_weights_from_disk", payload)
+        if adapter_digest is not None and answer.get("adapter_digest") != adapter_digest:
+            raise GenerationError(200, {"message": f"weight version {weight_version}: the server merged adapters of "
+                                                   f"digest {answer.get('adapter_digest')}, the trainer sent "
+                                                   f"{adapter_digest}: the adapter did not arrive as sent"},
+                                  self.base_url)
+        return answer
 
     async def pause_generation(self, mode: str = "abort") -> dict:
         """Hold new requests until continue_generation and stop the running ones: mode "abort"

@@ -3,6 +3,7 @@ steps and then sets its `done` future (generation/engine/generation_engine.py)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -22,6 +23,10 @@ class WeightUpdate:
     state: dict[str, torch.Tensor]
     abort_all: bool
     """Abort the running requests instead of waiting for them."""
+    adapter_digest: str | None = None
+    """The digest of the adapters merged by `merge` (LoRA updates); None: full weights."""
+    merge: Callable[[torch.nn.Module], None] | None = None
+    """LoRA updates: merges the adapters into the model's weights in place, after `state` is copied in."""
     done: Future = field(default_factory=Future)
 
 

@@ -169,9 +169,12 @@ class DecodeLoop:
         started, error = time.perf_counter(), None
         try:
             copy_in(self.model, update.state)
+            if update.merge is not None:
+                update.merge(self.model)
             self.sampler.version = update.version
             if update.label is not None:
                 self.sampler.label = update.label
+            self.sampler.adapter_digest = update.adapter_digest
             self.stepper.flush()  # cached keys and values are the old weights'
         except Exception as exc:
             logger.exception("weight update from %s failed", update.source)

@@ -57,6 +57,7 @@ import torch
 
 from areal_flow.generation.compute_counts import ComputeCounts
 from areal_flow.generation.engine import scheduler
+from areal_flow.generation.engine.adapters import Adapters
 from areal_flow.generation.engine.checkpoint import check_compatible, eos_ids, load_checkpoint, load_model
 from areal_flow.generation.engine.commands import PAUSE_MODES, Abort, WeightUpdate
 from areal_flow.generation.engine.cuda_graphs import GraphRunner
@@ -80,6 +81,7 @@ from areal_flow.generation.engine.sampler import Sampler
 from areal_flow.generation.engine.sampling import SamplingParams  # noqa: F401  (likewise)
 from areal_flow.generation.engine.step_timing import StepTimer
 from areal_flow.generation.engine.stepper import Stepper
+from areal_flow.weights import adapter as adapter_files
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,9 @@ class GenerationEngine:
         if opts.num_threads is not None:
             torch.set_num_threads(opts.num_threads)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.model = load_model(model_path, opts.dtype, self.device)
+        # An adapter directory (a restarted server of a LoRA run): its base, the adapters merged below.
+        self.model = load_model(adapter_files.base_of(model_path), opts.dtype, self.device)
+        self._adapters = Adapters(self.model, self.device)  # LoRA updates: their base, kept in fp32
         self.model_path = model_path
         config = self.model.config
         self.max_batch_size, self.seed = opts.max_batch_size, opts.seed
@@ -114,6 +118,10 @@ class GenerationEngine:
         self._counts = ComputeCounts()
         self._inbox = Inbox()
         self._stepper = self._make_stepper(opts)  # also makes the timer and the sampler
+        if adapter_files.is_adapter_dir(model_path):
+            merge = self._adapters.prepare(model_path)
+            merge(self.model)  # (the decode thread is not started yet)
+            self._sampler.adapter_digest = merge.digest
         self._loop = DecodeLoop(self._inbox, self._stepper, self._sampler, self._counts, self.model,
                                 opts.max_batch_size, self._timer)
         self._thread = self._loop.thread
@@ -222,11 +230,23 @@ class GenerationEngine:
         The file is read and checked on the caller's thread while decoding goes on. Then the running
         requests are aborted (abort_all_requests) or drained, and the weights are copied in. A bad
         path or a checkpoint of another shape raises and leaves the old weights and version.
+        `path` may be a PEFT adapter directory (LoRA updates): its adapters are merged into the base
+        it names (`Adapters`), and their digest goes with every answer (`adapter_digest`).
         """
-        state = load_checkpoint(path)
-        check_compatible(self.model, f"weights in {path!r}", state, complete=True)
-        self._inbox.hand_over(self._inbox.updates, WeightUpdate(path, version, label, state, abort_all_requests))
+        merge, state = None, {}
+        if adapter_files.is_adapter_dir(path):
+            merge = self._adapters.prepare(path)
+        else:
+            state = load_checkpoint(path)
+            check_compatible(self.model, f"weights in {path!r}", state, complete=True)
+        self._inbox.hand_over(self._inbox.updates, WeightUpdate(
+            path, version, label, state, abort_all_requests, adapter_digest=merge and merge.digest, merge=merge))
         self.model_path = path
+
+    @property
+    def adapter_digest(self) -> str | None:
+        """The digest of the adapters merged into the weights served now (None: full weights)."""
+        return self._sampler.adapter_digest
 
     def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: int, *, source: str,
                                     abort_all_requests: bool = False, label: str | None = None) -> None:

@@ -118,9 +118,11 @@ class Row:
         elif len(self.output_ids) >= self.request.params.max_new_tokens:
             self.finish = ("length", None)
 
-    def result(self, finish: tuple[str | None, int | str | None], version: int, label: str) -> GenerationResult:
+    def result(self, finish: tuple[str | None, int | str | None], version: int, label: str,
+               adapter_digest: str | None = None) -> GenerationResult:
         """The row's answer so far, finished by `finish` (reason, matched stop; (None, None) for a
-        partial one), under the weights of `version` and `label`. Its lists are the row's own."""
+        partial one), under the weights of `version` and `label` (and their adapters' digest, with
+        LoRA updates). Its lists are the row's own."""
         request = self.request
         return GenerationResult(
             rid=request.rid, prompt_tokens=len(request.input_ids), output_ids=self.output_ids,
@@ -128,6 +130,7 @@ class Row:
             matched_stop=finish[1], weight_version=version, retractions=self.retractions,
             weight_label=label, output_top_logprobs=self.top_logprobs, input_logprobs=self.input_logprobs,
             input_top_logprobs=self.input_top_logprobs, cached_tokens=self.cached_tokens,
+            adapter_digest=adapter_digest,
         )
 
     def _stop_string(self) -> str | None:

@@ -57,6 +57,8 @@ class GenerationResult:
     """How often the request was retracted by a pause (mode retract) and prefilled again."""
     weight_label: str = "default"
     """The label of those weights (SGLang's weight_version string)."""
+    adapter_digest: str | None = None
+    """With LoRA updates (weights/adapter.py): the digest of the adapters merged into those weights."""
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     """Per generated token, the request's top_logprobs_num most likely (logprob, id), as output_logprobs."""
     input_logprobs: list[float | None] = field(default_factory=list)

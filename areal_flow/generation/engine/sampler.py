@@ -66,6 +66,9 @@ class Sampler:
         """The weight version the model's logits come from now: the version of every token sampled from them."""
         self.label = label
         """Those weights' label (SGLang's weight_version string), which every answer carries."""
+        self.adapter_digest: str | None = None
+        """The digest of the adapters merged into those weights (LoRA updates: weights/adapter.py),
+        which every answer carries too; None: full weights."""
         self.timer = timer
         self.finished: list[Row] = []
         """Rows that ended since the engine last took them, to be answered once the step's counts are in."""
@@ -73,7 +76,7 @@ class Sampler:
 
     def result(self, row: Row, finish: tuple[str | None, int | str | None]) -> GenerationResult:
         """`row`'s answer under the weights served now."""
-        return row.result(finish, self.version, self.label)
+        return row.result(finish, self.version, self.label, self.adapter_digest)
 
     def take_finished(self) -> list[Row]:
         rows, self.finished = self.finished, []

@@ -60,9 +60,12 @@ def finish_reason(result: GenerationResult) -> str:
 def extensions(result: GenerationResult) -> dict:
     """The exact tokens of a choice (areal_flow's and SGLang's extension fields), and the stop string
     or token that ended it (`matched_stop`, as SGLang's; OpenAI's text leaves a stop string out)."""
-    return {"token_ids": result.output_ids, "output_token_logprobs": result.output_logprobs,
-            "output_token_versions": result.output_versions, "weight_version": result.weight_label,
-            "matched_stop": result.matched_stop if result.finish_reason == "stop" else None}
+    fields = {"token_ids": result.output_ids, "output_token_logprobs": result.output_logprobs,
+              "output_token_versions": result.output_versions, "weight_version": result.weight_label,
+              "matched_stop": result.matched_stop if result.finish_reason == "stop" else None}
+    if result.adapter_digest is not None:  # LoRA updates: the adapters these weights merged
+        fields["adapter_digest"] = result.adapter_digest
+    return fields
 
 
 def logprobs_of(call: OpenAICall, result: GenerationResult, tokenizer: Any) -> dict | None:

@@ -23,6 +23,7 @@ from areal_flow.generation.engine.generation_engine import GenerationEngine
 from areal_flow.generation.http import bodies
 from areal_flow.generation.http.app import create_app
 from areal_flow.generation.http.context import Served
+from areal_flow.weights import adapter as adapter_files
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def serve(
 ) -> tuple[GenerationServer, threading.Thread]:
     """Start an engine and its HTTP server on a background thread (port 0: a free port); with an
     `api_key`, requests need it as a bearer token; bodies over `max_request_bytes` are refused."""
-    tokenizer = optional_tokenizer(model_path)
+    tokenizer = optional_tokenizer(adapter_files.base_of(model_path))  # an adapter directory has none
     engine = GenerationEngine(model_path, tokenizer=tokenizer, **engine_kw)  # the tokenizer: for stop strings
     try:
         server = GenerationServer((host, port), engine, tokenizer, model_path, api_key, max_request_bytes)

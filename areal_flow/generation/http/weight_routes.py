@@ -62,7 +62,10 @@ async def route_update_weights(server: Served, call: Call) -> tuple[int, Payload
         message = f"Failed to update weights: {exc}. The server keeps weight version {engine.weight_label}."
         return 400, {"success": False, "message": message, "num_paused_requests": 0}
     message = f"Succeeded to update model weights. Weight version updated to {engine.weight_label}."
-    return 200, {"success": True, "message": message, "num_paused_requests": 0}
+    answer = {"success": True, "message": message, "num_paused_requests": 0}
+    if engine.adapter_digest is not None:  # a LoRA update: the digest of the adapters it merged
+        answer["adapter_digest"] = engine.adapter_digest
+    return 200, answer
 
 
 async def route_update_weights_from_tensor(server: Served, call: Call) -> tuple[int, Payload]:
