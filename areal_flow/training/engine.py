@@ -189,6 +189,11 @@ class Engine(Protocol):
         with LoRA the adapters alone (a PEFT adapter directory), whose digest it returns (None
         without LoRA: the servers report none to check)."""
 
+    def export_update(self, bucket_bytes: int) -> tuple[Iterator[list[tuple[str, torch.Tensor]]], dict | None]:
+        """What a weight update by broadcast or handle carries: the weights in buckets
+        (`export_weights`) and None, or with LoRA the adapters in one bucket and the config a server
+        merges them with (weights/adapter.py `transfer_config`). Collective."""
+
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights, equal iff they are bit for bit (training/flight.py)."""
 
@@ -223,6 +228,10 @@ class EngineBase:
         """The weights as `save_weights` writes them; an engine training adapters writes those alone."""
         self.save_weights(path)  # (both engines have it)
         return None
+
+    def export_update(self, bucket_bytes: int) -> tuple[Iterator[list[tuple[str, torch.Tensor]]], dict | None]:
+        """The weights as `export_weights` gives them; an engine training adapters gives those alone."""
+        return self.export_weights(bucket_bytes), None  # (both engines have it)
 
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights (its own shard), equal iff the weights are bit for

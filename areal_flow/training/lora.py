@@ -6,10 +6,11 @@ model keeps its class and forward, every targeted Linear becomes `base_layer` (f
 the base layer's output. Only the adapters train, so the optimizer holds their state alone.
 
 What leaves the trainer:
-- `merged` — the base with every adapter merged in fp32, under the Hugging Face names of a model
-  without adapters (what a server or `from_pretrained` loads);
-- `adapter` — the adapters' tensors under peft's names (`model.layers.0.self_attn.q_proj.lora_A.weight`);
-- `write_adapter_dir` — a PEFT adapter directory that `peft.PeftModel.from_pretrained` loads.
+- `merged`: the base with every adapter merged in fp32 (weights/adapter.py `merge`), under the
+  Hugging Face names of the model without adapters (what `from_pretrained` loads);
+- the adapters alone, under their file names (`adapter_name`:
+  `model.layers.0.self_attn.q_proj.lora_A.weight`), as `write_adapter_dir` writes them: a PEFT adapter
+  directory that `peft.PeftModel.from_pretrained` loads and a server merges (a weight update).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from areal_flow.config.schema import LORA_TARGETS
 from areal_flow.weights import adapter as adapter_files
 
 ADAPTER = "default"
@@ -35,7 +37,7 @@ class LoraSpec:
     rank: int
     alpha: float
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    target_modules: tuple[str, ...] = tuple(LORA_TARGETS)
     target_regex: str | None = None
     init: str = "default"
     rslora: bool = False

@@ -124,6 +124,14 @@ class TorchCheckpoints(EngineBase):
         self._barrier()
         return adapter_files.digest(tensors)
 
+    def export_update(self, bucket_bytes: int) -> tuple[Iterator[list[tuple[str, torch.Tensor]]], dict | None]:
+        """With LoRA, the adapters in one bucket (every rank gathers them) and their transfer config;
+        without, `export_weights` and None. Collective."""
+        if self._lora is None:
+            return super().export_update(bucket_bytes)
+        config = adapter_files.transfer_config(self._lora.peft_config(self._model_path).to_dict())
+        return iter([list(self._adapter_state().items())]), config
+
     def save_hf(self, path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         """A Hugging Face directory (weights, config, tokenizer) without training state."""
         self._save(path, tokenizer, with_train_state=False)

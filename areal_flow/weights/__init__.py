@@ -32,14 +32,18 @@ def make_channel(cfg: RunConfig, spec: RunSpec) -> WeightChannel:
     if mode in ("disk", "shm"):
         from areal_flow.weights.files import FileChannel
 
-        return FileChannel(mode, spec.weights(), rollout.keep_weights_every)
+        # Real SGLang loads whole models from disk (its own LoRA serving is not wired in): a LoRA
+        # trainer writes its merged weights for it, the adapters alone for the embedded engine.
+        return FileChannel(mode, spec.weights(), rollout.keep_weights_every,
+                           adapters=cfg.generation.backend == "embedded")
     from areal_flow.weights.sender import Server
 
     # A real SGLang server joins a group with each of its TP ranks (rank_offset + tp_rank); the
     # embedded engine, whose tp_size is its torch threads, is one rank.
     ranks = cfg.generation.tp_size if cfg.generation.backend == "sglang" else 1
     servers = [Server(name, url, ranks) for name, url in zip(spec.gen_names, spec.gen_urls)]
-    common = dict(bucket_bytes=rollout.weight_bucket_mb << 20, timeout=rollout.request_timeout, api_key=spec.api_key)
+    common = dict(bucket_bytes=rollout.weight_bucket_mb << 20, timeout=rollout.request_timeout, api_key=spec.api_key,
+                  adapters=cfg.generation.backend == "embedded")
     if mode == "distributed":
         from areal_flow.weights.broadcast import BACKENDS, BroadcastChannel
 

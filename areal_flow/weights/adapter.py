@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the rollout workers' client reads this module too
+    import torch
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -46,12 +48,44 @@ def base_of(path: str) -> str:
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
     """blake2b of the adapters' names (sorted), dtypes, shapes and bytes: equal iff bit for bit."""
+    import torch
+
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def arrival_problem(answer: dict, expected: str, version: int | str | None) -> str | None:
+    """Why a server's answer to a LoRA update shows the adapters did not arrive as the trainer sent
+    them (digest `expected`), or None when they did."""
+    got = answer.get("adapter_digest")
+    if got == expected:
+        return None
+    return (f"weight version {version}: the server merged adapters of digest {got}, the trainer sent {expected}: "
+            "the adapter did not arrive as sent")
+
+
+def transfer_config(config: dict) -> dict:
+    """What a server needs of an adapter config to merge adapters sent as tensors (broadcast or
+    handle): their scaling and their base."""
+    return {k: config[k] for k in ("r", "lora_alpha", "use_rslora", "base_model_name_or_path") if k in config}
+
+
+def check_config(config: object) -> dict:
+    """A `lora_config` field of a weight update request, checked: a ValueError says what is wrong."""
+    if not isinstance(config, dict):
+        raise ValueError(f"lora_config must be an object, got {type(config).__name__}")
+    r, alpha, base = config.get("r"), config.get("lora_alpha"), config.get("base_model_name_or_path")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"lora_config.r must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"lora_config.lora_alpha must be a positive number, got {alpha!r}")
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"lora_config.base_model_name_or_path must name the base model, got {base!r}")
+    return config
 
 
 def scaling(config: dict) -> float:
@@ -65,6 +99,8 @@ def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, ou
     """W + scale · B·A computed in fp32 (one addmm: the trainer's merge and a server's are the same
     operation, so bit for bit the same), cast once to W's dtype; into `out` (an fp32 tensor of W's
     shape: a served weight, merged in place) when given."""
+    import torch
+
     if out is not None and out.dtype == torch.float32:
         return torch.addmm(base.float(), b.float(), a.float(), alpha=scale, out=out)
     merged = torch.addmm(base.float(), b.float(), a.float(), alpha=scale)

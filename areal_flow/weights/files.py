@@ -22,18 +22,21 @@ if TYPE_CHECKING:
 
 
 class FileChannel(WeightChannel):
-    """Versions as `root/v{N}`; the last two are kept (and every `keep_every`-th, when set)."""
+    """Versions as `root/v{N}`; the last two are kept (and every `keep_every`-th, when set).
+    `adapters`: a trainer of LoRA adapters writes them alone (the embedded servers merge them);
+    false, it writes the merged weights (real SGLang loads whole models from disk)."""
 
     sent_by_trainers = False
     every_server = False
 
-    def __init__(self, name: str, root: str, keep_every: int = 0) -> None:
+    def __init__(self, name: str, root: str, keep_every: int = 0, adapters: bool = True) -> None:
         self.name, self.root, self.keep_every = name, root, keep_every  # type: ignore[misc]
+        self.adapters = adapters
 
     def after_step(self, engine: Engine, version: int, rank: int) -> str:
         path = os.path.join(self.root, f"v{version}")
         with writing("the weights", path):
-            digest = engine.save_update(path)  # every rank takes part; rank 0 writes
+            digest = engine.save_update(path) if self.adapters else engine.save_weights(path)  # rank 0 writes
             if digest is not None and rank == 0:  # LoRA: what each server must report having merged
                 write_atomic(os.path.join(path, DIGEST), digest)
         if rank == 0:

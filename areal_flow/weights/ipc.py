@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from areal_flow.weights.sender import Server, TransferReport, WeightTransferError, post, send_all
+from areal_flow.weights.sender import Server, TransferReport, WeightTransferError, check_arrivals, post, send_all
 from areal_flow.weights.trainer_sent import TrainerSent
 
 ALLOWED = {
@@ -99,9 +99,11 @@ class IpcSender:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
     def send(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int | str | None, *,
-             abort_all_requests: bool = False, flush_cache: bool = True) -> TransferReport:
-        """Every bucket to every server; each call returns once the server has copied it. Every
-        bucket is taken even after a failure (the export is a collective under FSDP)."""
+             abort_all_requests: bool = False, flush_cache: bool = True, lora_config: dict | None = None
+             ) -> TransferReport:
+        """Every bucket to every server; each call returns once the server has copied it (with
+        `lora_config`: merged it as adapters, which each must report as sent). Every bucket is taken
+        even after a failure (the export is a collective under FSDP)."""
         with ThreadPoolExecutor(len(self.servers)) as pool:
             def send_bucket(bucket: Sequence[tuple[str, torch.Tensor]], index: int) -> None:
                 text, alive = serialize(bucket)  # `alive` until every server has copied the tensors
@@ -109,13 +111,17 @@ class IpcSender:
                         "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
                 if version is not None:
                     body["weight_version"] = str(version)
+                if lora_config is not None:
+                    body["lora_config"] = lora_config
                 calls = [pool.submit(post, s.url, "/update_weights_from_tensor", body, self.headers, self.timeout)
                          for s in self.servers]
                 failed = [f"{s.name}: {c.exception()}" for s, c in zip(self.servers, calls) if c.exception()]
                 del alive
+                what = f"bucket {index} of weight version {version} ({len(bucket)} tensors, first {bucket[0][0]})"
                 if failed:
-                    raise WeightTransferError(f"bucket {index} of weight version {version} ({len(bucket)} tensors, "
-                                              f"first {bucket[0][0]}): " + "; ".join(failed))
+                    raise WeightTransferError(f"{what}: " + "; ".join(failed))
+                check_arrivals(what, {s.name: c.result() for s, c in zip(self.servers, calls)}, bucket, version,
+                               lora_config)
 
             return send_all(buckets, version, send_bucket)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from areal_flow.weights import adapter as adapter_files
 from areal_flow.weights import group as weight_group
 
 log = logging.getLogger("areal_flow.weights")
@@ -114,16 +115,19 @@ class WeightSender:
         join = partial(weight_group.join, self._store, master_address=self.master_address, master_port=port, rank=0,
                        world_size=self.world_size, group_name=self.group_name, backend=self.backend,
                        timeout=self.timeout)
-        self.group = self._together(f"joining weights group {self.group_name!r}", join, requests)
+        self.group, _ = self._together(f"joining weights group {self.group_name!r}", join, requests)
         log.info("weights group %r: %d server(s), %d ranks, %s, store at %s:%d", self.group_name, len(self.servers),
                  self.world_size, self.backend, self.master_address, port)
 
     def send(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int | str | None, *,
-             abort_all_requests: bool = False, flush_cache: bool = True) -> TransferReport:
+             abort_all_requests: bool = False, flush_cache: bool = True, lora_config: dict | None = None
+             ) -> TransferReport:
         """Send every bucket to every server as weight version `version` (the servers' label: SGLang's
         weight_version; None keeps it). Every bucket is taken from `buckets` even after a failure:
         the engine's export is a collective under FSDP and megatron, which the other trainer ranks
-        run to the end too. Raises WeightTransferError naming the server and the bucket."""
+        run to the end too. Raises WeightTransferError naming the server and the bucket. With
+        `lora_config` the bucket is LoRA adapters (weights/adapter.py), which every server must
+        report having merged as sent."""
         error: WeightTransferError | None = None
         try:
             if self.broken:
@@ -132,22 +136,27 @@ class WeightSender:
         except (WeightTransferError, weight_group.WeightGroupError) as exc:
             error = exc if isinstance(exc, WeightTransferError) else WeightTransferError(str(exc))
         return send_all(buckets, version, lambda bucket, index: self.send_bucket(
-            bucket, version, abort_all_requests=abort_all_requests, flush_cache=flush_cache, index=index), error)
+            bucket, version, abort_all_requests=abort_all_requests, flush_cache=flush_cache, index=index,
+            lora_config=lora_config), error)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], version: int | str | None, *,
-                    abort_all_requests: bool = False, flush_cache: bool = True, index: int = 0) -> None:
+                    abort_all_requests: bool = False, flush_cache: bool = True, index: int = 0,
+                    lora_config: dict | None = None) -> None:
         """Announce one bucket to every server and broadcast its tensors; returns once every server
-        has loaded it."""
+        has loaded it (with `lora_config`: merged it as adapters, as sent)."""
         if self.group is None:
             raise WeightTransferError("the weights group is not made yet (connect)")
         body: dict[str, Any] = weight_group.bucket_request(bucket) | {
             "group_name": self.group_name, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         if version is not None:
             body["weight_version"] = str(version)  # SGLang declares it a string
+        if lora_config is not None:
+            body["lora_config"] = lora_config
         requests = {server.name: partial(self._post, server, "/update_weights_from_distributed", body)
                     for server in self.servers}
-        self._together(f"bucket {index} of weight version {version} ({len(bucket)} tensors, first "
-                       f"{bucket[0][0]})", partial(weight_group.send, self.group, bucket, self.device), requests)
+        what = f"bucket {index} of weight version {version} ({len(bucket)} tensors, first {bucket[0][0]})"
+        _, answers = self._together(what, partial(weight_group.send, self.group, bucket, self.device), requests)
+        check_arrivals(what, answers, bucket, version, lora_config)
 
     def close(self) -> None:
         """Ask every server to leave the group (best effort) and drop this end."""
@@ -161,10 +170,12 @@ class WeightSender:
 
     # ---- plumbing -----------------------------------------------------------------------------
 
-    def _together(self, what: str, collective: Callable[[], Any], requests: dict[str, Callable[[], dict]]) -> Any:
+    def _together(self, what: str, collective: Callable[[], Any], requests: dict[str, Callable[[], dict]]
+                  ) -> tuple[Any, dict[str, dict]]:
         """Run this rank's part of a group operation while every server's HTTP call runs (each on a
-        thread of its own); its result once all are done. A call that fails before the collective
-        is done leaves it waiting for that server forever: the group is then marked unusable."""
+        thread of its own); its result and the servers' answers once all are done. A call that fails
+        before the collective is done leaves it waiting for that server forever: the group is then
+        marked unusable."""
         mine = _on_thread(collective)
         calls = {name: _on_thread(call) for name, call in requests.items()}
         pending: set[Future] = {mine, *calls.values()}
@@ -185,10 +196,23 @@ class WeightSender:
         problems = [_describe(name, call.exception()) for name, call in calls.items() if call.exception() is not None]
         if problems:
             raise WeightTransferError(f"{what}: " + "; ".join(problems))
-        return mine.result()
+        return mine.result(), {name: call.result() for name, call in calls.items()}
 
     def _post(self, server: Server, path: str, body: dict) -> dict:
         return post(server.url, path, body, self.headers, self.timeout)
+
+
+def check_arrivals(what: str, answers: dict[str, dict], bucket: Sequence[tuple[str, torch.Tensor]],
+                   version: int | str | None, lora_config: dict | None) -> None:
+    """With `lora_config` (`bucket` is adapters), every server's answer must report the digest of
+    the adapters as sent; else WeightTransferError naming each server that does not."""
+    if lora_config is None:
+        return
+    expected = adapter_files.digest(dict(bucket))
+    problems = [f"{name}: {problem}" for name, answer in answers.items()
+                if (problem := adapter_files.arrival_problem(answer, expected, version))]
+    if problems:
+        raise WeightTransferError(f"{what}: " + "; ".join(problems))
 
 
 def send_all(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], version: int | str | None,

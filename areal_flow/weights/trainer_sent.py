@@ -26,17 +26,22 @@ class TrainerSent(WeightChannel):
     every_server = True
 
     def __init__(self, servers: list[Server], *, bucket_bytes: int = 512 << 20, timeout: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, adapters: bool = True) -> None:
+        """`adapters`: a trainer of LoRA adapters sends them alone (the embedded servers merge them);
+        false, it sends the merged weights (real SGLang)."""
         self.servers, self.bucket_bytes, self.timeout, self.api_key = servers, bucket_bytes, timeout, api_key
+        self.adapters = adapters
         self._sender: Any = None  # made at the first send, on rank 0
 
     def make_sender(self) -> Any:
-        """An object with `servers` and `send(buckets, version, abort_all_requests=, flush_cache=)`
-        returning a TransferReport or raising WeightTransferError."""
+        """An object with `servers` and `send(buckets, version, abort_all_requests=, flush_cache=,
+        lora_config=)` returning a TransferReport or raising WeightTransferError; with `lora_config`
+        the buckets are adapters, and each server must report the digest of those it merged."""
         raise NotImplementedError
 
     def send(self, engine: Engine, msg: PublishWeights, rank: int) -> WeightsPublished:
-        buckets = engine.export_weights(self.bucket_bytes)
+        buckets, lora_config = (engine.export_update(self.bucket_bytes) if self.adapters
+                                else (engine.export_weights(self.bucket_bytes), None))
         if rank != 0:
             for _ in buckets:  # a collective under FSDP and megatron: every rank gathers each bucket
                 pass
@@ -45,7 +50,7 @@ class TrainerSent(WeightChannel):
             self._sender = self.make_sender()
         try:
             report = self._sender.send(buckets, msg.version, abort_all_requests=msg.abort_all_requests,
-                                       flush_cache=not msg.keep_cache)
+                                       flush_cache=not msg.keep_cache, lora_config=lora_config)
         except WeightTransferError as exc:
             log.error("weight version %d was not sent: %s", msg.version, exc)
             return WeightsPublished(rank, msg.version, error=str(exc))

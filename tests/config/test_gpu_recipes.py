@@ -27,11 +27,12 @@ def sizes(part: str) -> dict[str, int]:
     return {"d": 1, "t": 1, "p": 1} | {k: int(v) for k, v in re.findall(r"([dtp])(\d+)", part.split(":")[1])}
 
 
-CASES = [(recipe, n, overrides) for recipe in ("code_7b", "math_1.5b") for n, overrides in documented(recipe)]
+RECIPES = ("code_7b", "code_7b_lora", "math_1.5b", "math_1.5b_lora")
+CASES = [(recipe, n, overrides) for recipe in RECIPES for n, overrides in documented(recipe)]
 
 
 def test_each_recipe_documents_one_two_and_sixteen_nodes():
-    assert sorted((r, n) for r, n, _ in CASES) == [(r, n) for r in ("code_7b", "math_1.5b") for n in (1, 2, 16)]
+    assert sorted((r, n) for r, n, _ in CASES) == [(r, n) for r in RECIPES for n in (1, 2, 16)]
 
 
 @pytest.mark.parametrize("recipe, nodes, overrides", CASES, ids=[f"{r}-{n}nodes" for r, n, _ in CASES])
@@ -57,3 +58,5 @@ def test_the_dry_run_places_every_process_where_the_allocation_says(tmp_path, re
     assert r.stdout.count("-m sglang.launch_server") == gen["d"] and f"--tp-size {gen['t']} " in r.stdout
     layout = f"d{train['d']}p{train['p']}t{train['t']}"
     assert f"graph.actor_train.parallel={layout}" in r.stdout
+    if recipe.endswith("_lora"):  # the adapters on the torch engine
+        assert "graph.actor_train.engine=torch" in r.stdout

@@ -149,3 +149,61 @@ def test_adapters_that_do_not_fit_the_served_model_are_refused_by_name(update, m
         with pytest.raises(GenerationError, match=r"the served model does not have: \['model.layers.9"):
             call(server, lambda c: c.update_weights_from_disk(str(bad), 1))
         assert server.engine.version != 1
+
+
+def test_adapters_sent_by_handle_merge_as_from_disk_and_a_damaged_delivery_is_caught(update, model_dirs,
+                                                                                      monkeypatch):
+    """rollout.weight_update_mode=ipc (shared-memory handles on the CPU): the trainer's export_update
+    is the adapters alone in one bucket; the server merges them, bit for bit the trainer's merge, and
+    reports their digest; a delivery whose tensors change on the way fails naming server and version."""
+    from areal_flow.weights import ipc
+    from areal_flow.weights.ipc import IpcSender
+    from areal_flow.weights.sender import Server, WeightTransferError
+
+    engine, _, digest = update
+    buckets, config = engine.export_update(1 << 20)
+    buckets = list(buckets)
+    assert len(buckets) == 1 and config == {"r": 4, "lora_alpha": 8.0, "use_rslora": False,
+                                            "base_model_name_or_path": model_dirs.a}
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        sender = IpcSender([Server("gen_server0", server.url)], timeout=60)
+        report = sender.send(buckets, 4, lora_config=config)
+        assert report.bytes < 100_000 and server.engine.adapter_digest == digest and server.engine.version == 4
+        served = server.engine.model.state_dict()
+        assert all(torch.equal(served[n], t) for bucket in engine.export_weights(1 << 20) for n, t in bucket)
+
+        real = ipc.serialize
+
+        def damaged(named):  # one adapter value changed between the trainer and the server
+            (name, tensor), *rest = named
+            return real([(name, tensor + 1e-3), *rest])
+
+        monkeypatch.setattr(ipc, "serialize", damaged)
+        with pytest.raises(WeightTransferError, match=r"weight version 5 .*gen_server0: weight version 5: the server "
+                                                      r"merged adapters of digest \w+, the trainer sent \w+"):
+            sender.send(buckets, 5, lora_config=config)
+        with pytest.raises(WeightTransferError, match="lora_config.r must be a positive integer"):
+            sender.send(buckets, 6, lora_config={**config, "r": 0})
+
+
+def test_each_channel_sends_adapters_to_the_embedded_engine_and_merged_weights_to_real_sglang(update, model_dirs):
+    """The channel of a run with real SGLang (whose own LoRA serving is not wired in) sends a
+    trainer's merged weights; the embedded engine's gets the adapters alone. Both through the
+    trainer ranks' end of the ipc channel, to a real server."""
+    from areal_flow.transport.messages import PublishWeights
+    from areal_flow.weights.ipc import IpcChannel
+    from areal_flow.weights.sender import Server
+
+    engine, _, digest = update
+    merged = {n: t for bucket in engine.export_weights(1 << 20) for n, t in bucket}
+    size = {True: sum(t.numel() * t.element_size() for b in engine.export_update(1 << 20)[0] for _, t in b),
+            False: sum(t.numel() * t.element_size() for t in merged.values())}
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        for adapters, version in ((True, 7), (False, 8)):
+            channel = IpcChannel([Server("gen_server0", server.url)], adapters=adapters)
+            done = channel.send(engine, PublishWeights(version), 0)
+            assert done.error == "" and server.engine.version == version
+            assert done.bytes == size[adapters]  # the adapters alone, or every weight
+            assert server.engine.adapter_digest == (digest if adapters else None)
+            served = server.engine.model.state_dict()
+            assert all(torch.equal(served[n], t) for n, t in merged.items())

@@ -174,3 +174,32 @@ def test_a_peer_that_builds_its_group_as_sglang_does_meets_this_side(tmp_path):
     weight_group.send(group, [("w", torch.tensor([1.5, -2.0, 0.25, 3.0, 8.0], dtype=torch.bfloat16))])
     out, _ = peer.communicate(timeout=60)
     assert peer.returncode == 0 and out.strip() == "[1.5, -2.0, 0.25, 3.0, 8.0]"
+
+
+def test_lora_adapters_sent_by_broadcast_generate_what_their_merged_weights_from_disk_generate(servers, sender,
+                                                                                                model_dirs, tmp_path):
+    """A LoRA trainer's update by broadcast is its adapters alone, in one bucket with their config;
+    each server merges them into its base and reports their digest (checked by the sender), and
+    then generates bit for bit what the trainer's merged weights loaded from disk generate."""
+    from test_lora_updates import trained
+
+    from areal_flow.weights import adapter as adapter_files
+
+    engine = trained(model_dirs.a)
+    for url in servers:  # the base the adapters go with (the tests before sent other weights)
+        from_disk(url, model_dirs.a, 0)
+    buckets, config = engine.export_update(1 << 20)
+    buckets = list(buckets)
+    report = sender.send(buckets, 12, lora_config=config)
+    assert report.buckets == 1 and report.tensors == len(buckets[0]) and all(".lora_" in n for n, _ in buckets[0])
+    digest = adapter_files.digest(dict(buckets[0]))
+    sent = []
+    for url in servers:
+        status, _, info = http_call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+        assert status == 200 and info["meta_info"]["adapter_digest"] == digest
+        sent.append([answer(url, s) for s in (GREEDY, SAMPLED)])
+    engine.save_weights(str(tmp_path / "merged"))
+    for url, got in zip(servers, sent):
+        from_disk(url, str(tmp_path / "merged"), 13)
+        disk = [answer(url, s) for s in (GREEDY, SAMPLED)]
+        assert [(ids, lps) for ids, lps, _ in got] == [(ids, lps) for ids, lps, _ in disk]

@@ -38,6 +38,8 @@ def test_each_mode_makes_its_channel_once_with_what_it_needs():
     assert (nccl.backend, nccl.master_address, nccl.bucket_bytes) == ("nccl", "10.0.0.2", 3 << 20)
     ipc = channel("ipc")
     assert isinstance(ipc, IpcChannel) and ipc.sent_by_trainers and ipc.every_server
+    # LoRA: the embedded servers merge adapters; real SGLang gets whole (merged) models from disk.
+    assert disk.adapters and not channel("disk", backend="sglang").adapters
 
 
 def test_the_weights_group_gives_a_real_sglang_server_one_rank_per_tp_rank():

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from areal_flow.weights import adapter as adapter_files
+
 
 class ClientClosed(aiohttp.ClientConnectionError):
     """The client was closed (its server left the run: `ServerPool.forget`). A call begun before
@@ -160,11 +162,9 @@ class GenerationClient:
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)  # SGLang declares it a string
         answer = await self._call("POST", "/update_weights_from_disk", payload)
-        if adapter_digest is not None and answer.get("adapter_digest") != adapter_digest:
-            raise GenerationError(200, {"message": f"weight version {weight_version}: the server merged adapters of "
-                                                   f"digest {answer.get('adapter_digest')}, the trainer sent "
-                                                   f"{adapter_digest}: the adapter did not arrive as sent"},
-                                  self.base_url)
+        if adapter_digest is not None and (problem := adapter_files.arrival_problem(answer, adapter_digest,
+                                                                                    weight_version)):
+            raise GenerationError(200, {"message": problem}, self.base_url)
         return answer
 
     async def pause_generation(self, mode: str = "abort") -> dict:

@@ -47,11 +47,16 @@ class Adapters:
         """The merge of the adapter directory `path`, read and checked on the caller's thread. A
         directory that does not fit raises ValueError naming what is wrong; nothing is changed."""
         config, tensors = adapter_files.read_dir(path)
+        return self.prepare_tensors(config, tensors, path)
+
+    def prepare_tensors(self, config: dict, tensors: dict[str, torch.Tensor], path: str) -> Merge:
+        """The merge of adapters given as tensors (file names) with their config (r, lora_alpha,
+        use_rslora, base_model_name_or_path); `path` names them in errors."""
         modules = adapter_files.pairs(tensors)
         params = self.model.state_dict()
         if unknown := sorted(f"{m}.weight" for m in modules if f"{m}.weight" not in params):
             raise ValueError(f"{path}: adapters of weights the served model does not have: {unknown[:3]}")
-        self._load_base(path, config, {f"{m}.weight" for m in modules})
+        self._load_base(path, config.get("base_model_name_or_path"), {f"{m}.weight" for m in modules})
         parts = []
         for module, (a, b) in modules.items():
             name = f"{module}.weight"
@@ -61,10 +66,11 @@ class Adapters:
             parts.append((name, self.base[name], a.to(self.device, torch.float32), b.to(self.device, torch.float32)))
         return Merge(parts, adapter_files.scaling(config), adapter_files.digest(tensors))
 
-    def _load_base(self, path: str, config: dict, names: set[str]) -> None:
-        """Read the adapted weights of the base `config` names (once, and again for another base or
-        more adapted weights)."""
-        base_path = adapter_files.base_of(path)
+    def _load_base(self, path: str, base_path: str | None, names: set[str]) -> None:
+        """Read the adapted weights of the base the adapters of `path` name (once, and again for
+        another base or more adapted weights)."""
+        if not base_path:
+            raise ValueError(f"{path}/{adapter_files.CONFIG}: no base_model_name_or_path to merge the adapters into")
         if base_path == self.base_path and names <= set(self.base):
             return
         weights = load_checkpoint(base_path)

@@ -243,6 +243,15 @@ class GenerationEngine:
             path, version, label, state, abort_all_requests, adapter_digest=merge and merge.digest, merge=merge))
         self.model_path = path
 
+    def update_adapters_from_tensors(self, tensors: dict[str, torch.Tensor], config: dict, version: int, *,
+                                     source: str, abort_all_requests: bool = False, label: str | None = None) -> None:
+        """A LoRA update sent as tensors (broadcast or handle: weights/adapter.py `transfer_config`),
+        merged as `update_weights_from_disk` merges an adapter directory; ValueError names what does
+        not fit, and nothing is loaded."""
+        merge = self._adapters.prepare_tensors(config, tensors, source)
+        self._inbox.hand_over(self._inbox.updates, WeightUpdate(
+            source, version, label, {}, abort_all_requests, adapter_digest=merge.digest, merge=merge))
+
     @property
     def adapter_digest(self) -> str | None:
         """The digest of the adapters merged into the weights served now (None: full weights)."""

@@ -26,6 +26,7 @@ from areal_flow.generation.http.context import Call, Payload, Route, Served
 from areal_flow.generation.http.errors import HTTPError, as_bool, bad_request
 from areal_flow.generation.http.weight_groups import WEIGHT_GROUP_TIMEOUT, WeightGroup
 from areal_flow.weights import group as weight_group
+from areal_flow.weights import adapter as adapter_files
 from areal_flow.weights import ipc
 
 logger = logging.getLogger(__name__)
@@ -61,11 +62,7 @@ async def route_update_weights(server: Served, call: Call) -> tuple[int, Payload
     except (OSError, ValueError) as exc:
         message = f"Failed to update weights: {exc}. The server keeps weight version {engine.weight_label}."
         return 400, {"success": False, "message": message, "num_paused_requests": 0}
-    message = f"Succeeded to update model weights. Weight version updated to {engine.weight_label}."
-    answer = {"success": True, "message": message, "num_paused_requests": 0}
-    if engine.adapter_digest is not None:  # a LoRA update: the digest of the adapters it merged
-        answer["adapter_digest"] = engine.adapter_digest
-    return 200, answer
+    return 200, _loaded(engine) | {"num_paused_requests": 0}
 
 
 async def route_update_weights_from_tensor(server: Served, call: Call) -> tuple[int, Payload]:
@@ -88,17 +85,45 @@ async def route_update_weights_from_tensor(server: Served, call: Call) -> tuple[
         version, label = _weight_version(body.get("weight_version"), engine.version)
         abort_all = as_bool(body.get("abort_all_requests"), "abort_all_requests", False)
         as_bool(body.get("flush_cache"), "flush_cache", True)  # the engine keeps no prefix cache to flush
+        lora = _lora_config(body)
         named = await asyncio.to_thread(ipc.deserialize, buckets[0])
         state = dict(named)
-        await asyncio.to_thread(engine.update_weights_from_tensors, state, version, abort_all_requests=abort_all,
+        await asyncio.to_thread(_load, engine, state, lora, version, abort_all_requests=abort_all,
                                 source=f"tensors by handle ({len(state)} tensors)", label=label)
     except HTTPError as exc:
         return 400, refused | {"message": f"Failed to update weights: {exc.message}"}
     except ValueError as exc:
         return 400, refused | {"message": f"Failed to update weights: {exc}. The server keeps weight version "
                                           f"{engine.weight_label}."}
-    return 200, {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
-                                             f"{engine.weight_label}."}
+    return 200, _loaded(engine)
+
+
+def _lora_config(body: dict) -> dict | None:
+    """A request's `lora_config` (areal_flow's field: the update is LoRA adapters to merge), checked."""
+    config = body.get("lora_config")
+    if config is None:
+        return None
+    try:
+        return adapter_files.check_config(config)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _load(engine, state: dict, lora: dict | None, version: int, **kw: Any) -> None:
+    """Weights into the engine, or with `lora` adapters merged into its base."""
+    if lora is None:
+        engine.update_weights_from_tensors(state, version, **kw)
+    else:
+        engine.update_adapters_from_tensors(state, lora, version, **kw)
+
+
+def _loaded(engine) -> dict:
+    """The answer to an update that loaded: with LoRA, the digest of the adapters it merged."""
+    answer = {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
+                                          f"{engine.weight_label}."}
+    if engine.adapter_digest is not None:
+        answer["adapter_digest"] = engine.adapter_digest
+    return answer
 
 
 def _off_loop(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
@@ -180,7 +205,7 @@ async def route_update_weights_from_distributed(server: Served, call: Call) -> t
     except ValueError as exc:
         return 400, refused | {"message": f"Failed to update weights: {exc}"}
 
-    problem = ""  # found before the tensors arrive, told once they have
+    problem, lora = "", None  # a problem found before the tensors arrive is told once they have
     try:
         version, label = _weight_version(body.get("weight_version"), engine.version)
         abort_all = as_bool(body.get("abort_all_requests"), "abort_all_requests", False)
@@ -188,6 +213,7 @@ async def route_update_weights_from_distributed(server: Served, call: Call) -> t
         if body.get("load_format") is not None:
             raise bad_request(f"load_format {body['load_format']!r} is not supported: the embedded engine loads "
                               "Hugging Face tensors as they are (load_format null)")
+        lora = _lora_config(body)
     except HTTPError as exc:
         problem = exc.message
     except ValueError as exc:
@@ -204,8 +230,8 @@ async def route_update_weights_from_distributed(server: Served, call: Call) -> t
                 return problem
             try:
                 # Returns once the tensors are copied into the model: the buffer is free again.
-                engine.update_weights_from_tensors(state, version, source=f"weights group {name!r} ({len(state)} "
-                                                   "tensors)", abort_all_requests=abort_all, label=label)
+                _load(engine, state, lora, version, source=f"weights group {name!r} ({len(state)} tensors)",
+                      abort_all_requests=abort_all, label=label)
             except ValueError as exc:
                 return str(exc)
         return ""
@@ -213,8 +239,7 @@ async def route_update_weights_from_distributed(server: Served, call: Call) -> t
     if why := await _off_loop(receive_and_load):
         return 400, refused | {"message": f"Failed to update weights: {why}. The server keeps weight version "
                                           f"{engine.weight_label}."}
-    return 200, {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
-                                             f"{engine.weight_label}."}
+    return 200, _loaded(engine)
 
 
 async def route_destroy_weights_update_group(server: Served, call: Call) -> tuple[int, Payload]:
