@@ -135,8 +135,9 @@ def graph_problems(cfg: RunConfig, graph: Graph) -> list[str]:
     if critic is not None and graph.input(critic, "values") is None:
         problems.append(f"the critic's train node '{critic.name}' must read values, from an inference node with role "
                         "critic (its values before the update, for the clipped value loss)")
-    trained_on_megatron = [n.name for n in graph.batch_nodes if n.engine == "megatron" and n.role == graph.train.role]
-    if cfg.training.lora.rank and (megatron := trained_on_megatron):  # (a frozen role keeps every weight)
+    # (a frozen role keeps every weight: only the trained role's engine matters)
+    megatron = [n.name for n in graph.batch_nodes if n.engine == "megatron" and n.role == graph.train.role]
+    if cfg.training.lora.rank and megatron:
         problems.append(f"training.lora.rank={cfg.training.lora.rank}: LoRA trains on engine torch only in this version "
                         f"(graph.{megatron[0]}.engine=megatron); megatron-core's own LoRA is not wired in")
     for node in graph.batch_nodes:

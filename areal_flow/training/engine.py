@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_flow.training.flight import weights_digest
+from areal_flow.weights.digest import weights_digest
 
 Seq = tuple[np.ndarray, np.ndarray]
 """(prompt_ids, output_ids), 1-D integer arrays."""

@@ -24,7 +24,6 @@ checkpoint had not reached go to `flight/discarded/`, so a resumed run's steps a
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 
 import msgspec
@@ -101,18 +100,6 @@ def recorded_steps(run_dir: str, rank: int = 0) -> list[int]:
         if match and int(match.group(2)) == rank:
             steps.append(int(match.group(1)) - 1)
     return sorted(steps)
-
-
-def weights_digest(named: list[tuple[str, torch.Tensor]]) -> str:
-    """blake2b of the tensors' names, dtypes, shapes and bytes, in the order given: equal digests are
-    equal weights, bit for bit."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, tensor in named:
-        t = tensor.detach()
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def restore_rng(record: FlightStep) -> None:

@@ -14,10 +14,11 @@ never reached the rollout engine).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import TYPE_CHECKING
+
+from areal_flow.weights.digest import weights_digest
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the rollout workers' client reads this module too
     import torch
@@ -47,15 +48,8 @@ def base_of(path: str) -> str:
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
-    """blake2b of the adapters' names (sorted), dtypes, shapes and bytes: equal iff bit for bit."""
-    import torch
-
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """The adapters' digest: their names (sorted), dtypes, shapes and bytes (weights/digest.py)."""
+    return weights_digest(sorted(tensors.items()))
 
 
 def arrival_problem(answer: dict, expected: str, version: int | str | None) -> str | None:

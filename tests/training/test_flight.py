@@ -14,6 +14,7 @@ from areal_flow.checkpoint import store
 from areal_flow.runtime import run_dir as rd
 from areal_flow.training import flight
 from areal_flow.transport.messages import Array, Sample
+from areal_flow.weights.digest import weights_digest
 
 
 def samples() -> list[Sample]:
@@ -58,14 +59,14 @@ def test_a_missing_or_broken_record_is_named(tmp_path):
 
 def test_the_weights_digest_changes_with_any_bit_and_only_then():
     a = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}
-    digest = flight.weights_digest(list(a.items()))
-    assert flight.weights_digest([(k, v.clone()) for k, v in a.items()]) == digest
+    digest = weights_digest(list(a.items()))
+    assert weights_digest([(k, v.clone()) for k, v in a.items()]) == digest
     nudged = a["w"].clone()
     nudged[2, 1] = torch.nextafter(nudged[2, 1], torch.tensor(float("inf")))  # one ulp
-    assert flight.weights_digest([("w", nudged), ("b", a["b"])]) != digest
-    assert flight.weights_digest([("w", a["w"].T.contiguous().T), ("b", a["b"])]) == digest  # layout is not content
-    assert flight.weights_digest([("w2", a["w"]), ("b", a["b"])]) != digest  # nor the names
-    assert flight.weights_digest([("w", a["w"].view(3, 4)), ("b", a["b"])]) != digest  # the shapes count
+    assert weights_digest([("w", nudged), ("b", a["b"])]) != digest
+    assert weights_digest([("w", a["w"].T.contiguous().T), ("b", a["b"])]) == digest  # layout is not content
+    assert weights_digest([("w2", a["w"]), ("b", a["b"])]) != digest  # nor the names
+    assert weights_digest([("w", a["w"].view(3, 4)), ("b", a["b"])]) != digest  # the shapes count
 
 
 def test_a_resume_moves_the_records_of_the_steps_it_redoes_aside(tmp_path):
