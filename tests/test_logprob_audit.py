@@ -44,8 +44,8 @@ def recomputed(model, prompt: list[int], answer: list[int], temperature: float) 
 
 def test_every_trained_token_has_the_logprobs_of_its_version_at_eta_8_with_interrupts(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    # One group decoding at a time: the generator stays busy across updates, so they cut answers (at 48
-    # it could finish all 8 steps ahead before the first update on a loaded machine, and cut none).
+    # At most 8 groups decoding at once: the generator stays busy across updates, so they cut answers (at
+    # 48 it could finish all 8 steps ahead before the first update on a loaded machine, and cut none).
     result = launch(run_dir, run_cache, *ANSWERS_SOME, "rollout.max_staleness=8", "rollout.interrupt=true",
                     "rollout.max_concurrent=8", "algorithm.n_minibatches=3", "algorithm.prox_shortcut=false",
                     "total_steps=10", "eval_at_start=false", "eval_at_end=false",
