@@ -1,17 +1,22 @@
-"""What LoRA saves: the bytes and seconds of one weight update, and the trainer's memory, with and without.
+"""What LoRA saves: the bytes and seconds of one weight update, the trainer's memory, and what each way
+of serving the adapters costs a decode step.
 
 One Qwen2-shaped model (default 48M parameters), a trainer engine on it with every weight trained and
-one with LoRA adapters (training.lora) on every projection, and one embedded generation server in this
-process (one thread, as a server on one core). Per way, alternated --repeats times, after one update
-each that is not timed (a LoRA server reads its base's weights once, at its first update):
+one with LoRA adapters (training.lora) on every projection, and three embedded generation servers in
+this process (one thread each, as a server on one core): one takes every weight, one the adapters as
+low-rank paths (generation.lora_decode=lowrank), one merges them (lora_decode=merge). Per way,
+alternated --repeats times, after one update each that is not timed (a merging server reads its base's
+weights once, at its first update):
 - the bytes an update carries (the directory the trainer writes: the weights, or the adapters alone);
 - the trainer's save (`save_update`), the server's load (`/update_weights_from_disk`: copying the
-  weights in, or merging the adapters into its fp32 base first), and both;
+  weights in, copying the adapters into the low-rank paths, or merging them into its fp32 base), and both;
+- then, alternated again, each server's decode speed with what it loaded: --decode-rows answers of
+  --decode-tokens tokens decoded together;
 - the trainer's memory for training: parameters, gradients and AdamW's two moments (bytes of the
   tensors, after one train step).
 
     python tools/bench_lora.py [--hidden 512 --layers 4 --vocab 32000] [--rank 8] [--targets q_proj v_proj]
-                               [--repeats 5]
+                               [--repeats 5] [--decode-rows 16 --decode-tokens 32]
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=list(LoraSpec(rank=1, alpha=1.0).target_modules),
                     help="the adapted Linear layers (training.lora.target_modules)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-rows", type=int, default=16, help="answers decoded together after each update")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens of each answer")
     ap.add_argument("--work-dir", default=tempfile.gettempdir())
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -86,59 +93,88 @@ def main() -> None:
                                                                          init="gaussian"))}
             for engine in trainers.values():
                 train_once(engine, args.vocab)
-        server, thread = serve(base, max_batch_size=8, num_threads=1)
-        figures: dict[str, dict[str, list[float]]] = {name: {"bytes": [], "save": [], "load": []} for name in trainers}
+        lora = f"LoRA r={args.rank}"
+        ways = {"every weight": ("every weight", "lowrank"), f"{lora}, low-rank path": (lora, "lowrank"),
+                f"{lora}, merged": (lora, "merge")}  # way -> (its trainer, its server's lora_decode)
+        servers = {way: serve(base, max_batch_size=args.decode_rows, num_threads=1, lora_decode=mode)
+                   for way, (_, mode) in ways.items()}
+        figures: dict[str, dict[str, list[float]]] = {way: {"bytes": [], "save": [], "load": [], "decode": []}
+                                                      for way in ways}
         version = 0
 
-        async def load(path: str, v: int) -> None:
-            async with GenerationClient(server.url) as client:
+        async def load(url: str, path: str, v: int) -> None:
+            async with GenerationClient(url) as client:
                 await client.update_weights_from_disk(path, v)
 
+        def decode(server) -> float:
+            """Tokens a second of --decode-rows answers decoded together."""
+            rng = np.random.default_rng(0)
+            t0 = time.perf_counter()
+            futures = [server.engine.submit(rng.integers(2, args.vocab, 8).tolist(), max_new_tokens=args.decode_tokens,
+                                            ignore_eos=True) for _ in range(args.decode_rows)]
+            tokens = sum(len(f.result(timeout=600).output_ids) for f in futures)
+            return tokens / (time.perf_counter() - t0)
+
         try:
+            # The updates back to back, then the decoding: decoding between updates slows the next
+            # save of every weight (0.22 s instead of 0.04 s here: the files' pages are written back
+            # meanwhile), which would flatter LoRA's ratio.
             for repeat in range(args.repeats + 1):  # the first of each way untimed
-                order = list(trainers) if repeat % 2 == 0 else list(reversed(trainers))
-                for name in order:
+                order = list(ways) if repeat % 2 == 0 else list(reversed(ways))
+                for way in order:
                     version += 1
                     path = os.path.join(root, f"v{version}")
-                    with console.status(f"update {version}: {name}"):
+                    server = servers[way][0]
+                    with console.status(f"update {version}: {way}"):
                         t0 = time.perf_counter()
-                        trainers[name].save_update(path)
+                        trainers[ways[way][0]].save_update(path)
                         t1 = time.perf_counter()
-                        asyncio.run(load(path, version))
+                        asyncio.run(load(server.url, path, version))
                         t2 = time.perf_counter()
                     if repeat:
-                        f = figures[name]
+                        f = figures[way]
                         f["bytes"].append(sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)))
                         f["save"].append(t1 - t0)
                         f["load"].append(t2 - t1)
                     shutil.rmtree(path)
+            for repeat in range(args.repeats + 1):
+                for way in list(ways) if repeat % 2 == 0 else list(reversed(ways)):
+                    with console.status(f"decoding: {way}"):
+                        speed = decode(servers[way][0])
+                    if repeat:
+                        figures[way]["decode"].append(speed)
         finally:
-            server.stop()
-            thread.join()
+            for server, thread in servers.values():
+                server.stop()
+                thread.join()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     params = sum(p.numel() for p in make_model(args.hidden, args.layers, args.vocab, 0).parameters())
     console.print(f"machine: {machine()}")
     console.print(f"command: python tools/bench_lora.py --hidden {args.hidden} --layers {args.layers} "
-                  f"--vocab {args.vocab} --rank {args.rank} --targets {' '.join(args.targets)} --repeats {args.repeats}")
-    table = Table(title=f"one weight update of a {params / 1e6:.1f}M-parameter model through the disk, server idle "
-                        f"(median of {args.repeats}, alternated)")
-    for col in ("trains", "bytes", "trainer saves s", "server loads s", "total s", "trainer memory MiB "
-                "(params + grads + AdamW)"):
-        table.add_column(col, justify="left" if col == "trains" else "right")
-    med = {name: {k: statistics.median(v) for k, v in f.items()} for name, f in figures.items()}
+                  f"--vocab {args.vocab} --rank {args.rank} --targets {' '.join(args.targets)} --repeats {args.repeats} "
+                  f"--decode-rows {args.decode_rows} --decode-tokens {args.decode_tokens}")
+    table = Table(title=f"one weight update of a {params / 1e6:.1f}M-parameter model through the disk, server idle, "
+                        f"then {args.decode_rows} answers decoded together (median of {args.repeats}, alternated)")
+    for col in ("way", "bytes", "trainer saves s", "server loads s", "total s", "decode tokens/s",
+                "trainer memory MiB (params + grads + AdamW)"):
+        table.add_column(col, justify="left" if col == "way" else "right")
+    med = {way: {k: statistics.median(v) for k, v in f.items()} for way, f in figures.items()}
     mem = {name: memory(engine) for name, engine in trainers.items()}
-    for name, m in med.items():
-        table.add_row(name, f"{m['bytes'] / 2**20:.2f} MiB", f"{m['save']:.4f}", f"{m['load']:.4f}",
-                      f"{m['save'] + m['load']:.4f}",
-                      f"{sum(mem[name].values()) / 2**20:.0f} ({mem[name]['params'] / 2**20:.0f} + "
-                      f"{mem[name]['grads'] / 2**20:.1f} + {mem[name]['optimizer'] / 2**20:.1f})")
+    for way, m in med.items():
+        mm = mem[ways[way][0]]
+        table.add_row(way, f"{m['bytes'] / 2**20:.2f} MiB", f"{m['save']:.4f}", f"{m['load']:.4f}",
+                      f"{m['save'] + m['load']:.4f}", f"{m['decode']:.0f}",
+                      f"{sum(mm.values()) / 2**20:.0f} ({mm['params'] / 2**20:.0f} + "
+                      f"{mm['grads'] / 2**20:.1f} + {mm['optimizer'] / 2**20:.1f})")
     console.print(table)
-    full, lora = med.values()
-    console.print(f"LoRA / every weight: bytes {lora['bytes'] / full['bytes']:.2%}, update time "
-                  f"{(lora['save'] + lora['load']) / (full['save'] + full['load']):.2%}, trainer memory "
-                  f"{sum(list(mem.values())[1].values()) / sum(list(mem.values())[0].values()):.2%}")
+    full = med["every weight"]
+    for way, m in list(med.items())[1:]:
+        console.print(f"{way} / every weight: bytes {m['bytes'] / full['bytes']:.2%}, update time "
+                      f"{(m['save'] + m['load']) / (full['save'] + full['load']):.2%}, decode "
+                      f"{m['decode'] / full['decode']:.2f}×")
+    console.print(f"trainer memory, LoRA / every weight: {sum(mem[lora].values()) / sum(mem['every weight'].values()):.2%}")
 
 
 if __name__ == "__main__":

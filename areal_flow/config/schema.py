@@ -293,6 +293,9 @@ class GenerationConfig:
     disable_overlap_schedule: bool = doc(False, "read each step's sampled tokens back before launching the next "
                                          "forward (--disable-overlap-schedule); by default the host schedules the "
                                          "next step while the device computes this one")
+    lora_decode: str = doc("lowrank", "embedded, with training.lora: lowrank adds each adapter's low-rank path to its "
+                           "projection at decode (an update copies the adapters alone); merge merges them into the "
+                           "weights in fp32 (docs/lora.md measures both)", choices=("lowrank", "merge"))
     disable_radix_cache: bool = doc(False, "keep no prefix cache (--disable-radix-cache): every request, a later "
                                     "turn's too, prefills its whole prompt; embedded: the cache is off anyway under "
                                     "deterministic decoding")

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from areal_flow.config.schema import RunConfig
 from areal_flow.controller import state as run_state
+from areal_flow.controller.adapter_check import AdapterCheck
 from areal_flow.controller.admission import Admission
 from areal_flow.controller.checkpointing import Checkpoints
 from areal_flow.controller.ending import record_failure, run_summary, why_it_ended, write_summary
@@ -103,6 +104,7 @@ class Controller:
         self.resize = TrainerResize(spec.run_dir, cfg.launcher.start_timeout + cfg.step_timeout, self.peers,
                                     self.progress, self.ledger, self.metrics)
         self.loading: Trained | None = None  # the last trained step, while its weights load
+        self.adapter_check = AdapterCheck()  # LoRA: each answer's adapters against the trainer's
         self.mailbox = Mailbox(socket, self.table())
 
     def table(self) -> dict[type, Handler]:
@@ -152,6 +154,9 @@ class Controller:
         """Tell the reward worker which trainer rank takes a scored group, or to drop it (outcomes.py)."""
         for proc, n in meta.traffic.items():  # each process's running total: reported again, it counts once
             self.step_metrics.traffic.report(proc, n)
+        if problem := self.adapter_check.check(meta):  # the run stops at its next batch (next_batch)
+            log.error("controller: %s", problem)
+            self.changed.set()
         if self.resize.hold(ident, meta):  # the trainer ranks are being resized: routed once they are
             return
         if meta.group_id not in self.staleness.running:  # a copy, after a reward worker restarted
@@ -214,6 +219,7 @@ class Controller:
         resize ends the wait. A failed weight update or evaluation ends it too (each sets
         `changed` when it ends), with its error."""
         self.progress.waits(Wait.BATCH, step=step)
+        self.adapter_check.raise_if_mismatched()  # a server answered with adapters not trained
         if why := self.outcomes.failures.stopped():  # even with a batch ready: the groups keep failing
             raise StalledRun(why)
         while (ids := self.staleness.pick_batch(step)) is None:
@@ -223,6 +229,7 @@ class Controller:
                 raise StalledRun(why)
             if self.loading is not None and self.loading.update.done():
                 self.loading.update.result()  # raises a failed update's error
+            self.adapter_check.raise_if_mismatched()
             self.evaluator.check()
             self.changed.clear()
             await self.changed.wait()
@@ -248,6 +255,7 @@ class Controller:
         for d in done:
             self.step_metrics.traffic.report(f"trainer{d.rank}", d.sent_bytes)
         stats, weights = merge_results(done)
+        self.adapter_check.trained(step + 1, min(done, key=lambda d: d.rank).adapter_digest)  # the version it loads as
         self.evaluator.step_trained()
         return Trained(step, batch, stats, time.monotonic() - t0, self.clock.elapsed(), await self.step_metrics.end(),
                        weights)

@@ -63,6 +63,8 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
         argv += ["--disable-radix-cache"]
     if gen.disable_overlap_schedule:
         argv += ["--disable-overlap-schedule"]
+    if gen.lora_decode != "lowrank":
+        argv += ["--lora-decode", gen.lora_decode]
     argv += ["--max-request-bytes", str(gen.max_request_bytes)]
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.

@@ -8,8 +8,8 @@ import asyncio
 import itertools
 
 from areal_flow.generation.client.carry_on import CUT, Piece, carry_on
-from areal_flow.generation.client.router import ServerPool, token_versions
-from areal_flow.transport.messages import Finish
+from areal_flow.generation.client.router import SERVED_BY, ServerPool, token_versions, version_number
+from areal_flow.transport.messages import Finish, Served
 
 
 async def generate_group(pool: ServerPool, prompt_ids: list[int], params: dict, n: int, key: str,
@@ -45,14 +45,18 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], params: dict,
     start = _piece(first) if first is not None else await ask(Piece([], [], [], CUT), budget)
     whole, _ = await carry_on(start, budget, ask)
     return {"output_ids": whole.token_ids, "behav_logprobs": whole.logprobs, "versions": whole.versions,
-            "finish": Finish(whole.finish)}
+            "finish": Finish(whole.finish), "served": whole.served}
 
 
 def _piece(answer: dict) -> Piece:
     """A `/generate` answer as a piece of a sample."""
     meta = answer["meta_info"]
+    # The server's account, checked by the controller (controller/adapter_check.py): the adapters it
+    # reports are those of the version it reports (the answer's last).
+    served = Served(str(meta.get(SERVED_BY, "")), version_number(meta.get("weight_version")),
+                    str(meta.get("adapter_digest") or ""))
     return Piece(list(answer["output_ids"]), [lp for lp, _, _ in meta["output_token_logprobs"]],
-                 token_versions(meta, len(answer["output_ids"])), meta["finish_reason"]["type"])
+                 token_versions(meta, len(answer["output_ids"])), meta["finish_reason"]["type"], served=[served])
 
 
 def _seeded(seed: int | None) -> dict:

@@ -161,6 +161,7 @@ class RolloutWorker:
                 arrays=self.arrays(o.arrays()),
                 finish=o.finish,
                 scalars=dict(o.scalars),
+                served=o.served,
             )
             for i, o in enumerate(outs)
         ]

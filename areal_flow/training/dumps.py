@@ -24,7 +24,8 @@ sees part of a file. Each object:
 
 With `dump.weights`, the trainer also saves the weights it starts each step from, as a Hugging Face
 directory `<run_dir>/dumps/weights/vNNNNNNNN` (`weights_path`): the version that step's π_prox is,
-and the version the servers loaded under that number. With both, every trained token's behaviour and
+and the version the servers loaded under that number; with LoRA, the weights merged and, in
+`adapter/` (`adapter_path`), the adapters as the servers got them (a PEFT adapter directory). With both, every trained token's behaviour and
 π_prox logprobs can be recomputed offline (tests/test_logprob_audit.py).
 """
 
@@ -46,6 +47,11 @@ DUMPS = rd.DUMPS
 def weights_path(run_dir: str, version: int) -> str:
     """Where `dump.weights` keeps the weights of `version`."""
     return os.path.join(run_dir, DUMPS, "weights", f"v{version:08d}")
+
+
+def adapter_path(run_dir: str, version: int) -> str:
+    """Where `dump.weights` keeps the LoRA adapters of `version` (inside its weights' directory)."""
+    return os.path.join(weights_path(run_dir, version), "adapter")
 
 
 def dump_due(every_steps: int, step: int) -> bool:

@@ -194,6 +194,10 @@ class Engine(Protocol):
         (`export_weights`) and None, or with LoRA the adapters in one bucket and the config a server
         merges them with (weights/adapter.py `transfer_config`). Collective."""
 
+    def adapter_digest(self) -> str | None:
+        """With LoRA, the digest of the adapters of this version, which the servers must report
+        (weights/adapter.py); None without. Collective."""
+
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights, equal iff they are bit for bit (training/flight.py)."""
 
@@ -232,6 +236,10 @@ class EngineBase:
     def export_update(self, bucket_bytes: int) -> tuple[Iterator[list[tuple[str, torch.Tensor]]], dict | None]:
         """The weights as `export_weights` gives them; an engine training adapters gives those alone."""
         return self.export_weights(bucket_bytes), None  # (both engines have it)
+
+    def adapter_digest(self) -> str | None:
+        """None: an engine that trains every weight has no adapters to check."""
+        return None
 
     def weights_digest(self) -> str:
         """A digest of this rank's trained weights (its own shard), equal iff the weights are bit for

@@ -9,8 +9,10 @@ than the server's decode steps, so its logprobs differ from the server's in thei
 at most on the CPU recipes: tests/test_logprob_audit.py). Here a second copy of the model, in the
 servers' number format, runs the servers' own code (generation/engine/scoring.py): each request
 the server ran is prefilled whole and its answer fed one decode step at a time through the
-batch-invariant forward. The copy takes the trained weights as the servers do (`export_weights`, the
-weight channels' source), once per version.
+batch-invariant forward. The copy takes the trained weights as the servers do, once per version: `export_weights` (the
+weight channels' source), or with LoRA the adapters `export_update` gives, applied to the base as the
+servers apply them (generation/engine/adapters.py: low-rank paths, or merged in fp32, by
+generation.lora_decode).
 
 It costs a second copy of the weights in memory and a decode step per answer token instead of one
 packed forward (docs/benchmarks.md, "Zero mismatch"). The training forward (log π_θ, with its
@@ -27,8 +29,10 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from areal_flow.generation.engine.decode import DecodeStep
 from areal_flow.config.schema import RunConfig
+from areal_flow.generation.engine.adapters import Adapters
+from areal_flow.generation.engine.checkpoint import copy_in, load_checkpoint
+from areal_flow.generation.engine.decode import DecodeStep
 from areal_flow.generation.engine.scoring import pool_for, requests_of, score
 from areal_flow.runtime.devices import compute_dtype
 from areal_flow.training.engine import Engine
@@ -62,7 +66,7 @@ class ExactProx:
     number format, torch threads (CPU) and KV page size; `temperature`: the sampling temperature."""
 
     def __init__(self, model_path: str, *, device: torch.device, dtype: torch.dtype, threads: int | None,
-                 block_size: int, temperature: float) -> None:
+                 block_size: int, temperature: float, lora_decode: str | None = None) -> None:
         config = AutoConfig.from_pretrained(model_path)
         with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the trainer's stream
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
@@ -73,6 +77,15 @@ class ExactProx:
                                     "so its servers' logprobs cannot be reproduced")
         self.step, self.pool = step, pool_for(step, block_size)
         self.params = dict(model.named_parameters())  # the q/k/v and gate/up ones are views of their fused weight
+        # LoRA (`lora_decode`: the servers' generation.lora_decode): the base's weights, once, and each
+        # version's adapters applied to them as the servers apply them.
+        self.adapters = None
+        if lora_decode is not None:
+            with torch.no_grad():
+                copy_in(model, load_checkpoint(model_path))
+            self.adapters = Adapters(model, device, step=step if lora_decode == "lowrank" else None,
+                                     served_base=model_path)
+        self.model = model
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.threads, self.temperature = threads, temperature
         self.version: int | None = None  # the version of the weights the copy holds
@@ -81,6 +94,15 @@ class ExactProx:
         """Copy the trained weights at the engine's version (nothing if the copy has them). Collective
         under FSDP or megatron: every rank calls it."""
         if engine.version == self.version:
+            return
+        if self.adapters is not None:
+            buckets, config = engine.export_update(BUCKET_BYTES)
+            if config is None:
+                raise ZeroMismatchError("training.zero_mismatch: the servers take LoRA adapters, the trainer exports "
+                                        "every weight")
+            tensors = {name: tensor for bucket in buckets for name, tensor in bucket}
+            self.adapters.prepare_tensors(config, tensors, "training.zero_mismatch")(self.model)
+            self.version = engine.version
             return
         loaded = set()
         with torch.no_grad():
@@ -120,4 +142,5 @@ def for_run(cfg: RunConfig, model_path: str, device: torch.device) -> ExactProx:
     gen, device_type = cfg.generation, cfg.cluster.device_type
     return ExactProx(model_path, device=device, dtype=compute_dtype(gen.dtype, device_type),
                      threads=gen.tp_size if device_type == "cpu" else None, block_size=gen.page_size or 16,
-                     temperature=cfg.algorithm.temperature)
+                     temperature=cfg.algorithm.temperature,
+                     lora_decode=gen.lora_decode if cfg.training.lora.rank else None)

@@ -31,8 +31,9 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.runtime.devices import compute_dtype
 from areal_flow.runtime.spec import read_run
 from areal_flow.training import flight
-from areal_flow.training.dumps import weights_path
+from areal_flow.training.dumps import adapter_path, weights_path
 from areal_flow.training.replay import ReplayError
+from areal_flow.weights import adapter as adapter_files
 
 
 @dataclass
@@ -83,7 +84,9 @@ def regenerate(run_dir: str, step: int, uid: str) -> Regenerated:
         params = SamplingParams(max_new_tokens=algo.max_new_tokens - len(tokens) if last else length,
                                 temperature=algo.temperature, top_p=algo.top_p, seed=seed)
         device = cfg.cluster.device_type  # (one CPU thread: a CPU server's, on its one core)
-        engine = GenerationEngine(path, batch_invariant=True, num_threads=1 if device == "cpu" else None,
+        if adapter_files.is_adapter_dir(adapter_path(run_dir, version)):  # LoRA: the base and the adapters, as served
+            path = adapter_path(run_dir, version)
+        engine = GenerationEngine(path, batch_invariant=True, lora_decode=gen.lora_decode, num_threads=1 if device == "cpu" else None,
                                   page_size=gen.page_size or 16, device=device,
                                   dtype=compute_dtype(gen.dtype, device), prefix_cache=False)
         try:

@@ -60,6 +60,7 @@ class TorchCheckpoints(EngineBase):
     _layout_checked: bool
     device: torch.device
     rank: int
+    _digest: tuple[int, str] | None = None  # (version, the digest of its adapters), computed once a version
 
     # ------------------------------------------------------------------ weights out
 
@@ -122,7 +123,17 @@ class TorchCheckpoints(EngineBase):
         if self.rank == 0:
             atomic_write_dir(path, lambda tmp: lora.write_adapter_dir(tmp, tensors, self._lora, base=self._model_path))
         self._barrier()
-        return adapter_files.digest(tensors)
+        self._digest = (self.version, adapter_files.digest(tensors))
+        return self._digest[1]
+
+    def adapter_digest(self) -> str | None:
+        """With LoRA, the digest of the adapters of this version (weights/adapter.py; once a version:
+        `save_update` computes it too); None without. Collective (the adapters are gathered)."""
+        if self._lora is None:
+            return None
+        if self._digest is None or self._digest[0] != self.version:
+            self._digest = (self.version, adapter_files.digest(self._adapter_state()))
+        return self._digest[1]
 
     def export_update(self, bucket_bytes: int) -> tuple[Iterator[list[tuple[str, torch.Tensor]]], dict | None]:
         """With LoRA, the adapters in one bucket (every rank gathers them) and their transfer config;
@@ -265,6 +276,7 @@ class TorchCheckpoints(EngineBase):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         meta = read_resumable_meta(path, "torch")
+        self._digest = None
         trains = self._optimizer is not None
         if trains and meta.get("scheduler") is None:
             raise CheckpointError(f"{os.path.join(path, RESUMABLE_META)}: a frozen role's checkpoint has no "

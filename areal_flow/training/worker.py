@@ -32,7 +32,7 @@ from areal_flow.runtime.spec import RunSpec
 from areal_flow.training import flight
 from areal_flow.training.build import make_engines
 from areal_flow.training.critic_link import CriticLink
-from areal_flow.training.dumps import dump_due, dump_step, weights_path
+from areal_flow.training.dumps import adapter_path, dump_due, dump_step, weights_path
 from areal_flow.training.engine import Engine
 from areal_flow.training.join import DuplicateResult, Join, Remote
 from areal_flow.training.rank_checkpoint import RankCheckpoints
@@ -205,6 +205,8 @@ class ModelWorker(RankCheckpoints):
         if self.cfg.dump.weights:  # π_prox of this step, and what the servers load as this version
             with self.phases("dump"):
                 trained.save_weights(weights_path(self.spec.run_dir, trained.version))
+                if self.cfg.training.lora.rank:  # and the adapters, as the servers get them (replay --regenerate)
+                    trained.save_update(adapter_path(self.spec.run_dir, trained.version))
         samples, source = self.runner.batch(samples)
         kl_coef = self.kl.coef  # the actor and the critic see the same KL reward this step
         record = None
@@ -226,7 +228,9 @@ class ModelWorker(RankCheckpoints):
         if trained.data_leader:
             self.trained_log.write(json.dumps({"step": plan.step, "uids": [s.uid for s in samples],
                                                "nodes": ran}) + "\n")
-        return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes())
+        digest = trained.adapter_digest() if trained.optim is not None else None  # LoRA: what the servers must report
+        return StepDone(self.rank, plan.step, stats=stats, weights_path=weights, sent_bytes=sent_bytes(),
+                        adapter_digest=digest or "")
 
     def record_flight(self, record: flight.FlightStep, trained: Engine, stats: dict[str, float]) -> None:
         """Write the step's flight record; a full disk loses it, not the run (the replay then names

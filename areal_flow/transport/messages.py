@@ -63,6 +63,16 @@ class Stage(str, enum.Enum):
     # recorded in the ledger with the reason; it has no stage because it goes nowhere.
 
 
+class Served(msgspec.Struct, array_like=True, frozen=True):
+    """A server's account of one request of a sample: its name, the weight version it reported, and
+    the digest of the LoRA adapters it had applied ("" for none: weights/adapter.py). The controller
+    checks the digest against the trainer's for that version (controller/adapter_check.py)."""
+
+    server: str
+    version: int
+    adapters: str = ""
+
+
 class Sample(msgspec.Struct, kw_only=True):
     """One answer to one prompt, with its provenance. Identified by `uid`, never by queue position.
 
@@ -82,6 +92,7 @@ class Sample(msgspec.Struct, kw_only=True):
     scalars: dict[str, float] = {}
     finish: Finish = Finish.STOP
     stage: Stage = Stage.GENERATED
+    served: list[Served] = []  # the servers' accounts of its requests (/generate rollouts)
 
     def array(self, key: str) -> np.ndarray:
         return self.arrays[key].numpy()
@@ -99,6 +110,7 @@ class SampleMeta(msgspec.Struct, array_like=True):
     versions: dict[int, int]  # policy version -> answer tokens it generated
     scalars: dict[str, float]
     finish: Finish
+    served: list[Served] = []
 
     @classmethod
     def of(cls, s: Sample, versions_key: str | None) -> "SampleMeta":
@@ -106,7 +118,8 @@ class SampleMeta(msgspec.Struct, array_like=True):
         if versions_key and versions_key in s.arrays:
             values, n = np.unique(s.array(versions_key), return_counts=True)
             counts = {int(v): int(c) for v, c in zip(values, n)}
-        return cls(s.uid, s.index, {k: len(a) for k, a in s.arrays.items()}, counts, dict(s.scalars), s.finish)
+        return cls(s.uid, s.index, {k: len(a) for k, a in s.arrays.items()}, counts, dict(s.scalars), s.finish,
+                   list(s.served))
 
 
 # ---- rollout worker <-> controller ------------------------------------------------------
@@ -295,6 +308,7 @@ class StepDone(msgspec.Struct, tag=True):
     stats: dict[str, float] = {}
     weights_path: str = ""
     sent_bytes: int = 0
+    adapter_digest: str = ""  # LoRA: the digest of the adapters of the version it trained (weights/adapter.py)
 
 
 class PublishWeights(msgspec.Struct, tag=True):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_flow.transport.messages import Finish
+from areal_flow.transport.messages import Finish, Served
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Trajectory:
     scalars: dict[str, float] = field(default_factory=dict)  # per-sample numbers (env/..., agent/...)
     error: str | None = None  # what the user's code raised that ended it (an environment's `step`)
     drift: dict[str, Any] | None = None  # an agent's first drift, shown in the sample dump
+    served: list[Served] = field(default_factory=list)  # the servers' accounts of its answers' requests
 
     @property
     def tokens(self) -> list[int]:
@@ -69,6 +70,7 @@ class Trajectory:
         """A `/generate` answer (rollout/requests.py: output_ids, behav_logprobs, versions, finish)."""
         self.answer(list(turn["output_ids"]), list(turn["behav_logprobs"]), list(turn["versions"]))
         self.finish = turn["finish"]
+        self.served += turn.get("served", ())
 
     @classmethod
     def one_turn(cls, prompt_ids: list[int], turn: dict) -> "Trajectory":
@@ -81,7 +83,7 @@ class Trajectory:
         """A copy of its first `end` tokens (at the start of an answer: a fork point)."""
         kept = end - len(self.prompt_ids)
         return Trajectory(list(self.prompt_ids), self.output_ids[:kept], self.loss_mask[:kept], self.logprobs[:kept],
-                          self.versions[:kept], [s for s in self.answer_starts if s < end])
+                          self.versions[:kept], [s for s in self.answer_starts if s < end], served=list(self.served))
 
     def arrays(self) -> dict[str, list]:
         """Its per-token values under the keys a recipe's generate node declares (graph/keys.py)."""

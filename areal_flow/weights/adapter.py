@@ -3,12 +3,14 @@
 With adapters, a version is the base model plus each adapted Linear layer's A (rank × in) and B
 (out × rank): its weight is W + scaling · B·A. An update carries A and B alone, as a PEFT adapter
 directory (`adapter_config.json`, whose `base_model_name_or_path` names the base, and
-`adapter_model.safetensors`). A server merges them into its own copy of the base, in fp32, and casts
-the result once to its dtype (`merge`), so no rounding of an earlier version carries over.
+`adapter_model.safetensors`). A server adds their low-rank path at decode, or merges them into its
+own copy of the base, in fp32, and casts the result once to its dtype (`merge`), so no rounding of an
+earlier version carries over (generation/engine/adapters.py).
 
 The adapters' `digest` (their names, dtypes, shapes and bytes) is what a server reports back for the
-version it applied, and what the controller checks against the trainer's: an adapter that never
-arrived, or arrived damaged, stops the run naming the server (veRL #7495: an adapter that silently
+version it applied, with the update and with every answer, and what the controller checks against
+the trainer's (controller/adapter_check.py): an adapter that never arrived, or arrived damaged, stops
+the run naming the server (veRL #7495: an adapter that silently
 never reached the rollout engine).
 """
 
@@ -58,7 +60,7 @@ def arrival_problem(answer: dict, expected: str, version: int | str | None) -> s
     got = answer.get("adapter_digest")
     if got == expected:
         return None
-    return (f"weight version {version}: the server merged adapters of digest {got}, the trainer sent {expected}: "
+    return (f"weight version {version}: the server applied adapters of digest {got}, the trainer sent {expected}: "
             "the adapter did not arrive as sent")
 
 

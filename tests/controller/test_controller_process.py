@@ -202,3 +202,51 @@ def test_a_group_scored_again_after_its_reward_worker_restarted_goes_to_its_rank
     finally:
         for sock in peers.values():
             sock.close(linger=0)
+
+
+def test_a_scored_group_whose_server_served_other_adapters_stops_the_run_at_the_next_batch(make_controller):
+    """training.lora: a sample whose server reports adapters other than the trainer's for its version
+    (messages.Served) stops the step loop with an error naming the server and the version."""
+    import asyncio
+
+    import zmq
+
+    from areal_flow.controller.adapter_check import AdapterMismatch
+    from areal_flow.transport.messages import Finish, GroupMeta, SampleMeta, Served
+
+    c = make_controller("algorithm.success_rate_range=null")
+    ctx = zmq.Context()
+    reward = ctx.socket(zmq.DEALER)
+    reward.setsockopt(zmq.IDENTITY, b"reward0")
+    reward.connect(f"tcp://127.0.0.1:{c.spec.controller_port}")
+    lengths = {k: 4 if k == c.intake.prompt_key else 3 for k in c.intake.token_keys}
+
+    def meta(group_id: int, digest: str) -> GroupMeta:
+        return GroupMeta(group_id, "reward0", [
+            SampleMeta(f"g{group_id}-{i}", i, dict(lengths), {1: 3}, {c.intake.reward_key: float(i)}, Finish.STOP,
+                       [Served("gen_server1", 1, digest)]) for i in range(c.cfg.algorithm.group_size)])
+
+    async def go() -> None:
+        reward.send(b"hello")  # the router sends only to peers it has heard from
+        await c.mailbox.socket.recv_multipart()
+        c.admission.slots.offer(b"rollout0", 4)
+        for group_id in (7, 8):
+            c.admission.slots.take(group_id)
+            c.staleness.admit(group_id)
+            c.state.running_prompts[group_id] = 0
+        c.adapter_check.trained(1, "d1")  # the trainer's version 1
+        await c.route(b"reward0", meta(7, "d1"))
+        assert c.adapter_check.problem is None
+        c.changed.clear()
+        await c.route(b"reward0", meta(8, "d0"))  # served under version 1 with other adapters
+        assert c.adapter_check.problem is not None and c.changed.is_set()
+        await asyncio.wait_for(c.next_batch(1), 10)
+
+    try:
+        with pytest.raises(AdapterMismatch, match="generation server gen_server1 answered sample g8-0 .* at weight "
+                                                  "version 1 with adapters of digest d0; the trainer's adapters of "
+                                                  "version 1 have digest d1"):
+            asyncio.run(go())
+    finally:
+        reward.close(linger=0)
+        ctx.term()

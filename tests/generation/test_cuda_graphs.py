@@ -92,3 +92,68 @@ def test_the_engine_on_cuda_replays_graphs_and_its_logprobs_are_exact(model_dirs
     for prompt, result in zip(prompts, results):
         expected = full_forward_logprobs(reference, prompt, result.output_ids, 1.0)
         torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.inference_mode()
+def test_lora_paths_of_new_shapes_drop_the_buckets_and_same_shaped_ones_are_copied_in(device):
+    """generation.lora_decode=lowrank: installing paths of new shapes drops the captured buckets (a
+    graph reads the tensors it was captured with); an update of the same shapes is copied into them
+    (generation/engine/adapters.py `Install`), so the buckets stay. Either way each row's logits are
+    those of the weights merged (W + scale·B·A)."""
+    from areal_flow.generation.engine import lowrank
+    from areal_flow.generation.engine.adapters import Install
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval().to(device)
+    merged = Qwen2ForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).eval().to(device)
+    step = DecodeStep.for_model(model)
+    pool = BlockPool(layers=len(step.layers), kv_heads=step.kv_heads, head_dim=step.head_dim, block_size=4,
+                     num_blocks=64, dtype=torch.float32, device=torch.device(device))
+    runner = GraphRunner(step, max_rows=8, capture=device == "cuda")
+    rng = random.Random(0)
+    names = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+
+    def adapters(scale: float) -> dict:
+        return {f"model.layers.{i}.{n}": (torch.randn(4, lin.in_features) * scale, torch.randn(lin.out_features, 4) * scale)
+                for i, layer in enumerate(step.layers) for n in names if (lin := layer.get_submodule(n))}
+
+    def install(modules: dict) -> None:
+        Install(lowrank.build(step.layers, modules, 2.0, device=torch.device(device), dtype=torch.float32,
+                              where="test"), step, "digest")(model)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for module, (a, b) in modules.items():
+            state[f"{module}.weight"] += 2.0 * (b @ a).to(device)
+        merged.load_state_dict(state)
+
+    def steps(n: int) -> None:
+        """n decode steps of 5 new rows (the cache holds the keys of the weights they start on)."""
+        batch = PagedBatch(pool, step, None, runner)
+        prompts = [tuple(rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(1, 9))) for _ in range(5)]
+        batch.add([Row(GenerationRequest(p, SamplingParams()), Future(), frozenset()) for p in prompts])
+        for _ in range(n):
+            for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
+                row.output_ids.append(int(logits.argmax()))
+            batch.make_room()
+            batch.forward({})
+            for row, logits in zip(batch.ready, batch.logits):
+                expected = merged(input_ids=torch.tensor([row.sequence], device=device)).logits[0, -1]
+                torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        for row in batch.ready:
+            row.finish = ("stop", None)
+        batch.drop_finished()
+
+    merged.load_state_dict(model.state_dict())
+    steps(3)
+    assert runner._static
+    install(adapters(0.1))  # new shapes: the buckets go
+    steps(3)
+    first = step.lowrank
+    assert len(runner._static) == 1 and runner._lowrank is first
+    install(adapters(0.1))  # the same shapes: copied in, the buckets stay
+    assert step.lowrank is first
+    kept = dict(runner._static)
+    steps(3)
+    assert all(runner._static[k] is v for k, v in kept.items())

@@ -1,7 +1,8 @@
-"""LoRA weight updates (training.lora): the trainer writes its adapters alone, a real server merges them
-into its fp32 copy of the base, bit for bit as the trainer merges them, reports their digest with
-the update and with every answer, and an adapter that does not arrive as sent stops the update naming
-the server and the version."""
+"""LoRA weight updates (training.lora): the trainer writes its adapters alone; a real server adds their
+low-rank paths to its decode step (generation.lora_decode=lowrank, the served weights stay the base)
+or merges them into its fp32 copy of the base, bit for bit as the trainer merges them; it reports
+their digest with the update and with every answer, and an adapter that does not arrive as sent
+stops the update naming the server and the version."""
 
 import asyncio
 import os
@@ -73,7 +74,7 @@ def test_the_update_carries_the_adapters_alone_and_is_a_peft_directory(update, m
 
 def test_a_server_merges_the_adapters_bit_for_bit_as_the_trainer_and_reports_their_digest(update, model_dirs):
     engine, path, digest = update
-    with running_server(model_dirs.a, max_batch_size=8) as server:
+    with running_server(model_dirs.a, max_batch_size=8, lora_decode="merge") as server:
         answer = call(server, lambda c: c.update_weights_from_disk(path, 1, adapter_digest=digest))
         assert answer["adapter_digest"] == digest and server.engine.version == 1
         served = server.engine.model.state_dict()
@@ -83,13 +84,97 @@ def test_a_server_merges_the_adapters_bit_for_bit_as_the_trainer_and_reports_the
         out = generate_ok(server, {"input_ids": [2, 3, 4], "sampling_params": {"max_new_tokens": 3}})
         assert out["meta_info"]["adapter_digest"] == digest
     # A server started from the adapter directory (a restart in a LoRA run) serves the same weights.
-    restarted = GenerationEngine(path, max_batch_size=4)
+    restarted = GenerationEngine(path, max_batch_size=4, lora_decode="merge")
     try:
         assert restarted.adapter_digest == digest
         state = restarted.model.state_dict()
         assert all(torch.equal(state[n], served[n]) for n in served)
     finally:
         restarted.shutdown()
+
+
+def greedy(server) -> tuple[list[int], np.ndarray]:
+    out = generate_ok(server, {"input_ids": [2, 3, 4, 9], "return_logprob": True,
+                               "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}})
+    logprobs = out["meta_info"]["output_token_logprobs"]
+    return [t for _, t, _ in logprobs], np.array([lp for lp, _, _ in logprobs])
+
+
+def paths_of(engine: GenerationEngine) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{i}.{g}.{side}", getattr(p, side)) for i, layer in enumerate(engine._decode_step.lowrank)
+            for g, p in sorted(layer.items()) for side in ("a", "b")]
+
+
+def test_a_server_adds_the_low_rank_path_leaving_the_base_and_answers_as_the_merged_weights(update, model_dirs,
+                                                                                           tmp_path):
+    """generation.lora_decode=lowrank (the default): the adapters become paths beside the projections,
+    the served weights stay the base's, and the answers are the merged weights' (to rounding). A next
+    update of the same shapes is copied into the same tensors; full weights drop the paths."""
+    from areal_flow.generation.engine.checkpoint import load_checkpoint
+
+    engine, path, digest = update
+    base = load_checkpoint(model_dirs.a)
+    with running_server(model_dirs.a, max_batch_size=8) as server, \
+            running_server(model_dirs.a, max_batch_size=8, lora_decode="merge") as merged:
+        assert server.engine.lora_decode == "lowrank" and server.engine._decode_step.lowrank is None
+        for s in (server, merged):
+            assert call(s, lambda c: c.update_weights_from_disk(path, 1, adapter_digest=digest))["adapter_digest"] == digest
+        served = server.engine.model.state_dict()
+        assert all(torch.equal(served[n], base[n]) for n in base)  # the base, untouched
+        tokens, logprobs = greedy(server)
+        tokens_merged, logprobs_merged = greedy(merged)
+        assert tokens == tokens_merged and np.abs(logprobs - logprobs_merged).max() < 1e-5
+        assert not np.array_equal(logprobs, greedy_of_base(model_dirs.a)[1])  # the adapters are in use
+        installed = paths_of(server.engine)
+        # Three adapted Linear layers (q, v, gate) of SPEC: the fused q/k/v and gate/up paths of each layer.
+        assert sorted({name.split(".")[1] for name, _ in installed}) == ["gate_up", "qkv"]
+        before = [t.clone() for _, t in installed]
+        damaged = damaged_copy(path, tmp_path)
+        call(server, lambda c: c.update_weights_from_disk(damaged, 2))
+        after = paths_of(server.engine)
+        assert all(x is y for (_, x), (_, y) in zip(installed, after))  # the same tensors, copied into
+        assert sum(not torch.equal(b, t) for b, (_, t) in zip(before, after)) == 1  # the one value changed
+        call(server, lambda c: c.update_weights_from_disk(model_dirs.a, 3))  # full weights: no paths
+        assert server.engine._decode_step.lowrank is None and server.engine.adapter_digest is None
+        tokens, logprobs = greedy(server)
+        assert tokens == greedy_of_base(model_dirs.a)[0] and np.array_equal(logprobs, greedy_of_base(model_dirs.a)[1])
+    restarted = GenerationEngine(path, max_batch_size=4)  # a restart in a LoRA run: the base and the paths
+    try:
+        assert restarted.adapter_digest == digest
+        assert [(n, t.tolist()) for n, t in paths_of(restarted)] == [(n, t.tolist()) for n, t in zip(
+            [n for n, _ in installed], before)]
+    finally:
+        restarted.shutdown()
+
+
+_BASE_ANSWERS: dict[str, tuple[list[int], np.ndarray]] = {}
+
+
+def greedy_of_base(model_dir: str) -> tuple[list[int], np.ndarray]:
+    if model_dir not in _BASE_ANSWERS:
+        with running_server(model_dir, max_batch_size=8) as server:
+            _BASE_ANSWERS[model_dir] = greedy(server)
+    return _BASE_ANSWERS[model_dir]
+
+
+def test_adapters_of_a_layer_the_low_rank_path_does_not_compute_are_merged(update, model_dirs, tmp_path):
+    """An adapter on lm_head (a target_regex can take it): no decode path computes it, so the
+    server merges the update into its weights instead, and says so in its log."""
+    from safetensors.torch import save_file
+
+    _, path, _ = update
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / adapter_files.CONFIG).write_bytes(open(os.path.join(path, adapter_files.CONFIG), "rb").read())
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        vocab, hidden = server.engine.model.lm_head.weight.shape
+        before = server.engine.model.lm_head.weight.clone()
+        save_file({adapter_files.PEFT_PREFIX + "lm_head.lora_A.weight": torch.ones(4, hidden) * 0.01,
+                   adapter_files.PEFT_PREFIX + "lm_head.lora_B.weight": torch.ones(vocab, 4) * 0.01},
+                  str(head / adapter_files.WEIGHTS))
+        call(server, lambda c: c.update_weights_from_disk(str(head), 1))
+        assert server.engine._decode_step.lowrank is None
+        assert torch.allclose(server.engine.model.lm_head.weight, before + 2.0 * 4 * 1e-4)  # alpha/r = 2
 
 
 def damaged_copy(path: str, tmp_path) -> str:
@@ -113,7 +198,7 @@ def test_an_adapter_that_does_not_arrive_as_sent_fails_the_update_naming_server_
     damaged = damaged_copy(path, tmp_path)
     (tmp_path / "damaged" / DIGEST).write_text(digest)  # what the trainer sent
     with running_server(model_dirs.a, max_batch_size=8) as server:
-        with pytest.raises(GenerationError, match="weight version 1: the server merged adapters of digest .* the "
+        with pytest.raises(GenerationError, match="weight version 1: the server applied adapters of digest .* the "
                                                   "trainer sent .*: the adapter did not arrive as sent"):
             call(server, lambda c: c.update_weights_from_disk(damaged, 1, adapter_digest=digest))
 
@@ -165,7 +250,7 @@ def test_adapters_sent_by_handle_merge_as_from_disk_and_a_damaged_delivery_is_ca
     buckets = list(buckets)
     assert len(buckets) == 1 and config == {"r": 4, "lora_alpha": 8.0, "use_rslora": False,
                                             "base_model_name_or_path": model_dirs.a}
-    with running_server(model_dirs.a, max_batch_size=8) as server:
+    with running_server(model_dirs.a, max_batch_size=8, lora_decode="merge") as server:
         sender = IpcSender([Server("gen_server0", server.url)], timeout=60)
         report = sender.send(buckets, 4, lora_config=config)
         assert report.bytes < 100_000 and server.engine.adapter_digest == digest and server.engine.version == 4
@@ -180,7 +265,7 @@ def test_adapters_sent_by_handle_merge_as_from_disk_and_a_damaged_delivery_is_ca
 
         monkeypatch.setattr(ipc, "serialize", damaged)
         with pytest.raises(WeightTransferError, match=r"weight version 5 .*gen_server0: weight version 5: the server "
-                                                      r"merged adapters of digest \w+, the trainer sent \w+"):
+                                                      r"applied adapters of digest \w+, the trainer sent \w+"):
             sender.send(buckets, 5, lora_config=config)
         with pytest.raises(WeightTransferError, match="lora_config.r must be a positive integer"):
             sender.send(buckets, 6, lora_config={**config, "r": 0})
@@ -198,7 +283,7 @@ def test_each_channel_sends_adapters_to_the_embedded_engine_and_merged_weights_t
     merged = {n: t for bucket in engine.export_weights(1 << 20) for n, t in bucket}
     size = {True: sum(t.numel() * t.element_size() for b in engine.export_update(1 << 20)[0] for _, t in b),
             False: sum(t.numel() * t.element_size() for t in merged.values())}
-    with running_server(model_dirs.a, max_batch_size=8) as server:
+    with running_server(model_dirs.a, max_batch_size=8, lora_decode="merge") as server:
         for adapters, version in ((True, 7), (False, 8)):
             channel = IpcChannel([Server("gen_server0", server.url)], adapters=adapters)
             done = channel.send(engine, PublishWeights(version), 0)
@@ -207,3 +292,58 @@ def test_each_channel_sends_adapters_to_the_embedded_engine_and_merged_weights_t
             assert server.engine.adapter_digest == (digest if adapters else None)
             served = server.engine.model.state_dict()
             assert all(torch.equal(served[n], t) for n, t in merged.items())
+
+
+def test_low_rank_paths_keep_decoding_batch_invariant(update):
+    """--enable-deterministic-inference with adapters served as low-rank paths: a seeded request's
+    tokens and logprobs are bit-identical alone and in a batch (the paths' matmuls pad their rows
+    as the projections' do)."""
+    from test_batch_invariance import answers
+
+    _, path, _ = update
+    engine = GenerationEngine(path, max_batch_size=16, batch_invariant=True, num_threads=2)
+    try:
+        assert engine._decode_step.lowrank is not None
+        alone = {}
+        for i in range(6):
+            alone |= answers(engine, [i])
+        assert answers(engine, list(range(6))) == alone
+        assert answers(engine, [5, 2, 0, 4, 1, 3], join_late=True) == alone
+    finally:
+        engine.shutdown()
+
+
+def test_each_answer_carries_its_servers_account_and_a_server_serving_other_adapters_is_caught(update, model_dirs,
+                                                                                              tmp_path):
+    """Through a real pool and the rollout's requests: every sample says which server answered, at
+    which version, with which adapters (messages.Served); a server that loaded damaged adapters
+    without the update's check (a restart from damaged files) is named by the controller's check."""
+    from areal_flow.controller.adapter_check import AdapterCheck
+    from areal_flow.rollout.requests import generate_group
+    from areal_flow.transport.messages import GroupMeta, Sample, SampleMeta, Served
+    from areal_flow.transport.trajectory import Trajectory
+
+    _, path, digest = update
+    damaged = damaged_copy(path, tmp_path)
+    check = AdapterCheck()
+    check.trained(1, digest)
+    check.trained(2, digest)
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        async def group(version: int, weights: str) -> GroupMeta:
+            pool = ServerPool([server.url], ["gen_server0"], RolloutConfig())
+            try:
+                await pool.call_each("load", pool.servers, lambda c: c.update_weights_from_disk(weights, version))
+                outs = await generate_group(pool, [2, 3, 4], {"max_new_tokens": 4}, 3, f"g{version}")
+            finally:
+                await pool.close()
+            samples = [Sample(uid=f"g{version}-{i}", prompt_id="p", group_id=version, index=i, birth_time=0.0,
+                              served=Trajectory.one_turn([2, 3, 4], o).served) for i, o in enumerate(outs)]
+            return GroupMeta(version, "reward0", [SampleMeta.of(s, None) for s in samples])
+
+        good = asyncio.run(group(1, path))
+        assert [s.served for s in good.samples] == [[Served("gen_server0", 1, digest)]] * 3
+        assert check.check(good) is None
+        bad = asyncio.run(group(2, damaged))
+        problem = check.check(bad)
+        assert problem is not None and "generation server gen_server0" in problem and "weight version 2" in problem
+        assert bad.samples[0].served[0].adapters not in ("", digest)

@@ -176,11 +176,11 @@ def test_a_peer_that_builds_its_group_as_sglang_does_meets_this_side(tmp_path):
     assert peer.returncode == 0 and out.strip() == "[1.5, -2.0, 0.25, 3.0, 8.0]"
 
 
-def test_lora_adapters_sent_by_broadcast_generate_what_their_merged_weights_from_disk_generate(servers, sender,
-                                                                                                model_dirs, tmp_path):
+def test_lora_adapters_sent_by_broadcast_generate_what_the_same_adapters_from_disk_generate(servers, sender,
+                                                                                             model_dirs, tmp_path):
     """A LoRA trainer's update by broadcast is its adapters alone, in one bucket with their config;
-    each server merges them into its base and reports their digest (checked by the sender), and
-    then generates bit for bit what the trainer's merged weights loaded from disk generate."""
+    each server applies them to its base (low-rank paths) and reports their digest (checked by the
+    sender), and then generates bit for bit what the trainer's adapter directory from disk generates."""
     from test_lora_updates import trained
 
     from areal_flow.weights import adapter as adapter_files
@@ -198,8 +198,9 @@ def test_lora_adapters_sent_by_broadcast_generate_what_their_merged_weights_from
         status, _, info = http_call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
         assert status == 200 and info["meta_info"]["adapter_digest"] == digest
         sent.append([answer(url, s) for s in (GREEDY, SAMPLED)])
-    engine.save_weights(str(tmp_path / "merged"))
+    engine.save_update(str(tmp_path / "adapters"))
     for url, got in zip(servers, sent):
-        from_disk(url, str(tmp_path / "merged"), 13)
+        from_disk(url, model_dirs.a, 13)  # the base again, then its adapters from disk
+        from_disk(url, str(tmp_path / "adapters"), 14)
         disk = [answer(url, s) for s in (GREEDY, SAMPLED)]
         assert [(ids, lps) for ids, lps, _ in got] == [(ids, lps) for ids, lps, _ in disk]

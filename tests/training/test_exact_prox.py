@@ -100,3 +100,39 @@ def test_weights_the_servers_model_does_not_have_are_named(tmp_path):
     with pytest.raises(ZeroMismatchError, match="exports no lm_head.weight"):
         exact.load(Exported([(n, t) for n, t in named if n != "lm_head.weight"]))
     assert exact.version is None  # nothing half-loaded counts as a version
+
+
+@pytest.mark.parametrize("lora_decode", ["lowrank", "merge"])
+def test_with_lora_the_copy_applies_the_adapters_as_the_servers_do(tmp_path, lora_decode):
+    """training.lora: the copy holds the base and takes each version's adapters alone, applied as the
+    servers apply them (generation.lora_decode): bit for bit a server started from the adapters."""
+    from areal_flow.training.lora import LoraSpec
+
+    model_dir = save_tiny_qwen2(tmp_path / "base")
+    with torch_threads(1):
+        torch.manual_seed(0)
+        engine = TorchEngine(model_dir, optim=OptimSpec(lr=1e-2), micro_batch_tokens=256,
+                             lora=LoraSpec(rank=4, alpha=8.0, init="gaussian"))
+        seqs = [(p, o if len(o) else np.array([1])) for p, o in make_seqs(3, 8)]
+        engine.train_step(seqs, make_token_data(seqs, 3), partial(objective, algo=AlgorithmConfig(),
+                                                                  prox_source="data", prox_version=0, kl_coef=0.0))
+        engine.version = 1
+        engine.save_update(str(tmp_path / "v1"))
+        prompts = [[2, 7, 3, 9], [5, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+        server = GenerationEngine(str(tmp_path / "v1"), max_batch_size=16, batch_invariant=True, num_threads=1,
+                                  lora_decode=lora_decode)
+        try:
+            futures = [server.submit(p, seed=40 + i, max_new_tokens=16, temperature=1.0, ignore_eos=True)
+                       for i, p in enumerate(prompts)]
+            answers = [(f.result(timeout=60).output_ids, f.result().output_logprobs) for f in futures]
+            assert server.lora_decode == lora_decode and (server._decode_step.lowrank is not None) == (
+                lora_decode == "lowrank")
+        finally:
+            server.shutdown()
+        exact = ExactProx(model_dir, device=torch.device("cpu"), dtype=torch.float32, threads=1, block_size=16,
+                          temperature=1.0, lora_decode=lora_decode)
+        exact.load(engine)
+        got = exact.logprobs([np.array(p) for p in prompts], [np.array(t) for t, _ in answers],
+                             [np.ones(len(t), np.int64) for t, _ in answers])
+    for (_, behav), lp in zip(answers, got):
+        assert np.array_equal(lp, np.float32(behav))

@@ -27,6 +27,7 @@ class Piece:
     versions: list[int]
     finish: str
     end: dict = dataclasses.field(default_factory=dict)
+    served: list = dataclasses.field(default_factory=list)  # the servers' accounts of its requests (messages.Served)
 
     @property
     def cut(self) -> bool:
@@ -35,7 +36,7 @@ class Piece:
     def then(self, more: "Piece") -> "Piece":
         """This piece followed by `more`: the tokens joined, `more`'s end."""
         return Piece(self.token_ids + more.token_ids, self.logprobs + more.logprobs,
-                     self.versions + more.versions, more.finish, dict(more.end))
+                     self.versions + more.versions, more.finish, dict(more.end), self.served + more.served)
 
 
 async def carry_on(first: Piece, budget: int | None, ask: Callable[[Piece, int | None], Awaitable[Piece]], *,

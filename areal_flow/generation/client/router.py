@@ -210,6 +210,9 @@ class ServerPool:
                     return await server.client.post_bytes(path, body)
                 answer = await server.client.post(path, body)
                 self._newest = max(self._newest, _version(answer))
+                for one in answer if isinstance(answer, list) else [answer]:  # /generate's: who answered
+                    if isinstance(one, dict) and isinstance(one.get("meta_info"), dict):
+                        one["meta_info"][SERVED_BY] = server.name
                 return answer
             except GenerationError as exc:
                 if exc.status < 500:
@@ -417,6 +420,10 @@ class ServerPool:
                 task.cancel()
         for server in self.servers:
             await server.client.close()
+
+
+SERVED_BY = "served_by"
+"""The key of a /generate answer's meta_info under which the pool notes the server that answered."""
 
 
 def version_number(label: object) -> int:

@@ -24,9 +24,11 @@ class WeightUpdate:
     abort_all: bool
     """Abort the running requests instead of waiting for them."""
     adapter_digest: str | None = None
-    """The digest of the adapters merged by `merge` (LoRA updates); None: full weights."""
-    merge: Callable[[torch.nn.Module], None] | None = None
-    """LoRA updates: merges the adapters into the model's weights in place, after `state` is copied in."""
+    """The digest of the adapters `apply` applies (LoRA updates); None: full weights."""
+    apply: Callable[[torch.nn.Module], None] | None = None
+    """Called with the model after `state` is copied in: a LoRA update's adapters merged into the
+    weights or installed as low-rank paths; a full update's dropping of the paths
+    (generation/engine/adapters.py)."""
     done: Future = field(default_factory=Future)
 
 

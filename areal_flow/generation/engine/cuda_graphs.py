@@ -53,6 +53,7 @@ class GraphRunner:
         self.row_buckets = [b for b in ROW_BUCKETS if b < max_rows] + [max_rows]
         self._static: dict[tuple[int, int], _Static] = {}
         self._storage: int | None = None  # the cache tensors the graphs were captured over (BlockPool.storage)
+        self._lowrank = model.lowrank  # the LoRA paths they were captured with
         self._memory = None  # the graphs' shared memory pool
         self.bucketed = 0  # decode steps padded to a bucket (replayed, or eager without capture)
         self.replays = 0
@@ -67,12 +68,14 @@ class GraphRunner:
     def forward(self, step: Forward, pool: BlockPool) -> torch.Tensor:
         if not self.eligible(step):
             return self.model.forward(step, pool)
-        if self._storage != pool.storage:  # the cache was reallocated (grown, or freed and taken again)
+        # The cache was reallocated (grown, or freed and taken again), or LoRA paths of new shapes
+        # were installed (generation/engine/lowrank.py; adapters of the same shapes are copied in place).
+        if self._storage != pool.storage or self._lowrank is not self.model.lowrank:
             self._static.clear()
             # A fresh pool too: the dropped graphs took their pool's last use, and capturing into a
             # pool whose graphs are all gone fails an assertion in torch's caching allocator.
             self._memory = None
-            self._storage = pool.storage
+            self._storage, self._lowrank = pool.storage, self.model.lowrank
         self.bucketed += 1
         rows = step.decode
         bucket = (self.row_buckets[bisect.bisect_left(self.row_buckets, rows)],

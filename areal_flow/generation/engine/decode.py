@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areal_flow.generation.engine import cpu_decode, triton_decode
+from areal_flow.generation.engine.lowrank import LowRank
 from areal_flow.generation.engine.paged import BlockPool, slots
 
 _MODEL_TYPES = frozenset({"llama", "qwen2"})
@@ -93,6 +94,8 @@ class DecodeStep:
         self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                     for layer in self.layers]
         self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        # LoRA adapters served unmerged (generation/engine/lowrank.py): None without any.
+        self.lowrank: LowRank | None = None
         # Decode attention reading each row's own blocks once, in place (no gathered copy nor
         # padding): the Triton kernel on CUDA (generation/engine/triton_decode.py), the C kernel on
         # the CPU (generation/engine/cpu_decode.py, batch-invariant by construction); torch's
@@ -122,7 +125,7 @@ class DecodeStep:
         context = self._context(step) if step.decode and not (self.paged_kernel or self.cpu_kernel) else None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = self.linear(_rms_norm(hidden, layer.input_layernorm), *self.qkv[i])
+            qkv = self.project(_rms_norm(hidden, layer.input_layernorm), i, "qkv", *self.qkv[i])
             # q and k side by side in one tensor: one rotation for both.
             qk = _rotate(qkv[:, : q_size + kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads:]
@@ -137,9 +140,10 @@ class DecodeStep:
                     keys.index_select(1, chunk.slots)[None], values.index_select(1, chunk.slots)[None],
                     attn_mask=chunk.mask, scale=self.scaling, enable_gqa=True)[0].transpose(0, 1))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden = hidden + self.linear(out.reshape(n, q_size), attn.o_proj.weight, attn.o_proj.bias)
-            gate, up = self.linear(_rms_norm(hidden, layer.post_attention_layernorm), *self.gate_up[i]).chunk(2, dim=-1)
-            hidden = hidden + self.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            hidden = hidden + self.project(out.reshape(n, q_size), i, "o", attn.o_proj.weight, attn.o_proj.bias)
+            gate, up = self.project(_rms_norm(hidden, layer.post_attention_layernorm), i, "gate_up",
+                                    *self.gate_up[i]).chunk(2, dim=-1)
+            hidden = hidden + self.project(F.silu(gate) * up, i, "down", mlp.down_proj.weight, mlp.down_proj.bias)
         return self.logits(_rms_norm(hidden[step.logits_at], self.norm))
 
     def _context(self, step: Forward) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +196,16 @@ class DecodeStep:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer over final hidden states [N, hidden]: logits [N, V] (float32)."""
         return self.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+
+    def project(self, x: torch.Tensor, layer: int, group: str, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+        """Layer `layer`'s projection `group` (lowrank.GROUPS) of rows x: its weights', plus the
+        low-rank path of its LoRA adapters where they are served unmerged (generation/engine/lowrank.py)."""
+        out = self.linear(x, weight, bias)
+        path = self.lowrank[layer].get(group) if self.lowrank is not None else None
+        if path is not None:
+            out = out + self.linear(self.linear(x, path.a), path.b)
+        return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear over rows x [N, in]; batch-invariant: through a matmul of a multiple of GEMM_ROWS rows."""

@@ -169,8 +169,8 @@ class DecodeLoop:
         started, error = time.perf_counter(), None
         try:
             copy_in(self.model, update.state)
-            if update.merge is not None:
-                update.merge(self.model)
+            if update.apply is not None:
+                update.apply(self.model)
             self.sampler.version = update.version
             if update.label is not None:
                 self.sampler.label = update.label

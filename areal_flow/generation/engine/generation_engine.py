@@ -98,9 +98,8 @@ class GenerationEngine:
         if opts.num_threads is not None:
             torch.set_num_threads(opts.num_threads)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        # An adapter directory (a restarted server of a LoRA run): its base, the adapters merged below.
+        # An adapter directory (a restarted server of a LoRA run): its base, the adapters applied below.
         self.model = load_model(adapter_files.base_of(model_path), opts.dtype, self.device)
-        self._adapters = Adapters(self.model, self.device)  # LoRA updates: their base, kept in fp32
         self.model_path = model_path
         config = self.model.config
         self.max_batch_size, self.seed = opts.max_batch_size, opts.seed
@@ -118,10 +117,14 @@ class GenerationEngine:
         self._counts = ComputeCounts()
         self._inbox = Inbox()
         self._stepper = self._make_stepper(opts)  # also makes the timer and the sampler
+        # How LoRA updates apply: low-rank paths of the decode step, or merged (generation.lora_decode).
+        self.lora_decode = "lowrank" if self._decode_step is not None and opts.lora_decode == "lowrank" else "merge"
+        self._adapters = Adapters(self.model, self.device, served_base=adapter_files.base_of(model_path),
+                                  step=self._decode_step if self.lora_decode == "lowrank" else None)
         if adapter_files.is_adapter_dir(model_path):
-            merge = self._adapters.prepare(model_path)
-            merge(self.model)  # (the decode thread is not started yet)
-            self._sampler.adapter_digest = merge.digest
+            adapters = self._adapters.prepare(model_path)
+            adapters(self.model)  # (the decode thread is not started yet)
+            self._sampler.adapter_digest = adapters.digest
         self._loop = DecodeLoop(self._inbox, self._stepper, self._sampler, self._counts, self.model,
                                 opts.max_batch_size, self._timer)
         self._thread = self._loop.thread
@@ -130,8 +133,8 @@ class GenerationEngine:
     def _make_stepper(self, opts: EngineOptions) -> Stepper:
         """The paged backend for the models the engine's own decode step takes (generation/engine/decode.py);
         the dense one, over the transformers forward, for the others. Sets the effective settings."""
-        decode_step = DecodeStep.for_model(self.model, batch_invariant=opts.batch_invariant) if opts.fast_decode \
-            else None
+        self._decode_step = decode_step = DecodeStep.for_model(self.model, batch_invariant=opts.batch_invariant) \
+            if opts.fast_decode else None
         # Only the engine's own decode step is batch-invariant (the transformers forward pads).
         self.batch_invariant = decode_step is not None and opts.batch_invariant
         if opts.batch_invariant and not self.batch_invariant:
@@ -230,31 +233,32 @@ class GenerationEngine:
         The file is read and checked on the caller's thread while decoding goes on. Then the running
         requests are aborted (abort_all_requests) or drained, and the weights are copied in. A bad
         path or a checkpoint of another shape raises and leaves the old weights and version.
-        `path` may be a PEFT adapter directory (LoRA updates): its adapters are merged into the base
+        `path` may be a PEFT adapter directory (LoRA updates): its adapters are applied to the base
         it names (`Adapters`), and their digest goes with every answer (`adapter_digest`).
         """
-        merge, state = None, {}
         if adapter_files.is_adapter_dir(path):
-            merge = self._adapters.prepare(path)
+            adapters = self._adapters.prepare(path)
+            update = WeightUpdate(path, version, label, {}, abort_all_requests, adapter_digest=adapters.digest,
+                                  apply=adapters)
         else:
             state = load_checkpoint(path)
             check_compatible(self.model, f"weights in {path!r}", state, complete=True)
-        self._inbox.hand_over(self._inbox.updates, WeightUpdate(
-            path, version, label, state, abort_all_requests, adapter_digest=merge and merge.digest, merge=merge))
+            update = WeightUpdate(path, version, label, state, abort_all_requests, apply=self._adapters.replaced(path))
+        self._inbox.hand_over(self._inbox.updates, update)
         self.model_path = path
 
     def update_adapters_from_tensors(self, tensors: dict[str, torch.Tensor], config: dict, version: int, *,
                                      source: str, abort_all_requests: bool = False, label: str | None = None) -> None:
         """A LoRA update sent as tensors (broadcast or handle: weights/adapter.py `transfer_config`),
-        merged as `update_weights_from_disk` merges an adapter directory; ValueError names what does
+        applied as `update_weights_from_disk` applies an adapter directory; ValueError names what does
         not fit, and nothing is loaded."""
-        merge = self._adapters.prepare_tensors(config, tensors, source)
+        adapters = self._adapters.prepare_tensors(config, tensors, source)
         self._inbox.hand_over(self._inbox.updates, WeightUpdate(
-            source, version, label, {}, abort_all_requests, adapter_digest=merge.digest, merge=merge))
+            source, version, label, {}, abort_all_requests, adapter_digest=adapters.digest, apply=adapters))
 
     @property
     def adapter_digest(self) -> str | None:
-        """The digest of the adapters merged into the weights served now (None: full weights)."""
+        """The digest of the adapters applied to the weights served now (None: full weights)."""
         return self._sampler.adapter_digest
 
     def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: int, *, source: str,
@@ -266,7 +270,8 @@ class GenerationEngine:
         tensor that is not floating point raises ValueError naming the tensor, and nothing of
         `state` is loaded: the old weights and version stay."""
         check_compatible(self.model, source, state, complete=False)
-        self._inbox.hand_over(self._inbox.updates, WeightUpdate(source, version, label, state, abort_all_requests))
+        self._inbox.hand_over(self._inbox.updates, WeightUpdate(source, version, label, state, abort_all_requests,
+                                                                apply=self._adapters.replaced(None)))
 
     def abort(self, rid: str | None = None, *, wait: bool = True) -> None:
         """Answer the request `rid` (None: every request, queued or running) with finish reason

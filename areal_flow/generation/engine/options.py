@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+LORA_DECODE = ("lowrank", "merge")
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -57,6 +59,11 @@ class EngineOptions:
     overlap: bool = True
     """The paged cache: launch each forward before reading back the tokens it feeds (the engine's
     overlap schedule); False reads them back first (SGLang's --disable-overlap-schedule)."""
+    lora_decode: str = "lowrank"
+    """LoRA updates (generation/engine/adapters.py): "lowrank" adds each adapter's low-rank path to
+    its projection at decode, where the engine's own decode step runs (an update copies the adapters
+    alone); "merge" merges them into the weights in fp32 (fewer operations a step, an fp32 copy of
+    the adapted base weights, a merge an update)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -65,6 +72,8 @@ class EngineOptions:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {self.page_size}")
+        if self.lora_decode not in LORA_DECODE:
+            raise ValueError(f"lora_decode must be one of {', '.join(LORA_DECODE)}, got {self.lora_decode!r}")
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < 1:
             raise ValueError(f"chunked_prefill_size must be -1 or at least 1, got {chunk}")

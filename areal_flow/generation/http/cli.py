@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Any
 
+from areal_flow.generation.engine.options import LORA_DECODE
 from areal_flow.generation.http import bodies
 from areal_flow.generation.http.server import serve
 from areal_flow.runtime.devices import DTYPES, compute_dtype, local_device
@@ -44,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each step's sampled tokens back before launching the next forward (SGLang's "
                              "flag); by default the forward is launched first and the host's work overlaps it")
+    parser.add_argument("--lora-decode", default="lowrank", choices=LORA_DECODE,
+                        help="LoRA updates: add each adapter's low-rank path to its projection at decode (lowrank: "
+                             "an update copies the adapters alone), or merge them into the weights in fp32")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -80,7 +84,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         mem_fraction=args.mem_fraction_static, batch_invariant=args.enable_deterministic_inference,
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
         cuda_graphs=not args.disable_cuda_graph, prefix_cache=not args.disable_radix_cache,
-        overlap=not args.disable_overlap_schedule,
+        overlap=not args.disable_overlap_schedule, lora_decode=args.lora_decode,
     )
 
 

@@ -69,7 +69,7 @@ def build_answer(item: Item, result: GenerationResult, tokenizer: Any, latency: 
         "num_retractions": result.retractions,
         "output_token_versions": result.output_versions,
     }
-    if result.adapter_digest is not None:  # LoRA updates: the adapters these weights merged
+    if result.adapter_digest is not None:  # LoRA updates: the adapters these weights served with
         meta["adapter_digest"] = result.adapter_digest
     if result.finish_reason is not None:
         meta["e2e_latency"] = latency

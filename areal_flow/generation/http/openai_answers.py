@@ -63,7 +63,7 @@ def extensions(result: GenerationResult) -> dict:
     fields = {"token_ids": result.output_ids, "output_token_logprobs": result.output_logprobs,
               "output_token_versions": result.output_versions, "weight_version": result.weight_label,
               "matched_stop": result.matched_stop if result.finish_reason == "stop" else None}
-    if result.adapter_digest is not None:  # LoRA updates: the adapters these weights merged
+    if result.adapter_digest is not None:  # LoRA updates: the adapters these weights served with
         fields["adapter_digest"] = result.adapter_digest
     return fields
 

@@ -229,6 +229,7 @@ async def route_server_info(server: Served, call: Call) -> tuple[int, Payload]:
         "chunked_prefill_size": engine.chunked_prefill_size,
         "disable_cuda_graph": engine.cuda_graphs is None,
         "disable_overlap_schedule": not engine.overlap,
+        "lora_decode": engine.lora_decode,
         "skip_tokenizer_init": server.tokenizer is None,
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],

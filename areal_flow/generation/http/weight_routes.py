@@ -110,7 +110,7 @@ def _lora_config(body: dict) -> dict | None:
 
 
 def _load(engine, state: dict, lora: dict | None, version: int, **kw: Any) -> None:
-    """Weights into the engine, or with `lora` adapters merged into its base."""
+    """Weights into the engine, or with `lora` adapters applied to its base."""
     if lora is None:
         engine.update_weights_from_tensors(state, version, **kw)
     else:
@@ -118,7 +118,7 @@ def _load(engine, state: dict, lora: dict | None, version: int, **kw: Any) -> No
 
 
 def _loaded(engine) -> dict:
-    """The answer to an update that loaded: with LoRA, the digest of the adapters it merged."""
+    """The answer to an update that loaded: with LoRA, the digest of the adapters it applied."""
     answer = {"success": True, "message": f"Succeeded to update model weights. Weight version updated to "
                                           f"{engine.weight_label}."}
     if engine.adapter_digest is not None:
