@@ -78,11 +78,14 @@ def read_membership(run_dir: str, judge: str = "") -> Membership | None:
 
 def servers_of(run_dir: str, names: list[str], urls: list[str], judge: str = "") -> tuple[list[str], list[str]]:
     """(names, urls) of the servers a starting process should use: those serving in servers.json
-    (or judge `judge`'s file), else the spec's (`names`, `urls`)."""
+    (or judge `judge`'s file), else the spec's (`names`, `urls`). Not one still joining: it may not
+    serve the current weights yet, and a pool takes its first servers without the version check. A
+    process started during a scale-up takes it once it is listed serving (`follow`; the controller's
+    pool, which loads the weights on it, as soon as it follows)."""
     membership = read_membership(run_dir, judge)
-    if membership is None or not membership.serving():
+    serving = [] if membership is None else [n for n in membership.serving() if not membership.servers[n].joining]
+    if not serving:
         return names, urls
-    serving = membership.serving()
     return serving, [membership.servers[n].url for n in serving]
 
 
