@@ -31,7 +31,7 @@ def test_an_agent_run_trains_its_trajectories_and_drops_the_groups_it_failed_by_
     for m in steps_of(run_dir):
         # A model bootstrapped 5 steps samples <unk> now and then: the agent asks for the text with
         # special tokens kept, so it sends back the tokens it got, and nothing drifts.
-        assert m["agent/drift_rate"] == 0 and m["agent/calls"] >= 1 and m["agent/trajectories"] == 1
+        assert m["agent/drift_rate"] == 0 and m["agent/calls"] >= 1 and m["agent/segments_per_rollout"] == 1 and m["agent/dropped_tokens"] == 0
         assert m["agent/failed_runs"] == 0 and 0 <= m["agent/reward"] <= 1 and m["agent/resumes"] >= 0
     trained = [r for f in sorted((run_dir / "dumps").glob("step-*.jsonl")) for r in jsonl(f)]
     assert trained and all(int(r["fields"]["answer"]) % 2 == 0 for r in trained)  # only the even ones trained

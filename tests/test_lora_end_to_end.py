@@ -1,8 +1,8 @@
 """LoRA in the asynchronous loop, end to end (issue 68): adapter-only updates at η = 2 with interrupts
 keep the ledger and every token's version within η, each server reporting the adapters it applied,
-and an answer cut by an update regenerates bit for bit from the adapters of its versions; the
-zero-mismatch mode holds with adapters; a LoRA run killed (kill -9) and resumed at η = 0 trains the
-adapters of one never stopped."""
+and an answer cut by an update regenerates bit for bit from the adapters of its versions; a LoRA
+run killed (kill -9) and resumed at η = 0 trains the adapters of one never stopped, in the
+zero-mismatch mode, which holds with adapters."""
 
 import os
 import subprocess
@@ -54,25 +54,16 @@ def test_adapter_only_updates_at_eta_2_with_interrupts_keep_the_ledger_and_token
     assert done.returncode == 0 and "equal: the same" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def test_zero_mismatch_holds_with_adapters(tmp_path, run_cache):
-    """training.zero_mismatch with LoRA at η = 0: π_prox from the base and each version's adapters,
-    applied as the servers apply them, equals every trained token's behaviour logprob."""
-    run_dir = tmp_path / "run"
-    result = launch(run_dir, run_cache, *ANSWERS_SOME, *LORA, "training.zero_mismatch=true", "rollout.max_staleness=0",
-                    "total_steps=3", "eval_at_start=false", "eval_at_end=false")
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps = steps_of(run_dir)
-    assert len(steps) == 3 and all(s["train/mismatch/tokens"] > 0 and s["train/mismatch/abs_max"] == 0.0
-                                   for s in steps), steps
-
-
 def test_a_lora_run_killed_and_resumed_at_eta_0_trains_the_adapters_of_one_never_stopped(tmp_path, run_cache):
+    """Both runs in the zero-mismatch mode too: π_prox from the base and each version's adapters,
+    applied as the servers apply them, equals every trained token's behaviour logprob."""
     runs = [tmp_path / "a", tmp_path / "b"]
     for run in runs:
         run.mkdir()
-    whole = launch(runs[0], run_cache, *ETA0_RUN, *LORA)
+    whole = launch(runs[0], run_cache, *ETA0_RUN, *LORA, "training.zero_mismatch=true")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    proc = start(runs[1], run_cache, *ETA0_RUN, *LORA)
+    assert all(s["train/mismatch/tokens"] > 0 and s["train/mismatch/abs_max"] == 0.0 for s in steps_of(runs[0]))
+    proc = start(runs[1], run_cache, *ETA0_RUN, *LORA, "training.zero_mismatch=true")
     out = kill_trainer_after_checkpoint(runs[1], proc, 2)
     assert proc.returncode == 0 and "recover: restart 1 of 1" in out, out[-3000:]
     a, b = (load_file(run / "checkpoint" / "adapter" / adapter_files.WEIGHTS) for run in runs)

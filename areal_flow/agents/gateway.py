@@ -7,9 +7,10 @@ key, so a rollout's calls stay on one server (its prefix cache holds their histo
 spread by load; a failed server's calls are retried on another. The server's answer carries the
 call's exact tokens (openai_api.py's extension fields): the gateway hands them to the key's
 Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
-the answer unchanged. A choice a weight update cut (`finish_reason: abort`, an interruptible run)
-is carried on to its end first (resume.py), so the agent gets and the record keeps one whole
-answer. A call with `stream: true` is asked for whole too and streamed back as it ends (sse.py).
+the answer unchanged. A rollout's text prompts (`/v1/completions`) are tokenized here, the text
+it sent and got before standing for the tokens it was (text_map.py). A choice a weight update cut
+(`finish_reason: abort`, an interruptible run) is carried on to its end first (resume.py), so the
+agent gets and the record keeps one whole answer. A call with `stream: true` is asked for whole too and streamed back as it ends (sse.py).
 In front of SGLang (`backend="sglang"`), each call asks for the exact tokens SGLang returns only
 when asked, and its answer is put in the embedded server's shape first (sglang_wire.py).
 
@@ -37,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from areal_flow.agents import resume, sglang_wire, sse
+from areal_flow.agents.text_map import TextMap
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client.carry_on import Piece, carry_on
 from areal_flow.generation.client.generation_client import GenerationError
@@ -52,6 +54,7 @@ class Choice(msgspec.Struct):
     output_token_logprobs: list[float]
     output_token_versions: list[int]
     finish_reason: str | None = None
+    text: str | None = None  # /v1/completions' (text_map.py learns it)
 
 
 class Answer(msgspec.Struct):
@@ -89,6 +92,7 @@ class Gateway:
         self.sglang = backend == "sglang"  # the servers are SGLang's (generation.backend)
         self.recorders: dict[str, Recorder] = {}
         self.sampling: dict[str, Sampling] = {}
+        self.texts: dict[str, TextMap] = {}  # each key's texts and the tokens they stand for
         # Starlette, FastAPI's core: the gateway checks no request models, and FastAPI's layers cost
         # the rollout worker a tenth of its CPU in an agent run (py-spy; bench_gateway.py).
         routes = [Route(f"/t/{{key}}/v1/{path}", self._forwarder(f"/v1/{path}"), methods=["POST"])
@@ -110,6 +114,7 @@ class Gateway:
     def take(self, key: str) -> Recorder:
         """The rollout's record, removed from the gateway (the rollout is over)."""
         self.sampling.pop(key, None)
+        self.texts.pop(key, None)
         return self.recorders.pop(key, Recorder())
 
     async def start(self) -> None:
@@ -151,11 +156,14 @@ class Gateway:
                 return _error(404, f"no rollout {key!r} is open on this gateway (it ended, or never began)")
             if (sampling := self.sampling.get(key)) is not None:
                 body = sampling.apply(body)
-            if path == "/v1/completions" and self.tokenizer is not None and isinstance(body.get("prompt"), str):
-                # The prompt's tokens, as the server would make them (openai_api._prompt), made here:
-                # tokenizing a long conversation's text costs the server's interpreter, which decodes
-                # for every agent, ~0.4 ms a call (bench_gateway.py); the worker has room.
-                body = {**body, "prompt": self.tokenizer.encode(body["prompt"], add_special_tokens=False)}
+            text = body.get("prompt") if path == "/v1/completions" and self.tokenizer is not None else None
+            if isinstance(text, str):
+                # The prompt's tokens made here, not by the server: the text the rollout sent and got
+                # before stands for the tokens it was (text_map.py: no drift from a stop string or a
+                # special token its text left out); the rest is tokenized as the server would
+                # (openai_api._prompt). Also cheaper: tokenizing a long conversation's text costs the
+                # server's interpreter, which decodes for every agent, ~0.4 ms a call (bench_gateway.py).
+                body = {**body, "prompt": self.texts.setdefault(key, TextMap()).tokens(text, self._encode)}
             asked = body.get("logprobs")
             if self.sglang:
                 body = sglang_wire.ask(body)
@@ -181,6 +189,10 @@ class Gateway:
             for choice in answer.choices:
                 recorder.record(answer.prompt_token_ids, choice.token_ids, choice.output_token_logprobs,
                                 choice.output_token_versions)
+            if isinstance(text, str) and (texts := self.texts.get(key)) is not None:
+                texts.learn(text, answer.prompt_token_ids, [
+                    (c.text or "", self.tokenizer.decode(c.token_ids, skip_special_tokens=False), c.token_ids)
+                    for c in answer.choices])
             if stream:
                 return Response(b"".join(sse.chunks(msgspec.json.decode(data), path.endswith("chat/completions"),
                                                     include_usage)), media_type="text/event-stream")
@@ -218,6 +230,9 @@ class Gateway:
             completion = sum(len(c["token_ids"]) for c in whole["choices"])
             whole["usage"].update(completion_tokens=completion, total_tokens=len(prompt) + completion)
         return msgspec.json.encode(whole), msgspec.convert(whole, type=Answer)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _models(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.pool.servers[0].client.get("/v1/models"))

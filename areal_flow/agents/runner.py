@@ -7,8 +7,10 @@ rollout opens a key on the worker's gateway (gateway.py), hands the agent an
 `agent_wall_seconds`. The gateway links the calls into trajectories (trajectories.py); the
 rollout's sample is the trajectory of its last call, the one that ends with the final answer: its
 first prompt is the sample's prompt, what the agent added between calls (tool results) are
-observation tokens (loss mask 0). Other trajectories a rollout made (a drift's split, a second
-conversation) are counted (`agent/trajectories`), not trained.
+observation tokens (loss mask 0). Other trajectories a rollout made (a drift's earlier segments, a
+second conversation) are not trained: they are counted (`agent/segments_per_rollout`), their policy
+tokens too (`agent/dropped_tokens`), and the worker warns at its first drift, naming the agent and
+showing where the history left the recorded tokens.
 
 With roles (`agent_roles: [solver, checker]`), the agent is `run(clients: {role: client}, row) ->
 {role: reward}`: each role's calls go through a key (and a client) of its own, and each role's last
@@ -44,6 +46,18 @@ log = logging.getLogger("areal_flow.rollout")
 
 ROLE_SEEDS = 10**6
 """Role i's calls draw seeds from turn_seed(seed, ROLE_SEEDS * i): roles never share a random stream."""
+
+
+def drift_warning(agent: str, example: Any, dropped: int, tokenizer: Any) -> str:
+    """The warning of an agent's first drift: where its history left the recorded tokens, as text."""
+    def text(tokens: list[int]) -> str:
+        return repr(tokenizer.decode(tokens)) if tokenizer is not None else str(tokens)
+
+    return (f"agent {agent}: a call's history left the recorded tokens at token {example.position} (a drift): "
+            f"recorded {text(example.recorded)}, sent {text(example.sent)}. The rollout's earlier segments are not "
+            f"trained ({dropped} policy tokens dropped in this one; agent/dropped_tokens counts them each step): "
+            "send each answer's text back as it came, then what the agent adds (docs/agents.md, The text an agent "
+            "sends back), or check the chat template (python -m areal_flow.agents.check_template)")
 
 
 class AgentFailed(Exception):
@@ -94,6 +108,8 @@ class AgentRunner:
     gateway: Gateway | None = None
     http: Any = None  # the one HTTP client every rollout's openai client shares (in-process to the gateway)
     starting: asyncio.Future | None = None
+    tokenizer: Any = None  # the policy's, to show a drift's text
+    warned: bool = False  # of a drift, once a worker
 
     @classmethod
     def of(cls, node: Any, model_path: str, backend: str = "embedded") -> "AgentRunner | None":
@@ -111,6 +127,7 @@ class AgentRunner:
         return await asyncio.shield(self.starting)
 
     async def _start(self, pool: ServerPool, tokenizer: Any) -> Gateway:
+        self.tokenizer = tokenizer
         gateway = Gateway(pool, require_open=True, tokenizer=tokenizer, backend=self.backend)
         await gateway.start()
         # Measured (py-spy, tiny_arith_agent): an openai client made for each rollout spent 47% of
@@ -223,9 +240,13 @@ class AgentRunner:
         if trajectory is None:
             raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy"
                               + ("" if role is None else f" as role {role}"))
+        dropped = recorder.dropped_tokens(trajectory)
+        if recorder.drifts and not self.warned:
+            self.warned = True
+            log.warning("%s", drift_warning(self.name, recorder.examples[0], dropped, self.tokenizer))
         scalars = {**figures, "calls": float(recorder.calls), "drifts": float(recorder.drifts),
-                   "drift_rate": recorder.drift_rate, "trajectories": float(len(recorder.trajectories)),
-                   "resumes": float(recorder.resumes)}
+                   "drift_rate": recorder.drift_rate, "segments_per_rollout": float(len(recorder.trajectories)),
+                   "dropped_tokens": float(dropped), "resumes": float(recorder.resumes)}
         return dataclasses.replace(
             trajectory, drift=dataclasses.asdict(recorder.examples[0]) if recorder.examples else None,
             scalars={**{f"agent/{name}": v for name, v in scalars.items()}, **each})

@@ -42,6 +42,7 @@ class Recorder:
     examples: list[DriftExample] = field(default_factory=list)
     resumes: int = 0  # continuations of answers a weight update cut (the gateway's, agents/resume.py)
     last: Trajectory | None = None  # the trajectory the latest call joined (its final answer's)
+    answer_tokens: int = 0  # every call's answer tokens, whichever trajectory they joined
 
     def record(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float], versions: list[int]
                ) -> Trajectory:
@@ -50,6 +51,7 @@ class Recorder:
             raise ValueError(f"a call's answer has {len(output_ids)} tokens, {len(logprobs)} logprobs and "
                              f"{len(versions)} versions")
         self.calls += 1
+        self.answer_tokens += len(output_ids)
         prompt = list(prompt_ids)
         best, shared = None, 0  # the trajectory sharing the longest prefix with the prompt
         for trajectory in self.trajectories:
@@ -77,6 +79,11 @@ class Recorder:
     def drift_rate(self) -> float:
         """Drifts per call (`agent/drift_rate`)."""
         return self.drifts / self.calls if self.calls else 0.0
+
+    def dropped_tokens(self, trained: Trajectory) -> int:
+        """The policy's tokens the rollout generated that `trained` (its sample) does not hold: the
+        answers of its other trajectories (a drift's earlier segments, a fork), `agent/dropped_tokens`."""
+        return self.answer_tokens - sum(trained.loss_mask)
 
 
 def _extend(trajectory: Trajectory, observation: list[int], output_ids: list[int], logprobs: list[float],

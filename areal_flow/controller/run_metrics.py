@@ -69,6 +69,10 @@ class Traffic:
         return delta
 
 
+SUMMED = frozenset({"agent/dropped_tokens"})
+"""Sample scalars a step sums instead of averaging."""
+
+
 def _logged_name(scalar: str, judges: Sequence[str]) -> str:
     """The name a sample's scalar is logged under: a multi-turn trajectory's (env/..., rollout/turns.py)
     and an agent's (agent/..., agents/runner.py) as they are, a judge's under judge/, the reward
@@ -101,7 +105,11 @@ def batch_metrics(groups: list[GroupMeta], step: int, reward_key: str, output_ke
     # A reward node's statistics may be missing from a sample (a timed-out sample has no
     # tests_passed): each is averaged over the samples that have it.
     keys = sorted({k for s in samples for k in s.scalars} - {reward_key})
-    per_key = {k: float(np.mean([s.scalars[k] for s in samples if k in s.scalars])) for k in keys}
+    per_key = {k: float((np.sum if k in SUMMED else np.mean)([s.scalars[k] for s in samples if k in s.scalars]))
+               for k in keys}
+    if "agent/calls" in per_key and "agent/drifts" in per_key:  # drifts per call of the step, not a mean of ratios
+        calls = sum(s.scalars.get("agent/calls", 0.0) for s in samples)
+        per_key["agent/drift_rate"] = sum(s.scalars.get("agent/drifts", 0.0) for s in samples) / calls if calls else 0.0
     lengths = np.array([s.lengths[output_key] for s in samples], dtype=np.float64)
     by_length = reward_by_length(lengths, rewards, max_new_tokens) if max_new_tokens else {}
     suspect = suspect_metrics(samples)

@@ -65,6 +65,14 @@ class Trained:
     update: asyncio.Task | None = None  # loading its weights on the generation servers
 
 
+def drift_warning(row: dict) -> str:
+    """The run's warning at the first step whose agents drifted (the rollout worker's log shows an example)."""
+    return (f"step {row['step']}: agent calls drifted ({row.get('agent/drift_rate', 0.0):.1%} of the step's calls): "
+            f"{int(row.get('agent/dropped_tokens', 0))} policy tokens of their earlier segments were not trained "
+            "(agent/dropped_tokens); the rollout worker's log shows where one history left the recorded tokens "
+            "(docs/agents.md, Drift)")
+
+
 class StepMetrics:
     def __init__(self, algo: AlgorithmConfig, metrics: MetricsWriter, progress: Progress,
                  counts: Callable[[], Awaitable[dict[str, float]]], *, reward_key: str, output_key: str,
@@ -80,6 +88,7 @@ class StepMetrics:
         self.weight_alarm = WeightAlarm(algo.stale_warn_capped, algo.stale_warn_ess, algo.stale_warn_steps,
                                         max_staleness)
         self.suspect_alarm = SuspectAlarm(suspect_warn)
+        self.drift_warned = False  # agents' drift: warned once a run
         # Where the next step's window starts: monotonic time, the servers' counts, controller CPU seconds.
         self.mark: tuple[float, dict[str, float], float] = (0.0, {}, 0.0)
 
@@ -130,6 +139,9 @@ class StepMetrics:
         step = row["step"]
         warnings = [(kind, alarm.observe(row)) for kind, alarm in (("staleness", self.weight_alarm),
                                                                    ("reward_hacking", self.suspect_alarm))]
+        if row.get("agent/drifts", 0) > 0 and not self.drift_warned:  # once a run (agents/runner.py)
+            self.drift_warned = True
+            warnings.append(("agent_drift", drift_warning(row)))
         self.metrics.log("step", **row, stale_trouble_steps=self.weight_alarm.in_a_row)
         for kind, warning in warnings:
             if warning:

@@ -9,6 +9,7 @@ import functools
 import os
 import shutil
 import signal
+import time
 import uuid
 from collections.abc import Callable
 
@@ -180,9 +181,22 @@ def launch_once(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared:
     finally:
         signal.signal(signal.SIGTERM, previous)
         launcher.stop_all()
-        if weights_dir:
-            shutil.rmtree(weights_dir, ignore_errors=True)
+        if weights_dir and not removed(weights_dir):
+            console.print(f"could not remove the run's weights from shared memory: {weights_dir} (remove it by hand)",
+                          highlight=False, markup=False)
     return 0, spec
+
+
+def removed(path: str, tries: int = 50) -> bool:
+    """Remove the run's weights from shared memory (RAM); whether they are gone. A removal can meet
+    a folder a stopped process's last write is still renaming into place (CI saw one left behind):
+    it is tried again."""
+    for _ in range(tries):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def find_resume(raw: DictConfig, cfg: RunConfig, prepared: Prepared, console: Console) -> tuple[str | None, Prepared]:

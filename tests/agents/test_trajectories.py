@@ -41,6 +41,7 @@ def test_an_edited_earlier_message_is_a_drift_and_starts_a_new_trajectory():
     assert recorder.drifts == 1 and recorder.drift_rate == 0.5
     (example,) = recorder.examples
     assert example.position == len(first) + 1 and example.recorded[0] == 21 and example.sent[0] == 99
+    assert recorder.dropped_tokens(new) == 3  # the first segment's answer is not in the trained trajectory
 
 
 def test_a_second_sample_of_the_same_turn_forks_and_unrelated_calls_start_their_own():
@@ -56,6 +57,8 @@ def test_a_second_sample_of_the_same_turn_forks_and_unrelated_calls_start_their_
         first + [22, 23], first + [20, 21, 30, 41], SYSTEM + [12, 13, 50]]
     fork = recorder.trajectories[2]
     assert fork.loss_mask == [1, 1, 0, 1] and fork.calls == 2
+    # Trained, the fork holds turn 1's first answer and its own: the other answers (4 tokens) are dropped.
+    assert recorder.answer_tokens == 7 and recorder.dropped_tokens(fork) == 4
 
 
 def test_a_call_whose_answer_and_logprobs_disagree_is_refused():

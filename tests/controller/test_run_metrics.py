@@ -103,6 +103,17 @@ def test_reward_accuracy_and_other_scalar_keys_are_averaged_over_every_sample():
     assert m["response_length_max"] == 40
 
 
+def test_an_agent_s_drift_rate_is_the_step_s_drifts_per_call_and_dropped_tokens_are_summed():
+    scalars = [{"rewards": 1.0, "agent/calls": 1.0, "agent/drifts": 0.0, "agent/drift_rate": 0.0,
+                "agent/dropped_tokens": 0.0},
+               {"rewards": 0.0, "agent/calls": 4.0, "agent/drifts": 2.0, "agent/drift_rate": 0.5,
+                "agent/dropped_tokens": 12.0}]
+    m = batch_metrics([GroupMeta(0, "w", [sample(str(i), 5, {0: 5}, s) for i, s in enumerate(scalars)])],
+                      step=0, reward_key="rewards", output_key="output_ids")
+    assert m["agent/drift_rate"] == pytest.approx(2 / 5)  # not the mean of 0 and 0.5
+    assert m["agent/dropped_tokens"] == 12.0 and m["agent/calls"] == 2.5
+
+
 def test_suspect_is_the_share_of_samples_any_reward_node_flagged():
     groups = [GroupMeta(0, "w", [sample("a", 5, {0: 5}, {"rewards": 1.0, "code_suspect": 1.0, "math_suspect": 0.0}),
                                  sample("b", 5, {0: 5}, {"rewards": 0.0, "code_suspect": 0.0, "math_suspect": 1.0}),

@@ -161,3 +161,20 @@ def test_a_row_past_the_suspect_share_is_logged_with_its_warning(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["event"], r["step"]) for r in rows] == [("step", 3), ("warning", 3), ("step", 4)]
     assert rows[1]["kind"] == "reward_hacking" and rows[0]["stale_trouble_steps"] == 0
+
+
+def test_the_first_step_whose_agents_drifted_is_warned_once_with_its_dropped_tokens(tmp_path):
+    from areal_flow.controller.step_metrics import StepMetrics
+
+    async def counts():
+        return {}
+
+    metrics: StepMetrics = step_metrics(tmp_path, counts)
+    metrics.log({"step": 1, "agent/drifts": 0.0, "agent/drift_rate": 0.0, "agent/dropped_tokens": 0.0})
+    metrics.log({"step": 2, "agent/drifts": 0.5, "agent/drift_rate": 0.25, "agent/dropped_tokens": 31.0})
+    metrics.log({"step": 3, "agent/drifts": 1.0, "agent/drift_rate": 0.5, "agent/dropped_tokens": 40.0})
+    metrics.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("step", 1), ("step", 2), ("warning", 2), ("step", 3)]
+    assert rows[2]["kind"] == "agent_drift"
+    assert rows[2]["message"].startswith("step 2: agent calls drifted (25.0% of the step's calls): 31 policy tokens")

@@ -64,7 +64,8 @@ def test_an_agent_s_calls_become_one_sample_with_what_it_added_masked_and_its_re
     assert got.output_ids[4:4 + len(added)] == added
     assert len(got.logprobs) == len(got.versions) == len(got.output_ids)
     assert got.scalars == pytest.approx({"agent/reward": 0.75, "agent/calls": 2, "agent/drifts": 0,
-                                            "agent/drift_rate": 0, "agent/trajectories": 1, "agent/failed_runs": 0,
+                                            "agent/drift_rate": 0, "agent/segments_per_rollout": 1, "agent/failed_runs": 0,
+                                            "agent/dropped_tokens": 0,
                                             "agent/resumes": 0, "agent/seconds": got.scalars["agent/seconds"]})
     assert got.drift is None
 
@@ -82,15 +83,22 @@ def test_the_run_s_sampling_is_forced_on_every_call_whatever_the_agent_asks(serv
     assert c == rollouts(model, server, hot, params=PARAMS, seed=1)[0].output_ids != d  # seeded by the rollout
 
 
-def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_counted(served):
+def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_counted_and_warned(served, caplog):
+    """The segment before the drift is not trained: its answer's tokens are counted as dropped, and
+    the worker warns once, naming the agent and where the history left the recorded tokens."""
     model, tokenizer, server = served
 
     async def drifting(client, row):
         return await two_calls(client, row, edit=True)
 
-    (got,) = rollouts(model, server, drifting)
+    with caplog.at_level("WARNING", logger="areal_flow.rollout"):
+        (got,) = rollouts(model, server, drifting, n=2)[:1]
     assert got.scalars["agent/drifts"] == 1 and got.scalars["agent/drift_rate"] == 0.5
-    assert got.scalars["agent/trajectories"] == 2
+    assert got.scalars["agent/segments_per_rollout"] == 2 and got.scalars["agent/dropped_tokens"] == 4
+    warned = [r.getMessage() for r in caplog.records if "a drift" in r.getMessage()]
+    assert len(warned) == 1, warned  # once a worker, though both rollouts drifted
+    assert warned[0].startswith("agent tests:agent: a call's history left the recorded tokens at token ")
+    assert "4 policy tokens dropped" in warned[0]
     # The edited history is the sample's prompt, never trained; only the last answer is the policy's.
     prompt = tokenizer.decode(got.prompt_ids)
     assert prompt[len("Q: 2+3") + 1] == "!" and prompt.endswith(ADDED)
@@ -188,3 +196,46 @@ def test_two_roles_give_a_sample_each_a_rollout_the_group_role_by_role(served):
     with pytest.raises(AgentFailed, match=r"returned \{'solver': 1.0\}, not a reward for each role of "
                                           r"graph.generate.agent_roles \(solver, checker\)"):
         rollouts(model, server, one_role, n=2, roles=("solver", "checker"), retries=0)
+
+
+async def from_openai_docs(client, row) -> float:
+    """An agent that uses only OpenAI's fields: no skip_special_tokens, no matched_stop. It stops
+    each answer at a stop string, writes it back itself and adds a tool's result, as a ReAct agent does."""
+    prompt = row["prompt"]
+    for _ in range(3):
+        out = await client.completions.create(model="policy", prompt=prompt, max_tokens=8, stop=["="])
+        prompt += out.choices[0].text + "=" + ADDED
+    return 1.0
+
+
+def test_an_agent_written_from_openai_s_docs_alone_does_not_drift_though_its_text_leaves_tokens_out(served,
+                                                                                                    monkeypatch):
+    """The policy samples special tokens (5 of the tokenizer's 101), which OpenAI's text leaves out, and
+    stop strings, which it leaves out too: the gateway maps the text the agent sends back onto the
+    tokens it stands for (agents/text_map.py), so no call drifts. Tokenizing the text instead, as
+    before, the same rollouts drift."""
+    from areal_flow.agents import text_map
+
+    model, tokenizer, server = served
+
+    def run(seed: int) -> list:
+        runner = AgentRunner(from_openai_docs, "tests:docs_agent", model, 30.0, 0)
+
+        async def go():
+            async with ServerPool([server.url]) as pool:
+                try:
+                    return await runner.run_group(pool, tokenizer, {"prompt": "Q: 2+3"}, [], PARAMS | {
+                        "max_new_tokens": 8}, 16, "g0", seed)
+                finally:
+                    await runner.close()
+        return asyncio.run(go())
+
+    got = run(11)
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens} - {tokenizer.eos_token_id}
+    sampled = sum(1 for s in got for t, m in zip(s.output_ids, s.loss_mask) if m and t in specials)
+    assert sampled > 0  # the text of these answers left tokens out
+    assert all(s.scalars["agent/drifts"] == 0 and s.scalars["agent/calls"] == 3 for s in got)
+    # One trajectory a rollout, holding its three answers: nothing dropped.
+    assert all(s.scalars["agent/dropped_tokens"] == 0 and s.scalars["agent/segments_per_rollout"] == 1 for s in got)
+    monkeypatch.setattr(text_map.TextMap, "tokens", lambda self, prompt, encode: encode(prompt))
+    assert sum(s.scalars["agent/drifts"] for s in run(11)) > 0  # the text tokenized again: drifts
