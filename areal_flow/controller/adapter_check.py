@@ -8,7 +8,8 @@ to the update). This check also covers what an update's answer cannot: a server 
 back serving other adapters, or none, under a version number it reports (veRL #7495: an adapter that
 silently never reached the rollout engine). A mismatch stops the run, naming the server and the
 version. Versions the controller did not see trained (the base, version 0; those before a resume)
-are not checked.
+are not checked, nor is a run on real SGLang (`active` false: its servers get merged weights and
+report no adapters).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ class AdapterMismatch(RuntimeError):
 
 
 class AdapterCheck:
-    def __init__(self) -> None:
+    def __init__(self, active: bool = True) -> None:
+        self.active = active  # the servers apply the adapters themselves (the embedded engine)
         self.expected: dict[int, str] = {}  # version -> the trainer's digest of its adapters
         self.problem: str | None = None  # the first mismatch found
 
     def trained(self, version: int, digest: str) -> None:
         """The trainer trained `version`, whose adapters have `digest` ("" without LoRA: nothing to check)."""
-        if digest:
+        if digest and self.active:
             self.expected[version] = digest
 
     def check(self, meta: GroupMeta) -> str | None:

@@ -104,7 +104,8 @@ class Controller:
         self.resize = TrainerResize(spec.run_dir, cfg.launcher.start_timeout + cfg.step_timeout, self.peers,
                                     self.progress, self.ledger, self.metrics)
         self.loading: Trained | None = None  # the last trained step, while its weights load
-        self.adapter_check = AdapterCheck()  # LoRA: each answer's adapters against the trainer's
+        # LoRA: each answer's adapters against the trainer's (real SGLang gets merged weights: no adapters to report).
+        self.adapter_check = AdapterCheck(active=cfg.generation.backend == "embedded")
         self.mailbox = Mailbox(socket, self.table())
 
     def table(self) -> dict[type, Handler]:

@@ -34,3 +34,11 @@ def test_a_server_reporting_other_adapters_or_none_is_named_with_the_version_and
         check.raise_if_mismatched()
     check.check(group([Served("gen_server2", 3, "cc")]))
     assert "gen_server1" in check.problem  # the first one found is what the run stops with
+
+
+def test_a_run_whose_servers_get_merged_weights_checks_nothing():
+    """generation.backend=sglang: the trainer's weight channels send SGLang merged weights, whose
+    answers report no adapters."""
+    check = AdapterCheck(active=False)
+    check.trained(1, "aa")
+    assert check.check(group([Served("gen_server0", 1, "")])) is None
