@@ -24,7 +24,10 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 
 def start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "areal_flow.launch", *SMALL, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
+    """Launch in the background with SMALL's settings, where `overrides` do not set the same key."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    small = [o for o in SMALL if o.split("=", 1)[0] not in keys]
+    cmd = [sys.executable, "-m", "areal_flow.launch", *small, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
            *QUIET, *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent)
 
