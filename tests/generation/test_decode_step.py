@@ -128,8 +128,9 @@ def test_the_engine_decodes_an_unsupported_architecture_through_transformers(tmp
     before_every_forward(engine, lambda module, args: forwards.append(tuple(args[0].shape)))
     try:
         prompts = [(2, 5, 7), (3, 4, 5, 6, 9)]
-        results = [f.result(timeout=60) for f in [engine.submit(p, max_new_tokens=8, temperature=0.0,
-                                                                ignore_eos=True) for p in prompts]]
+        # Queued together (one after the other, the first could end before the second came: CI saw it).
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        results = [f.result(timeout=60) for f in engine.submit_many([GenerationRequest(p, params) for p in prompts])]
     finally:
         engine.shutdown()
     assert engine.page_size is None  # the dense backend: the transformers forward over a left-padded cache

@@ -347,3 +347,21 @@ def test_each_answer_carries_its_servers_account_and_a_server_serving_other_adap
         problem = check.check(bad)
         assert problem is not None and "generation server gen_server0" in problem and "weight version 2" in problem
         assert bad.samples[0].served[0].adapters not in ("", digest)
+
+
+def test_a_refused_update_leaves_the_low_rank_path_in_use(update, model_dirs, tmp_path):
+    """Adapters that do not fit (lm_head's, of the wrong shape: they would be merged) are refused
+    and change nothing: the next update still takes the low-rank path."""
+    from safetensors.torch import save_file
+
+    _, path, digest = update
+    bad = tmp_path / "bad_head"
+    bad.mkdir()
+    (bad / adapter_files.CONFIG).write_bytes(open(os.path.join(path, adapter_files.CONFIG), "rb").read())
+    save_file({adapter_files.PEFT_PREFIX + "lm_head.lora_A.weight": torch.zeros(4, 3),
+               adapter_files.PEFT_PREFIX + "lm_head.lora_B.weight": torch.zeros(5, 4)}, str(bad / adapter_files.WEIGHTS))
+    with running_server(model_dirs.a, max_batch_size=8) as server:
+        with pytest.raises(GenerationError, match=r"lm_head's adapters make a 5×3 update"):
+            call(server, lambda c: c.update_weights_from_disk(str(bad), 1))
+        call(server, lambda c: c.update_weights_from_disk(path, 2, adapter_digest=digest))
+        assert server.engine._decode_step.lowrank is not None and server.engine.version == 2

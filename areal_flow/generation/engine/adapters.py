@@ -114,7 +114,6 @@ class Adapters:
                 return Install(paths, self.step, adapter_files.digest(tensors))
             logger.warning("%s: adapters of %s, which the low-rank path does not compute: merged into the weights",
                            path, module)
-        self.served_base = None  # merged from here on: the served weights are no longer the base
         self._load_base(path, base_path, {f"{m}.weight" for m in modules})
         parts = []
         for module, (a, b) in modules.items():
@@ -123,6 +122,7 @@ class Adapters:
                 raise ValueError(f"{path}: {module}'s adapters make a {b.shape[0]}×{a.shape[1]} update of a "
                                  f"{tuple(params[name].shape)} weight")
             parts.append((name, self.base[name], a.to(self.device, torch.float32), b.to(self.device, torch.float32)))
+        self.served_base = None  # merged from here on: the served weights are no longer the base
         return Merge(parts, adapter_files.scaling(config), adapter_files.digest(tensors), self.step)
 
     def _load_base(self, path: str, base_path: str, names: set[str]) -> None:
