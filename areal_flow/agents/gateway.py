@@ -10,8 +10,8 @@ Recorder (trajectories.py), which links the calls into trajectories and counts d
 the answer unchanged. A rollout's text prompts (`/v1/completions`) are tokenized here, the text
 it sent and got before standing for the tokens it was (text_map.py). A choice a weight update cut
 (`finish_reason: abort`, an interruptible run) is carried on to its end first (resume.py), so the
-agent gets and the record keeps one whole answer. A call with `stream: true` is asked for whole too and streamed back as it ends (sse.py).
-In front of SGLang (`backend="sglang"`), each call asks for the exact tokens SGLang returns only
+agent gets and the record keeps one whole answer. A call with `stream: true` is asked for whole too
+and streamed back as it ends (sse.py). In front of SGLang (`backend="sglang"`), each call asks for the exact tokens SGLang returns only
 when asked, and its answer is put in the embedded server's shape first (sglang_wire.py).
 
 A key opened with `open(key, Sampling(...))` (the agent runner's rollouts) has the run's sampling

@@ -25,8 +25,9 @@ sees part of a file. Each object:
 With `dump.weights`, the trainer also saves the weights it starts each step from, as a Hugging Face
 directory `<run_dir>/dumps/weights/vNNNNNNNN` (`weights_path`): the version that step's π_prox is,
 and the version the servers loaded under that number; with LoRA, the weights merged and, in
-`adapter/` (`adapter_path`), the adapters as the servers got them (a PEFT adapter directory). With both, every trained token's behaviour and
-π_prox logprobs can be recomputed offline (tests/test_logprob_audit.py).
+`adapter/` (`adapter_path`), the adapters as the servers got them (a PEFT adapter directory). With
+both, every trained token's behaviour and π_prox logprobs can be recomputed offline
+(tests/test_logprob_audit.py).
 """
 
 from __future__ import annotations

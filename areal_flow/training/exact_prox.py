@@ -9,10 +9,10 @@ than the server's decode steps, so its logprobs differ from the server's in thei
 at most on the CPU recipes: tests/test_logprob_audit.py). Here a second copy of the model, in the
 servers' number format, runs the servers' own code (generation/engine/scoring.py): each request
 the server ran is prefilled whole and its answer fed one decode step at a time through the
-batch-invariant forward. The copy takes the trained weights as the servers do, once per version: `export_weights` (the
-weight channels' source), or with LoRA the adapters `export_update` gives, applied to the base as the
-servers apply them (generation/engine/adapters.py: low-rank paths, or merged in fp32, by
-generation.lora_decode).
+batch-invariant forward. The copy takes the trained weights as the servers do, once per version:
+`export_weights` (the weight channels' source), or with LoRA the adapters `export_update` gives,
+applied to the base as the servers apply them (generation/engine/adapters.py: low-rank paths, or
+merged in fp32, by generation.lora_decode).
 
 It costs a second copy of the weights in memory and a decode step per answer token instead of one
 packed forward (docs/benchmarks.md, "Zero mismatch"). The training forward (log π_θ, with its

@@ -86,8 +86,8 @@ def regenerate(run_dir: str, step: int, uid: str) -> Regenerated:
         device = cfg.cluster.device_type  # (one CPU thread: a CPU server's, on its one core)
         if adapter_files.is_adapter_dir(adapter_path(run_dir, version)):  # LoRA: the base and the adapters, as served
             path = adapter_path(run_dir, version)
-        engine = GenerationEngine(path, batch_invariant=True, lora_decode=gen.lora_decode, num_threads=1 if device == "cpu" else None,
-                                  page_size=gen.page_size or 16, device=device,
+        engine = GenerationEngine(path, batch_invariant=True, lora_decode=gen.lora_decode,
+                                  num_threads=1 if device == "cpu" else None, page_size=gen.page_size or 16, device=device,
                                   dtype=compute_dtype(gen.dtype, device), prefix_cache=False)
         try:
             answer = engine.submit_many([GenerationRequest(tuple(prompt + tokens), params)])[0].result(timeout=600)

@@ -10,8 +10,7 @@ earlier version carries over (generation/engine/adapters.py).
 The adapters' `digest` (their names, dtypes, shapes and bytes) is what a server reports back for the
 version it applied, with the update and with every answer, and what the controller checks against
 the trainer's (controller/adapter_check.py): an adapter that never arrived, or arrived damaged, stops
-the run naming the server (veRL #7495: an adapter that silently
-never reached the rollout engine).
+the run naming the server (veRL #7495: an adapter that silently never reached the rollout engine).
 """
 
 from __future__ import annotations

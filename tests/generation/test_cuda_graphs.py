@@ -27,6 +27,18 @@ def test_widths_round_up_by_at_most_a_quarter():
     assert _width_bucket(1, 16) == 16 and _width_bucket(17, 16) == 32
 
 
+def greedy_step(batch: PagedBatch, reference: torch.nn.Module, device: str) -> None:
+    """Each ready row takes its argmax token, then one forward: every row's logits must be the
+    reference model's over its whole sequence."""
+    for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
+        row.output_ids.append(int(logits.argmax()))
+    batch.make_room()
+    batch.forward({})
+    for row, logits in zip(batch.ready, batch.logits):
+        expected = reference(input_ids=torch.tensor([row.sequence], device=device)).logits[0, -1]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @torch.inference_mode()
 def test_padded_decode_steps_give_every_row_its_own_logits(device):
@@ -58,13 +70,7 @@ def test_padded_decode_steps_give_every_row_its_own_logits(device):
             batch.drop_finished()
         if i == 8:
             batch.add(rows(3))
-        for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
-            row.output_ids.append(int(logits.argmax()))
-        batch.make_room()
-        batch.forward({})
-        for row, logits in zip(batch.ready, batch.logits):
-            expected = reference(input_ids=torch.tensor([row.sequence], device=device)).logits[0, -1]
-            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        greedy_step(batch, reference, device)
     assert runner.bucketed >= 9  # the steps without a prefill
     assert runner.replays > 0 if device == "cuda" else runner.replays == 0
     assert len(batch.ready) == 6
@@ -134,13 +140,7 @@ def test_lora_paths_of_new_shapes_drop_the_buckets_and_same_shaped_ones_are_copi
         prompts = [tuple(rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(1, 9))) for _ in range(5)]
         batch.add([Row(GenerationRequest(p, SamplingParams()), Future(), frozenset()) for p in prompts])
         for _ in range(n):
-            for row, logits in zip(batch.ready, batch.logits if batch.ready else ()):
-                row.output_ids.append(int(logits.argmax()))
-            batch.make_room()
-            batch.forward({})
-            for row, logits in zip(batch.ready, batch.logits):
-                expected = merged(input_ids=torch.tensor([row.sequence], device=device)).logits[0, -1]
-                torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+            greedy_step(batch, merged, device)
         for row in batch.ready:
             row.finish = ("stop", None)
         batch.drop_finished()

@@ -62,29 +62,25 @@ def build(layers: list[torch.nn.Module], modules: dict[str, tuple[torch.Tensor, 
     for i, layer in enumerate(layers):
         paths.append({})
         for group, parts in GROUPS.items():
-            if not any((i, part) in found for part in parts):
+            adapted = [part for part in parts if (i, part) in found]
+            if not adapted:
                 continue
-            linears = [layer.get_submodule(part) for part in parts]
-            a_parts, blocks = [], []
-            for part, linear in zip(parts, linears):
-                if (i, part) not in found:
-                    continue
-                a, b = found[i, part]
-                if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
-                    raise ValueError(f"{where}: model.layers.{i}.{part}'s adapters make a {b.shape[0]}×{a.shape[1]} "
-                                     f"update of a ({linear.out_features}, {linear.in_features}) weight")
-                a_parts.append(a)
-                blocks.append((part, b))
-            rank = sum(a.shape[0] for a in a_parts)
-            b_full = torch.zeros(sum(linear.out_features for linear in linears), rank, dtype=torch.float32)
+            linears = [(part, layer.get_submodule(part)) for part in parts]
+            # The parts' B's side by side, each in its own rows (the others' are zeros): block-diagonal.
+            b_full = torch.zeros(sum(linear.out_features for _, linear in linears),
+                                 sum(found[i, part][0].shape[0] for part in adapted), dtype=torch.float32)
             row = col = 0
-            for part, linear in zip(parts, linears):
-                b = dict(blocks).get(part)
-                if b is not None:
+            for part, linear in linears:
+                if part in adapted:
+                    a, b = found[i, part]
+                    if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
+                        raise ValueError(f"{where}: model.layers.{i}.{part}'s adapters make a {b.shape[0]}×"
+                                         f"{a.shape[1]} update of a ({linear.out_features}, {linear.in_features}) weight")
                     b_full[row: row + b.shape[0], col: col + b.shape[1]] = b.float() * scale
                     col += b.shape[1]
                 row += linear.out_features
-            paths[i][group] = Path(torch.cat(a_parts).to(device, dtype), b_full.to(device, dtype))
+            a_full = torch.cat([found[i, part][0] for part in adapted])
+            paths[i][group] = Path(a_full.to(device, dtype), b_full.to(device, dtype))
     return paths
 
 
