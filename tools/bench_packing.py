@@ -206,11 +206,9 @@ def main() -> None:
 
 
 def _free_port() -> int:
-    import socket
+    from areal_flow.runtime.ports import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import zmq
 from _bench import machine
 from areal_flow.metrics.writer import read_metrics
 from areal_flow.runtime.security import Security
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.transport.channels import endpoint, make_socket
 from areal_flow.transport.messages import Array, Sample, ScoredGroup, decode, encode
 

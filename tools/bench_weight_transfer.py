@@ -44,7 +44,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _bench import machine
 from areal_flow.generation.client.generation_client import GenerationClient, wait_healthy
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.training.engine import bucketed
 from areal_flow.weights.ipc import IpcSender
 from areal_flow.weights.sender import Server, WeightSender

@@ -24,7 +24,7 @@ from typing import Callable
 from areal_flow.graph.placement import Proc
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.child import ONE_LINE_ERROR
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.status.processes import ProcessTable
 
 _PR_SET_PDEATHSIG = 1

@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from areal_flow.graph.placement import Placement, Proc
 from areal_flow.launchers.local import ChildFailed, Restart, Watching, child_preexec
 from areal_flow.runtime import run_dir as rd
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 
 
 @ray.remote(num_cpus=0)

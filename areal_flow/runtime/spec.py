@@ -9,7 +9,6 @@ run's `Security` (runtime/security.py).
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import msgspec
@@ -93,20 +92,6 @@ def reachable(host: str) -> str:
     """The address a client on this machine connects to for a server bound to `host`: loopback for
     a wildcard address, the address itself otherwise."""
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """n distinct free TCP ports on `host` (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_run(run_dir: str, cfg: DictConfig, spec: RunSpec) -> None:

@@ -8,6 +8,7 @@ import socket
 import pytest
 from hydra import compose, initialize_config_dir
 
+from areal_flow.runtime.ports import free_ports
 from areal_flow.checkpoint import store
 from areal_flow.controller import state as run_state
 from areal_flow.controller.main import Controller
@@ -18,9 +19,7 @@ from areal_flow.runtime.spec import RunSpec, typed
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture()

@@ -3,20 +3,18 @@
 
 import asyncio
 import logging
-import socket
 
 import zmq
 import zmq.asyncio
 
+from areal_flow.runtime.ports import free_ports
 from areal_flow.controller.mailbox import Mailbox
 from areal_flow.transport.channels import endpoint, make_socket, send_blocking
 from areal_flow.transport.messages import Hello, Joined, Released
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def test_each_message_goes_to_its_types_handler_and_one_without_a_handler_is_dropped(caplog):

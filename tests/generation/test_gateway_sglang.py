@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from areal_flow.agents import sglang_wire
 from areal_flow.agents.gateway import Gateway
 from areal_flow.generation.client.generation_client import wait_healthy
 from areal_flow.generation.client.router import ServerPool
+from areal_flow.runtime.ports import free_ports
 
 openai = pytest.importorskip("openai")
 
@@ -63,10 +63,7 @@ def test_an_sglang_too_old_to_return_token_ids_is_named(drop):
 
 
 def standin(model: str):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port, = free_ports(1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
                              "--device", "cpu", "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL)

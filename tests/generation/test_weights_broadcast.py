@@ -18,7 +18,7 @@ from generation_helpers import ModelDirs, http_call
 
 from areal_flow.generation.client.generation_client import wait_healthy
 from areal_flow.generation.engine.checkpoint import load_checkpoint
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.training.engine import bucketed
 from areal_flow.weights import group as weight_group
 from areal_flow.weights.sender import Server, WeightSender, WeightTransferError

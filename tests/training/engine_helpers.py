@@ -4,7 +4,6 @@ and a way to run a function on several gloo ranks in spawned processes."""
 import datetime
 import faulthandler
 import os
-import socket
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
+from areal_flow.runtime.ports import free_ports
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.training.engine import OptimSpec
 
@@ -100,9 +100,7 @@ def assert_same_weights(a, b, atol=1e-6):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def tiny_tokenizer():

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from areal_flow.launch import CONF_DIR
 from areal_flow.rewards.worker import infer_requests
 from areal_flow.graph import graph_from_config
-from areal_flow.runtime.spec import RunSpec, free_ports, typed
+from areal_flow.runtime.ports import free_ports
+from areal_flow.runtime.spec import RunSpec, typed
 from areal_flow.training.inference import InferenceWorker, answers
 from areal_flow.training.torch_engine import TorchEngine
 from areal_flow.transport.channels import endpoint, make_socket, recv_blocking, send_blocking

@@ -5,7 +5,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.transport.channels import endpoint, make_socket, recv, send
 from areal_flow.transport.messages import Array, ScoredGroup, Sample, decode, encode
 

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from areal_flow.runtime.security import Security, host_address, release
-from areal_flow.runtime.spec import free_ports
+from areal_flow.runtime.ports import free_ports
 from areal_flow.transport.channels import endpoint, make_socket, recv, recv_from, send, send_blocking
 from areal_flow.transport.messages import Hello, ScoredGroup, decode
 
