@@ -25,6 +25,8 @@ END_FIELDS = ("matched_stop", "weight_version")
 MAX_RESUMES = 16
 """Continuations one choice may take; an answer cut more often than this stays cut (`abort`)."""
 
+CARRY_ON_FAILED = "an answer cut by a weight update could not be carried on"
+
 
 def budget(body: dict) -> int | None:
     """The call's token budget (None: up to the model's context, the server's rule when the call
@@ -55,15 +57,19 @@ def stitched(choice_: dict, whole: Piece) -> dict:
             "output_token_versions": whole.versions, "finish_reason": whole.finish, **whole.end}
 
 
-def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tokenizer: Any) -> dict:
+def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tokenizer: Any,
+              tool_call_parser: str = "auto") -> dict:
     """The stitched choice as the server would have answered it: its text (or message and tool
-    calls) and finish reason from all its tokens; the extension fields as stitched."""
+    calls) and finish reason from all its tokens; the extension fields as stitched. Tool calls are
+    read by `tool_call_parser` (generation.tool_call_parser; auto: the policy's chat template), as
+    the servers read them."""
     # Imported here: they load torch (the engine's types), which the rollout worker otherwise never
     # needs (its start-up: 0.8 s without, 4 s with).
     from areal_flow.generation.engine.generation_engine import GenerationResult
     from areal_flow.generation.http.openai_answers import choice
-    from areal_flow.generation.http.openai_api import OpenAICall
+    from areal_flow.generation.http.openai_api import OpenAICall, tool_settings
     from areal_flow.generation.engine.sampling import SamplingParams
+    from areal_flow.generation.tool_parsers import resolve
 
     reason = choice_["finish_reason"]
     result = GenerationResult(
@@ -72,8 +78,12 @@ def rederived(body: dict, chat: bool, index: int, choice_: dict, model: str, tok
         finish_reason="stop" if reason == "tool_calls" else reason, matched_stop=choice_.get("matched_stop"),
         weight_label=str(choice_.get("weight_version") or "default"))
     asked = body.get("logprobs")  # chat: true/false; completions: how many alternatives (0: none)
+    # The body's tools and tool_choice were checked by the server that answered it.
+    tooling = (tool_settings(body, body.get("tools") or [],
+                             resolve(tool_call_parser, getattr(tokenizer, "chat_template", None)))
+               if chat else {"tools": False})
     call = OpenAICall(chat=chat, model=model, prompt_ids=(), params=SamplingParams(), n=1, stream=False,
                       logprobs=None if asked is None or asked is False else 0,
-                      tools=chat and bool(body.get("tools")) and body.get("tool_choice") != "none",
-                      echo_usage=False, skip_special_tokens=body.get("skip_special_tokens", True) is not False)
+                      echo_usage=False, skip_special_tokens=body.get("skip_special_tokens", True) is not False,
+                      **tooling)
     return choice(call, index, result, tokenizer)

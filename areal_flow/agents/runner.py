@@ -105,6 +105,8 @@ class AgentRunner:
     retries: int
     roles: tuple[str, ...] = ()  # graph.<node>.agent_roles; empty: one role, run(client, row) -> reward
     backend: str = "embedded"  # generation.backend: the servers the gateway is in front of
+    on_drift: str = "last_segment"  # graph.<node>.agent_drift: "drop" fails a drifted rollout
+    tool_call_parser: str = "auto"  # generation.tool_call_parser: the gateway reads resumed answers' calls so
     gateway: Gateway | None = None
     http: Any = None  # the one HTTP client every rollout's openai client shares (in-process to the gateway)
     starting: asyncio.Future | None = None
@@ -112,12 +114,14 @@ class AgentRunner:
     warned: bool = False  # of a drift, once a worker
 
     @classmethod
-    def of(cls, node: Any, model_path: str, backend: str = "embedded") -> "AgentRunner | None":
+    def of(cls, node: Any, model_path: str, backend: str = "embedded",
+           tool_call_parser: str = "auto") -> "AgentRunner | None":
         """The generate node's agent runner, or None when it names no agent."""
         if node.agent is None:
             return None
         return cls(load_agent(node.agent, f"graph.{node.name}.agent"), node.agent, model_path,
-                   node.agent_wall_seconds, node.agent_retries, tuple(node.agent_roles), backend)
+                   node.agent_wall_seconds, node.agent_retries, tuple(node.agent_roles), backend, node.agent_drift,
+                   tool_call_parser)
 
     async def _gateway(self, pool: ServerPool, tokenizer: Any) -> Gateway:
         """The worker's gateway, started by the first rollout (in the loop that serves it); the
@@ -128,7 +132,8 @@ class AgentRunner:
 
     async def _start(self, pool: ServerPool, tokenizer: Any) -> Gateway:
         self.tokenizer = tokenizer
-        gateway = Gateway(pool, require_open=True, tokenizer=tokenizer, backend=self.backend)
+        gateway = Gateway(pool, require_open=True, tokenizer=tokenizer, backend=self.backend,
+                          tool_call_parser=self.tool_call_parser)
         await gateway.start()
         # Measured (py-spy, tiny_arith_agent): an openai client made for each rollout spent 47% of
         # the worker's CPU making its own HTTP client (an SSL context each). One shared client,
@@ -241,6 +246,9 @@ class AgentRunner:
             raise AgentFailed(f"agent {self.name} returned {value!r} without calling the policy"
                               + ("" if role is None else f" as role {role}"))
         dropped = recorder.dropped_tokens(trajectory)
+        if recorder.drifts and self.on_drift == "drop":
+            raise AgentFailed(f"agent {self.name}: a call's history left the recorded tokens at token "
+                              f"{recorder.examples[0].position} (a drift; graph.generate.agent_drift=drop)")
         if recorder.drifts and not self.warned:
             self.warned = True
             log.warning("%s", drift_warning(self.name, recorder.examples[0], dropped, self.tokenizer))

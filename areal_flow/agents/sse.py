@@ -1,11 +1,14 @@
-"""A whole answer sent as OpenAI's stream: what the gateway answers a call with `stream: true`.
+"""A whole answer sent as OpenAI's stream: what the gateway answers a call with `stream: true` in
+front of SGLang (`backend="sglang"`).
 
-The gateway records whole answers (the exact tokens, a cut answer carried on: resume.py), so it
-asks the server for the whole answer and streams it to the agent as it ends: per choice a chunk
-with its role (chat), one with its text or tool calls, its finish reason and the extension fields
-(as the server's last chunk carries them), then the usage chunk when `stream_options.include_usage`
-asks, then `[DONE]`. An agent written for streaming works unchanged; it gets its tokens when the
-answer ends, which costs an RL rollout nothing (it waits for the whole answer to act on it).
+The gateway reads the exact tokens SGLang returns from a whole answer's `meta_info` (sglang_wire.py),
+and SGLang's streamed chunks are not known to carry them all (nothing checked on real SGLang), so
+there the gateway asks for the whole answer, records it (the exact tokens, a cut answer carried on:
+resume.py) and streams it to the agent as it ends: per choice a chunk with its role (chat), one
+with its text or tool calls, its finish reason and the extension fields (as the embedded server's
+last chunk carries them), then the usage chunk when `stream_options.include_usage` asks, then
+`[DONE]`. An agent written for streaming works unchanged; it gets its tokens when the answer ends.
+In front of the embedded server, streams are real (stream.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ EXTENSIONS = ("token_ids", "output_token_logprobs", "output_token_versions", "we
 
 
 def streamed(body: dict) -> dict:
-    """The call as the gateway sends it to the server: whole, not streamed."""
+    """The call as the gateway sends it to SGLang: whole, not streamed."""
     return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
 
 

@@ -78,6 +78,11 @@ class GenerateNodeConfig(NodeConfig):
                                  "role's last trajectory a sample of its own, its advantages normalised among its "
                                  "role's samples of the group (group_size / roles rollouts a group); empty = one role, "
                                  "run(client, row) -> reward", factory=list)
+    agent_drift: str = doc("last_segment", "generate nodes with agent: a rollout whose history left the recorded "
+                           "tokens (a drift, docs/agents.md): last_segment = train the trajectory of its last call, its "
+                           "earlier segments dropped (counted in agent/dropped_tokens); drop = the rollout fails (run "
+                           "again, then its group dropped, the ledger naming the drift)",
+                           choices=("last_segment", "drop"))
     agent_retries: int = doc(1, "generate nodes with agent: a failed rollout (the agent raised, timed out, made no "
                              "call or returned no reward) runs again this many times, then its group is dropped "
                              "(the ledger names the failure)", ge=0)

@@ -41,10 +41,11 @@ class ModelConfig:
     bootstrap_batch_size: int = doc(64, "problems per bootstrap step", ge=1)
     bootstrap_task: Optional[str] = doc(None, "what the tiny model is bootstrapped on: null for dataset.name's own task, "
                                         "'tiny_arith_tool' (arithmetic, the Python tool used some of the time), "
+                                        "'tiny_arith_chat_tool' (the same as chat turns, the tool a function call), "
                                         "'tiny_arith_check' (arithmetic, half of it checking claimed sums) or "
                                         "'tiny_code_feedback' (code, some first attempts repaired after a failed test)",
-                                        choices=("tiny_arith", "tiny_arith_tool", "tiny_arith_check", "tiny_code",
-                                                 "tiny_code_feedback"))
+                                        choices=("tiny_arith", "tiny_arith_tool", "tiny_arith_chat_tool",
+                                                 "tiny_arith_check", "tiny_code", "tiny_code_feedback"))
 
 
 @dataclass
@@ -306,6 +307,12 @@ class GenerationConfig:
     max_request_bytes: int = doc(16 << 20, "embedded: larger request bodies are refused (413) before they are read "
                                  "or tokenized (--max-request-bytes); 16 MiB holds a 128k-token conversation many "
                                  "times over", ge=1)
+    tool_call_parser: str = doc("auto", "the format of the policy's tool calls in chat answers (--tool-call-parser, "
+                                "SGLang's names): hermes (Qwen2.5/Qwen3, Hermes), llama3 (Llama 3.x JSON), mistral, "
+                                "pythonic (Llama 3.2/4 pythonic); qwen25, qwen, llama3_json, llama4_pythonic are "
+                                "aliases; auto = the one the model's chat template writes (docs/generation.md)",
+                                choices=("auto", "hermes", "llama3", "mistral", "pythonic", "qwen25", "qwen",
+                                         "llama3_json", "llama4_pythonic"))
     extra_args: List[str] = doc(help="sglang: more launch_server arguments, passed verbatim, e.g. "
                                 "['--log-level', 'warning']; a flag a key above sets is refused", factory=list)
 

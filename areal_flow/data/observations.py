@@ -32,3 +32,11 @@ def failed_test(call: str, expected: object, got: str, limit: int = MAX_OUTPUT_C
     `# failed: name(args) == expected, got what_it_gave` (a repr, an error or `timeout`), cut at
     `limit` characters."""
     return f"# failed: {cut(f'{call} == {expected!r}, got {got}', limit)}\n"
+
+
+PYTHON_FUNCTION = {"type": "function", "function": {
+    "name": "python", "description": "Run Python code and read what it printed.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+"""The Python tool as a chat agent declares it (`tools`), in the shape the server hands its chat
+template (openai_api.chat_input keeps this order): tiny_arith_chat_agent's agent and the traces its
+model is bootstrapped on (models/tasks.py) render the same text."""

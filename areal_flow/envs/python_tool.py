@@ -21,7 +21,7 @@ import time
 from typing import Any, AsyncIterator
 
 from areal_flow.config.schema import SandboxConfig
-from areal_flow.data.observations import MAX_OUTPUT_CHARS, PYTHON_CLOSE, PYTHON_OPEN, output_observation
+from areal_flow.data.observations import MAX_OUTPUT_CHARS, PYTHON_CLOSE, PYTHON_OPEN, cut, output_observation
 from areal_flow.envs.base import Environment, Step
 from areal_flow.sandbox.local import UID_BASE, CaseResult, Sandbox, SandboxUnavailable
 
@@ -148,6 +148,18 @@ async def run_tool(code: str, settings: ToolSettings, sandbox: SandboxConfig) ->
     """`code` run in this process's sandbox pool: the observation (what it printed, or the error,
     in `<output>` tags) and the figures tool_calls, tool_errors, tool_seconds. An agent's tool
     calls it too (areal_flow/agents/examples/arith_tool.py)."""
+    text, figures = await _run(code, settings, sandbox)
+    return output_observation(text, settings.max_output_chars), figures
+
+
+async def tool_output(code: str, settings: ToolSettings, sandbox: SandboxConfig) -> tuple[str, dict[str, float]]:
+    """run_tool's without the tags: what `code` printed (or the error), cut at `max_output_chars`;
+    a chat agent's tool result (areal_flow/agents/examples/arith_chat_tool.py)."""
+    text, figures = await _run(code, settings, sandbox)
+    return cut(text, settings.max_output_chars), figures
+
+
+async def _run(code: str, settings: ToolSettings, sandbox: SandboxConfig) -> tuple[str, dict[str, float]]:
     t0 = time.monotonic()
     result = await shared_pool(sandbox, settings.concurrency).run(code)
     seconds = time.monotonic() - t0
@@ -155,8 +167,7 @@ async def run_tool(code: str, settings: ToolSettings, sandbox: SandboxConfig) ->
     text = result.stdout if not failed else error_text(result, settings.wall_seconds)
     if settings.ascii_only:
         text = printable(text)
-    return (output_observation(text, settings.max_output_chars),
-            {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds})
+    return text, {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
 
 
 def error_text(result: CaseResult, wall_seconds: float) -> str:

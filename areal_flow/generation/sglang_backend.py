@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from areal_flow.config.schema import GenerationConfig
+from areal_flow.generation import tool_parsers
 
 INSTALL = "pip install -e '.[sglang]'"
 
@@ -67,7 +68,7 @@ SECURED_FLAGS = {
 }
 """Flags a secured run's servers get -> what decides them."""
 
-OWNERS = {**RUN_FLAGS, **SECURED_FLAGS,
+OWNERS = {**RUN_FLAGS, **SECURED_FLAGS, "--tool-call-parser": tool_parsers.KEY,
           **{flag: f"generation.{key}" for key, flag in {**VALUE_FLAGS, **SWITCHES}.items()}}
 
 
@@ -79,11 +80,14 @@ def sglang_command(gen: GenerationConfig, model_path: str, port: int | str, seed
     run's API key. SGLang reads it from its command line only, so local users can see it in the
     process list (docs/security.md). `version`: the weights' version label, when not 0 (a resumed
     run's checkpoint; SGLang's own first label, "default", counts as 0). `tokenizer`: the server
-    loads the model's tokenizer (an agent's OpenAI calls need its chat template); otherwise token
+    loads the model's tokenizer (an agent's OpenAI calls need its chat template) and parses chat
+    answers' tool calls by generation.tool_call_parser (`sglang_tool_call_parser`); otherwise token
     ids go in and out and SGLang starts without one."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host or gen.host,
             "--port", str(port), "--tp-size", str(gen.tp_size), "--random-seed", str(seed),
             "--device", DEVICES[device_type], *([] if tokenizer else ["--skip-tokenizer-init"])]
+    if tokenizer:
+        argv += ["--tool-call-parser", sglang_tool_call_parser(gen.tool_call_parser, model_path)]
     if api_key is not None:
         argv += ["--api-key", api_key]
     if version:
@@ -93,6 +97,14 @@ def sglang_command(gen: GenerationConfig, model_path: str, port: int | str, seed
             argv += [flag, str(value)]
     argv += [flag for key, flag in SWITCHES.items() if getattr(gen, key)]
     return argv + list(gen.extra_args)
+
+
+def sglang_tool_call_parser(name: str, model_path: str) -> str:
+    """SGLang's `--tool-call-parser` for generation.tool_call_parser `name`: the same format under
+    SGLang's name; `auto` resolved from the chat template in `model_path` as the embedded server
+    resolves it from its tokenizer's (SGLang has no `auto`, and without the flag parses no calls)."""
+    template = tool_parsers.template_of(model_path) if name == "auto" else None
+    return tool_parsers.SGLANG_NAMES[tool_parsers.resolve(name, template)]
 
 
 def sglang_env(devices: Sequence[int], tp_size: int, device_type: str, pin_cpus: bool) -> dict[str, str]:

@@ -49,6 +49,7 @@ class Node:
     agent: str | None = None  # the policy's generate node: 'module:function' run through the OpenAI gateway
     agent_wall_seconds: float = 120.0  # with agent: a rollout's wall time
     agent_retries: int = 1  # with agent: runs of a failed rollout before its group is dropped
+    agent_drift: str = "last_segment"  # with agent: a drifted rollout trains its last segment, or fails ("drop")
     agent_roles: tuple[str, ...] = ()  # with agent: the policy's roles in a rollout, a sample each
 
     @property
@@ -132,6 +133,7 @@ def _node(name: str, c: Any, mesh: tuple[int, ...] | None, layout: Layout | None
         agent=_field(c, "agent"),
         agent_wall_seconds=float(_field(c, "agent_wall_seconds", 120.0)),
         agent_retries=int(_field(c, "agent_retries", 1)),
+        agent_drift=str(_field(c, "agent_drift", "last_segment")),
         agent_roles=tuple(str(r) for r in _field(c, "agent_roles", ()) or ()),
     )
 

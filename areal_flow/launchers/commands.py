@@ -66,6 +66,8 @@ def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str,
     if gen.lora_decode != "lowrank":
         argv += ["--lora-decode", gen.lora_decode]
     argv += ["--max-request-bytes", str(gen.max_request_bytes)]
+    if gen.tool_call_parser != "auto":  # auto: the server reads its tokenizer's chat template itself
+        argv += ["--tool-call-parser", gen.tool_call_parser]
     # The embedded server takes --api-key as SGLang does, and the key in its environment too: the
     # launcher uses that, since a command line is visible to every user of the host.
     return argv, ({API_KEY_ENV: api_key} if api_key is not None else {})

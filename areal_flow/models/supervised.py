@@ -54,7 +54,7 @@ def train_and_save(out_dir: str, settings: dict[str, Any], progress: bool, devic
     """Train the tiny model `settings` describe (see `ensure_base_model`) on `device` and save it,
     its tokenizer and `bootstrap.json` into `out_dir`."""
     task = bootstrap_task(settings.get("task", "tiny_arith"))
-    tokenizer = build_char_tokenizer(task.chars, chat=task.chat, words=task.words)
+    tokenizer = build_char_tokenizer(task.chars, chat=task.chat, words=task.words, eos=task.eos)
     # The initial weights are part of the cached settings; fork so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings["seed"])

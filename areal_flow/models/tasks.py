@@ -8,6 +8,7 @@ task's characters and data version, so a change to either trains a new model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import re
@@ -18,12 +19,13 @@ from areal_flow.data.observations import (
     OUTPUT_CLOSE,
     OUTPUT_OPEN,
     PYTHON_CLOSE,
+    PYTHON_FUNCTION,
     PYTHON_OPEN,
     call_text,
     failed_test,
     output_observation,
 )
-from areal_flow.models.tokenizer import CHARS, CODE_CHARS, EOS
+from areal_flow.models.tokenizer import CHARS, CODE_CHARS, EOS, IM_END, IM_START, TOOLS_INSTRUCTION, TOOLS_PREAMBLE
 
 HELDOUT_N, HELDOUT_SEED = 200, 0
 """The held-out set the bootstrap must never train on: the default one of `ensure_arith_data`."""
@@ -43,6 +45,7 @@ class BootstrapTask:
     # (seed, (n_eval, eval_seed)) -> endless fresh (prompt, completion) pairs, none of them held out
     pairs: Callable[[int, tuple[int, int]], Iterator[tuple[str, Completion]]]
     words: tuple[str, ...] = ()  # strings the tokenizer holds as one token each (a tool call's tags)
+    eos: str = EOS  # the token that ends an answer (IM_END: a chat model's turn, as Qwen's instruct models)
 
 
 def arith_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, str]]:
@@ -76,6 +79,50 @@ def arith_tool_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str,
             yield prompt, tool_completion(*arith.operands(prompt))
         else:
             yield prompt, scratchpad
+
+
+CALL_HEAD, CALL_TAIL = '{"name": "python", "arguments": {"code": "', '"}}'  # a call as the template writes it
+CHAT_TOOL_WORDS = (
+    # The tool's declaration the template writes into the system turn (HF's `tojson`: json.dumps),
+    # and the call's and the result's tags and JSON around the code: one token each, so that a chat
+    # prompt is about as long as tiny_arith_tool's (a character tokenizer would make it 400 tokens).
+    # The template's `{% endfor %}` eats the newline that starts TOOLS_INSTRUCTION (trim_blocks).
+    TOOLS_PREAMBLE, json.dumps(PYTHON_FUNCTION, ensure_ascii=False), TOOLS_INSTRUCTION.removeprefix("\n"), "<tool_call>",
+    "</tool_call>", "<tool_response>", "</tool_response>", CALL_HEAD, CALL_TAIL)
+
+
+@functools.cache
+def _chat_renderer():
+    from areal_flow.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer(CODE_CHARS, chat=True)
+
+
+def chat_prompt(problem: str) -> str:
+    """A chat agent's first prompt for `problem`: the Python tool declared, the problem as the
+    user's turn, the assistant's turn begun (the template's text, as the server renders it)."""
+    return _chat_renderer().apply_chat_template([{"role": "user", "content": problem}], tools=[PYTHON_FUNCTION],
+                                                add_generation_prompt=True, tokenize=False)
+
+
+def chat_tool_completion(a: int, b: int) -> list[tuple[str, bool]]:
+    """a+b answered by a chat agent with the Python tool: the call ending the turn, the tool's result
+    as the next conversation renders it after that turn (the newline the template ends a turn with,
+    the tool's turn, the assistant's begun; untrained), then the answer."""
+    call = f"<tool_call>\n{CALL_HEAD}print({a}+{b}){CALL_TAIL}\n</tool_call>{IM_END}"
+    result = f"\n{IM_START}user\n<tool_response>\n{a + b}\n\n</tool_response>{IM_END}\n{IM_START}assistant\n"
+    return [(call, True), (result, False), (f"#### {a + b}", True)]
+
+
+def arith_chat_tool_pairs(seed: int, heldout: tuple[int, int]) -> Iterator[tuple[str, Completion]]:
+    """arith_tool_pairs' problems as a chat agent asks them (`chat_prompt`), TOOL_SHARE answered with a
+    tool call (`chat_tool_completion`), the others with the scratchpad; each answer ends its turn."""
+    rng = random.Random(f"bootstrap-chat-tool-{seed}")
+    for prompt, scratchpad in arith_pairs(seed, heldout):
+        if rng.random() < TOOL_SHARE:
+            yield chat_prompt(prompt), chat_tool_completion(*arith.operands(prompt))
+        else:
+            yield chat_prompt(prompt), scratchpad
 
 
 CHECK_SHARE = 0.5  # of the two-agent bootstrap's pairs that are a checker's, half of them wrong claims
@@ -177,6 +224,8 @@ TASKS: dict[str, BootstrapTask] = {
     "tiny_arith": BootstrapTask("tiny_arith", CHARS, False, arith.DATA_VERSION, arith_pairs),
     "tiny_arith_tool": BootstrapTask("tiny_arith_tool", CODE_CHARS, False, arith.DATA_VERSION, arith_tool_pairs,
                                      words=TOOL_WORDS),
+    "tiny_arith_chat_tool": BootstrapTask("tiny_arith_chat_tool", CODE_CHARS, True, arith.DATA_VERSION,
+                                          arith_chat_tool_pairs, words=CHAT_TOOL_WORDS, eos=IM_END),
     "tiny_arith_check": BootstrapTask("tiny_arith_check", CODE_CHARS, False, arith.DATA_VERSION, arith_check_pairs),
     "tiny_code": BootstrapTask("tiny_code", CODE_CHARS, True, tiny_code.DATA_VERSION, code_pairs),
     # Version 2 of its traces: the failed test is one the prompt shows (code_feedback's feedback_from=shown).

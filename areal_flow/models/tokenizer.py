@@ -50,13 +50,18 @@ definitions, an assistant's `<tool_call>{json}</tool_call>` and tool results as 
 writes them (the OpenAI endpoints: generation/http/openai_api.py)."""
 
 
-def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[str, ...] = (),
+                         eos: str = EOS) -> PreTrainedTokenizerFast:
     """A fresh tokenizer: ids 0-2 are `<pad> <eos> <unk>`, then `chars` in order; with `chat`, the
     two role markers and CHAT_TEMPLATE (the arithmetic task has neither); then `words`, strings
     of several characters that are one token each, written and read back as text (a tool call's
-    tags, as Qwen's `<tool_call>`)."""
+    tags, as Qwen's `<tool_call>`). `eos` is the token that ends an answer: IM_END for a model whose
+    answers are chat turns (as Qwen's instruct models: the server stops there, the template ends
+    the turn with it)."""
     if len(set(chars)) != len(chars) or len(set(words)) != len(words):
         raise ValueError("build_char_tokenizer: repeated characters or words")
+    if eos not in (EOS, *((IM_END,) if chat else ())):
+        raise ValueError(f"build_char_tokenizer: eos must be {EOS} or, with chat, {IM_END}; got {eos!r}")
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for c in chars:
         vocab[c] = len(vocab)
@@ -75,7 +80,7 @@ def build_char_tokenizer(chars: str = CHARS, chat: bool = False, words: tuple[st
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
-        eos_token=EOS,
+        eos_token=eos,
         unk_token=UNK,
         additional_special_tokens=list(markers),
         # The space is a real token ("#### 4690"); clean-up would strip spaces around digits.

@@ -11,4 +11,5 @@ from areal_flow.rollout.turns import Turns
 
 def runner_of(node: Any, cfg: Any, model_path: str) -> Turns | AgentRunner | None:
     """The generate node's runner of turns or agent rollouts, or None (one turn a sample)."""
-    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path, cfg.generation.backend)
+    return Turns.of(node, cfg, model_path) or AgentRunner.of(node, model_path, cfg.generation.backend,
+                                                             cfg.generation.tool_call_parser)

@@ -40,8 +40,9 @@ async def two_calls(client, row, edit: bool = False, **kw) -> float:
     return 0.75
 
 
-def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS, seed=7, roles=()):
-    runner = AgentRunner(agent, "tests:agent", model_path, wall, retries, roles)
+def rollouts(model_path, server, agent, n=1, retries=1, wall=30.0, params=PARAMS, seed=7, roles=(),
+             on_drift="last_segment"):
+    runner = AgentRunner(agent, "tests:agent", model_path, wall, retries, roles, on_drift=on_drift)
 
     async def go():
         async with ServerPool([server.url]) as pool:
@@ -104,6 +105,20 @@ def test_a_drifting_agent_s_sample_is_its_last_trajectory_only_with_the_drift_co
     assert prompt[len("Q: 2+3") + 1] == "!" and prompt.endswith(ADDED)
     assert got.loss_mask == [1] * 4 and len(got.output_ids) == 4
     assert got.drift["position"] == len(tokenizer.encode("Q: 2+3", add_special_tokens=False)) + 1
+
+
+def test_with_agent_drift_drop_a_drifting_rollout_fails_naming_the_drift_and_nothing_of_it_is_trained(served):
+    model, _, server = served
+
+    async def drifting(client, row):
+        return await two_calls(client, row, edit=True)
+
+    with pytest.raises(AgentFailed, match=r"rollout g0-0 failed 2 run\(s\) .*agent tests:agent: a call's history "
+                                          r"left the recorded tokens at token \d+ \(a drift; "
+                                          r"graph.generate.agent_drift=drop\)"):
+        rollouts(model, server, drifting, on_drift="drop")
+    (got,) = rollouts(model, server, two_calls, on_drift="drop")  # no drift: trained as always
+    assert got.scalars["agent/drifts"] == 0 and got.scalars["agent/calls"] == 2
 
 
 def test_an_agent_that_raises_is_run_again_then_fails_its_group_by_name(served):
@@ -208,6 +223,30 @@ async def from_openai_docs(client, row) -> float:
     return 1.0
 
 
+def group_of_16(agent, served, seed: int = 11) -> list:
+    """A group of 16 rollouts of `agent` (8-token answers) on the served model."""
+    model, tokenizer, server = served
+    runner = AgentRunner(agent, "tests:docs_agent", model, 30.0, 0)
+
+    async def go():
+        async with ServerPool([server.url]) as pool:
+            try:
+                return await runner.run_group(pool, tokenizer, {"prompt": "Q: 2+3"}, [], PARAMS | {
+                    "max_new_tokens": 8}, 16, "g0", seed)
+            finally:
+                await runner.close()
+    return asyncio.run(go())
+
+
+def assert_no_drift_though_special_tokens_were_sampled(got: list, tokenizer) -> None:
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens} - {tokenizer.eos_token_id}
+    sampled = sum(1 for s in got for t, m in zip(s.output_ids, s.loss_mask) if m and t in specials)
+    assert sampled > 0  # the text of these answers left tokens out
+    assert all(s.scalars["agent/drifts"] == 0 and s.scalars["agent/calls"] == 3 for s in got)
+    # One trajectory a rollout, holding its three answers: nothing dropped.
+    assert all(s.scalars["agent/dropped_tokens"] == 0 and s.scalars["agent/segments_per_rollout"] == 1 for s in got)
+
+
 def test_an_agent_written_from_openai_s_docs_alone_does_not_drift_though_its_text_leaves_tokens_out(served,
                                                                                                     monkeypatch):
     """The policy samples special tokens (5 of the tokenizer's 101), which OpenAI's text leaves out, and
@@ -216,26 +255,29 @@ def test_an_agent_written_from_openai_s_docs_alone_does_not_drift_though_its_tex
     before, the same rollouts drift."""
     from areal_flow.agents import text_map
 
-    model, tokenizer, server = served
-
-    def run(seed: int) -> list:
-        runner = AgentRunner(from_openai_docs, "tests:docs_agent", model, 30.0, 0)
-
-        async def go():
-            async with ServerPool([server.url]) as pool:
-                try:
-                    return await runner.run_group(pool, tokenizer, {"prompt": "Q: 2+3"}, [], PARAMS | {
-                        "max_new_tokens": 8}, 16, "g0", seed)
-                finally:
-                    await runner.close()
-        return asyncio.run(go())
-
-    got = run(11)
-    specials = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens} - {tokenizer.eos_token_id}
-    sampled = sum(1 for s in got for t, m in zip(s.output_ids, s.loss_mask) if m and t in specials)
-    assert sampled > 0  # the text of these answers left tokens out
-    assert all(s.scalars["agent/drifts"] == 0 and s.scalars["agent/calls"] == 3 for s in got)
-    # One trajectory a rollout, holding its three answers: nothing dropped.
-    assert all(s.scalars["agent/dropped_tokens"] == 0 and s.scalars["agent/segments_per_rollout"] == 1 for s in got)
+    assert_no_drift_though_special_tokens_were_sampled(group_of_16(from_openai_docs, served), served[1])
     monkeypatch.setattr(text_map.TextMap, "tokens", lambda self, prompt, encode: encode(prompt))
-    assert sum(s.scalars["agent/drifts"] for s in run(11)) > 0  # the text tokenized again: drifts
+    assert sum(s.scalars["agent/drifts"] for s in group_of_16(from_openai_docs, served)) > 0  # text tokenized again
+
+
+async def chat_from_openai_docs(client, row) -> float:
+    """A chat agent as OpenAI's documentation writes one: it appends the message the client returned
+    and a message of its own, and calls again."""
+    messages: list = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(3):
+        out = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        messages += [out.choices[0].message, {"role": "user", "content": ADDED}]
+    return 1.0
+
+
+def test_a_chat_agent_written_from_openai_s_docs_does_not_drift_though_its_messages_leave_tokens_out(served,
+                                                                                                   monkeypatch):
+    """The messages the client returns leave out the special tokens the policy sampled, and the
+    template ends each assistant turn with its own text where the policy stopped: the gateway maps
+    the history back onto the policy's tokens (agents/chat_map.py), so no call drifts. Rendered by
+    the server's template instead, the same rollouts drift."""
+    from areal_flow.agents import chat_map
+
+    assert_no_drift_though_special_tokens_were_sampled(group_of_16(chat_from_openai_docs, served), served[1])
+    monkeypatch.setattr(chat_map.ChatMap, "tokens", lambda self, messages, tools: None)
+    assert sum(s.scalars["agent/drifts"] for s in group_of_16(chat_from_openai_docs, served)) > 0  # rendered

@@ -109,23 +109,26 @@ class GenerationClient:
         payload = one_prompt(input_ids, sampling_params, rid, return_logprob, stream=True)
         url = self.base_url + "/generate"
         async with self._slots, self._http().post(url, json=payload) as answer:
-            if answer.status != 200:
-                raise GenerationError(answer.status, _decoded(answer.content_type, await answer.read()), url)
-            # Events are split by hand: a cumulative chunk can outgrow aiohttp's line limit.
-            pending = bytearray()
-            async for data in answer.content.iter_any():
-                pending += data
-                *events, rest = pending.split(b"\n\n")
-                pending = bytearray(rest)
-                for event in filter(None, events):
-                    body = event.removeprefix(b"data: ")
-                    if body == b"[DONE]":
-                        return
-                    chunk = json.loads(body)
-                    if "error" in chunk:  # an error after the stream began (the status is already 200)
-                        raise GenerationError(answer.status, chunk, url)
-                    yield chunk
-        raise GenerationError(200, "the stream ended without data: [DONE]", url)
+            async for body in _events(answer, url):
+                chunk = json.loads(body)
+                if "error" in chunk:  # an error after the stream began (the status is already 200)
+                    raise GenerationError(answer.status, chunk, url)
+                yield chunk
+
+    async def post_stream(self, path: str, data: bytes) -> AsyncIterator[bytes]:
+        """POST a JSON body already encoded that asks for a stream (an OpenAI call with `stream:
+        true`); yields each server-sent event's data as it comes, as bytes (a proxy's way, as
+        `post_bytes`), up to `[DONE]`. A status other than 200 raises GenerationError as `_call`
+        does; so does, with status 502, an error event or a stream cut before `[DONE]` (the server
+        failed after it began). Leaving the loop early closes the connection: the server aborts
+        the request (routes.py)."""
+        url = self.base_url + path
+        headers = {"Content-Type": "application/json"}
+        async with self._slots, self._http().post(url, data=data, headers=headers) as answer:
+            async for body in _events(answer, url):
+                if body.startswith(b'{"error"'):  # the server's error event: its JSON starts so
+                    raise GenerationError(502, _decoded("json", body), url)
+                yield body
 
     async def generate_batch(
         self,
@@ -260,6 +263,25 @@ def _decoded(content_type: str, data: bytes) -> Any:
     if "json" in content_type and data:
         return json.loads(data)
     return data.decode("utf-8", errors="replace")
+
+
+async def _events(answer: aiohttp.ClientResponse, url: str) -> AsyncIterator[bytes]:
+    """The data of each server-sent event of `answer` up to `[DONE]`; GenerationError for a status
+    other than 200, or (502) for a stream that ends before `[DONE]`."""
+    if answer.status != 200:
+        raise GenerationError(answer.status, _decoded(answer.content_type, await answer.read()), url)
+    # Events are split by hand: a cumulative chunk can outgrow aiohttp's line limit.
+    pending = bytearray()
+    async for data in answer.content.iter_any():
+        pending += data
+        *events, rest = pending.split(b"\n\n")
+        pending = bytearray(rest)
+        for event in filter(None, events):
+            body = bytes(event.removeprefix(b"data: "))
+            if body == b"[DONE]":
+                return
+            yield body
+    raise GenerationError(502, "the stream ended without data: [DONE]", url)
 
 
 def one_prompt(input_ids: Sequence[int], sampling_params: dict[str, Any] | None, rid: str | None,

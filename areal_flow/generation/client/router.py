@@ -8,7 +8,8 @@
   same key go to the same server while it is up, where the prompt prefix is already cached;
 - **retries**: a connection error, a timeout or a 5xx answer marks the server down and the request
   is retried (with backoff) on the least-loaded server still up; a 4xx is the request's fault and
-  is raised at once with the server's message;
+  is raised at once with the server's message; a streamed call (`stream`: the agent gateway's) is
+  retried only before its first event, since its reader has the events already;
 - **health**: a server marked down is skipped; every `health_interval` seconds a `/health` check
   brings back the ones that answer. When every server is down, a request waits up to
   `down_timeout` for one to come back, then fails naming each server and its last error
@@ -31,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,10 @@ MAX_BACKOFF = 5.0
 
 class ServerPoolError(RuntimeError):
     """No server could answer a request: every try failed, or every server stayed down."""
+
+
+class StreamCut(ServerPoolError):
+    """A streamed call's server failed after some of its events went out: it cannot be tried again."""
 
 
 @dataclass(eq=False)
@@ -230,6 +235,38 @@ class ServerPool:
             if attempt < self.retries:
                 await asyncio.sleep(min(self.retry_backoff * 2 ** attempt, MAX_BACKOFF))
         raise ServerPoolError(f"request {rid} failed on every try ({len(tries)}): " + "; ".join(tries))
+
+    async def stream(self, path: str, data: bytes, *, key: str | None = None) -> AsyncIterator[bytes]:
+        """POST the encoded call `data` (one with `stream: true`) to `path` of one server, chosen as
+        `post` chooses it, and yield the data of each server-sent event as it comes
+        (GenerationClient.post_stream). A server that fails before its first event is marked down
+        and the call tried on another, as `post` tries it; once an event went out the call cannot
+        be tried again (its reader has it), so a failure then raises StreamCut. Leaving the loop
+        early closes the connection, and the server aborts the call."""
+        rid, tries = uuid.uuid4().hex, []
+        for attempt in range(self.retries + 1):
+            server, began = await self._pick(key, rid), False
+            server.in_flight += 1
+            try:
+                async for event in server.client.post_stream(path, data):
+                    began = True
+                    yield event
+                return
+            except GenerationError as exc:
+                if exc.status < 500:
+                    raise  # the call is wrong: another server would refuse it too (a 502 once it began)
+                error: BaseException = exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                error = exc
+            finally:
+                server.in_flight -= 1
+            self._mark_down(server, error)
+            if began:
+                raise StreamCut(f"{server.name} failed in the middle of a streamed call: {_describe(error)}")
+            tries.append(f"{server.name}: {_describe(error)}")
+            if attempt < self.retries:
+                await asyncio.sleep(min(self.retry_backoff * 2 ** attempt, MAX_BACKOFF))
+        raise ServerPoolError(f"streamed call {rid} failed on every try ({len(tries)}): " + "; ".join(tries))
 
     async def _pick(self, key: str | None, rid: str) -> Server:
         """The key's server while it is up, else the least-loaded server that is up (waiting for

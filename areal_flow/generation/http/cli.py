@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Any
 
+from areal_flow.generation import tool_parsers
 from areal_flow.generation.engine.options import LORA_DECODE
 from areal_flow.generation.http import bodies
 from areal_flow.generation.http.server import serve
@@ -70,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=bodies.MAX_REQUEST_BYTES,
                         help="larger request bodies are refused (413) before they are read or parsed "
                              f"(generation.max_request_bytes; default {bodies.MAX_REQUEST_BYTES})")
+    parser.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.NAMES,
+                        help="the format of the model's tool calls in chat answers (SGLang's flag and names; "
+                             "generation.tool_call_parser); auto: the one the chat template writes")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server, thread = serve(args.model_path, args.host, args.port, **engine_settings(args))
+    server, thread = serve(args.model_path, args.host, args.port, tool_call_parser=args.tool_call_parser,
+                           **engine_settings(args))
     # Never the key itself: logs are read by more people than the run's owner.
     logger.info("serving %s at %s%s", args.model_path, server.url,
                 " (requests need the API key)" if args.api_key else "")

@@ -49,6 +49,8 @@ class Served:
     """The address the server listens on (set once its socket is bound)."""
     started: int = 0
     """time.time() at the start: /v1/models' `created`."""
+    tool_call_parser: str = "hermes"
+    """How chat answers' tool calls are read (generation/tool_parsers.py; `auto` resolved at start)."""
     load_report: LoadReport = field(init=False)
     weight_groups: dict[str, WeightGroup] = field(default_factory=dict)
     """The weights groups joined, by name (weight_routes.py)."""

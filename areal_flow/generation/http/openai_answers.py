@@ -14,7 +14,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from areal_flow.generation.engine.generation_engine import GenerationResult
-from areal_flow.generation.http.openai_api import TOOL_CALL, OpenAICall
+from areal_flow.generation import tool_parsers
+from areal_flow.generation.http.openai_api import OpenAICall
 
 
 def answer_text(result: GenerationResult, tokenizer: Any, skip_special_tokens: bool = True) -> str:
@@ -31,26 +32,20 @@ def answer_text(result: GenerationResult, tokenizer: Any, skip_special_tokens: b
     return text
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
-    """(content before the calls, the calls) of an answer holding `<tool_call>` blocks, or None
-    when it holds none or one does not parse (the answer is then plain text)."""
-    found = TOOL_CALL.findall(text)
-    if not found:
+def parse_tool_calls(text: str, parser: str = "hermes", *, only: str | None = None,
+                     parallel: bool = True) -> tuple[str | None, list[dict]] | None:
+    """(content before the calls, the calls in OpenAI's shape) of an answer holding calls in the
+    format of `parser` (generation/tool_parsers.py), or None when it holds none or one does not
+    parse (the answer is then plain text). `only`: calls to other functions are left out (a named
+    tool_choice; none left: plain text); `parallel` false: the first call only."""
+    parsed = tool_parsers.parse(parser, text)
+    if parsed is None:
         return None
-    calls = []
-    for raw in found:
-        try:
-            call = json.loads(raw)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
-    content = text[: text.find("<tool_call>")].strip()
-    return content or None, calls
+    content, calls = parsed
+    calls = [c for c in calls if only is None or c["name"] == only][: None if parallel else 1]
+    if not calls:
+        return None
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c} for c in calls]
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -89,7 +84,8 @@ def choice(call: OpenAICall, index: int, result: GenerationResult, tokenizer: An
     out: dict[str, Any] = {"index": index}
     if call.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        parsed = parse_tool_calls(text) if call.tools else None
+        parsed = (parse_tool_calls(text, call.tool_parser, only=call.tool_name, parallel=call.parallel_tool_calls)
+                  if call.tools else None)
         if parsed is not None:
             message["content"], message["tool_calls"] = parsed
             reason = "tool_calls" if reason == "stop" else reason
@@ -193,16 +189,22 @@ class OpenAIStream:
                     self.engine.abort(request.rid, wait=False)
 
     def _last(self, index: int, result: GenerationResult, sent: str) -> str:
-        """A choice's last chunk: the rest of its text (or its tool calls), why it ended, its tokens."""
+        """A choice's last chunk: the rest of its text (or its tool calls), why it ended, its tokens.
+        It carries every extension field of the whole answer's choice (`matched_stop` too: the agent
+        gateway carries a cut choice on from it) and, beside `choices`, the call's
+        `prompt_token_ids` (a field OpenAI's client ignores), so that a streamed call can be
+        recorded as exactly as a whole one (agents/stream.py)."""
         whole = choice(self.call, index, result, self.tokenizer)
-        more = {k: whole[k] for k in ("token_ids", "output_token_logprobs", "output_token_versions", "weight_version")}
-        more["logprobs"] = whole["logprobs"]
-        if not self.call.chat:
-            return self._chunk(index, whole["text"][len(sent):], whole["finish_reason"], **more)
-        message = whole["message"]
-        delta: dict[str, Any] = {}
-        if message.get("content"):
-            delta["content"] = message["content"][len(sent):]
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-        return self._chunk(index, delta, whole["finish_reason"], **more)
+        more = {k: v for k, v in whole.items() if k not in ("index", "message", "text", "finish_reason")}
+        if self.call.chat:
+            message = whole["message"]
+            delta: dict[str, Any] | str = {}
+            if message.get("content"):
+                delta["content"] = message["content"][len(sent):]
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        else:
+            delta = whole["text"][len(sent):]
+        piece = {"index": index, ("delta" if self.call.chat else "text"): delta,
+                 "finish_reason": whole["finish_reason"], **more}
+        return self._event({"choices": [piece], "prompt_token_ids": list(self.call.prompt_ids)})

@@ -3,13 +3,14 @@
 unchanged).
 
 A chat request is rendered through the model's chat template (tokenizer_config.json), tool
-definitions included; with `tools`, an answer holding `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-(the Qwen/Hermes convention) comes back as `tool_calls` with finish_reason `tool_calls`, and one
-whose calls do not parse comes back as plain text with finish_reason `stop`. Every choice also
-carries the exact tokens, as SGLang's and vLLM's OpenAI endpoints can: `token_ids` (the answer's),
-`output_token_logprobs` (each token's logprob under the sampling temperature) and
-`output_token_versions` (the weight version that made it), and the answer `prompt_token_ids`: what
-an RL trainer needs, with no re-tokenization. Streaming (`stream: true`) sends OpenAI's chunks as
+definitions included; with `tools`, an answer holding calls in the model family's format (the
+server's tool-call parser, generation/tool_parsers.py: Hermes/Qwen `<tool_call>` blocks, Llama 3's
+JSON, Mistral's `[TOOL_CALLS]`, pythonic lists) comes back as `tool_calls` with finish_reason
+`tool_calls`, and one whose calls do not parse comes back as plain text with finish_reason
+`stop`. Every choice also carries the exact tokens, as SGLang's and vLLM's OpenAI endpoints can:
+`token_ids` (the answer's), `output_token_logprobs` (each token's logprob under the sampling
+temperature) and `output_token_versions` (the weight version that made it), and the answer
+`prompt_token_ids`: what an RL trainer needs, with no re-tokenization. Streaming (`stream: true`) sends OpenAI's chunks as
 server-sent events, the extension fields in each choice's last chunk; with `tools` a choice's text
 is held back until it ends (whether it is a call is known only then).
 
@@ -36,9 +37,8 @@ MAX_N = 64  # choices a request may ask for
 MAX_STOP = 4  # stop strings, as OpenAI
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens, as OpenAI
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # Fields a client may send that change nothing here; any other unknown field is refused.
-IGNORED = frozenset({"user", "store", "metadata", "parallel_tool_calls", "service_tier"})
+IGNORED = frozenset({"user", "store", "metadata", "service_tier"})
 UNSUPPORTED_UNLESS_ZERO = ("presence_penalty", "frequency_penalty")  # OpenAI's default 0 is accepted
 SEEDS = (-(2**63), 2**64 - 1)  # a seed fits in 64 bits, signed or not (the engine draws from it mod 2^64)
 
@@ -63,6 +63,9 @@ class OpenAICall:
     tools: bool  # parse tool calls out of the answers
     echo_usage: bool  # stream_options.include_usage
     skip_special_tokens: bool = True  # leave special tokens out of the text (vLLM's and SGLang's field)
+    tool_parser: str = "hermes"  # the format of the model's calls (generation/tool_parsers.py)
+    tool_name: str | None = None  # tool_choice named this function: only calls to it count
+    parallel_tool_calls: bool = True  # false: the first call only
 
     def requests(self) -> list[GenerationRequest]:
         """The call's n engine requests (one prompt, shared by the engine's prefill); with a
@@ -92,11 +95,13 @@ def list_models(model_path: str, context_length: int | None, created: int) -> di
 
 
 def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, context_length: int | None,
-               known: frozenset[str], kv_budget: int | None = None, vocab_size: int | None = None) -> OpenAICall:
+               known: frozenset[str], kv_budget: int | None = None, vocab_size: int | None = None,
+               tool_parser: str = "hermes") -> OpenAICall:
     """A /v1/chat/completions (`chat`) or /v1/completions body, checked field by field: a 400 (404
     for an unknown model) naming the field. The prompt is rendered and tokenized last, once every
     other field is known to be good. `kv_budget` (the server's max_total_tokens) and `vocab_size`
-    bound an answer's tokens and the alternatives per token, as the engine would."""
+    bound an answer's tokens and the alternatives per token, as the engine would; `tool_parser`
+    (the server's, resolved) reads the answers' tool calls."""
     if not isinstance(body, dict):
         raise openai_error(400, "the request body must be a JSON object")
     for key, value in body.items():
@@ -115,13 +120,12 @@ def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, contex
         max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = body.get(max_key)
         logprobs = _number(body, "top_logprobs", int, 0, 0, alternatives) if _bool(body, "logprobs", False) else None
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise openai_error(400, "tool_choice must be auto or none here", "tool_choice")
         tools = _tools(body.get("tools"))
+        tooling = tool_settings(body, tools, tool_parser)
     else:
         max_key, max_tokens = "max_tokens", body.get("max_tokens", COMPLETION_MAX_TOKENS)
         logprobs = _number(body, "logprobs", int, None, 0, min(5, alternatives))
-        tools = []
+        tools, tooling = [], {"tools": False}
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise openai_error(400, f"{max_key} must be a positive integer, got {max_tokens!r}", max_key)
     stop = _stop(body.get("stop"))
@@ -136,7 +140,12 @@ def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, contex
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise openai_error(400, "stream_options must be an object", "stream_options")
-    if chat:
+    if chat and body.get("prompt_token_ids") is not None:
+        # The conversation's tokens as the agent gateway mapped them (agents/chat_map.py): the
+        # messages are checked, not rendered again.
+        _messages(body.get("messages"))
+        prompt = _token_ids(body["prompt_token_ids"], "prompt_token_ids")
+    elif chat:
         text = render_chat(tokenizer, _messages(body.get("messages")), tools)
         prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
     else:
@@ -147,8 +156,37 @@ def parse_call(body: Any, *, chat: bool, model_path: str, tokenizer: Any, contex
     max_tokens = _answer_tokens(max_tokens, max_key, len(prompt), prompt_key, context_length, kv_budget)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
     return OpenAICall(chat=chat, model=model, prompt_ids=prompt, params=params, n=n, stream=stream,
-                      logprobs=logprobs, tools=bool(tools) and body.get("tool_choice") != "none",
-                      echo_usage=bool(options.get("include_usage")), skip_special_tokens=skip_special_tokens)
+                      logprobs=logprobs, echo_usage=bool(options.get("include_usage")),
+                      skip_special_tokens=skip_special_tokens, **tooling)
+
+
+def tool_settings(body: dict, tools: list[dict], parser: str) -> dict[str, Any]:
+    """OpenAICall's tool fields of a chat body with these (checked) `tools`: whether answers are
+    read for calls, by which parser, only calls to a named function (`tool_choice`), only the
+    first (`parallel_tool_calls: false`). `tool_choice: required` or a named function are not
+    enforced while sampling (the engine has no constrained decoding): an answer without such a
+    call stays text with finish_reason `stop`, as vLLM's and SGLang's answers without a grammar.
+    A 400 naming the field when it is malformed or names no tool of `tools`."""
+    choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise openai_error(400, f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls")
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise openai_error(400, "tool_choice must be auto, none, required or {\"type\": \"function\", "
+                                    "\"function\": {\"name\": ...}}", "tool_choice")
+    elif choice not in (None, "auto", "none", "required"):
+        raise openai_error(400, f"tool_choice must be auto, none, required or a function, got {choice!r}",
+                           "tool_choice")
+    if (name is not None or choice == "required") and not tools:
+        raise openai_error(400, "tool_choice requires tools: the request lists none", "tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise openai_error(400, f"tool_choice names the function {name!r}, which is not one of the request's "
+                                "tools", "tool_choice")
+    return {"tools": bool(tools) and choice != "none", "tool_parser": parser, "tool_name": name,
+            "parallel_tool_calls": parallel is not False}
 
 
 def _answer_tokens(asked: int | None, key: str, prompt_len: int, prompt_key: str, context_length: int | None,
@@ -215,6 +253,12 @@ def _prompt(value: Any, tokenizer: Any) -> tuple[int, ...]:
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return tuple(value)
     raise openai_error(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
+
+
+def _token_ids(value: Any, key: str) -> tuple[int, ...]:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    raise openai_error(400, f"{key} must be a list of token ids", key)
 
 
 def _messages(value: Any) -> list[dict]:
@@ -304,3 +348,9 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict]) -> str:
     except TemplateError as exc:  # the template refuses these messages (raise_exception), or cannot read them
         raise openai_error(400, f"messages: the model's chat template refuses this conversation: {exc}",
                            "messages") from None
+
+
+def chat_input(messages: Any, tools: Any) -> tuple[list[dict], list[dict]]:
+    """A chat request's `messages` and `tools` checked and shaped as the chat template reads them
+    (what the server renders; the agent gateway's chat map renders the same)."""
+    return _messages(messages), _tools(tools)

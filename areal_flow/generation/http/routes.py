@@ -107,7 +107,7 @@ def gather_threadsafe(futures: list[Future], loop: asyncio.AbstractEventLoop) ->
 OPENAI_FIELDS = {
     True: frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
                      "seed", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
-                     "skip_special_tokens"}),
+                     "parallel_tool_calls", "skip_special_tokens", "prompt_token_ids"}),
     False: frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
                       "stream_options", "logprobs", "skip_special_tokens"}),
 }
@@ -122,7 +122,8 @@ async def route_openai(server: Served, call: Call, *, chat: bool) -> tuple[int, 
     def read(body: Any) -> openai_api.OpenAICall:
         return openai_api.parse_call(body, chat=chat, model_path=server.tokenizer_path, tokenizer=server.tokenizer,
                                      context_length=engine.context_length, known=OPENAI_FIELDS[chat],
-                                     kv_budget=engine.max_total_tokens, vocab_size=engine.vocab_size)
+                                     kv_budget=engine.max_total_tokens, vocab_size=engine.vocab_size,
+                                     tool_parser=server.tool_call_parser)
 
     parsed = await bodies.parse(server.parser, call.body, read, lambda why: openai_api.openai_error(400, why))
     stream = openai_answers.OpenAIStream(parsed, server.tokenizer, server.engine) if parsed.stream else None
@@ -231,6 +232,7 @@ async def route_server_info(server: Served, call: Call) -> tuple[int, Payload]:
         "disable_overlap_schedule": not engine.overlap,
         "lora_decode": engine.lora_decode,
         "skip_tokenizer_init": server.tokenizer is None,
+        "tool_call_parser": server.tool_call_parser,
         "weight_version": engine.weight_label,
         "busy_seconds": stats["busy_seconds"],
         "load_seconds": stats["load_seconds"],

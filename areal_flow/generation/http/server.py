@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from areal_flow.generation import tool_parsers
 from areal_flow.generation.engine.generation_engine import GenerationEngine
 from areal_flow.generation.http import bodies
 from areal_flow.generation.http.app import create_app
@@ -44,15 +45,21 @@ them (answering 500) and closes their connections, so stop() returns even if a c
 
 class GenerationServer:
     """The app on uvicorn, on its own thread and event loop; `stop()` ends it and the engine.
-    With an `api_key`, requests need it as a bearer token (ApiKeyGuard)."""
+    With an `api_key`, requests need it as a bearer token (ApiKeyGuard). `tool_call_parser`: the
+    format of the model's tool calls (generation/tool_parsers.py; auto: the chat template's)."""
 
     def __init__(self, address: tuple[str, int], engine: GenerationEngine, tokenizer: Any, tokenizer_path: str,
-                 api_key: str | None = None, max_request_bytes: int = bodies.MAX_REQUEST_BYTES):
+                 api_key: str | None = None, max_request_bytes: int = bodies.MAX_REQUEST_BYTES,
+                 tool_call_parser: str = "auto"):
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+        # Resolved once: the template does not change while the server runs.
+        parser_name = tool_parsers.resolve(tool_call_parser, getattr(tokenizer, "chat_template", None),
+                                           key="tool_call_parser")
         # Large bodies are parsed and tokenized on the parser's threads, off the event loop (bodies.py).
         parser = ThreadPoolExecutor(bodies.PARSE_THREADS, thread_name_prefix="generation-parse")
-        self.served = Served(engine, tokenizer, tokenizer_path, parser, max_request_bytes, started=int(time.time()))
+        self.served = Served(engine, tokenizer, tokenizer_path, parser, max_request_bytes, started=int(time.time()),
+                             tool_call_parser=parser_name)
         self.engine, self.tokenizer, self.tokenizer_path = engine, tokenizer, tokenizer_path
         config = uvicorn.Config(
             create_app(self.served, api_key),
@@ -112,14 +119,17 @@ def optional_tokenizer(model_path: str) -> Any:
 
 def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None,
-    max_request_bytes: int = bodies.MAX_REQUEST_BYTES, **engine_kw: Any
+    max_request_bytes: int = bodies.MAX_REQUEST_BYTES, tool_call_parser: str = "auto", **engine_kw: Any
 ) -> tuple[GenerationServer, threading.Thread]:
     """Start an engine and its HTTP server on a background thread (port 0: a free port); with an
-    `api_key`, requests need it as a bearer token; bodies over `max_request_bytes` are refused."""
+    `api_key`, requests need it as a bearer token; bodies over `max_request_bytes` are refused;
+    chat answers' tool calls are read by `tool_call_parser` (generation/tool_parsers.py)."""
+    tool_parsers.resolve(tool_call_parser, key="tool_call_parser")  # a bad name fails before the model loads
     tokenizer = optional_tokenizer(adapter_files.base_of(model_path))  # an adapter directory has none
     engine = GenerationEngine(model_path, tokenizer=tokenizer, **engine_kw)  # the tokenizer: for stop strings
     try:
-        server = GenerationServer((host, port), engine, tokenizer, model_path, api_key, max_request_bytes)
+        server = GenerationServer((host, port), engine, tokenizer, model_path, api_key, max_request_bytes,
+                                  tool_call_parser)
     except BaseException:
         engine.shutdown()
         raise

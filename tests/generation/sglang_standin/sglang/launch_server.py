@@ -50,6 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--tool-call-parser", choices=("hermes", "qwen25", "qwen", "llama3", "mistral", "pythonic"))
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -141,7 +142,9 @@ def main(argv: list[str]) -> None:
     if args.context_length is not None:
         engine.context_length = args.context_length
     # As SGLang: an empty key means none.
-    server = GenerationServer((args.host, args.port), engine, tokenizer, args.model_path, args.api_key or None)
+    # SGLang's parser names are the embedded server's (or its aliases); without the flag, hermes.
+    server = GenerationServer((args.host, args.port), engine, tokenizer, args.model_path, args.api_key or None,
+                              tool_call_parser=args.tool_call_parser or "hermes")
     server.start()
     print(f"The server is fired up and ready to roll! ({server.url})", flush=True)
     stop.wait()
