@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import check_accounting, leftover_processes, processes_of_uids
+from run_helpers import check_accounting, jsonl, leftover_processes, processes_of_uids
 from test_resume_end_to_end import start, wait_for_step
 
 from areal_flow.envs.python_tool import MAX_BOXES, PID_SPAN
+from areal_flow.rollout import live
+from areal_flow.training import flight
 from areal_flow.sandbox.local import UID_BASE
 from chaos import run_processes
 
@@ -65,6 +67,9 @@ def test_a_worker_killed_mid_tool_call_restarts_alone_and_a_checkpoint_mid_turn_
     assert "process 'rollout0' was killed by signal 9: restarted, the run goes on" in out, out[-3000:]
     assert "recover:" not in out  # the run itself was never restarted
     steps = check_accounting(run_dir, eta=2)["steps"]
+    # The stop's checkpoint kept the trajectories in flight at their last turn's boundary (rollout/live.py).
+    kept = live.load(str(max((run_dir / "checkpoints").glob("step-*"))))
+    assert kept and live.tokens([k for ks in kept.values() for k in ks]) > 0
     r = start(run_dir, run_cache, "resume=auto", f"total_steps={steps + 2}", *MULTI_TURN)
     out, _ = r.communicate(timeout=300)
     assert r.returncode == 0, out[-3000:]
@@ -72,3 +77,15 @@ def test_a_worker_killed_mid_tool_call_restarts_alone_and_a_checkpoint_mid_turn_
     assert summary["steps"] == steps + 2 and summary["resumes"] == 1
     assert summary["trained_samples"] == (steps + 2) * 2 * 4
     assert not leftover_processes(run_dir)
+    # Each kept group admitted again at its first version, with every token it kept (the ledger's
+    # figure), and trained with them: its samples go on from their kept tokens, exactly.
+    readmitted = {e["group"]: e for e in jsonl(run_dir / "ledger.jsonl") if e["event"] == "admit" and e.get("resumed")}
+    for group, trajectories in kept.items():
+        assert readmitted[group]["kept_tokens"] == live.tokens(trajectories)
+    trained = {s.uid: s for step in flight.recorded_steps(str(run_dir)) for s in flight.read(str(run_dir), step).samples}
+    for group, trajectories in kept.items():
+        for k in trajectories:
+            sample = trained[f"g{group}-{k.index}"]
+            for key, values in (("output_ids", k.output_ids), ("versions", k.versions), ("loss_mask", k.loss_mask),
+                                ("behav_logprobs", k.logprobs)):
+                assert sample.arrays[key].numpy().tolist()[:len(values)] == pytest.approx(values), (group, key)

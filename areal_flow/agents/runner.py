@@ -33,6 +33,7 @@ import inspect
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from areal_flow.agents.gateway import Gateway, Sampling
@@ -162,11 +163,13 @@ class AgentRunner:
             return Trajectory(list(prompt_ids), scalars={AGENT_REWARD: 0.0, "agent/failed": 1.0})
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                        n: int, key: str, seed: int) -> list[Trajectory]:
+                        n: int, key: str, seed: int, kept: Sequence[Any] = (), group: Any = None) -> list[Trajectory]:
         """A group's n samples: n / roles rollouts, rollout j seeded seed + j, each giving a sample of
         every role; AgentFailed when one fails every run. The samples come role by role (the first
         role's of every rollout, then the next role's), so that each role's samples are one block of
-        the group, whose advantages the trainer normalises apart (training/worker.py)."""
+        the group, whose advantages the trainer normalises apart (training/worker.py). `kept` and
+        `group` (rollout/live.py) are ignored: an agent's rollout cannot be kept across a resume (its
+        state is the agent's running code), it runs again from the start."""
         gateway = await self._gateway(pool, tokenizer)
         got = await asyncio.gather(*[self.rollout(gateway, row, params, f"{key}-{j}", seed + j)
                                      for j in range(n // len(self.role_names))], return_exceptions=True)

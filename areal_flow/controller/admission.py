@@ -13,22 +13,27 @@ import time
 from collections.abc import Sequence
 
 from areal_flow.controller.in_transit import InTransit
+from areal_flow.controller.kept import KeptTrajectories
 from areal_flow.controller.ledger import Ledger
 from areal_flow.controller.prompts import PromptStream
 from areal_flow.controller.slots import RolloutSlots
 from areal_flow.controller.state import RunState
-from areal_flow.transport.messages import DROP, AdmitRequest, PromptGroup
+from areal_flow.rollout import live
+from areal_flow.transport.messages import DROP, AdmitRequest, KeptTrajectory, PromptGroup
 
 log = logging.getLogger("areal_flow.controller")
 
 
 class Admission:
     def __init__(self, state: RunState, prompts: PromptStream, group_size: int, ledger: Ledger, *,
-                 raw_rows: Sequence[dict] = (), judge_fields: Sequence[str] = (), readmit: Sequence[int] = ()):
+                 raw_rows: Sequence[dict] = (), judge_fields: Sequence[str] = (), readmit: Sequence[int] = (),
+                 kept: KeptTrajectories | None = None):
         """`raw_rows`: the training rows as in the data, row by row as `prompts.rows`, whose
         `judge_fields` a group carries to its judges; `readmit`: the groups a resumed run had
-        generating, admitted again first (in order)."""
+        generating, admitted again first (in order); `kept`: the trajectories its checkpoint kept
+        of them (kept.py)."""
         self.state, self.prompts, self.group_size, self.ledger = state, prompts, group_size, ledger
+        self.kept = kept
         self.raw_rows, self.judge_fields = list(raw_rows), list(judge_fields)
         self.slots = RolloutSlots()  # rollout workers' free generation slots
         self.readmit = list(readmit)
@@ -58,7 +63,7 @@ class Admission:
             picked = self._next()
             if picked is None:
                 break
-            gid, version, again = picked
+            gid, version, again, kept = picked
             if version is None:  # a copy came back meanwhile
                 continue
             index = self.state.running_prompts[gid]
@@ -67,25 +72,30 @@ class Admission:
             raw = {k: self.raw_rows[index][k] for k in self.judge_fields}
             admitted.setdefault(self.slots.take(gid), []).append(PromptGroup(
                 gid, row["id"], row, self.group_size, time.time(), raw=raw,
-                policy_version=self.state.staleness.version))
+                policy_version=self.state.staleness.version, kept=kept))
         return admitted
 
-    def _next(self) -> tuple[int, int | None, dict] | None:
-        """The next group to admit, its admission version (None: not running any more) and what the
-        ledger says of it; None when the staleness rule admits nothing now."""
+    def _next(self) -> tuple[int, int | None, dict, list[KeptTrajectory]] | None:
+        """The next group to admit, its admission version (None: not running any more), what the
+        ledger says of it and the trajectories kept of it; None when the staleness rule admits
+        nothing now."""
         staleness, state = self.state.staleness, self.state
         if self.regenerate:
             gid = self.regenerate.pop(0)
-            return gid, staleness.running.get(gid), {"again": "its rollout worker restarted"}
+            return gid, staleness.running.get(gid), {"again": "its rollout worker restarted"}, []
         if not staleness.can_admit():
             return None
         if self.readmit:  # a resumed run's groups that were generating, first and in order
             gid = self.readmit.pop(0)
-            return gid, staleness.admit(gid), {"resumed": True}
+            taken = self.kept.take(gid) if self.kept is not None else None
+            if taken is None:
+                return gid, staleness.admit(gid), {"resumed": True}, []
+            version, kept = taken  # admitted at its first version: its kept tokens are no older
+            return gid, staleness.admit(gid, version), {"resumed": True, "kept_tokens": live.tokens(kept)}, kept
         gid = state.next_group
         state.next_group += 1
         state.running_prompts[gid] = self.prompts.next_index()
-        return gid, staleness.admit(gid), {}
+        return gid, staleness.admit(gid), {}, []
 
     def routed(self, group_id: int, rank: int) -> dict[bytes, list[int]]:
         """A group is scored and routed to `rank` (or DROP): its slot is free again. A dropped

@@ -47,17 +47,20 @@ class Checkpoints:
         """The last checkpoint's folder if it is of `step`."""
         return self.path if self.saved[0] == step and self.path else None
 
-    async def save(self, step: int, snapshot: Callable[[], tuple[bytes, int, dict[int, list[int]]]]) -> str:
+    async def save(self, step: int, snapshot: Callable[[], tuple[bytes, int, dict[int, list[int]]]],
+                   files: dict[str, bytes] | None = None) -> str:
         """A resumable checkpoint after `step` steps; `snapshot()`: the run state encoded now, its
-        policy version and the scored groups each rank holds (it saves them beside its models)."""
+        policy version and the scored groups each rank holds (it saves them beside its models);
+        `files`: more of the controller's, by name (the trajectories in flight: controller/kept.py)."""
         self.progress.waits(Wait.CHECKPOINT, step=step)
         t0 = time.monotonic()
         encoded, version, held = snapshot()
         tmp = store.begin(self.run_dir, step)
         await self.peers.ask(lambda rank: SaveCheckpoint(tmp, held[rank]), Saved, f"saving the checkpoint of step {step}")
         with writing("the checkpoint", tmp):
-            with open(os.path.join(tmp, run_state.FILE), "wb") as f:
-                f.write(encoded)
+            for name, data in {run_state.FILE: encoded, **(files or {})}.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
             shutil.copy(os.path.join(self.run_dir, rd.CONFIG), os.path.join(tmp, rd.CONFIG))
             path = store.commit(tmp, step, version=version, n_trainers=len(self.peers.ranks))
         removed = store.prune(self.run_dir, self.cfg.keep_last)

@@ -35,6 +35,7 @@ from areal_flow.controller.ending import record_failure, run_summary, why_it_end
 from areal_flow.controller.evaluator import Evaluator
 from areal_flow.controller.intake import Intake
 from areal_flow.controller.ledger import Ledger
+from areal_flow.controller.kept import KeptTrajectories
 from areal_flow.controller.mailbox import Handler, Mailbox
 from areal_flow.controller.outcomes import Outcomes
 from areal_flow.controller.peers import Peers
@@ -52,11 +53,12 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.placement import infer_name
 from areal_flow.metrics.writer import MetricsWriter
 from areal_flow.models.tokenizer import load_tokenizer
+from areal_flow.rollout import live
 from areal_flow.rollout.runners import runner_of
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec, read_spec
 from areal_flow.transport.channels import make_socket, send_to
-from areal_flow.transport.messages import (AdmitRequest, Admitted, GroupMeta, Hello, Joined, Ready, Released, Resend,
+from areal_flow.transport.messages import (AdmitRequest, Admitted, GroupMeta, Hello, Joined, Live, Ready, Released, Resend,
                                            Route, Saved, StepDone, WeightsPublished)
 from areal_flow.weights.files import record_loaded
 
@@ -70,8 +72,8 @@ class Controller:
         self.cfg, self.spec = cfg, spec
         graph, algo = graph_from_config(cfg), cfg.algorithm
         # What a checkpoint saves; a resumed run's groups that were generating are admitted again.
-        self.state, readmit = run_state.resume(spec.resume, spec.n_trainers) if spec.resume else \
-            (run_state.new_state(cfg, graph, spec.n_trainers), [])
+        self.state, running = run_state.resume(spec.resume, spec.n_trainers) if spec.resume else \
+            (run_state.new_state(cfg, graph, spec.n_trainers), {})
         tokenizer = load_tokenizer(spec.model_path)
         train, held_out, raw_rows, judge_fields = load_datasets(cfg, spec, graph, tokenizer)
         prompts = PromptStream(train, cfg.dataset.seed)
@@ -82,13 +84,17 @@ class Controller:
         self.changed = asyncio.Event()  # a group finished or was dropped: a batch may be ready
         self.stop_requested = False  # the launcher asked for a checkpoint and a clean stop (SIGUSR1)
         self.wall_time_reached = False  # the step loop stopped at max_wall_seconds
+        socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=spec.endpoint("controller", spec.controller_port),
+                             security=spec.security)
+        # The multi-turn trajectories its checkpoint kept, continued where they were (controller/kept.py).
+        self.kept = KeptTrajectories(partial(send_to, socket), {
+            g: (running[g], kept) for g, kept in (live.load(spec.resume) if spec.resume else {}).items()
+            if g in running and kept})
         self.admission = Admission(self.state, prompts, algo.group_size, self.ledger, raw_rows=raw_rows,
-                                   judge_fields=judge_fields, readmit=readmit)
+                                   judge_fields=judge_fields, readmit=list(running), kept=self.kept)
         self.outcomes = Outcomes(self.state, self.ledger, RolloutFailures.of(cfg.rollout.failed_groups_stall, graph.generate),
                                  success_rate_range=algo.success_rate_range,
                                  filter_stall_batches=algo.filter_stall_batches, batch_size=algo.batch_size)
-        socket = make_socket(zmq.asyncio.Context(), zmq.ROUTER, bind=spec.endpoint("controller", spec.controller_port),
-                             security=spec.security)
         self.peers = Peers(partial(send_to, socket), self.progress)
         self.servers = Servers.of(cfg, spec, graph, self.peers.send_weights)
         # Held-out trajectories take turns too, or are an agent's rollouts.
@@ -117,6 +123,7 @@ class Controller:
             Hello: self.peers.hello,  # a trainer rank starts
             Ready: self.peers.ready,  # an inference process (a node on a mesh of its own) is ready
             StepDone: self.peers.reply, WeightsPublished: self.peers.reply, Saved: self.peers.reply,
+            Live: self.kept.reply,  # a rollout worker's trajectories in flight, for a checkpoint
         }
 
     @property
@@ -308,7 +315,8 @@ class Controller:
         """A resumable checkpoint after `step` steps (checkpointing.py), between steps: the step
         whose weights load is closed first."""
         await self.settle()
-        return await self.checkpoints.save(step, self.snapshot)
+        kept = await self.kept.collect(list(self.admission.slots.free))
+        return await self.checkpoints.save(step, self.snapshot, {live.FILE: live.encode(kept)})
 
     def snapshot(self) -> tuple[bytes, int, dict[int, list[int]]]:
         """The run state as it is now, encoded; its version; the scored groups each rank holds."""
@@ -318,7 +326,8 @@ class Controller:
         state.epoch, state.cursor = prompts.epoch, prompts.cursor
         state.train_elapsed = self.clock.elapsed()
         held = {rank: sorted(g for g, r in state.intake.location.items() if r == rank) for rank in self.peers.ranks}
-        return run_state.encode(state, self.admission.readmit), state.staleness.version, held
+        versions = {g: version for g, (version, _) in self.kept.pending.items()}
+        return run_state.encode(state, self.admission.readmit, versions), state.staleness.version, held
 
     async def resize_trainers(self, step: int) -> None:
         """Go on with the number of trainer ranks the launcher asks for (trainer_resize.py), then route

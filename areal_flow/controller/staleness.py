@@ -33,14 +33,16 @@ class StalenessManager:
         limit = (self.max_staleness + self.version + 1) * self.batch_size
         return self.accepted + len(self.running) < limit and len(self.running) < self.max_concurrent
 
-    def admit(self, group_id: int) -> int:
-        """Record an admitted group; returns the version it was admitted at."""
+    def admit(self, group_id: int, version: int | None = None) -> int:
+        """Record an admitted group; returns the version it was admitted at: now, or `version` (a
+        resumed run's group that keeps trajectories generated since then: it stays due by
+        version + η, which bounds its kept tokens' staleness too)."""
         if not self.can_admit():
             raise RuntimeError("admit() called while admission is closed")
         if group_id in self.running or group_id in self.finished:
             raise ValueError(f"group {group_id} admitted twice")
-        self.running[group_id] = self.version
-        return self.version
+        self.running[group_id] = self.version if version is None else version
+        return self.running[group_id]
 
     def finish(self, group_id: int) -> None:
         """A group came back complete (all its samples scored)."""

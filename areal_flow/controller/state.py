@@ -64,10 +64,12 @@ def new_state(cfg: RunConfig, graph, n_trainers: int) -> RunState:
         ))
 
 
-def encode(state: RunState, readmit: list[int]) -> bytes:
+def encode(state: RunState, readmit: list[int], versions: dict[int, int] | None = None) -> bytes:
     """The state as a checkpoint saves it; `readmit`: groups a resumed run has yet to admit again,
-    still running as far as a later resume goes."""
-    running = {**state.staleness.running, **{g: state.staleness.version for g in readmit}}
+    still running as far as a later resume goes (at their `versions` where given: they keep
+    trajectories, controller/kept.py; else at the version now)."""
+    versions = versions or {}
+    running = {**state.staleness.running, **{g: versions.get(g, state.staleness.version) for g in readmit}}
     return msgspec.json.encode(replace(state, staleness=replace(state.staleness, running=running)))
 
 
@@ -81,17 +83,19 @@ def load(folder: str) -> RunState:
         return msgspec.json.decode(f.read(), type=RunState)
 
 
-def resume(folder: str, n_trainers: int) -> tuple[RunState, list[int]]:
+def resume(folder: str, n_trainers: int) -> tuple[RunState, dict[int, int]]:
     """The state of the resumable checkpoint `folder`, placed on `n_trainers` ranks, and the groups
-    that were generating, to admit again (their samples were lost with the processes; the launcher
-    has cut the ledger and the metrics back to what they held then: checkpoint/store.py `rewind`)."""
+    that were generating, to admit again, with the versions they were admitted at (their samples
+    were lost with the processes, but for the trajectories the checkpoint kept: controller/kept.py;
+    the launcher has cut the ledger and the metrics back to what they held then:
+    checkpoint/store.py `rewind`)."""
     state = load(folder)
     if store.read_manifest(folder)["n_trainers"] != n_trainers:
         for_ranks(state, n_trainers)
-    readmit = sorted(state.staleness.running)
+    running = dict(sorted(state.staleness.running.items()))
     state.staleness.running = {}
     state.resumes += 1
-    return state, readmit
+    return state, running
 
 
 def for_ranks(state: RunState, n_ranks: int) -> None:

@@ -48,6 +48,17 @@ class Environment(abc.ABC):
     async def close(self) -> None:
         """Called once the trajectory ends, whatever ended it."""
 
+    def snapshot(self) -> dict[str, Any] | None:
+        """What this environment must remember to go on after a resume (JSON values), taken at a
+        turn's boundary (before `step` reads an answer, and once its observation is appended); None
+        when it cannot say, the default: a resumed run then generates the trajectory again from its
+        prompt (rollout/live.py)."""
+        return None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from `state` (what `snapshot` gave), on an environment just made from the row and
+        the settings."""
+
     def check(self) -> None:
         """Called once at launch on an environment made from the first training row: raise
         ValueError for what would fail every trajectory (a tool the machine cannot run), so the run

@@ -86,6 +86,9 @@ class CodeFeedback(Environment):
     def check(self) -> None:
         check_sandbox(self.sandbox, "code_feedback")
 
+    def snapshot(self) -> dict[str, Any]:
+        return {}  # it holds nothing between turns but its row and settings: a resume goes on as it is
+
     async def step(self, turn: str) -> Step:
         t0 = time.monotonic()
         failed = await self.first_failure(turn)

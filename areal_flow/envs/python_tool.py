@@ -126,6 +126,9 @@ class PythonTool(Environment):
     def check(self) -> None:
         check_sandbox(self.sandbox, "python_tool")
 
+    def snapshot(self) -> dict[str, Any]:
+        return {}  # it holds nothing between turns but its row and settings: a resume goes on as it is
+
     def tool_call(self, turn: str) -> str | None:
         """The code of the turn's tool call: between the last opening tag and the closing tag that
         ends the turn; None when the turn makes none."""

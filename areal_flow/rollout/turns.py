@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import os
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from areal_flow.config.schema import RunConfig, SandboxConfig
@@ -30,8 +31,10 @@ from areal_flow.config.validate import model_context
 from areal_flow.envs.base import Environment, Step
 from areal_flow.generation.client.router import ServerPool
 from areal_flow.generation.client.seeds import turn_seed
+from areal_flow.rollout import live
+from areal_flow.rollout.live import Keep
 from areal_flow.rollout.requests import generate_group, generate_sample
-from areal_flow.transport.messages import Finish
+from areal_flow.transport.messages import Finish, KeptTrajectory
 from areal_flow.transport.trajectory import Trajectory
 
 # Why a trajectory ended (its `end`): the environment's done, max_turns, a turn cut at its length
@@ -86,29 +89,44 @@ class Ended:
 
 async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any, prompt_ids: list[int],
                               params: dict, *, max_turns: int, token_budget: int, rid: str, key: str,
-                              seed: int | None = None, first: dict | None = None) -> Ended:
+                              seed: int | None = None, first: dict | None = None, kept: KeptTrajectory | None = None,
+                              keep: Keep | None = None) -> Ended:
     """One trajectory: the policy's turns and the environment's observations, its finish (STOP
     unless a turn was cut at its budget) and its error (None, or what the environment raised, as
     `env_step` and `closed` say it). `first`: turn 0, generated already (a group's first turns
-    come from one request: Turns.run_group)."""
+    come from one request: Turns.run_group). `kept`: where a checkpoint left it (live.py), to
+    continue from; `keep`: called at each turn's boundary with what a checkpoint would keep."""
     trajectory = Trajectory(list(prompt_ids))
     figures: dict[str, float] = {"env_reward": 0.0}
     end, error = "max_turns", None
     rewards: list[float | None] = []  # each turn's reward from the environment (None: it gave none)
+    answer: str | None = None  # the last answer's text, until the environment has read it
+    keep = keep or (lambda *_: None)
     try:
-        while trajectory.calls < max_turns:
-            room = token_budget - trajectory.n_tokens
-            if room <= 0:
-                end = "budget"
-                break
-            turn = first if trajectory.calls == 0 and first is not None else await generate_sample(
-                pool, trajectory.tokens, turn_params(params, env, room), f"{rid}-t{trajectory.calls}", key,
-                seed=turn_seed(seed, trajectory.calls))
-            trajectory.answered(turn)
-            if turn["finish"] == Finish.LENGTH:
-                end = "turn_length"
-                break
-            step, error = await env_step(env, tokenizer.decode(turn["output_ids"], skip_special_tokens=True))
+        if kept is not None:
+            trajectory, figures, rewards = live.resumed(kept), dict(kept.figures), list(kept.rewards)
+            error = restored(env, kept.env_state)
+            if not kept.stepped and trajectory.calls:  # its tool call ran when the run stopped: again
+                answer = tokenizer.decode(trajectory.tokens[trajectory.answer_starts[-1]:], skip_special_tokens=True)
+        while error is None:
+            if answer is None:
+                if trajectory.calls >= max_turns:
+                    break
+                room = token_budget - trajectory.n_tokens
+                if room <= 0:
+                    end = "budget"
+                    break
+                turn = first if trajectory.calls == 0 and first is not None else await generate_sample(
+                    pool, trajectory.tokens, turn_params(params, env, room), f"{rid}-t{trajectory.calls}", key,
+                    seed=turn_seed(seed, trajectory.calls))
+                trajectory.answered(turn)
+                if turn["finish"] == Finish.LENGTH:
+                    end = "turn_length"
+                    break
+                keep(trajectory, env, figures, rewards, False)
+                answer = tokenizer.decode(turn["output_ids"], skip_special_tokens=True)
+            step, error = await env_step(env, answer)
+            answer = None
             if error:
                 break
             for name, value in step.figures.items():
@@ -125,9 +143,19 @@ async def generate_trajectory(pool: ServerPool, env: Environment, tokenizer: Any
                 end = "observation_too_long"
                 break
             trajectory.observe(observation)
+            keep(trajectory, env, figures, rewards, True)
     finally:
         trajectory.error = await closed(env, error)
     return Ended(trajectory, "env_error" if trajectory.error else end, {**figures, **repairs(rewards)})
+
+
+def restored(env: Environment, state: dict) -> str | None:
+    """Restore a kept trajectory's environment; the error that ends the trajectory if it raised."""
+    try:
+        env.restore(state)
+    except Exception as e:  # noqa: BLE001 - a user's environment: its bug ends this trajectory only
+        return f"restore() raised at {error_line(e)}"
+    return None
 
 
 def turn_params(params: dict, env: Environment, room: int) -> dict:
@@ -184,20 +212,26 @@ class Turns:
         return self.scored(got)
 
     async def run_group(self, pool: ServerPool, tokenizer: Any, row: dict, prompt_ids: list[int], params: dict,
-                        n: int, key: str, seed: int) -> list[Trajectory]:
+                        n: int, key: str, seed: int, kept: Sequence[KeptTrajectory] = (),
+                        group: live.LiveGroup | None = None) -> list[Trajectory]:
         """A group's n trajectories from `row`, sample i seeded seed + i as a one-turn group's. Their
         first turns share the prompt, so they come from one request (one prefill, one round trip);
-        each goes on alone from there. A trajectory whose environment could not be made is its error."""
+        each goes on alone from there. A trajectory whose environment could not be made is its error.
+        `kept`: trajectories a checkpoint kept (live.py), each continued where it was (the group's
+        first turns then come one a trajectory); `group`: where each trajectory's state is kept as
+        it goes."""
         envs = [self.make(row, prompt_ids) for _ in range(n)]
         made = [env for env in envs if not isinstance(env, Ended)]
+        kept_at = {k.index: k for k in kept if k.prompt_ids == list(prompt_ids) and 0 <= k.index < n}
         room = self.token_budget - len(prompt_ids)
         firsts = await generate_group(pool, prompt_ids, turn_params(params, made[0], room), n, key, seed=seed) \
-            if room > 0 and made else [None] * n
+            if room > 0 and made and not kept_at else [None] * n
 
         async def one(i: int, env: Environment | Ended, first: dict | None) -> Ended:
             return env if isinstance(env, Ended) else await generate_trajectory(
                 pool, env, tokenizer, prompt_ids, params, max_turns=self.max_turns, token_budget=self.token_budget,
-                rid=f"{key}-{i}", key=key, seed=seed + i, first=first)
+                rid=f"{key}-{i}", key=key, seed=seed + i, first=first, kept=kept_at.get(i),
+                keep=group.keeper(i) if group is not None else None)
 
         got = await asyncio.gather(*[one(i, env, first) for i, (env, first) in enumerate(zip(envs, firsts))])
         return [self.scored(g) for g in got]

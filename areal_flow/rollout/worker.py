@@ -26,6 +26,7 @@ from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.keys import JUDGE_STATS, KEYS
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.rollout.judge import make_judge
+from areal_flow.rollout.live import LiveGroup
 from areal_flow.rollout.requests import generate_group
 from areal_flow.rollout.runners import runner_of
 from areal_flow.rollout.turns import Turns
@@ -39,6 +40,8 @@ from areal_flow.transport.messages import (
     GeneratedGroup,
     PromptGroup,
     Released,
+    KeepLive,
+    Live,
     Resend,
     Sample,
 )
@@ -77,6 +80,9 @@ class RolloutWorker:
         # Generated groups not yet scored and routed: sent again should a reward worker die with them.
         self.kept: dict[int, GeneratedGroup] = {}
         self.released: set[int] = set()  # released before this worker finished them (a copy won)
+        # Multi-turn groups generating, each trajectory's state at its last turn's boundary: what a
+        # checkpoint keeps of them (rollout/live.py).
+        self.live: dict[int, LiveGroup] = {}
 
     async def run(self) -> None:
         main_task = asyncio.current_task()
@@ -101,6 +107,10 @@ class RolloutWorker:
                     for g in msg.group_ids:
                         if self.kept.pop(g, None) is None:
                             self.released.add(g)
+                    continue
+                if isinstance(msg, KeepLive):  # the controller saves a checkpoint
+                    await send(self.controller, Live(msg.request, {g: k for g, group in self.live.items()
+                                                                   if (k := group.now())}))
                     continue
                 if isinstance(msg, Resend):
                     log.warning("%s: a reward worker restarted: sending %d group(s) again", self.name, len(self.kept))
@@ -137,12 +147,16 @@ class RolloutWorker:
                 self.pool, prompt_ids, self.params, group.group_size, f"g{group.group_id}", seed=seed)]
         else:  # every sample its own trajectory: they part at the first turn's first token
             try:
+                self.live[group.group_id] = live_group = LiveGroup([None] * group.group_size)
                 outs = await self.turns.run_group(self.pool, self.tokenizer, group.fields, prompt_ids, self.params,
-                                                  group.group_size, f"g{group.group_id}", seed)
+                                                  group.group_size, f"g{group.group_id}", seed, kept=group.kept,
+                                                  group=live_group)
             except AgentFailed as e:  # dropped by name: the controller's ledger records why
                 log.error("%s: group %d: %s", self.name, group.group_id, e)
                 await self.finish(GeneratedGroup(group.group_id, [], times={"requested": requested}, problem=str(e)))
                 return
+            finally:
+                self.live.pop(group.group_id, None)
         generated = time.time()
         # An environment that raised ended its trajectory: the group is dropped, naming the error,
         # and its samples go along for the controller to count (controller/rollout_failures.py).

@@ -8,6 +8,7 @@ message that does not decode raises `msgspec.DecodeError`, which receivers log a
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import msgspec
 import numpy as np
@@ -134,6 +135,25 @@ class AdmitRequest(msgspec.Struct, tag=True):
     slots: int
 
 
+class KeptTrajectory(msgspec.Struct, kw_only=True):
+    """A multi-turn trajectory in flight, as a checkpoint keeps it (rollout/live.py): its tokens so
+    far, at a turn's boundary, with what its environment needs to go on. A resumed run continues it
+    from there instead of generating it again from its prompt."""
+
+    index: int  # the sample's place in its group
+    prompt_ids: list[int]
+    output_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    answer_starts: list[int]
+    served: list[Served] = []
+    stepped: bool  # False: the last answer is not yet answered by the environment (a tool call running)
+    env_state: dict  # Environment.snapshot()
+    figures: dict[str, float] = {}  # the environment's figures summed so far
+    rewards: list[Optional[float]] = []  # each turn's reward from the environment so far
+
+
 class PromptGroup(msgspec.Struct):
     """An admitted prompt group: generate `group_size` samples for it."""
 
@@ -147,6 +167,8 @@ class PromptGroup(msgspec.Struct):
     # The policy version the generation servers had when the group was sent: a server that comes
     # back serving an older one is not used until it has this one (ServerPool.newest).
     policy_version: int = -1
+    # A resumed run's group that was generating: the trajectories its checkpoint kept, continued.
+    kept: list[KeptTrajectory] = []
 
 
 class Admitted(msgspec.Struct, tag=True):
@@ -350,6 +372,19 @@ class Saved(msgspec.Struct, tag=True):
     path: str
 
 
+class KeepLive(msgspec.Struct, tag=True):
+    """Controller -> rollout workers, as it saves a checkpoint: the trajectories in flight, please."""
+
+    request: int
+
+
+class Live(msgspec.Struct, tag=True):
+    """A rollout worker -> the controller: its trajectories in flight at a turn's boundary, by group."""
+
+    request: int
+    groups: dict[int, list[KeptTrajectory]]
+
+
 class Hello(msgspec.Struct, tag=True):
     """A trainer rank announces itself to the controller once its model is loaded."""
 
@@ -366,7 +401,7 @@ class Trainers(msgspec.Struct, tag=True):
 
 Message = (AdmitRequest | Admitted | Released | Resend | Joined | GeneratedGroup | ScoredGroup | GroupMeta | Route
            | RunStep | StepDone | PublishWeights | WeightsPublished | SaveCheckpoint | Saved | Hello | Trainers | InferRequest
-           | Inferred | Ready | CriticBatch | CriticTrained | CriticSaved)
+           | Inferred | Ready | CriticBatch | CriticTrained | CriticSaved | KeepLive | Live)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

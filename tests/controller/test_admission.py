@@ -87,3 +87,55 @@ def test_a_routed_groups_copy_is_kept_until_a_step_trains_it(tmp_path):
     assert adm.in_transit.trained([a.group_id]) == {b"w0": [a.group_id]}
     assert adm.in_transit.again(a.group_id) == DROP  # trained: a copy is a duplicate
     assert adm.in_transit.all_held() == {b"w0": [b.group_id]} and adm.in_transit.routes == {}
+
+
+def test_a_resumed_group_with_kept_trajectories_keeps_its_first_version_and_they_go_with_it(tmp_path):
+    import asyncio
+
+    from areal_flow.controller.kept import KeptTrajectories
+    from areal_flow.transport.messages import KeptTrajectory
+
+    kept = [KeptTrajectory(index=1, prompt_ids=[5], output_ids=[1, 2, 3], loss_mask=[1, 1, 0], logprobs=[-1, -1, 0],
+                           versions=[2, 2, 2], answer_starts=[1], stepped=True, env_state={})]
+    pending = KeptTrajectories(lambda *_: asyncio.sleep(0), {5: (2, kept)})
+    adm, ledger = admission(tmp_path, batch_size=4, readmit=[7, 5], kept=pending)
+    adm.state.staleness.set_version(3)
+    adm.state.running_prompts.update({7: 0, 5: 1})
+    adm.joined(b"w0", AdmitRequest("rollout0", 2))
+    g7, g5 = adm.grant()[b"w0"]
+    assert g7.kept == [] and g5.kept == kept
+    # 5 is due by its first version + η, as if the run had never stopped; 7 starts over at 3.
+    assert adm.state.staleness.running == {7: 3, 5: 2} and pending.pending == {}
+    logged = [(e["group"], e["version"], e.get("kept_tokens")) for e in events(tmp_path, ledger)]
+    assert logged == [(7, 3, None), (5, 2, 3)]
+
+
+def test_a_checkpoint_collects_every_workers_trajectories_in_flight_and_waits_for_none_that_is_silent():
+    import asyncio
+
+    from areal_flow.controller.kept import KeptTrajectories
+    from areal_flow.transport.messages import KeepLive, KeptTrajectory, Live
+
+    one = KeptTrajectory(index=0, prompt_ids=[5], output_ids=[1], loss_mask=[1], logprobs=[-1], versions=[0],
+                         answer_starts=[1], stepped=False, env_state={})
+
+    async def main():
+        sent = []
+
+        async def send(ident, msg):
+            sent.append((ident, msg))
+
+        kept = KeptTrajectories(send, {9: (0, [one])})
+        collecting = asyncio.ensure_future(kept.collect([b"w0", b"w1"], timeout=0.5))
+        await asyncio.sleep(0.01)
+        assert sent == [(b"w0", KeepLive(1)), (b"w1", KeepLive(1))]
+        kept.reply(b"w0", Live(0, {3: [one]}))  # an answer to an earlier request: dropped
+        kept.reply(b"w0", Live(1, {4: [one]}))
+        kept.reply(b"w1", Live(1, {}))
+        got = await collecting
+        assert got == {4: [one], 9: [one]}  # and the groups a resumed run has yet to admit again
+        t0 = asyncio.get_running_loop().time()
+        got = await kept.collect([b"w0"], timeout=0.2)  # w0 says nothing: the checkpoint goes on
+        assert got == {9: [one]} and asyncio.get_running_loop().time() - t0 < 1
+
+    asyncio.run(main())

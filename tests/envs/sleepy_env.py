@@ -19,6 +19,9 @@ class Sleepy(Environment):
     def check(self) -> None:
         check_sandbox(self.sandbox, "sleepy")
 
+    def snapshot(self) -> dict:
+        return {}  # nothing between turns: a checkpoint keeps its trajectories in flight (rollout/live.py)
+
     async def step(self, turn: str) -> Step:
         if not turn.endswith(";"):
             return Step(done=True)
