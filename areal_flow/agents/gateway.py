@@ -8,7 +8,8 @@ spread by load; a failed server's calls are retried on another. The server's ans
 call's exact tokens (openai_api.py's extension fields): the gateway hands them to the key's
 Recorder (trajectories.py), which links the calls into trajectories and counts drift, and returns
 the answer unchanged. A rollout's text prompts (`/v1/completions`) are tokenized here, the text
-it sent and got before standing for the tokens it was (text_map.py). A choice a weight update cut
+it sent and got before standing for the tokens it was (text_map.py), and its chat histories are
+sent as the policy's tokens where it sent back what it got (chat_map.py). A choice a weight update cut
 (`finish_reason: abort`, an interruptible run) is carried on to its end first (resume.py), so the
 agent gets and the record keeps one whole answer. A call with `stream: true` is streamed from the
 server to the agent as it is generated, recorded as a whole call is, a cut choice carried on in
@@ -40,9 +41,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from areal_flow.agents import resume, sglang_wire, sse
+from areal_flow.agents.chat_map import ChatMap
 from areal_flow.agents.resume import CARRY_ON_FAILED
 from areal_flow.agents.stream import Choice, Relay
-from areal_flow.agents.chat_map import ChatMap
 from areal_flow.agents.text_map import TextMap
 from areal_flow.agents.trajectories import Recorder
 from areal_flow.generation.client.carry_on import CUT, Piece, carry_on
