@@ -282,14 +282,19 @@ class Gateway:
                                           going=lambda: self.going(key))
             if got.finish == choice["finish_reason"] and not resumes:
                 continue  # not cut, or cut and left so (the rollout ended)
-            whole["choices"][index] = {**resume.rederived(body, path.endswith("chat/completions"), index,
-                                                          resume.stitched(choice, got), whole["model"],
-                                                          self.tokenizer, self.tool_call_parser), "resumes": resumes}
+            whole["choices"][index] = {**self.rederived(body, path.endswith("chat/completions"), index,
+                                                        resume.stitched(choice, got), whole["model"]),
+                                       "resumes": resumes}
             self.recorders.setdefault(key, Recorder()).resumes += resumes
         if isinstance(whole.get("usage"), dict):
             completion = sum(len(c["token_ids"]) for c in whole["choices"])
             whole["usage"].update(completion_tokens=completion, total_tokens=len(prompt) + completion)
         return msgspec.json.encode(whole), msgspec.convert(whole, type=Answer)
+
+    def rederived(self, body: dict, chat: bool, index: int, stitched: dict, model: str) -> dict:
+        """A choice carried on, derived again from all its tokens as the servers would answer it
+        (resume.py): with the policy's tokenizer, its calls read by the servers' parser."""
+        return resume.rederived(body, chat, index, stitched, model, self.tokenizer, self.tool_call_parser)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

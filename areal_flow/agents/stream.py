@@ -77,7 +77,7 @@ class Shown:
 
 class Relay:
     """Streams one call from the server to the agent (`events`) and records it through `gateway`
-    (its `pool`, `tokenizer`, `record` and `going`)."""
+    (its `pool`, `tokenizer`, `rederived`, `record` and `going`)."""
 
     def __init__(self, gateway: Any, key: str, chat: bool, call: Any) -> None:
         self.gateway, self.key, self.chat, self.call = gateway, key, chat, call
@@ -203,8 +203,7 @@ class Relay:
                                                 limit=resume.MAX_RESUMES, going=lambda: self.gateway.going(self.key))
         except Exception as exc:
             raise StreamFailed(f"{resume.CARRY_ON_FAILED}: {exc}") from exc
-        whole = resume.rederived(body, self.chat, shown.index, resume.stitched(first, got), self.head["model"],
-                                 self.gateway.tokenizer)
+        whole = self.gateway.rederived(body, self.chat, shown.index, resume.stitched(first, got), self.head["model"])
         self._last(shown, whole)
 
     def _last(self, shown: Shown, whole: dict) -> None:

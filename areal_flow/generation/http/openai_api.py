@@ -250,15 +250,19 @@ def _prompt(value: Any, tokenizer: Any) -> tuple[int, ...]:
         if tokenizer is None:
             raise openai_error(400, "a text prompt needs the model's tokenizer; send token ids", "prompt")
         return tuple(tokenizer.encode(value, add_special_tokens=False))
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if _is_token_ids(value):
         return tuple(value)
     raise openai_error(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
 
 
 def _token_ids(value: Any, key: str) -> tuple[int, ...]:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if _is_token_ids(value):
         return tuple(value)
     raise openai_error(400, f"{key} must be a list of token ids", key)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _messages(value: Any) -> list[dict]:
