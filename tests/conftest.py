@@ -87,7 +87,13 @@ def pytest_collection_modifyitems(config, items):
     workers, `--dist loadgroup`): the other worker runs the fast tier beside them, but no two
     end-to-end runs share the cores, whose timing some of them observe (an update cutting answers,
     a restarted server noticed). Tests marked `gpu` run only where CUDA is available; elsewhere
-    they are skipped, saying why."""
+    they are skipped, saying why. Tests marked `cluster` (tests/cluster: a real Slurm in network
+    namespaces, as root) are a tier of their own: they run only when `-m` names them."""
+    if "cluster" not in (config.getoption("markexpr") or ""):
+        kept = [item for item in items if "cluster" not in item.keywords]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if "cluster" in item.keywords])
+            items[:] = kept
     group = pytest.mark.xdist_group("slow")
     for item in items:
         if "slow" in item.keywords:

@@ -153,7 +153,8 @@ def check_accounting(run_dir: Path, eta: int, group_size: int = 4, drops: bool =
     for e in (e for e in ledger if e["event"] in ("finish", "filter")):
         assert len(e["lengths"]) == group_size and all(n >= 1 for n in e["lengths"]), e
         assert admit_time[e["group"]] <= e["requested"] <= e["generated"] <= e["scored"] <= e["time"], e
-    uids = [u for f in sorted(run_dir.glob("trained-rank*.jsonl")) for r in jsonl(f) for u in r["uids"]]
+    trained_logs = [f for f in sorted(run_dir.glob("trained-rank*.jsonl")) if "discarded" not in f.name]  # a resume's cut
+    uids = [u for f in trained_logs for r in jsonl(f) for u in r["uids"]]
     assert len(uids) == len(set(uids)), "a sample was trained twice"
     groups_from_trainer = Counter(int(u.split("-")[0][1:]) for u in uids)
     assert set(groups_from_trainer) == set(trained_steps)

@@ -408,6 +408,9 @@ class LauncherConfig:
                                  "['--qos=high', '--constraint=h100']", factory=list)
     slurm_base_port: int = doc(29600, "launcher.type=slurm: the first of the fixed TCP ports the run's servers "
                                "listen on (one per listening process, counted up from here)", ge=1024, le=65000)
+    slurm_stop_before: int = doc(120, "launcher.type=slurm: seconds before the job's time limit that Slurm signals "
+                                 "the job script (#SBATCH --signal=B:USR1@N; Slurm may signal up to 60 s early), which "
+                                 "stops the run with a checkpoint that resume=auto continues; 0: no signal", ge=0)
     pin_cpus: bool = doc(True, "on CPU, pin each process to the cores of its mesh")
     start_timeout: float = doc(120.0, "seconds a process may take to come up before the run fails", gt=0)
     stop_timeout: float = doc(10.0, "seconds between SIGTERM and SIGKILL when stopping children", ge=0)

@@ -135,7 +135,10 @@ class Controller:
         return self.state.intake
 
     def request_stop(self) -> None:
-        """SIGUSR1 from the launcher: save a checkpoint at the end of the current step, then stop."""
+        """SIGUSR1 from the launcher: save a checkpoint at the end of the current step, then stop
+        (a Slurm job's script sends it again until the controller ends: said once)."""
+        if self.stop_requested:
+            return
         log.info("stop requested: the run stops after the current step%s",
                  ", with a checkpoint" if self.cfg.checkpoint.at_stop else "")
         self.stop_requested = True

@@ -9,17 +9,27 @@ complete: so they live here, below both.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
+from areal_flow.checkpoint import store
 from areal_flow.config.schema import RunConfig
 from areal_flow.generation.sglang_backend import sglang_command, sglang_env
 from areal_flow.graph.placement import Proc
 from areal_flow.runtime.security import API_KEY_ENV, is_loopback, security_needed
+from areal_flow.runtime.spec import RunSpec
 
 
 def python_role(role: str, proc: Proc, run_dir: str) -> list[str]:
     """The argv of a role's process (controller, rollout, reward, trainer): it reads the run directory."""
     return [sys.executable, "-m", "areal_flow.runtime.child", role, proc.name, str(proc.rank), run_dir]
+
+
+def first_weights(spec: RunSpec) -> tuple[str, int]:
+    """(path, version) of the weights the policy's servers start from: a resumed run's checkpoint's actor."""
+    if spec.resume:
+        return os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"]
+    return spec.model_path, 0
 
 
 def server_command(cfg: RunConfig, proc: Proc, model_path: str, port: int | str, *, host: str | None = None,

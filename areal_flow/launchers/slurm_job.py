@@ -3,7 +3,8 @@
     python -m areal_flow.launchers.slurm_job prepare RUN_DIR [HOST ...]
         once, on the job's first node, before any step: placement node k runs on the k-th host
         (the hosts given, or $SLURM_JOB_NODELIST expanded); writes each process's address into
-        spec.json (still owner-only: it holds the run's secret) and slurm_hosts.json for the user.
+        spec.json (still owner-only: it holds the run's secret) and slurm_hosts.json for the user,
+        and prints each placement node's address, one a line (the script's ADDRS).
     python -m areal_flow.launchers.slurm_job step RUN_DIR NAME [--devices 0-3] [-- ARGV ...]
         in each srun step: gives the process its devices and the run's variables, then becomes
         process NAME of the placement (its command made here, where the spec is complete), or ARGV
@@ -16,13 +17,16 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 
+from areal_flow.checkpoint import store
 from areal_flow.graph import graph_from_config, place
 from areal_flow.graph.mesh import parse_mesh
 from areal_flow.graph.placement import Placement
-from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
+from areal_flow.launchers.commands import first_weights, judge_command, python_role, server_command, server_host
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import host_address, is_loopback
 from areal_flow.runtime.spec import reachable, read_run, write_spec
@@ -56,12 +60,26 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def slurm_node_addr(node: str) -> str | None:
+    """The address Slurm itself reaches node `node` at (slurm.conf's NodeAddr), where it names one
+    other than the node's name; None otherwise, or where scontrol cannot say."""
+    try:
+        r = subprocess.run(["scontrol", "show", "node", node, "--oneliner"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"(?:^|\s)NodeAddr=(\S+)", r.stdout)
+    return found.group(1) if r.returncode == 0 and found and found.group(1) != node else None
+
+
 def node_address(hostname: str) -> str:
     """The address the run's servers on `hostname` listen on and are reached at (ZeroMQ binds an
-    address, not a name): what the name resolves to, IPv4 first; this host's routed address when
+    address, not a name): the node's NodeAddr where Slurm names one (a cluster whose node names
+    do not resolve), else what the name resolves to, IPv4 first; this host's routed address when
     the name resolves to loopback here, as /etc/hosts often makes a host's own name."""
+    target = slurm_node_addr(hostname) or hostname
     try:
-        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(target, None, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise SlurmJobError(f"the job's node {hostname!r} does not resolve to an address: {e}") from None
     addresses = [info[4][0] for info in infos]
@@ -79,9 +97,25 @@ def placement_of(cfg) -> Placement:
     return place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
 
 
-def prepare(run_dir: str, hostnames: list[str]) -> dict[str, str]:
-    """Complete spec.json with each process's node address; the hosts map (process -> address)."""
+def requeued(run_dir: str, spec) -> None:
+    """A job Slurm started again (requeued after a node failed, or a preemption; SLURM_RESTART_COUNT)
+    goes on from the run's newest complete checkpoint, the run directory rewound to it, as
+    `resume=auto` would; without one, from the start."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not restarts.isdigit() or int(restarts) == 0:
+        return
+    spec.resume = store.latest(run_dir) or ""
+    store.rewind(run_dir, spec.resume or None)
+    where = f"its checkpoint {spec.resume}" if spec.resume else "the start: it holds no complete checkpoint"
+    print(f"areal_flow: the job was requeued (start {int(restarts) + 1}): the run goes on from {where}",
+          file=sys.stderr)
+
+
+def prepare(run_dir: str, hostnames: list[str]) -> list[str]:
+    """Complete spec.json with each process's node address (and, in a requeued job, the checkpoint
+    to go on from); the placement's nodes' addresses."""
     cfg, spec = read_run(run_dir)
+    requeued(run_dir, spec)
     placement = placement_of(cfg)
     needed = max(p.node for p in placement.procs) + 1
     if len(hostnames) < needed:
@@ -96,7 +130,7 @@ def prepare(run_dir: str, hostnames: list[str]) -> dict[str, str]:
                       "devices": list(p.local_devices)} for p in placement.procs}
     with open(os.path.join(run_dir, rd.SLURM_HOSTS), "w") as f:
         json.dump(where, f, indent=1)
-    return spec.hosts
+    return addresses
 
 
 def visible(local: tuple[int, ...], env: str) -> str:
@@ -122,7 +156,8 @@ def step_command(run_dir: str, name: str, devices: tuple[int, ...], argv: list[s
             raise SlurmJobError(f"no process {name!r} in the placement of {run_dir}; it has {', '.join(procs)}")
         proc = procs[name]
         if proc.role == "gen_server":
-            argv, extra = server_command(cfg, proc, spec.model_path, spec.gen_ports[proc.rank],
+            path, version = first_weights(spec)  # a resumed run's servers start from its checkpoint
+            argv, extra = server_command(cfg, proc, path, spec.gen_ports[proc.rank], version=version,
                                          host=server_host(cfg, spec.host_of(name)), api_key=spec.api_key)
             env.update(extra)
         elif proc.role == "judge_server":
@@ -148,6 +183,9 @@ def step_command(run_dir: str, name: str, devices: tuple[int, ...], argv: list[s
 
 
 def main(argv: list[str]) -> int:
+    # The job script passes Slurm's SIGUSR1 (a stop before the time limit) to the controller; until
+    # the controller's loop handles it, it must not kill. Ignored here, it stays ignored across exec.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="python -m areal_flow.launchers.slurm_job")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare")
@@ -164,8 +202,10 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "prepare":
             hosts = args.hosts or expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
-            for name, address in prepare(args.run_dir, hosts).items():
-                print(f"{name:<16} {address}")
+            addresses = prepare(args.run_dir, hosts)
+            for node, (host, address) in enumerate(zip(hosts, addresses)):
+                print(f"node {node}: {host} at {address}", file=sys.stderr)  # into the job's log
+            print("\n".join(addresses))  # the script's ADDRS
             return 0
         devices, problem = parse_mesh(args.devices, "--devices") if args.devices else ((), None)
         if problem:

@@ -21,7 +21,7 @@ from areal_flow.checkpoint import compat, store
 from areal_flow.config.schema import RunConfig
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.graph.placement import Placement, Proc
-from areal_flow.launchers.commands import judge_command, python_role, server_command, server_host
+from areal_flow.launchers.commands import first_weights, judge_command, python_role, server_command, server_host
 from areal_flow.launchers.autoscale import AutoScaler
 from areal_flow.launchers.elastic import Scaler
 from areal_flow.launchers.local import ChildFailed, LocalLauncher, how_it_ended
@@ -46,13 +46,6 @@ def make_launcher(cfg: RunConfig, run_dir: str, placement: Placement):
                            start_timeout=lc.start_timeout, stop_timeout=lc.stop_timeout)
     return LocalLauncher(run_dir, device_type=cfg.cluster.device_type, pin_cpus=lc.pin_cpus,
                          stop_timeout=lc.stop_timeout)
-
-
-def first_weights(spec: RunSpec) -> tuple[str, int]:
-    """(path, version) of the weights the policy's servers start from: a resumed run's checkpoint's actor."""
-    if spec.resume:
-        return os.path.join(spec.resume, "actor"), store.read_manifest(spec.resume)["version"]
-    return spec.model_path, 0
 
 
 def start_processes(launcher, placement: Placement, spec: RunSpec, cfg: RunConfig) -> Callable:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import socket
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,15 @@ def master_store(master_address: str, world_size: int, timeout: float) -> dist.T
                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
 
 
+def route_address(peer: str) -> str:
+    """This host's address on the route to `peer` (the source address the kernel would use; a UDP
+    socket's connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
 def join(store: dist.Store | None, *, master_address: str, master_port: int, rank: int, world_size: int,
          group_name: str, backend: str, timeout: float) -> dist.ProcessGroup:
     """Join the group as `rank`: with rank 0's own `store`, or (store None) as a client of the
@@ -69,7 +79,14 @@ def join(store: dist.Store | None, *, master_address: str, master_port: int, ran
             store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=delta)
         prefixed = group_store(store, group_name, backend)
         if backend == "gloo":
-            return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=delta)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = delta
+            # gloo's default device listens at what the host name resolves to, which another host may
+            # not reach (127.0.1.1 in many /etc/hosts): listen at this host's address on the way to
+            # the master's instead, which the others reach too.
+            own = master_address if rank == 0 else route_address(master_address)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = delta
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)

@@ -5,6 +5,7 @@ trainer, and the missing-sbatch error."""
 import json
 import os
 import re
+import shlex
 import socket
 import stat
 import subprocess
@@ -74,7 +75,7 @@ def test_the_script_starts_every_process_on_its_node_with_its_devices(n_nodes, n
         if proc.role == "trainer":
             continue
         line = lines[proc.name]
-        assert f'--nodelist="${{HOSTS[{proc.node}]}}"' in line
+        assert line.startswith(f"start {proc.name} {proc.node} ")  # start() runs it on HOSTS[node]
         devices = re.search(r"--devices (\S+)", line)
         # the process's own GPUs, as numbered on its node; light processes none, and on node 0
         assert (devices.group(1) if devices else "") == ",".join(map(str, proc.local_devices)) or \
@@ -84,9 +85,9 @@ def test_the_script_starts_every_process_on_its_node_with_its_devices(n_nodes, n
     for node_rank, node in enumerate(trainer_nodes):
         ranks = [p for p in placement.of_role("trainer") if p.node == node]
         line = lines[f"trainers-node{node}"]
-        assert f'--nodelist="${{HOSTS[{node}]}}"' in line
+        assert line.startswith(f"start trainers-node{node} {node} ")
         assert f"--nnodes={len(trainer_nodes)} --node_rank={node_rank} --nproc_per_node={len(ranks)} " in line
-        assert f'--master_addr="${{HOSTS[{trainer_nodes[0]}]}}" --master_port={fixed_ports(placement, 31000)["dist"]}' in line
+        assert f'--master_addr="${{ADDRS[{trainer_nodes[0]}]}}" --master_port={fixed_ports(placement, 31000)["dist"]}' in line
         assert [p.rank for p in ranks] == list(range(rank, rank + len(ranks)))  # torchrun's numbering
         rank += len(ranks)
         first, last = ranks[0].local_devices[0], ranks[-1].local_devices[0]
@@ -97,9 +98,9 @@ def test_the_script_starts_every_process_on_its_node_with_its_devices(n_nodes, n
 def test_sixteen_nodes_put_generation_on_eight_and_training_on_eight():
     _, cfg, placement = config(16, 8, "sglang:d32t2 + megatron:d8p2t4")
     lines = step_lines(sbatch_script(cfg, placement, "/shared/run"))
-    assert '"${HOSTS[7]}"' in lines["gen_server31"] and "--devices 6,7" in lines["gen_server31"]
+    assert lines["gen_server31"].startswith("start gen_server31 7 ") and "--devices 6,7" in lines["gen_server31"]
     assert "--nnodes=8 --node_rank=7 --nproc_per_node=8 " in lines["trainers-node15"]
-    assert '--master_addr="${HOSTS[8]}"' in lines["trainers-node15"] and "--devices 0-7 " in lines["trainers-node15"]
+    assert '--master_addr="${ADDRS[8]}"' in lines["trainers-node15"] and "--devices 0-7 " in lines["trainers-node15"]
 
 
 def test_a_cpu_job_holds_cores_instead_of_gpus():
@@ -213,6 +214,7 @@ def test_the_job_stops_every_step_when_one_fails_and_exits_with_its_code(tmp_pat
     (run_dir / "logs").mkdir(parents=True)
     (tmp_path / "job.sbatch").write_text(sbatch_script(cfg, placement, str(run_dir), python=str(bin_dir / "python")))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-2]", "FAIL": fail}
+    env.pop("SLURM_JOB_ID", None)  # not in a job: the script signals the steps' sruns itself
     start = time.monotonic()
     r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == code, r.stderr
@@ -220,7 +222,9 @@ def test_the_job_stops_every_step_when_one_fails_and_exits_with_its_code(tmp_pat
     stopped = [p.stem for p in (run_dir / "logs").glob("*.log") if "stopped" in p.read_text()]
     assert "trainers-node1" in stopped and "rollout0" in stopped
     if fail != "none":
-        assert f"process '{fail}' exited with code 3; its log is {run_dir}/logs/{fail}.log" in r.stderr
+        node = next(p.node for p in placement.procs if p.name == fail)
+        assert f"process '{fail}' on node {node} (n{node + 1}, ) exited with code 3; its log is " \
+               f"{run_dir}/logs/{fail}.log" in r.stderr
         assert fail not in stopped
     else:
         assert "controller" not in stopped and "exited with code" not in r.stderr
@@ -296,3 +300,74 @@ def test_a_slurm_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     assert "placement on 2 nodes:" in r.stdout and "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1" in r.stdout
     assert "--nnodes=1 --node_rank=0 --nproc_per_node=8" in r.stdout and f"RUN_DIR={tmp_path}/run" in r.stdout
     assert not (tmp_path / "run").exists()
+
+
+def fake_slurm(tmp_path: Path, monkeypatch, scontrol: str) -> Path:
+    """Stand-ins for scontrol (printing `scontrol`) and scancel (noting its arguments) on PATH."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\nprintf '%s\\n' {shlex.quote(scontrol)}\n")
+    (bin_dir / "scancel").write_text(f"#!/bin/bash\necho \"$@\" >> {bin_dir}/scancelled\n")
+    for name in ("scontrol", "scancel"):
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return bin_dir
+
+
+def test_a_node_is_reached_at_the_address_slurm_reaches_it_at(tmp_path, monkeypatch):
+    """slurm.conf's NodeAddr, where it names one: node names that resolve nowhere (n1, n2) are
+    reached as Slurm reaches them."""
+    fake_slurm(tmp_path, monkeypatch, "NodeName=n2 Arch=x86_64 NodeAddr=10.9.0.2 NodeHostName=localhost")
+    assert slurm_job.node_address("n2") == "10.9.0.2"
+    fake_slurm(tmp_path / "same", monkeypatch, "NodeName=localhost NodeAddr=localhost State=IDLE")
+    assert slurm_job.slurm_node_addr("localhost") is None  # the name itself: resolved as before
+
+
+@pytest.mark.parametrize("said,named", [
+    ("sbatch: error: invalid partition specified: gpu\nsbatch: error: Batch job submission failed: Invalid partition "
+     "name specified", "the partition does not exist: launcher.slurm_partition=gpu"),
+    ("sbatch: error: Invalid --time specification", "launcher.slurm_time=4:00:00"),
+    ("sbatch: error: Batch job submission failed: Requested node configuration is not available",
+     "cluster.n_nodes=2 and cluster.n_devices=8 (GPUs a node, cluster.device_type=cuda)"),
+    ("sbatch: error: Invalid generic resource (gres) specification", "cluster.n_devices=8 (GPUs a node"),
+    ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+     "launcher.slurm_account=proj"),
+    ("sbatch: error: something new", "check launcher.slurm_* and cluster.* (docs/clusters.md)"),
+])
+def test_what_sbatch_rejects_is_said_in_one_line_naming_the_setting(said, named):
+    from areal_flow.launchers.slurm_refusals import rejected
+
+    _, cfg, _ = config(2, 8, "sglang:d4t2 + megatron:d2p2t2", slurm_partition="gpu", slurm_account="proj",
+                       slurm_time="4:00:00")
+    line = rejected(cfg, said)
+    assert named in line and "\n" not in line and line.startswith("Slurm refused the job (")
+
+
+def test_a_job_that_would_pend_forever_is_cancelled_and_named(tmp_path, monkeypatch):
+    from areal_flow.launchers.slurm_refusals import pending_forever
+
+    _, cfg, _ = config(2, 8, "sglang:d4t2 + megatron:d2p2t2", slurm_time="9-00:00:00")
+    bin_dir = fake_slurm(tmp_path, monkeypatch, "JobId=42 JobState=PENDING Reason=PartitionTimeLimit Partition=gpu")
+    line = pending_forever(cfg, "42", settle=0.1)
+    assert line == ("Slurm will not run job 42 (pending: PartitionTimeLimit, cancelled): it asks partition gpu for a "
+                    "longer time limit than the partition allows: launcher.slurm_time=9-00:00:00")
+    assert (bin_dir / "scancelled").read_text() == "42\n"
+    # Waiting its turn (Resources), or running: nothing to say, nothing cancelled.
+    for shown in ("JobId=43 JobState=PENDING Reason=Resources Partition=gpu", "JobId=44 JobState=RUNNING Reason=None"):
+        bin_dir = fake_slurm(tmp_path / shown.split()[0], monkeypatch, shown)
+        assert pending_forever(cfg, "43", settle=0.1) is None and not (bin_dir / "scancelled").exists()
+
+
+def test_a_requeued_job_goes_on_from_the_newest_checkpoint_or_the_start(tmp_path, monkeypatch, capsys):
+    partial_run(tmp_path)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(0, 0, 0, "", ("10.0.0." + host[-1], 0))])
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    slurm_job.prepare(str(tmp_path), ["n1", "n2"])
+    assert "requeued" not in capsys.readouterr().err
+    (tmp_path / "ledger.jsonl").write_text('{"event": "admit"}\n')
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    slurm_job.prepare(str(tmp_path), ["n1", "n2"])
+    assert "the job was requeued (start 2): the run goes on from the start: it holds no complete checkpoint" in \
+        capsys.readouterr().err
+    assert read_run(str(tmp_path))[1].resume == ""
+    assert (tmp_path / "ledger.jsonl").read_text() == ""  # rewound to the start: a new run's ledger
