@@ -203,10 +203,22 @@ class RayLauncher(Watching):
             try:
                 code = ray.get(ref, timeout=30)
             except (RayActorError, GetTimeoutError) as e:
-                raise ChildFailed(name, -signal.SIGKILL, f"its Ray actor is gone: {e}", self.log_paths[name]) from None
+                raise ChildFailed(name, -signal.SIGKILL, f"its Ray actor on {self.where(name)} is gone: {e}",
+                                  self.log_paths[name]) from None
             if code is not None:
                 codes[name] = code
         return codes
+
+    def where(self, name: str) -> str:
+        """Process `name`'s node as a reader finds it: placement node, address, and whether Ray still
+        counts it alive (a node that died takes its actors with it)."""
+        started = self.started.get(name, {})
+        text = f"node {started.get('node', '?')} ({started.get('address', '?')}"
+        try:
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}.get(started.get("node_id"))
+        except Exception:  # noqa: BLE001 - the GCS itself may be gone: the address is what there is to say
+            alive = None
+        return text + (", which Ray reports dead)" if alive is False else ")")
 
     def log_path(self, name: str) -> str:
         return self.log_paths[name]
