@@ -106,6 +106,7 @@ PRELUDE = """
 set -o pipefail  # not -u: bash before 4.4 calls an empty array unbound
 RUN_DIR={run_dir}
 STOP_TIMEOUT={stop_timeout}
+TIME_SETTING={time_setting}
 # The allocation's hosts in Slurm's order: placement node k runs on HOSTS[k].
 mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if (( ${{#HOSTS[@]}} < {n_nodes} )); then
@@ -156,11 +157,12 @@ stop_steps() {{
 # The watch loop passes it on every few seconds until the controller ends: a controller still
 # starting ignores it (each step starts with SIGUSR1 ignored) until it can act on it.
 STOPPING=0
-trap '(( STOPPING )) || echo "areal_flow: SIGUSR1: the run stops after its current step, with a checkpoint (resume=auto continues it)" >&2
+time_left() {{ [[ -n $SLURM_JOB_ID ]] && squeue --noheader --jobs="$SLURM_JOB_ID" --format=%L 2>/dev/null; }}
+trap '(( STOPPING )) || echo "areal_flow: SIGUSR1 (Slurm before the time limit, $TIME_SETTING, $(time_left) left; or scancel --signal=USR1): the run stops after its current step, with a checkpoint; resume=auto continues it" >&2
       STOPPING=1' USR1
 # SIGTERM (scancel, a time limit without the signal, a node that failed): every step stops now; the
 # run directory keeps its last complete checkpoint.
-trap 'echo "areal_flow: the job was cancelled (scancel, its time limit, or a node that failed); the last complete checkpoint resumes it" >&2
+trap 'echo "areal_flow: the job was cancelled (scancel, its time limit $TIME_SETTING, or a node that failed); the last complete checkpoint resumes it" >&2
       for k in "${{!HOSTS[@]}}"; do echo "areal_flow:   $(where "$k")" >&2; done
       stop_steps; exit 143' TERM
 """
@@ -200,7 +202,7 @@ def sbatch_script(cfg: RunConfig, placement: Placement, run_dir: str, python: st
     q = shlex.quote
     job = f"{q(python)} -m areal_flow.launchers.slurm_job"
     body = [PRELUDE.format(run_dir=q(run_dir), stop_timeout=int(cfg.launcher.stop_timeout), n_nodes=cluster.n_nodes,
-                           job=job)]
+                           job=job, time_setting=q(f"launcher.slurm_time={cfg.launcher.slurm_time or 'null'}"))]
     trainer_nodes = sorted({s.node for s in steps(placement) if s.trainers})
     unit = "gpus" if cluster.device_type == "cuda" else "cores"
     for s in steps(placement):

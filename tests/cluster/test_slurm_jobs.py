@@ -114,7 +114,9 @@ def test_a_time_limit_ends_the_job_with_a_checkpoint_that_resumes(slurm, run_cac
                  "launcher.slurm_stop_before=75")
     record = ended(slurm, run_dir, job, "FAILED", timeout=150)
     assert record["ExitCode"] == "130:0"
-    assert "SIGUSR1: the run stops after its current step, with a checkpoint" in job_log(run_dir, job)
+    said = [line for line in job_log(run_dir, job).splitlines() if line.startswith("areal_flow: SIGUSR1")]
+    assert len(said) == 1 and "(Slurm before the time limit, launcher.slurm_time=2, " in said[0] and \
+        "the run stops after its current step, with a checkpoint; resume=auto continues it" in said[0], said
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped"] and summary["stop_reason"]["kind"] == "stop_request"
     steps = summary["steps"]
