@@ -27,6 +27,12 @@ SHIPPED = [o for o in SMALL if o != TRAIN_EVERY_GROUP]
 """SMALL's sizes, with a recipe's own dynamic filtering."""
 
 
+def small_with(*overrides: str) -> list[str]:
+    """SMALL without the keys `overrides` set (a launch may give each key once), then `overrides`."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [*(o for o in SMALL if o.split("=", 1)[0] not in keys), *overrides]
+
+
 # The SMALL bootstrap answers nothing right, so every group's advantages would be 0: a model that
 # answers some problems (150 bootstrap steps, cached once per session) and groups of 8 make the
 # steps carry gradients.

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import SMALL, check_accounting, jsonl, launch, leftover_processes, steps_of, wait_for_step
+from run_helpers import check_accounting, jsonl, launch, leftover_processes, small_with, steps_of, wait_for_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from chaos import run_processes  # noqa: E402  (each process itself, not its scoring pool)
@@ -25,10 +25,8 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 def start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     """Launch in the background with SMALL's settings, where `overrides` do not set the same key."""
-    keys = {o.split("=", 1)[0] for o in overrides}
-    small = [o for o in SMALL if o.split("=", 1)[0] not in keys]
-    cmd = [sys.executable, "-m", "areal_flow.launch", *small, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
-           *QUIET, *overrides]
+    cmd = [sys.executable, "-m", "areal_flow.launch", f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *QUIET,
+           *small_with(*overrides)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent)
 
 

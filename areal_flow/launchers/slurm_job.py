@@ -29,7 +29,7 @@ from areal_flow.graph.placement import Placement
 from areal_flow.launchers.commands import first_weights, judge_command, python_role, server_command, server_host
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.security import host_address, is_loopback
-from areal_flow.runtime.spec import reachable, read_run, write_spec
+from areal_flow.runtime.spec import RunSpec, reachable, read_run, write_spec
 
 
 class SlurmJobError(RuntimeError):
@@ -97,7 +97,7 @@ def placement_of(cfg) -> Placement:
     return place(graph, cfg.rollout.workers, cfg.generation.tp_size, cfg.cluster.n_devices)
 
 
-def requeued(run_dir: str, spec) -> None:
+def requeued(run_dir: str, spec: RunSpec) -> None:
     """A job Slurm started again (requeued after a node failed, or a preemption; SLURM_RESTART_COUNT)
     goes on from the run's newest complete checkpoint, the run directory rewound to it, as
     `resume=auto` would; without one, from the start."""

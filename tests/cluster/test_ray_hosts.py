@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 from netns_hosts import Hosts
-from run_helpers import RECIPE_ETA, SMALL, check_accounting, steps_of, wait_for_step
+from run_helpers import RECIPE_ETA, check_accounting, small_with, steps_of, wait_for_step
 
 pytest.importorskip("ray")
 
@@ -58,12 +58,10 @@ def scale(run_dir, change: str) -> subprocess.CompletedProcess:
 def launch(hosts: Hosts, run_dir, cache, *overrides: str) -> subprocess.Popen:
     """The launcher, a Ray driver, on the head's host; the allocation puts the generation servers on
     node 0's two cores and the trainer on node 1's first, leaving node 1 a free core."""
-    keys = {o.split("=", 1)[0] for o in overrides}
-    small = [o for o in SMALL if o.split("=", 1)[0] not in keys]
-    argv = [sys.executable, "-m", "areal_flow.launch", *small, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
+    argv = [sys.executable, "-m", "areal_flow.launch", f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
             "launcher.type=ray", f"launcher.ray_address={hosts.addresses[0]}:{RAY_PORT}", "cluster.n_nodes=2",
             "cluster.n_devices=2", "allocation=embedded:d2 + torch:d1", "eval_at_start=false", "eval_at_end=false",
-            *overrides]
+            *small_with(*overrides)]
     return subprocess.Popen(hosts.command(0, argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=run_dir.parent)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import ANSWERS_SOME, SMALL, check_accounting, jsonl, run_processes, steps_of
+from run_helpers import ANSWERS_SOME, SMALL, check_accounting, jsonl, run_processes, small_with, steps_of
 from safetensors.torch import load_file
 
 from areal_flow.runtime.security import is_loopback
@@ -32,10 +32,8 @@ EXACT = ("rollout.max_staleness=0", "total_steps=6", "eval_at_end=false", "check
 
 def submit(slurm, run_dir: Path, cache: Path, *overrides: str) -> str:
     """Launch a SMALL run with launcher.type=slurm on the two nodes: the job id it submitted."""
-    keys = {o.split("=", 1)[0] for o in overrides}
-    small = [o for o in SMALL if o.split("=", 1)[0] not in keys]
-    r = subprocess.run([sys.executable, "-m", "areal_flow.launch", *small, f"cache_dir={cache}",
-                        f"output_dir={run_dir}", *TWO_NODES, *overrides],
+    r = subprocess.run([sys.executable, "-m", "areal_flow.launch", f"cache_dir={cache}", f"output_dir={run_dir}",
+                        *TWO_NODES, *small_with(*overrides)],
                        capture_output=True, text=True, env=slurm.env, timeout=300, cwd=run_dir.parent)
     found = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert r.returncode == 0 and found, r.stdout[-3000:] + r.stderr[-3000:]
