@@ -20,16 +20,18 @@ does); 2: the run cannot be replayed as asked.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import sys
 
 import numpy as np
-
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from areal_flow.training.replay import ReplayError, Replayer, StepResult
+from areal_flow.training.flight import RecordError
+from areal_flow.training.replay import Replayer, ReplayError, StepResult
+from areal_flow.training.replay_ranks import OtherRanks, check_ranks
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,11 +43,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="write this step's batch, logprobs, ratios and weights (repeatable)")
     p.add_argument("--regenerate", metavar="STEP:UID", default=None,
                    help="regenerate this recorded answer (its step from 1, its uid) and compare it with the record")
+    # A run of several trainer ranks: the process the user started is rank 0 and starts the others
+    # with these (training/replay_ranks.py).
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def replay(args: argparse.Namespace, console: Console) -> list[StepResult]:
-    replayer = Replayer(args.run_dir)
+def replay(args: argparse.Namespace, console: Console, port: int | None, rank: int = 0) -> list[StepResult]:
+    replayer = Replayer(args.run_dir, rank, port)
     last = replayer.steps[-1] + 1 if args.to_step is None else args.to_step
     if args.from_step < 1 or last < args.from_step:
         raise ReplayError(f"--from-step {args.from_step} --to-step {last}: steps are counted from 1, the first "
@@ -54,11 +60,11 @@ def replay(args: argparse.Namespace, console: Console) -> list[StepResult]:
     first = replayer.trained.version  # where the checkpoint (or the base model) stands
     missing = sorted(set(range(first, last)) - set(replayer.steps))
     if missing:
-        raise ReplayError(f"{args.run_dir}: the flight record has no step {missing[0] + 1} (it has "
+        raise ReplayError(f"{args.run_dir}: the flight record has no step {missing[0] + 1} of rank {rank} (it has "
                           f"{replayer.steps[0] + 1}-{replayer.steps[-1] + 1}, {len(replayer.steps)} steps)")
+    check_ranks(args.run_dir, range(first, last), replayer.spec.n_trainers)
     console.print(f"replaying steps {first + 1}-{last} of {args.run_dir} from "
-                  f"{checkpoint or 'the base model'}" + (f" (steps {first + 1}-{args.from_step - 1} to get to "
-                                                         f"{args.from_step})" if first + 1 < args.from_step else ""))
+                  f"{checkpoint or 'the base model'}" + _catching_up(first + 1, args.from_step))
     results = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("replay", total=last - first)
@@ -68,12 +74,21 @@ def replay(args: argparse.Namespace, console: Console) -> list[StepResult]:
     return results
 
 
+def _catching_up(first: int, wanted: int) -> str:
+    """What the replay runs before the first step asked for (steps from 1)."""
+    if first >= wanted:
+        return ""
+    steps = f"step {first}" if first == wanted - 1 else f"steps {first}-{wanted - 1}"
+    return f" ({steps} to get to {wanted})"
+
+
 def report(results: list[StepResult], console: Console) -> int:
     table = Table(title="replayed steps")
-    for column in ("step", "weights", "loss (run)", "loss (replay)"):
+    for column in ("step", "weights", "max |Δ weight|", "loss (run)", "loss (replay)"):
         table.add_column(column)
     for r in results:
-        table.add_row(str(r.step + 1), "equal" if r.equal else f"[red]differ[/red] {r.digest[:8]} ≠ {r.recorded[:8]}",
+        verdict = "equal" if r.equal else f"[red]differ[/red] on rank{'s' * (len(r.differ) > 1)} {', '.join(map(str, r.differ))}"
+        table.add_row(str(r.step + 1), verdict, "-" if r.weight_gap is None else f"{r.weight_gap:.3g}",
                       _fmt(r.recorded_loss), _fmt(r.loss))
     console.print(table)
     losses = [abs(r.loss - r.recorded_loss) for r in results if r.loss is not None and r.recorded_loss is not None]
@@ -81,15 +96,20 @@ def report(results: list[StepResult], console: Console) -> int:
     differ = [r for r in results if not r.equal]
     if not differ:
         console.print(f"[green]all {len(results)} steps equal[/green]: every step's weights bit for bit the run's "
-                      f"(largest |Δ loss| {largest:.3g})")
+                      f"(max |Δ weight| 0; largest |Δ loss| {largest:.3g})")
         return 0
+    measured = [r.weight_gap for r in differ if r.weight_gap is not None]
+    gap = (f"largest |Δ weight| {max(measured):.3g} where the run saved its weights"
+           if measured else "no weights saved at those steps to measure by how much (a checkpoint or dump.weights)")
     console.print(f"[red]{len(differ)} of {len(results)} steps differ[/red]: the first is step {differ[0].step + 1}; "
-                  f"largest |Δ loss| {largest:.3g}")
+                  f"{gap}; largest |Δ loss| {largest:.3g}")
     return 1
 
 
 def regenerate_one(args: argparse.Namespace, console: Console) -> int:
-    from areal_flow.training.regenerate import regenerate  # (loads the generation engine)
+    from areal_flow.training.regenerate import (
+        regenerate,  # (loads the generation engine)
+    )
 
     step, sep, uid = args.regenerate.partition(":")
     if not sep or not step.isdigit() or int(step) < 1 or not uid:
@@ -118,15 +138,38 @@ def _fmt(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.rank is not None:  # one of a run's ranks, started by rank 0's replay
+        return replay_rank(args)
     console = Console()
     try:
         if args.regenerate is not None:
             return regenerate_one(args, console)
-        results = replay(args, console)
-    except (ReplayError, FileNotFoundError) as e:
+        with OtherRanks(args.run_dir, _rank_argv(args), console) as port:
+            results = replay(args, console, port)
+    except (ReplayError, RecordError, FileNotFoundError) as e:
         console.print(f"[red]cannot replay[/red]: {e}")
         return 2
     return report(results, console)
+
+
+def replay_rank(args: argparse.Namespace) -> int:
+    """Rank `args.rank` of a run of several: replay silently beside rank 0, which reports."""
+    try:
+        replay(args, Console(file=io.StringIO()), args.port, args.rank)
+    except (ReplayError, RecordError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The arguments every rank replays with (the steps and dumps)."""
+    argv = [args.run_dir, "--from-step", str(args.from_step)]
+    if args.to_step is not None:
+        argv += ["--to-step", str(args.to_step)]
+    for step in args.dump:
+        argv += ["--dump", str(step)]
+    return argv
 
 
 if __name__ == "__main__":

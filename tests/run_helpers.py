@@ -202,3 +202,34 @@ def processes_of_uids(uids: set[int]) -> list[int]:
         except FileNotFoundError:
             pass
     return pids
+
+
+def replay(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m areal_flow.replay RUN_DIR ARGS`, its table wide enough to read."""
+    return subprocess.run([sys.executable, "-m", "areal_flow.replay", str(run_dir), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+
+def change_a_trained_logprob(run_dir: Path, steps: range, rank: int, by: float) -> int:
+    """Move one behaviour logprob by `by` in rank `rank`'s flight record: of the first sample, in the
+    first of `steps` (from 0) that has one, whose group's answers scored differently (it has a
+    gradient, so the change must show in the weights). Returns the step."""
+    import msgspec
+
+    from areal_flow.training import flight
+    from areal_flow.transport.messages import Array
+
+    for step in steps:
+        record = flight.read(str(run_dir), step, rank)
+        rewards: dict[int, set] = {}
+        for s in record.samples:
+            rewards.setdefault(s.group_id, set()).add(s.scalars["rewards"])
+        varied = [s for s in record.samples if len(rewards[s.group_id]) > 1 and len(s.array("behav_logprobs"))]
+        if varied:
+            behav = varied[0].array("behav_logprobs").copy()
+            behav[0] += by
+            varied[0].arrays["behav_logprobs"] = Array.of(behav)
+            with open(flight.path_of(str(run_dir), step, rank), "wb") as f:
+                f.write(msgspec.msgpack.encode(record))
+            return step
+    raise AssertionError(f"rank {rank} trained no group whose answers scored differently in steps {steps}")

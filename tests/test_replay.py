@@ -8,17 +8,13 @@ versions; a run that cannot be replayed is refused by name."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
-import msgspec
 import numpy as np
 import pytest
-from run_helpers import ANSWERS_SOME, kill_trainer_after_checkpoint, steps_of
+from run_helpers import ANSWERS_SOME, change_a_trained_logprob, kill_trainer_after_checkpoint, replay, steps_of
 from test_resume_end_to_end import start
 
 from areal_flow.training import flight
-from areal_flow.transport.messages import Array
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +26,6 @@ RUN = ("rollout.max_staleness=4", "rollout.interrupt=true", "total_steps=8", "ev
        "rollout.max_concurrent=2",
        # for regeneration: servers that decode batch-invariantly, and every version's weights kept
        "generation.deterministic=true", "dump.weights=true")
-
-
-def replay(run_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_flow.replay", str(run_dir), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def test_an_async_run_killed_and_resumed_replays_bit_for_bit_from_the_start_and_
     assert "checkpoints/step-00000003" in resumed.stdout  # steps 4-8 from the checkpoint after step 3
     # --dump 2: the step's batch, its tokens' logprobs before the update and ratios, the weights after.
     folder = killed_run / "replay" / "step-00000002"
-    rows = [json.loads(line) for line in (folder / "tokens.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (folder / "tokens-rank0.jsonl").read_text().splitlines()]
     assert len(rows) == len(flight.read(str(killed_run), 1).samples)
     assert all(len(r["ratio"]) == len(r["logprobs_before"]) == len(r["advantages"]) for r in rows)
     assert (folder / "weights" / "config.json").exists()
@@ -85,21 +76,7 @@ def test_an_answer_cut_by_an_update_regenerates_to_its_tokens_and_logprobs_bit_f
 def test_a_record_changed_by_one_logprob_is_caught_at_its_step(killed_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(killed_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "weights", "replay", "logs", "dumps"))
-    # The first step from 5 on with a group whose rewards differ (a sample of it has a gradient).
-    for step in range(4, 8):
-        record = flight.read(str(run_dir), step)
-        rewards = {}
-        for s in record.samples:
-            rewards.setdefault(s.group_id, set()).add(s.scalars["rewards"])
-        varied = [s for s in record.samples if len(rewards[s.group_id]) > 1 and len(s.arrays["behav_logprobs"])]
-        if varied:
-            break
-    assert varied, "no step from 5 on trained a group whose answers scored differently"
-    behav = varied[0].array("behav_logprobs").copy()
-    behav[0] -= 1e-3
-    varied[0].arrays["behav_logprobs"] = Array.of(behav)
-    with open(flight.path_of(str(run_dir), step, 0), "wb") as f:
-        f.write(msgspec.msgpack.encode(record))
+    step = change_a_trained_logprob(run_dir, range(4, 8), 0, -1e-3)  # from step 5 on
     changed = replay(run_dir, "--from-step", "5")
     assert changed.returncode == 1, changed.stdout[-3000:] + changed.stderr[-3000:]
     assert f"the first is step {step + 1}" in changed.stdout

@@ -36,7 +36,17 @@ def cispo(logprobs, prox, batch, mask, denominator, algo) -> tuple[torch.Tensor,
     return _policy(logprobs, prox, batch, mask, denominator, algo, kind="cispo")
 
 
-def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[torch.Tensor, Stats]:
+def policy_terms(fn: Callable, logprobs, prox, batch, mask, denominator, algo) -> torch.Tensor | None:
+    """Each token's term of the built-in policy loss `fn` (they sum to its loss), for inspection;
+    None for a loss of the user's own, which gives its sum alone."""
+    kind = {ppo: "ppo", cispo: "cispo"}.get(fn)
+    if kind is None:
+        return None
+    return _policy(logprobs, prox, batch, mask, denominator, algo, kind=kind, per_token=True)[0]
+
+
+def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str,
+            per_token: bool = False) -> tuple[torch.Tensor, Stats]:
     p = corrections.configured(algo)
     return decoupled_ppo_loss(
         logprobs, prox, batch["behav_logprobs"], batch["advantages"], mask, kind=kind,
@@ -45,7 +55,7 @@ def _policy(logprobs, prox, batch, mask, denominator, algo, kind: str) -> tuple[
         correction=algo.correction, behav_weight_cap=p.high, behav_weight_floor=p.low, correction_tau=p.tau,
         correction_level=algo.correction_level, token_weights=batch.get("token_weights"),
         n_valid_tokens=denominator, entropy=batch.get("entropy"), staleness=batch.get("staleness"),
-        clip_behav=algo.clip_behav)
+        clip_behav=algo.clip_behav, per_token=per_token)
 
 
 # ---- built-in advantage estimators:

@@ -121,9 +121,7 @@ def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torc
     `at_start`: no optimizer step of this train step has run yet (its first minibatch), so that
     `logprobs` are the trainer's own at the step's start; with them, or with an exact π_prox, the
     stats carry the behaviour/trainer mismatch (`mismatch`)."""
-    prox = prox_logprobs(logprobs, batch, prox_source, prox_version)
-    if "versions" in batch:  # each token's versions behind this step's start, for the diagnostics
-        batch = {**batch, "staleness": prox_version - batch["versions"]}
+    prox, batch = _with_prox(logprobs, batch, prox_source, prox_version)
     policy_loss = resolve("policy_loss", algo.policy_loss, "algorithm.policy_loss")
     loss, stats = policy_loss(logprobs, prox, batch, mask, denominator, algo)
     # π_prox from the prox node or the step's first forward is the trainer's policy at the step's
@@ -133,13 +131,46 @@ def objective(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torc
     if start is not None:
         stats.update(mismatch(start, batch, mask, algo))
     if algo.kl_in == "loss" and kl_coef and "ref_logprobs" in batch:
-        kl = kl_estimate(logprobs, batch["ref_logprobs"], mask, algo.kl_estimator, algo.kl_clamp)
-        weights = batch.get("token_weights")
-        weighted = kl * weights if weights is not None else kl
+        kl, weighted = _kl_terms(logprobs, batch, mask, algo)
         kl_loss = weighted.sum() / max(float(denominator), 1.0)
         loss = loss + kl_coef * kl_loss
         stats["kl_sum"] = torch.where(mask, kl, torch.zeros_like(kl)).sum().detach()
     return loss, stats
+
+
+def objective_terms(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, denominator: float,
+                    *, algo, prox_source: str | None, prox_version: int, kl_coef: float) -> torch.Tensor | None:
+    """Each token's term of `objective` (they sum to its loss, up to rounding; 0 where masked), for
+    inspection (`python -m areal_flow.replay --dump`); None when the policy loss is the user's own."""
+    from areal_flow.algorithms.builtins import (
+        policy_terms,  # (registry.py loads it lazily too)
+    )
+
+    prox, batch = _with_prox(logprobs, batch, prox_source, prox_version)
+    policy_loss = resolve("policy_loss", algo.policy_loss, "algorithm.policy_loss")
+    terms = policy_terms(policy_loss, logprobs, prox, batch, mask, denominator, algo)
+    if terms is not None and algo.kl_in == "loss" and kl_coef and "ref_logprobs" in batch:
+        _, weighted = _kl_terms(logprobs, batch, mask, algo)
+        terms = terms + kl_coef * torch.where(mask, weighted, torch.zeros_like(weighted)) / max(float(denominator), 1.0)
+    return terms
+
+
+def _with_prox(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], source: str | None,
+               prox_version: int) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """π_prox as the step provides it, and the batch with each token's versions behind this step's
+    start (for the diagnostics) where it has versions."""
+    prox = prox_logprobs(logprobs, batch, source, prox_version)
+    if "versions" in batch:
+        batch = {**batch, "staleness": prox_version - batch["versions"]}
+    return prox, batch
+
+
+def _kl_terms(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor,
+              algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL estimate to the reference per token, and weighted by the aggregation weights."""
+    kl = kl_estimate(logprobs, batch["ref_logprobs"], mask, algo.kl_estimator, algo.kl_clamp)
+    weights = batch.get("token_weights")
+    return kl, kl * weights if weights is not None else kl
 
 
 def mismatch(start: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, algo) -> Stats:

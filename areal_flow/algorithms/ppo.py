@@ -117,6 +117,7 @@ def decoupled_ppo_loss(
     behav_weight_floor: float | None = None, correction_tau: float | None = None, correction_level: str = "token",
     token_weights: torch.Tensor | None = None, n_valid_tokens: float | None = None,
     entropy: torch.Tensor | None = None, staleness: torch.Tensor | None = None, clip_behav: bool = False,
+    per_token: bool = False,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled policy loss (PPO or CISPO, token- or sequence-level ratio), summed over valid tokens:
     the objective of the module's docstring.
@@ -129,7 +130,8 @@ def decoupled_ppo_loss(
     to, for a sequence-level ratio or correction. `clip_behav` (kind="ppo", token level, with prox) adds
     naive PPO's clip of the whole ratio π_θ/π_behav as a third pessimistic term (`behav_clip_term`).
 
-    Returns (loss, stats). Stats are detached 0-d sums (or a max), so that callers add them over
+    Returns (loss, stats); with `per_token`, each token's term of the loss instead of their sum (0
+    where masked), for inspection (`python -m areal_flow.replay --dump`). Stats are detached 0-d sums (or a max), so that callers add them over
     micro-batches and ranks (`loss_stats`); with `entropy` (the policy's per-token entropy) its sum over
     the valid tokens, reported only; with `staleness` (each token's versions behind π_prox, an int tensor
     of the same shape), the per-staleness sums of diagnostics.staleness_bucket_sums: the weights, capped
@@ -152,7 +154,8 @@ def decoupled_ppo_loss(
     else:
         applied_weight, capped = corrections.apply(correction, x.log_weight, mask, params, level=correction_level,
                                                    seq_ids=seq_ids)
-    loss = aggregate(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
+    aggregated = aggregation_terms if per_token else aggregate
+    loss = aggregated(pg, applied_weight, x.token_weights, mask, n_valid_tokens)
     floor, cap = corrections.weight_bounds(correction, params)
     stats = loss_stats(mask, ratio, x.weight, took_clip, dual, capped, entropy, edges=behav_weight_edges(cap, floor))
     if staleness is not None:
@@ -309,11 +312,20 @@ def aggregate(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tenso
     "token-mean" and "seq-mean-token-mean" on a whole minibatch.
     """
     per_token = torch.where(mask, token_weights * weight * pg, torch.zeros_like(pg))
+    return per_token.sum() / _denominator(token_weights, n_valid_tokens, pg)
+
+
+def aggregation_terms(pg: torch.Tensor, weight: torch.Tensor, token_weights: torch.Tensor, mask: torch.Tensor,
+                      n_valid_tokens: float | None) -> torch.Tensor:
+    """Each token's term of `aggregate` (0 where masked): they sum to it, up to rounding."""
+    per_token = torch.where(mask, token_weights * weight * pg, torch.zeros_like(pg))
+    return per_token / _denominator(token_weights, n_valid_tokens, pg)
+
+
+def _denominator(token_weights: torch.Tensor, n_valid_tokens: float | None, like: torch.Tensor) -> torch.Tensor:
     if n_valid_tokens is None:
-        denom = token_weights.sum().detach().clamp(min=1)
-    else:
-        denom = torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=pg.dtype, device=pg.device)
-    return per_token.sum() / denom
+        return token_weights.sum().detach().clamp(min=1)
+    return torch.as_tensor(max(float(n_valid_tokens), 1.0), dtype=like.dtype, device=like.device)
 
 
 def loss_stats(mask: torch.Tensor, ratio: torch.Tensor, weight: torch.Tensor, took_clip: torch.Tensor,

@@ -36,6 +36,10 @@ from areal_flow.transport.messages import Sample
 FLIGHT = rd.FLIGHT
 
 
+class RecordError(ValueError):
+    """A flight record that is not one (names the file)."""
+
+
 class FlightStep(msgspec.Struct, kw_only=True):
     """One step of one rank (the module docstring)."""
 
@@ -89,7 +93,7 @@ def read(run_dir: str, step: int, rank: int = 0) -> FlightStep:
         raise FileNotFoundError(f"{path}: no flight record of step {step + 1} (rank {rank}); was the run made with "
                                 "flight.record=true, and did it reach that step?") from None
     except msgspec.DecodeError as e:
-        raise ValueError(f"{path}: not a flight record ({e})") from None
+        raise RecordError(f"{path}: not a flight record ({e})") from None
 
 
 def recorded_steps(run_dir: str, rank: int = 0) -> list[int]:

@@ -46,12 +46,15 @@ class StepRunner:
     def trained(self) -> Engine:
         return self.engines[self.graph.train.role]
 
-    def batch(self, samples: list[Sample]) -> tuple[list[Sample], str | None]:
+    def batch(self, samples: list[Sample], gathered: bool = False) -> tuple[list[Sample], str | None]:
         """The samples this rank trains, in the order it trains them, and where the step's π_prox
         comes from. With a model split over ranks (TP/PP) the ranks of one model-parallel group
-        train the union of what the controller gave each of them."""
+        train the union of what the controller gave each of them (`gathered`: `samples` are that
+        union already, as a flight record keeps them)."""
         trained = self.trained
-        samples = sorted(trained.data_parallel_batch(samples), key=lambda s: (s.group_id, s.index))
+        if not gathered:
+            samples = trained.data_parallel_batch(samples)
+        samples = sorted(samples, key=lambda s: (s.group_id, s.index))
         reads_prox = self.graph.input(self.graph.train, "prox_logprobs") is not None
         source = prox_source(self.cfg.algorithm, reads_prox=reads_prox,
                              all_current=self.all_current(samples, trained.version), exact=self.exact is not None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms import registry
-from areal_flow.algorithms.library import objective, zero_gradient
+from areal_flow.algorithms.library import objective, objective_terms, zero_gradient
 from areal_flow.algorithms.ppo import decoupled_ppo_loss
 from areal_flow.config.schema import AlgorithmConfig, NormConfig, RunConfig
 from areal_flow.run.checks import algorithm_problems
@@ -124,8 +124,8 @@ def test_a_critic_reads_its_old_values_and_runs_on_the_torch_engine():
     import yaml
     from omegaconf import OmegaConf
 
-    from areal_flow.run.checks import graph_problems
     from areal_flow.graph.dag import graph_from_config
+    from areal_flow.run.checks import graph_problems
 
     recipe = yaml.safe_load(open("recipes/tiny_arith_ppo.yaml"))
     graph = recipe["graph"]
@@ -192,3 +192,42 @@ def test_the_mismatch_is_measured_against_the_trainers_policy_at_the_steps_start
     assert figures(None, at_start=True)["mismatch/abs_mean"] == pytest.approx(own)  # naive PPO too
     # by versions behind: half the tokens are 0 behind (version 3), half 2 (version 1)
     assert figures("current", at_start=False)["mismatch/2/tokens"] == 6
+
+
+@pytest.mark.parametrize("how", [
+    dict(),                                                  # AReaL's objective
+    dict(policy_loss="cispo"),
+    dict(importance_level="sequence"),                       # GSPO: one ratio a sequence
+    dict(kl_in="loss", kl_estimator="k3", kl_coef=0.1),      # and KL to the reference as a loss term
+    dict(eps_clip_high=0.28, c_clip=3.0, correction="tis"),
+])
+def test_the_per_token_terms_of_the_objective_sum_to_its_loss(how):
+    """`replay --dump` writes each token's term: they must add up to the loss the step minimised."""
+    logp, data, mask = batch(4)
+    mask[5] = False  # a token out of the loss has no term
+    data["token_weights"] = torch.linspace(0.5, 1.5, 12, dtype=torch.float64)
+    kl_coef = how.pop("kl_coef", 0.0)
+    algo = AlgorithmConfig(**how)
+    kw = dict(algo=algo, prox_source="loglinear", prox_version=3, kl_coef=kl_coef)
+    loss, _ = objective(logp, data, mask, 10.0, **kw)
+    terms = objective_terms(logp.detach(), data, mask, 10.0, **kw)
+    assert terms.shape == logp.shape and terms[5].item() == 0.0
+    assert terms.sum().item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-15)
+    if how.get("importance_level") != "sequence" and not kl_coef:
+        # Token by token: a term is its own token's (changing one token's logprob moves its term alone).
+        moved = logp.detach().clone()
+        moved[2] += 0.05
+        again = objective_terms(moved, data, mask, 10.0, **kw)
+        assert (again != terms).nonzero().flatten().tolist() == [2]
+
+
+def test_a_users_own_policy_loss_has_no_per_token_terms():
+    logp, data, mask = batch(5)
+
+    def mine(logprobs, prox, batch, mask, denominator, algo):
+        return -(logprobs * batch["advantages"]).sum() / denominator, {}
+
+    registry.register("policy_loss", "test_terms_mine")(mine)
+    algo = AlgorithmConfig(policy_loss="test_terms_mine")
+    assert objective_terms(logp.detach(), data, mask, 12.0, algo=algo, prox_source="current", prox_version=3,
+                           kl_coef=0.0) is None

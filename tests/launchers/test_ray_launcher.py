@@ -16,7 +16,7 @@ from run_helpers import RECIPE_ETA, SMALL, check_accounting, jsonl, run_processe
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster  # a Ray cluster of its own: the cluster tier (README)
 
 # Generation on the first node's core, training on the second's.
 TWO_NODES = ("launcher.type=ray", "cluster.n_nodes=2", "cluster.n_devices=1", "eval_at_start=false")

@@ -14,7 +14,7 @@ from run_helpers import RECIPE_ETA, SMALL, check_accounting, jsonl, steps_of, wa
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster  # a Ray cluster of its own: the cluster tier (README)
 
 
 def scale(run_dir, change: str) -> subprocess.CompletedProcess:

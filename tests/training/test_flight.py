@@ -103,3 +103,19 @@ def test_a_record_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path
     with caplog.at_level("ERROR"):
         worker.record_flight(flight.begin(4, 0, samples(), None, 4, 0.0), trained, stats)
     assert "flight record of step 5 was not written" in caplog.text and "flight_bytes" not in stats
+
+
+def test_a_replay_of_several_ranks_refuses_steps_not_recorded_by_exactly_the_runs_ranks(tmp_path):
+    from areal_flow.training.replay_ranks import RanksError, check_ranks, recorded_ranks
+
+    for step, rank in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1), (3, 2)]:
+        record = flight.begin(step, rank, samples(), "data", step, 0.0)
+        flight.end(str(tmp_path), record, "d", {})
+    assert recorded_ranks(str(tmp_path)) == {0: {0, 1}, 1: {0, 1}, 2: {0}, 3: {0, 1, 2}}
+    check_ranks(str(tmp_path), range(2), 2)
+    with pytest.raises(RanksError, match=r"step 3 was recorded by rank\(s\) 0, but the run has 2 trainer rank"):
+        check_ranks(str(tmp_path), range(3), 2)
+    with pytest.raises(RanksError, match=r"step 4 was recorded by rank\(s\) 0, 1, 2, but the run has 2"):
+        check_ranks(str(tmp_path), [3], 2)  # trained before the run's trainers were resized to 2
+    with pytest.raises(RanksError, match=r"step 9 was recorded by rank\(s\) none"):
+        check_ranks(str(tmp_path), [8], 2)
