@@ -5,9 +5,11 @@ with the weights the run had, bit for bit (training/replay.py; docs/reliability.
 Steps are counted from 1, as the metrics rows and the record's file names count them. The replay
 starts from the newest checkpoint saved before step A (or the run's base model) and replays every
 recorded step up to B (default: the last), printing each step's verdict and, at the end, the first
-step whose weights differ (if any) and the largest difference of the step losses. `--dump STEP`
-also writes that step's batch, the policy's logprobs before the update, the per-token ratios,
-behaviour weights and loss inputs, and the weights after it, to RUN_DIR/replay/step-NNNNNNNN/.
+step whose weights differ (if any), the largest difference of a weight (where the run saved its
+weights after such a step) and of the step losses. A run of several trainer ranks replays as as
+many processes, this one rank 0 (training/replay_ranks.py). `--dump STEP` also writes that step's
+batch, the policy's logprobs before the update, the per-token ratios, behaviour weights, loss
+inputs, loss terms and their gradients, and the weights after it, to RUN_DIR/replay/step-NNNNNNNN/.
 
 `--regenerate STEP:UID` instead regenerates one recorded answer, span by span, from the weights of
 the versions that made it (the run needs dump.weights=true and batch-invariant servers:
@@ -87,7 +89,8 @@ def report(results: list[StepResult], console: Console) -> int:
     for column in ("step", "weights", "max |Δ weight|", "loss (run)", "loss (replay)"):
         table.add_column(column)
     for r in results:
-        verdict = "equal" if r.equal else f"[red]differ[/red] on rank{'s' * (len(r.differ) > 1)} {', '.join(map(str, r.differ))}"
+        ranks = f"rank{'s' * (len(r.differ) > 1)} {', '.join(map(str, r.differ))}"
+        verdict = "equal" if r.equal else f"[red]differ[/red] on {ranks}"
         table.add_row(str(r.step + 1), verdict, "-" if r.weight_gap is None else f"{r.weight_gap:.3g}",
                       _fmt(r.recorded_loss), _fmt(r.loss))
     console.print(table)
@@ -107,9 +110,7 @@ def report(results: list[StepResult], console: Console) -> int:
 
 
 def regenerate_one(args: argparse.Namespace, console: Console) -> int:
-    from areal_flow.training.regenerate import (
-        regenerate,  # (loads the generation engine)
-    )
+    from areal_flow.training.regenerate import regenerate  # (loads the generation engine)
 
     step, sep, uid = args.regenerate.partition(":")
     if not sep or not step.isdigit() or int(step) < 1 or not uid:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_flow.generation.client.router import token_versions
+from areal_flow.generation.client.versions import token_versions
 
 MINIMUM = "0.5.13"
 """The first SGLang release whose OpenAI endpoints return a call's token ids (`return_meta_info`)."""

@@ -4,7 +4,8 @@ metrics.jsonl), and the run's summary. The launcher prints the sentence on the c
 (launchers/progress.py) and the summary table shows it.
 
 Kinds: `total_steps` (the run trained them all), `wall_time` (max_wall_seconds of training passed),
-`stop_request` (SIGUSR1: the launcher sends it on Ctrl-C or SIGTERM, to stop with a checkpoint) and
+`stop_request` (SIGUSR1: the launcher sends it on Ctrl-C or SIGTERM, a Slurm job before its time
+limit, to stop with a checkpoint) and
 `failure` (an exception ended the controller: a stalled run, a process that died, any error). The
 training prompts never run out (controller/prompts.py starts another shuffled pass), so no run ends
 on its dataset.
@@ -41,8 +42,15 @@ def why_it_ended(cfg: RunConfig, steps: int, *, wall_time: bool) -> dict[str, st
     if wall_time:
         return stop_reason("wall_time", f"max_wall_seconds={cfg.max_wall_seconds:g} reached after {steps} of "
                                         f"{total} steps")
-    return stop_reason("stop_request", f"stop requested (SIGUSR1: the launcher's Ctrl-C or SIGTERM) after "
-                                       f"{steps} of {total} steps")
+    return stop_reason("stop_request", f"stop requested (SIGUSR1: {_who_stops(cfg)}) after {steps} of {total} steps")
+
+
+def _who_stops(cfg: RunConfig) -> str:
+    """Who sends the controller SIGUSR1 under the run's launcher."""
+    if cfg.launcher.type == "slurm":
+        return (f"the Slurm job's, {cfg.launcher.slurm_stop_before} s before launcher.slurm_time's limit or by "
+                "`scancel --batch --signal=USR1`")
+    return "the launcher's Ctrl-C or SIGTERM"
 
 
 def failure(error: BaseException) -> dict[str, str]:

@@ -21,7 +21,8 @@ import numpy as np
 
 from areal_flow.graph.keys import AGENT_REWARD, final_turn
 from areal_flow.rollout.turns import ENV_ERROR, Turns
-from areal_flow.generation.client.router import ServerPool, version_number
+from areal_flow.generation.client.router import ServerPool
+from areal_flow.generation.client.versions import version_number
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.disk import write_atomic
 

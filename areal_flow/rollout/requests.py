@@ -8,7 +8,8 @@ import asyncio
 import itertools
 
 from areal_flow.generation.client.carry_on import CUT, Piece, carry_on
-from areal_flow.generation.client.router import SERVED_BY, ServerPool, token_versions, version_number
+from areal_flow.generation.client.router import SERVED_BY, ServerPool
+from areal_flow.generation.client.versions import token_versions, version_number
 from areal_flow.transport.messages import Finish, Served
 
 

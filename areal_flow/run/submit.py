@@ -13,6 +13,7 @@ from areal_flow.config.schema import RunConfig
 from areal_flow.config.validate import ConfigError
 from areal_flow.graph.placement import Placement
 from areal_flow.launchers.slurm import fixed_ports, sbatch_script, submit
+from areal_flow.run.lock import note_slurm_job
 from areal_flow.run.ports import spec_with_ports
 from areal_flow.run.prepare import Prepared
 from areal_flow.run.start import find_resume
@@ -44,6 +45,7 @@ def submit_slurm(raw: DictConfig, cfg: RunConfig, placement: Placement, prepared
     with open(script, "w") as f:
         f.write(sbatch_script(cfg, placement, run_dir))
     job_id = submit(script, cfg)
+    note_slurm_job(run_dir, job_id)  # a later launch into run_dir waits for the job (run/lock.py)
     console.print(f"run directory: {run_dir}\nsubmitted Slurm job {job_id} ({script})\n"
                   f"  follow it:  squeue -j {job_id}; tail -f {run_dir}/logs/job-{job_id}.log {run_dir}/logs/controller.log\n"
                   f"  stop it:    scancel {job_id}", highlight=False, markup=False)

@@ -34,6 +34,9 @@ SLURM_HOSTS = "slurm_hosts.json"
 """The Slurm job's hosts and their addresses (launchers/slurm_job.py)."""
 SBATCH = "job.sbatch"
 """The batch script `launcher.type=slurm` submitted (run/submit.py)."""
+SLURM_JOB = "slurm_job"
+"""The id of the Slurm job `launcher.type=slurm` last submitted for the directory: a later launch
+into it asks Slurm whether that job still runs (run/lock.py)."""
 
 # What the run recorded.
 METRICS = "metrics.jsonl"

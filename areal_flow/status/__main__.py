@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.live import Live
 
 from areal_flow.status.render import render
-from areal_flow.status.snapshot import WINDOW, NotARunDirectory, RunReader
+from areal_flow.status.model import NotARunDirectory
+from areal_flow.status.snapshot import WINDOW, RunReader
 
 FINAL = ("finished", "stopped")
 """The states of a run whose summary is written: nothing more happens to it."""

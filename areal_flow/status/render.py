@@ -12,7 +12,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from areal_flow.status.snapshot import Evaluation, Figure, ProcessStatus, Snapshot
+from areal_flow.status.model import Evaluation, Figure, ProcessStatus, Snapshot
 
 STATE_STYLES = {"running": "bold green", "starting": "bold cyan", "preparing": "bold cyan", "finished": "bold blue",
                 "stopped": "bold yellow", "ended": "bold red"}

@@ -12,7 +12,8 @@ Where each figure comes from:
   (the age of its last write); generation servers' addresses from spec.json.
 
 metrics.jsonl is read from where the last read stopped (a `RunReader` keeps its place), and a line
-not yet ended by a newline (the run writes it) waits for the next read.
+not yet ended by a newline (the run writes it) waits for the next read. What a snapshot holds is
+status/model.py; how each other file is read, status/run_files.py.
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
-
-from areal_flow.generation.client.membership import read_membership
 from areal_flow.runtime import run_dir as rd
 from areal_flow.runtime.spec import RunSpec
+from areal_flow.status.model import Evaluation, Figure, NotARunDirectory, ProcessStatus, Snapshot, Staleness
 from areal_flow.status.probe import pid_alive, servers_health
 from areal_flow.status.processes import PROCESSES, read_processes
+from areal_flow.status.run_files import (config_total_steps, last_event, read_json, read_spec, server_urls,
+                                         trained_version)
 
 WINDOW = 10
 """Steps in the window the view averages over."""
@@ -49,88 +48,6 @@ ROLES = ("controller", "gen_server", "rollout", "reward", "trainer", "inference"
 RUN_FILES = (rd.SPEC, rd.CONFIG, rd.METRICS, PROCESSES, rd.HYDRA_CONFIG)
 """A run directory holds at least one of these (the launcher writes .hydra/ first, the rest after
 it prepared the data and the model)."""
-
-
-class NotARunDirectory(ValueError):
-    pass
-
-
-@dataclass
-class Figure:
-    """A figure at the last step and over the window of the last steps (None: not reported)."""
-    last: float | None = None
-    window: float | None = None
-
-
-@dataclass
-class Staleness:
-    mean: float | None = None  # the last step's token-weighted mean
-    max: int | None = None  # the last step's
-    hist: list[int] = field(default_factory=list)  # the last step's tokens by staleness 0, 1, ...
-    window_mean: float | None = None
-    run_max: int | None = None  # over every step of the run
-    run_hist: list[int] = field(default_factory=list)
-    seq_hist: list | None = None  # the last step's per-sequence histogram, when the run writes it
-
-
-@dataclass
-class Evaluation:
-    accuracy: float
-    when: str | None = None  # "start", "end", "version N"
-    step: int | None = None
-    version: int | None = None  # when the row has it
-    time: float | None = None
-    seconds: float | None = None
-    n: int | None = None
-
-
-@dataclass
-class ProcessStatus:
-    name: str
-    role: str
-    pid: int | None = None
-    host: str | None = None
-    state: str | None = None  # processes.json's: running | exited | restarted | removed; None: not recorded
-    restarts: int = 0
-    exit_code: int | None = None
-    ended: float | None = None  # when it exited, or left the run (processes.json)
-    started: float | None = None  # when it (last) started: a scaled server's join (processes.json)
-    alive: bool | None = None  # its pid on this host; None: not probed (not local, no pid, run over)
-    log_age: float | None = None  # seconds since its log's last write
-    url: str | None = None  # a generation server's
-    health: str | None = None  # a generation server's /health while the run is live: "ok", "HTTP 503", ...
-    weight_version: str | None = None  # what a live generation server says it serves
-
-
-@dataclass
-class Snapshot:
-    run_dir: str
-    at: float  # when it was read
-    state: str  # preparing | starting | running | finished | stopped | ended
-    live: bool  # its processes are (taken to be) running: they were probed
-    note: str  # how the state was found, or why the run ended
-    total_steps: int | None = None
-    step: int = 0  # steps done
-    elapsed: float | None = None  # training seconds at the last step
-    eta: float | None = None  # seconds to total_steps at the window's pace
-    trained_version: int | None = None
-    loaded_version: int | None = None
-    reward: Figure = field(default_factory=Figure)
-    samples_per_second: Figure = field(default_factory=Figure)
-    gen_tokens_per_second: Figure = field(default_factory=Figure)
-    train_tokens_per_second: Figure = field(default_factory=Figure)
-    trainer_busy: Figure = field(default_factory=Figure)
-    generator_busy: Figure = field(default_factory=Figure)
-    reward_busy: dict[str, Figure] = field(default_factory=dict)  # reward node -> busy fraction
-    env: dict[str, Figure] = field(default_factory=dict)  # a multi-turn run's env/<figure> (turns, tool_calls, ...)
-    staleness: Staleness = field(default_factory=Staleness)
-    first_eval: Evaluation | None = None
-    last_eval: Evaluation | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # OPTIONAL_KEYS / _PREFIXES of the last step row
-    processes: list[ProcessStatus] = field(default_factory=list)
-    summary: dict | None = None
-    window: int = 0  # steps in the window
-    bad_lines: int = 0  # metrics lines that did not decode
 
 
 # ---- metrics.jsonl, read as it grows ---------------------------------------------------------------
@@ -222,100 +139,6 @@ def weighted(rows, key: str, weight: str = "step_seconds", of=lambda x: x) -> fl
 def figure(rows: list[dict], key: str, weight: str = "step_seconds", of=lambda x: x) -> Figure:
     value = rows[-1].get(key) if rows else None
     return Figure(of(value) if isinstance(value, (int, float)) else None, weighted(rows, key, weight, of))
-
-
-# ---- the other files -------------------------------------------------------------------------------
-
-
-def tail_lines(path: str, max_bytes: int) -> list[bytes]:
-    """The complete lines in the last `max_bytes` of a file (none when it is missing)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            chunk = f.read()
-    except OSError:
-        return []
-    lines = chunk.split(b"\n")
-    if size > max_bytes:
-        lines = lines[1:]  # the first one is cut
-    return [line for line in lines[:-1] if line.strip()]  # the last one is "" or still being written
-
-
-def last_event(path: str, event: str, max_bytes: int = 1 << 22) -> dict | None:
-    """The last row of a JSON-lines file with this event, looked for in its last `max_bytes`."""
-    needle = f'"{event}"'.encode()
-    for line in reversed(tail_lines(path, max_bytes)):
-        if needle in line:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("event") == event:
-                return row
-    return None
-
-
-def read_json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def config_total_steps(run_dir: str) -> int | None:
-    """total_steps of the run's config.yaml, or of Hydra's composed config before it is written."""
-    import yaml
-
-    for name in (rd.CONFIG, rd.HYDRA_CONFIG):
-        try:
-            with open(os.path.join(run_dir, name)) as f:
-                steps = (yaml.safe_load(f) or {}).get("total_steps")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(steps, int):
-            return steps
-    return None
-
-
-def trained_version(run_dir: str) -> int | None:
-    """The version the trainer holds: its last trained step (rank files count steps from 0) + 1."""
-    versions = []
-    for path in glob.glob(os.path.join(run_dir, rd.TRAINED.format(rank="*"))):
-        if "discarded" in os.path.basename(path):  # what a resume cut away (checkpoint/store.py)
-            continue
-        for line in reversed(tail_lines(path, 1 << 16)):
-            try:
-                versions.append(int(json.loads(line)["step"]) + 1)
-                break
-            except (ValueError, KeyError, TypeError):
-                continue
-    return max(versions) if versions else None
-
-
-def read_spec(path: str) -> RunSpec | None:
-    """The run's spec.json, or None while it is not written (or cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            return msgspec.json.decode(f.read(), type=RunSpec)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
-def server_urls(spec: RunSpec | None) -> dict[str, str]:
-    """gen_server<i> and each judge's <judge>_server<i> -> its URL (RunSpec.gen_urls, judge_urls, and
-    the servers a scale added: servers.json, servers-<judge>.json)."""
-    if spec is None:
-        return {}
-    urls = dict(zip(spec.gen_names, spec.gen_urls))
-    for node in spec.judge_ports:
-        urls |= dict(zip(spec.judge_names(node), spec.judge_urls(node)))
-    for judge in ["", *spec.judge_ports]:
-        if (membership := read_membership(spec.run_dir, judge)) is not None:
-            urls |= {name: m.url for name, m in membership.servers.items()}
-    return urls
 
 
 def role_of(name: str) -> str:

@@ -85,6 +85,11 @@ def test_scancel_stops_the_job_and_resume_auto_continues_it_exactly(slurm, run_c
     ended(slurm, whole, submit(slurm, whole, run_cache, *EXACT))
     job = submit(slurm, cut, run_cache, *EXACT, "checkpoint.keep_last=3")
     wait_for(lambda: (cut / "checkpoints" / "step-00000002" / "manifest.json").exists(), "a checkpoint of step 2")
+    # While the job runs, a second launch into its directory is refused, naming the job.
+    busy = subprocess.run([sys.executable, "-m", "areal_flow.launch", f"cache_dir={run_cache}", f"output_dir={cut}",
+                           *TWO_NODES, *small_with(*EXACT, "resume=auto")],
+                          capture_output=True, text=True, env=slurm.env, timeout=300, cwd=tmp_path)
+    assert busy.returncode == 2 and f"is in use by Slurm job {job} (RUNNING): scancel {job}" in busy.stdout, busy.stdout
     slurm.command("scancel", job)
     ended(slurm, cut, job, "CANCELLED", timeout=60)
     assert "areal_flow: the job was cancelled" in job_log(cut, job)

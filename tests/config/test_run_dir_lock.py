@@ -93,3 +93,36 @@ def test_two_launches_into_one_run_directory_at_once_the_second_is_refused(tmp_p
         first.wait(timeout=120)
         output.close()
     assert first.returncode == 130, (tmp_path / "first.out").read_text()[-3000:]
+
+
+@pytest.mark.parametrize("state,refused", [("RUNNING", True), ("PENDING", True), ("REQUEUED", True),
+                                           ("COMPLETED", False), ("CANCELLED", False), ("NODE_FAIL", False)])
+def test_a_directory_whose_slurm_job_is_queued_or_running_is_refused_naming_the_job(tmp_path, monkeypatch, state,
+                                                                                     refused):
+    """launcher.type=slurm leaves once the job is submitted: the directory keeps the job's id and a
+    later launch asks Slurm (a stand-in scontrol here) whether it still runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    asked = bin_dir / "asked"
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {asked}\n"
+                                      f"echo 'JobId=4242 JobName=areal JobState={state} Reason=None'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock.note_slurm_job(str(run_dir), "4242")
+    if refused:
+        with pytest.raises(lock.RunDirBusy, match=rf"^resume=auto: R is in use by Slurm job 4242 \({state}\): "
+                                                  r"scancel 4242 or wait for it to end"):
+            lock.hold_run_dir(str(run_dir), "resume=auto: R")
+    else:
+        lock.hold_run_dir(str(run_dir), "resume=auto: R")
+    assert asked.read_text() == "show job 4242 --oneliner\n"
+
+
+def test_a_noted_slurm_job_that_slurm_cannot_ask_about_does_not_hold_the_directory(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock.note_slurm_job(str(run_dir), "4242")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no scontrol here (a copy of a cluster's run)
+    assert lock.live_slurm_job(str(run_dir)) is None

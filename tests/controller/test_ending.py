@@ -9,8 +9,9 @@ from areal_flow.controller.ending import failure, record_failure, why_it_ended
 from areal_flow.controller.watchdog import StalledRun
 
 
-def cfg(total_steps=1000, max_wall_seconds=540.0):
-    return SimpleNamespace(total_steps=total_steps, max_wall_seconds=max_wall_seconds)
+def cfg(total_steps=1000, max_wall_seconds=540.0, launcher="local"):
+    return SimpleNamespace(total_steps=total_steps, max_wall_seconds=max_wall_seconds,
+                           launcher=SimpleNamespace(type=launcher, slurm_stop_before=120))
 
 
 def test_each_way_the_step_loop_ends_has_its_kind_and_sentence():
@@ -21,7 +22,10 @@ def test_each_way_the_step_loop_ends_has_its_kind_and_sentence():
     assert why_it_ended(cfg(), 1000, wall_time=True)["kind"] == "total_steps"
     stop = why_it_ended(cfg(), 37, wall_time=False)
     assert stop["kind"] == "stop_request" and stop["message"].endswith("after 37 of 1000 steps")
-    assert "SIGUSR1" in stop["message"]
+    assert "SIGUSR1: the launcher's Ctrl-C or SIGTERM" in stop["message"]
+    slurm = cfg(launcher="slurm")
+    assert "SIGUSR1: the Slurm job's, 120 s before launcher.slurm_time's limit or by `scancel --batch " \
+           "--signal=USR1`) after 37 of 1000 steps" in why_it_ended(slurm, 37, wall_time=False)["message"]
 
 
 def test_any_exception_that_ends_the_controller_is_its_reason_on_one_line():

@@ -14,7 +14,8 @@ from areal_flow.launchers.slurm import port_names
 from areal_flow.run import prepare, start
 from areal_flow.run.dry_run import describe_servers
 from areal_flow.run.ports import spec_with_ports
-from areal_flow.status.snapshot import role_of, server_urls
+from areal_flow.status.run_files import server_urls
+from areal_flow.status.snapshot import role_of
 
 GRAPH = build(with_judge(mesh="2-3"), n_devices=4)
 

@@ -1,6 +1,6 @@
 """The weight version of each generated token, from what each kind of server reports."""
 
-from areal_flow.generation.client.router import token_versions
+from areal_flow.generation.client.versions import token_versions
 
 
 def test_areal_flow_servers_tag_every_token():

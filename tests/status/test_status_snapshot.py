@@ -15,7 +15,8 @@ from rich.console import Console
 
 from areal_flow.status.processes import write_processes
 from areal_flow.status.render import render
-from areal_flow.status.snapshot import NotARunDirectory, RunReader, read_snapshot
+from areal_flow.status.model import NotARunDirectory
+from areal_flow.status.snapshot import RunReader, read_snapshot
 
 API_KEY = "secret-key"
 

@@ -327,3 +327,10 @@ def wait_healthy(base_url: str, timeout: float = 60.0, api_key: str | None = Non
             raise TimeoutError(f"generation server {name + ' ' if name else ''}at {base_url} not healthy after "
                                f"{timeout:.0f} s ({last_error})")
         time.sleep(0.1)  # a server still starting has no way to tell us when it is up
+
+
+def describe_error(error: BaseException) -> str:
+    """A request's failure in a few words, for a log line or an error naming the server."""
+    if isinstance(error, asyncio.TimeoutError):
+        return "no answer in time (rollout.request_timeout)"
+    return str(error) or type(error).__name__

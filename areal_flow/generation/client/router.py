@@ -40,7 +40,10 @@ import aiohttp
 
 from areal_flow.config.schema import RolloutConfig
 from areal_flow.config.validate import check_ranges
-from areal_flow.generation.client.generation_client import ClientClosed, GenerationClient, GenerationError, one_prompt
+from areal_flow.generation.client.generation_client import (ClientClosed, GenerationClient, GenerationError,
+                                                             describe_error, one_prompt)
+from areal_flow.generation.client.readmission import serves_again
+from areal_flow.generation.client.versions import answer_version
 
 log = logging.getLogger("areal_flow.generation.client.router")
 
@@ -214,7 +217,7 @@ class ServerPool:
                 if isinstance(body, bytes):
                     return await server.client.post_bytes(path, body)
                 answer = await server.client.post(path, body)
-                self._newest = max(self._newest, _version(answer))
+                self._newest = max(self._newest, answer_version(answer))
                 for one in answer if isinstance(answer, list) else [answer]:  # /generate's: who answered
                     if isinstance(one, dict) and isinstance(one.get("meta_info"), dict):
                         one["meta_info"][SERVED_BY] = server.name
@@ -231,7 +234,7 @@ class ServerPool:
             finally:
                 server.in_flight -= 1
             self._mark_down(server, error)
-            tries.append(f"{server.name}: {_describe(error)}")
+            tries.append(f"{server.name}: {describe_error(error)}")
             if attempt < self.retries:
                 await asyncio.sleep(min(self.retry_backoff * 2 ** attempt, MAX_BACKOFF))
         raise ServerPoolError(f"request {rid} failed on every try ({len(tries)}): " + "; ".join(tries))
@@ -262,8 +265,8 @@ class ServerPool:
                 server.in_flight -= 1
             self._mark_down(server, error)
             if began:
-                raise StreamCut(f"{server.name} failed in the middle of a streamed call: {_describe(error)}")
-            tries.append(f"{server.name}: {_describe(error)}")
+                raise StreamCut(f"{server.name} failed in the middle of a streamed call: {describe_error(error)}")
+            tries.append(f"{server.name}: {describe_error(error)}")
             if attempt < self.retries:
                 await asyncio.sleep(min(self.retry_backoff * 2 ** attempt, MAX_BACKOFF))
         raise ServerPoolError(f"streamed call {rid} failed on every try ({len(tries)}): " + "; ".join(tries))
@@ -303,7 +306,7 @@ class ServerPool:
             await asyncio.wait_for(server.client.abort_request(rid), CONTROL_TIMEOUT)
         except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
             log.info("could not abort %s on %s, which was left for another server: %s", rid, server.name,
-                     _describe(exc))
+                     describe_error(exc))
 
     def _in_background(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -313,7 +316,7 @@ class ServerPool:
     # ---- health ---------------------------------------------------------------------------------
 
     def _mark_down(self, server: Server, error: BaseException) -> None:
-        server.last_error = _describe(error)
+        server.last_error = describe_error(error)
         if server.up:
             log.warning("generation server %s is down: %s", server.name, server.last_error)
             server.up = False
@@ -346,35 +349,7 @@ class ServerPool:
                         self.on_up(server.name)
 
     async def _back(self, server: Server) -> bool:
-        """Whether a server marked down whose /health answers can serve again: it serves the last
-        weights this pool loaded, which it loads first if it missed them while down (a stalled or
-        restarted server would otherwise decode on older weights until the next update)."""
-        if self._weights is None:
-            # A pool that loads no weights (a rollout worker's) takes a server back only once it
-            # serves the newest version answers came from: a restarted server starts from older
-            # weights, and the pool that loads them (the controller's) brings it up to date.
-            try:
-                version = version_number(await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT))
-            except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
-                server.last_error = f"its weight version is unknown: {_describe(exc)}"
-                return False
-            if version < self._newest:
-                server.last_error = f"it serves weight version {version}, older than version {self._newest} of the others"
-                return False
-            return True
-        reload, version = self._weights
-        try:
-            if await asyncio.wait_for(server.client.get_weight_version(), CONTROL_TIMEOUT) != str(version):
-                if reload is None:
-                    server.last_error = (f"it serves old weights, and weight version {version} was sent by the "
-                                         "trainer (rollout.weight_update_mode): there is no copy to load")
-                    return False
-                log.warning("generation server %s came back with old weights: loading version %d", server.name, version)
-                await reload(server.client)
-        except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as exc:
-            server.last_error = f"could not load weight version {version} on its return: {_describe(exc)}"
-            return False
-        return True
+        return await serves_again(server, self._weights, self._newest, CONTROL_TIMEOUT)
 
     async def _healthy(self, server: Server) -> bool:
         """/health answers 200 (the server keeps as last_error the failure that marked it down)."""
@@ -399,7 +374,7 @@ class ServerPool:
         refusals = []
         for server, result in zip(targets, results):
             if isinstance(result, GenerationError):
-                refusals.append(f"{server.name} refused to {step}: {_describe(result)}")
+                refusals.append(f"{server.name} refused to {step}: {describe_error(result)}")
             elif isinstance(result, (aiohttp.ClientError, asyncio.TimeoutError)):
                 self._mark_down(server, result)
             elif isinstance(result, BaseException):
@@ -435,7 +410,7 @@ class ServerPool:
     async def _on_all(self, step: str, call: Callable[[GenerationClient], Awaitable[Any]]) -> None:
         servers = [s for s in self.servers if s.up]
         results = await asyncio.gather(*[call(s.client) for s in servers], return_exceptions=True)
-        failed = [f"{s.name}: {_describe(r)}" for s, r in zip(servers, results) if isinstance(r, BaseException)]
+        failed = [f"{s.name}: {describe_error(r)}" for s, r in zip(servers, results) if isinstance(r, BaseException)]
         if failed:
             raise ServerPoolError(f"a generation server did not {step} for the colocated trainer: "
                                     + "; ".join(failed))
@@ -461,36 +436,3 @@ class ServerPool:
 
 SERVED_BY = "served_by"
 """The key of a /generate answer's meta_info under which the pool notes the server that answered."""
-
-
-def version_number(label: object) -> int:
-    """A weight version label as a number; one that is none (SGLang's first, "default") is 0."""
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return 0
-
-
-def token_versions(meta: dict, n: int) -> list[int]:
-    """The weight version of each of an answer's n tokens: areal_flow's `output_token_versions`;
-    else SGLang's `weight_versions` spans (0.5.23: a retracted answer spans several); else its
-    `weight_version`, for every token (older SGLang). A label that is no number counts as 0
-    (SGLang's initial label is "default"; areal_flow's runs label versions by number)."""
-    if (versions := meta.get("output_token_versions")) is not None:
-        return list(versions)
-    out = [version_number(meta.get("weight_version"))] * n
-    for span in meta.get("weight_versions") or ():
-        out[span["start"]:span["end"]] = [version_number(span["version"])] * (span["end"] - span["start"])
-    return out
-
-
-def _version(answer: dict | list) -> int:
-    """The weight version an answer (or the last of a group's answers) came from."""
-    last = answer[-1] if isinstance(answer, list) and answer else answer
-    return version_number(last.get("meta_info", {}).get("weight_version")) if isinstance(last, dict) else -1
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, asyncio.TimeoutError):
-        return "no answer in time (rollout.request_timeout)"
-    return str(error) or type(error).__name__
