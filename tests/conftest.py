@@ -83,21 +83,19 @@ def eta0_run(run_cache, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` run one at a time, in one pytest-xdist group (pyproject's addopts: two
-    workers, `--dist loadgroup`): the other worker runs the fast tier beside them, but no two
-    end-to-end runs share the cores, whose timing some of them observe (an update cutting answers,
-    a restarted server noticed). Tests marked `gpu` run only where CUDA is available; elsewhere
-    they are skipped, saying why. Tests marked `cluster` (tests/cluster: a real Slurm in network
-    namespaces, as root) are a tier of their own: they run only when `-m` names them."""
+    """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped, saying why.
+    Tests marked `cluster` (tests/cluster: a real Slurm in network namespaces, as root; the Ray
+    launcher's clusters) are a tier of their own: they run only when `-m` names them.
+
+    The two pytest-xdist workers (pyproject's addopts) take tests as they come, `slow` ones too: two
+    end-to-end runs may share the two cores, so a test that observes timing (an update cutting
+    answers, a restarted server noticed) must hold under that load. (Grouping the slow tier on one
+    worker made the suite 1,442 s against 1,170 s, past its 20-minute budget.)"""
     if "cluster" not in (config.getoption("markexpr") or ""):
         kept = [item for item in items if "cluster" not in item.keywords]
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[item for item in items if "cluster" in item.keywords])
             items[:] = kept
-    group = pytest.mark.xdist_group("slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(group)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marker `gpu`)")

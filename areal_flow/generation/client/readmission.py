@@ -9,19 +9,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from areal_flow.generation.client.generation_client import GenerationClient, GenerationError, describe_error
 from areal_flow.generation.client.versions import version_number
 
-if TYPE_CHECKING:
-    from areal_flow.generation.client.router import Server
-
 log = logging.getLogger(__name__)
 
 Reload = Callable[[GenerationClient], Awaitable[Any]]
+
+
+class Server(Protocol):
+    """What this asks of a pool's server (router.py's `Server`, which imports this module)."""
+
+    name: str
+    client: GenerationClient
+    last_error: str
 
 
 async def serves_again(server: Server, weights: tuple[Reload | None, int] | None, newest: int, timeout: float) -> bool:
