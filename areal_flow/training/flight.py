@@ -98,12 +98,16 @@ def read(run_dir: str, step: int, rank: int = 0) -> FlightStep:
 
 def recorded_steps(run_dir: str, rank: int = 0) -> list[int]:
     """The steps (from 0) rank `rank` has records of, in order."""
-    steps = []
+    return sorted(step for step, ranks in recorded_ranks(run_dir).items() if rank in ranks)
+
+
+def recorded_ranks(run_dir: str) -> dict[int, set[int]]:
+    """The ranks with a record of each step (from 0)."""
+    ranks: dict[int, set[int]] = {}
     for path in glob.glob(os.path.join(run_dir, FLIGHT, "step-*.msgpack")):
-        match = rd.FLIGHT_STEP_NAME.match(os.path.basename(path))
-        if match and int(match.group(2)) == rank:
-            steps.append(int(match.group(1)) - 1)
-    return sorted(steps)
+        if match := rd.FLIGHT_STEP_NAME.match(os.path.basename(path)):
+            ranks.setdefault(int(match.group(1)) - 1, set()).add(int(match.group(2)))
+    return ranks
 
 
 def restore_rng(record: FlightStep) -> None:

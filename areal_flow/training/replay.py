@@ -13,7 +13,6 @@ own is refused by name.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from areal_flow.algorithms import library
 from areal_flow.algorithms.kl import kl_controller
 from areal_flow.checkpoint import store
+from areal_flow.generation.engine.checkpoint import load_checkpoint
 from areal_flow.graph.dag import graph_from_config
 from areal_flow.metrics.profile import Phases
 from areal_flow.models.tokenizer import load_tokenizer
@@ -136,7 +136,7 @@ class Replayer:
         path = saved_weights(self.run_dir, self.graph.train.role, step + 1)
         if path is None:
             return None
-        saved = _read_safetensors(path) if self.rank == 0 else {}
+        saved = load_checkpoint(path) if self.rank == 0 else {}
         gap = 0.0
         for bucket in self.trained.export_weights(1 << 28):  # every rank takes every bucket (FSDP gathers)
             for name, tensor in bucket:
@@ -221,15 +221,6 @@ def saved_weights(run_dir: str, role: str, version: int) -> str | None:
             return os.path.join(path, role)
     dumped = weights_path(run_dir, version)
     return dumped if os.path.isdir(dumped) else None
-
-
-def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        tensors.update(load_file(path))
-    return tensors
 
 
 def _seqs(graph, samples) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -21,8 +21,8 @@ from rich.console import Console
 
 from areal_flow.runtime.child import TORCHRUN_ENV
 from areal_flow.runtime.ports import free_ports
-from areal_flow.runtime.run_dir import FLIGHT, FLIGHT_STEP_NAME
 from areal_flow.runtime.spec import read_spec
+from areal_flow.training import flight
 from areal_flow.training.replay import ReplayError
 
 
@@ -30,25 +30,14 @@ class RanksError(ReplayError):
     """The record's ranks do not match the run's, or another rank failed (names the step or rank)."""
 
 
-def recorded_ranks(run_dir: str) -> dict[int, set[int]]:
-    """The ranks with a record of each step (from 0)."""
-    ranks: dict[int, set[int]] = {}
-    folder = os.path.join(run_dir, FLIGHT)
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        match = FLIGHT_STEP_NAME.match(name)
-        if match:
-            ranks.setdefault(int(match.group(1)) - 1, set()).add(int(match.group(2)))
-    return ranks
-
-
 def check_ranks(run_dir: str, steps: Iterable[int], n_ranks: int) -> None:
     """Every one of `steps` (from 0) recorded by exactly ranks 0..n_ranks-1, the run's trainer ranks
     now (a run whose trainers were resized trained some steps with another number)."""
-    ranks = recorded_ranks(run_dir)
+    ranks = flight.recorded_ranks(run_dir)
     for step in steps:
         got = ranks.get(step, set())
         if got != set(range(n_ranks)):
-            raise RanksError(f"{os.path.join(run_dir, FLIGHT)}: step {step + 1} was recorded by rank(s) "
+            raise RanksError(f"{os.path.join(run_dir, flight.FLIGHT)}: step {step + 1} was recorded by rank(s) "
                              f"{', '.join(map(str, sorted(got))) or 'none'}, but the run has {n_ranks} trainer "
                              f"rank(s) (its spec.json): replay a range of steps trained by {n_ranks}")
 

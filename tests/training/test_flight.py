@@ -106,12 +106,12 @@ def test_a_record_that_cannot_be_written_is_logged_and_the_step_goes_on(tmp_path
 
 
 def test_a_replay_of_several_ranks_refuses_steps_not_recorded_by_exactly_the_runs_ranks(tmp_path):
-    from areal_flow.training.replay_ranks import RanksError, check_ranks, recorded_ranks
+    from areal_flow.training.replay_ranks import RanksError, check_ranks
 
     for step, rank in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1), (3, 2)]:
         record = flight.begin(step, rank, samples(), "data", step, 0.0)
         flight.end(str(tmp_path), record, "d", {})
-    assert recorded_ranks(str(tmp_path)) == {0: {0, 1}, 1: {0, 1}, 2: {0}, 3: {0, 1, 2}}
+    assert flight.recorded_ranks(str(tmp_path)) == {0: {0, 1}, 1: {0, 1}, 2: {0}, 3: {0, 1, 2}}
     check_ranks(str(tmp_path), range(2), 2)
     with pytest.raises(RanksError, match=r"step 3 was recorded by rank\(s\) 0, but the run has 2 trainer rank"):
         check_ranks(str(tmp_path), range(3), 2)
